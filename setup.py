@@ -1,0 +1,42 @@
+"""k2jax: a JAX-native training stack for the Kimi K2 recipe."""
+from setuptools import find_packages, setup
+
+setup(
+    name="k2jax",
+    version="0.1.0",
+    description="Kimi K2 (MLA + MoE + MuonClip) in JAX/Flax NNX: pretrain, post-train, serve, export.",
+    python_requires=">=3.11",
+    packages=find_packages(include=["k2jax", "k2jax.*"]),
+    # Tested: Python 3.11 with jax 0.10.x (CPU CI), Python 3.12 with jax 0.11.x (GPU).
+    install_requires=[
+        "jax>=0.10.0,<0.12",
+        "flax>=0.12.0,<0.14",
+        "optax>=0.2.8,<0.3",
+        "orbax-checkpoint>=0.11.0,<0.14",
+        "grain>=0.2.12,<0.3",
+        "tensorstore>=0.1.70",
+        "absl-py>=2.1",
+        "ml_collections>=1.0",
+        "safetensors>=0.4.5",
+        "tiktoken>=0.9",
+        "numpy>=1.26",
+        "array_record>=0.7",
+        "sympy>=1.13",
+        "rich>=13",
+        "tensorboardX>=2.6",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "hypothesis>=6.100",
+            "torch==2.13.0",
+            "transformers>=5.0,<6",
+            "openai>=1.50",
+            "requests>=2.31",
+        ],
+        "torch": ["torch==2.13.0", "transformers>=5.0,<6"],
+        "sglang": ["sglang>=0.5"],
+    },
+)

@@ -1,0 +1,9 @@
+"""Test setup: 8 fake CPU devices so every mesh test runs on CI, float32 matmuls everywhere."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
