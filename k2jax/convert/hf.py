@@ -1,0 +1,205 @@
+"""Stream a Hugging Face safetensors directory into k2jax parameters, and back.
+
+Import reads one tensor at a time into preallocated k2jax leaves; export writes one shard at a time.
+Neither ever holds two full copies of the model in host memory. Export writes into a temporary
+directory next to the destination and renames it at the end, so a crash never leaves a directory that
+looks complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from k2jax.convert.layout import Entry, entries, hf_shape
+from k2jax.model.config import ConfigError, K2Config
+from k2jax.model.transformer import K2Model
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint directory is incomplete or inconsistent; the message names the file/tensor."""
+
+
+def abstract_state(cfg: K2Config) -> dict:
+  """Pure dict of jax.ShapeDtypeStruct for every model variable, allocating nothing."""
+  model = nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0)))
+  return nnx.state(model).to_pure_dict()
+
+
+def _get(tree: Mapping, path: tuple[str, ...]):
+  for p in path:
+    tree = tree[p]
+  return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value):
+  for p in path[:-1]:
+    tree = tree.setdefault(p, {})
+  tree[path[-1]] = value
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+def read_config(path: str, **k2jax_fields) -> K2Config:
+  cfg_path = os.path.join(path, "config.json")
+  if not os.path.isfile(cfg_path):
+    raise CheckpointError(f"{path}: no config.json (not a Hugging Face model directory)")
+  return K2Config.from_json_file(cfg_path, **k2jax_fields)
+
+
+def weight_map(path: str) -> dict[str, str]:
+  """HF key -> shard file name; checks that every shard exists."""
+  index = os.path.join(path, INDEX)
+  if os.path.isfile(index):
+    try:
+      with open(index) as f:
+        wmap = json.load(f)["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+      raise CheckpointError(f"{index}: unreadable index ({e})") from e
+  elif os.path.isfile(os.path.join(path, SINGLE)):
+    with safe_open(os.path.join(path, SINGLE), "numpy") as f:
+      wmap = {k: SINGLE for k in f.keys()}
+  else:
+    raise CheckpointError(f"{path}: neither {INDEX} nor {SINGLE} found")
+  for shard in sorted(set(wmap.values())):
+    if not os.path.isfile(os.path.join(path, shard)):
+      n = sum(1 for v in wmap.values() if v == shard)
+      raise CheckpointError(f"{os.path.join(path, shard)}: shard listed in {INDEX} is missing ({n} tensors)")
+  return wmap
+
+
+def load_hf(path: str, **k2jax_fields) -> tuple[K2Config, dict]:
+  """Read an HF directory: (config, pure state dict of numpy arrays in the config's param dtype)."""
+  cfg = read_config(path, **k2jax_fields)
+  wmap = weight_map(path)
+  abstract = abstract_state(cfg)
+  state: dict = {}
+  plan = entries(cfg)
+  wanted: dict[str, list[tuple[Entry, tuple[int, ...]]]] = {}
+  for entry in plan:
+    leaf = _get(abstract, entry.path)
+    _set(state, entry.path, np.empty(leaf.shape, leaf.dtype))
+    for idx, key in entry.keys(cfg):
+      if key not in wmap:
+        raise CheckpointError(f"{path}: tensor {key!r} is missing (needed for k2jax {'.'.join(entry.path)})")
+      wanted.setdefault(wmap[key], []).append((entry, idx, key))
+  _check_unexpected(path, cfg, wmap)
+  for shard, items in sorted(wanted.items()):
+    file = os.path.join(path, shard)
+    try:
+      with safe_open(file, "numpy") as f:
+        for entry, idx, key in items:
+          _read_into(f, file, cfg, entry, idx, key, _get(state, entry.path), _get(abstract, entry.path))
+    except CheckpointError:
+      raise
+    except Exception as e:  # safetensors raises its own errors on truncated/corrupt headers
+      raise CheckpointError(f"{file}: cannot read safetensors shard ({e})") from e
+  return cfg, state
+
+
+def _read_into(f, file, cfg, entry: Entry, idx, key, dest: np.ndarray, leaf):
+  if key not in f.keys():
+    raise CheckpointError(f"{file}: tensor {key!r} listed in the index is not in the shard")
+  sl = f.get_slice(key)
+  want = hf_shape(leaf.shape, entry)
+  got = tuple(sl.get_shape())
+  if got != want:
+    raise CheckpointError(f"{file}: tensor {key!r} has shape {list(got)}, expected {list(want)} "
+                          f"for this config.json")
+  if sl.get_dtype().startswith("F8"):
+    raise CheckpointError(f"{file}: tensor {key!r} is {sl.get_dtype()}; dequantize FP8 checkpoints to "
+                          "bfloat16 first (the released Kimi-K2 weights are FP8 with block scales)")
+  t = f.get_tensor(key)
+  dest[idx] = (t.T if entry.transpose else t).astype(dest.dtype)
+
+
+def _check_unexpected(path: str, cfg: K2Config, wmap: Mapping[str, str]):
+  known = {k for e in entries(cfg) for _, k in e.keys(cfg)}
+  for key in wmap:
+    if key in known or key.endswith("rotary_emb.inv_freq"):
+      continue
+    parts = key.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() \
+        and int(parts[2]) >= cfg.num_hidden_layers:
+      continue  # multi-token-prediction layers (num_nextn_predict_layers): not used by k2jax
+    raise CheckpointError(f"{path}: unexpected tensor {key!r} in {wmap[key]} (does config.json match?)")
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+def iter_hf_tensors(cfg: K2Config, state: Mapping, dtype: str | None) -> Iterator[tuple[str, np.ndarray]]:
+  """(HF key, numpy tensor) in HF order; copies one tensor at a time off the device."""
+  for entry in entries(cfg):
+    leaf = _get(state, entry.path)
+    for idx, key in entry.keys(cfg):
+      t = np.asarray(jax.device_get(leaf[idx] if idx else leaf))
+      if entry.transpose:
+        t = t.T
+      if dtype is not None and entry.path[-1] != "bias":  # the balancing bias stays float32
+        t = t.astype(_DTYPES[dtype])
+      yield key, np.ascontiguousarray(t)
+
+
+def save_hf(cfg: K2Config, state: Mapping, dst: str, *, dtype: str | None = None,
+            max_shard_bytes: int = 4 << 30) -> None:
+  """Write `state` as an HF directory at `dst` (sharded safetensors + index + config.json)."""
+  if dtype is not None and dtype not in _DTYPES:
+    raise ConfigError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+  shards = _plan_shards(cfg, state, dtype, max_shard_bytes)
+  parent = os.path.dirname(os.path.abspath(dst)) or "."
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(dst) + "-", dir=parent)
+  try:
+    wmap, total, n, buf, shard_i = {}, 0, len(shards), {}, 0
+    for key, t in iter_hf_tensors(cfg, state, dtype):
+      buf[key] = t
+      total += t.nbytes
+      if len(buf) == len(shards[shard_i]):
+        name = f"model-{shard_i + 1:05d}-of-{n:05d}.safetensors"
+        save_file(buf, os.path.join(tmp, name), metadata={"format": "pt"})
+        wmap.update({k: name for k in buf})
+        buf, shard_i = {}, shard_i + 1
+    with open(os.path.join(tmp, INDEX), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}, f, indent=2)
+    hf_cfg = cfg.to_hf_dict()
+    hf_cfg["torch_dtype"] = dtype or cfg.param_dtype
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(hf_cfg, f, indent=2, sort_keys=True)
+    if os.path.exists(dst):
+      shutil.rmtree(dst)
+    os.replace(tmp, dst)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+def _plan_shards(cfg, state, dtype, max_shard_bytes) -> list[list[str]]:
+  """Group HF keys (in order) into shards of at most max_shard_bytes, from shapes alone."""
+  shards, cur, size = [], [], 0
+  for entry in entries(cfg):
+    leaf = _get(state, entry.path)
+    itemsize = (np.dtype(_DTYPES[dtype]).itemsize if dtype and entry.path[-1] != "bias"
+                else np.dtype(leaf.dtype).itemsize)
+    nbytes = int(np.prod(hf_shape(leaf.shape, entry))) * itemsize
+    for _, key in entry.keys(cfg):
+      if cur and size + nbytes > max_shard_bytes:
+        shards.append(cur)
+        cur, size = [], 0
+      cur.append(key)
+      size += nbytes
+  if cur:
+    shards.append(cur)
+  return shards

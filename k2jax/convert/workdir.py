@@ -1,0 +1,59 @@
+"""k2jax workdirs: `W/model_config.json` (HF config format) + orbax checkpoints in `W/checkpoints/<step>/`.
+
+The model lives in the checkpoint item `model` (the model's pure state dict, balancing bias included);
+the training loop adds `opt` and `data` items beside it. Restoring only `model` works on any of them.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from k2jax.model.config import K2Config
+
+MODEL_CONFIG = "model_config.json"
+CHECKPOINTS = "checkpoints"
+
+
+def is_workdir(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, MODEL_CONFIG))
+
+
+def write_model_config(cfg: K2Config, workdir: str) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  tmp = os.path.join(workdir, MODEL_CONFIG + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(cfg.to_hf_dict(), f, indent=2, sort_keys=True)
+  os.replace(tmp, os.path.join(workdir, MODEL_CONFIG))
+
+
+def read_model_config(workdir: str, **k2jax_fields) -> K2Config:
+  return K2Config.from_json_file(os.path.join(workdir, MODEL_CONFIG), **k2jax_fields)
+
+
+def checkpoint_manager(workdir: str, *, max_to_keep: int | None = None,
+                       save_interval_steps: int = 1, async_save: bool = False) -> ocp.CheckpointManager:
+  opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
+                                      enable_async_checkpointing=async_save, create=True)
+  return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, CHECKPOINTS)), options=opts)
+
+
+def save_model_only(cfg: K2Config, state: dict, workdir: str, step: int = 0) -> None:
+  """Write a workdir holding just the model (e.g. after converting from HF)."""
+  write_model_config(cfg, workdir)
+  with checkpoint_manager(workdir) as mgr:
+    mgr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave(state)), force=True)
+    mgr.wait_until_finished()
+
+
+def restore_model_state(workdir: str, abstract: dict, step: int | None = None) -> tuple[int, dict]:
+  """Restore item `model` of the latest (or given) step into the structure of `abstract`."""
+  with checkpoint_manager(workdir) as mgr:
+    step = mgr.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"{os.path.join(workdir, CHECKPOINTS)}: no checkpoint found")
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract)
+    out = mgr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target)))
+  return step, out["model"]
