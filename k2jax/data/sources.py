@@ -1,0 +1,145 @@
+"""Random-access record sources (jsonl, parquet, ArrayRecord) and record decoding.
+
+All three give grain a `Sequence` of raw records, so shuffling, sharding and mixing happen on
+`MapDataset` indices. A missing or unreadable file fails here, at pipeline construction, with the
+path in the message; bad individual records are not errors but `Issue` codes (see report.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import mmap
+import os
+from typing import Any
+
+import grain
+import numpy as np
+
+from k2jax.data.report import Issue
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+  """One data source. `path` may be a glob (files are read in sorted order).
+
+  Records are JSON objects (a jsonl line, an ArrayRecord record of UTF-8 JSON, a parquet row) with
+  either a text field (`text_field`) or pre-tokenized `input_ids`.
+  """
+  path: str
+  weight: float = 1.0
+  text_field: str = "text"
+
+
+def open_source(spec: SourceSpec) -> grain.MapDataset:
+  """MapDataset of raw records (bytes or dict) over all files of `spec`; fails early on bad paths."""
+  paths = sorted(glob.glob(spec.path)) if glob.has_magic(spec.path) else [spec.path]
+  if not paths:
+    raise FileNotFoundError(f"data source pattern matches no files: {spec.path}")
+  parts = [grain.MapDataset.source(_open_file(p, spec.text_field)) for p in paths]
+  ds = parts[0] if len(parts) == 1 else grain.MapDataset.concatenate(parts)
+  if len(ds) == 0:
+    raise ValueError(f"data source has no records: {spec.path}")
+  return ds
+
+
+def _open_file(path: str, text_field: str):
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"data source file not found: {path}")
+  if not os.access(path, os.R_OK):
+    raise PermissionError(f"data source file not readable: {path}")
+  if path.endswith((".jsonl", ".json")):
+    return JsonlSource(path)
+  if path.endswith(".parquet"):
+    return ParquetSource(path, text_field)
+  if ".array_record" in os.path.basename(path) or path.endswith(".arrayrecord"):
+    try:
+      return grain.sources.ArrayRecordDataSource([path])
+    except Exception as e:  # The C++ reader's message does not always name the file.
+      raise ValueError(f"cannot open ArrayRecord file {path}: {e}") from e
+  raise ValueError(f"unknown data source format (want .jsonl, .parquet, .array_record): {path}")
+
+
+class JsonlSource:
+  """Lines of a jsonl file as bytes, by index. Line offsets are found once (vectorised) at open."""
+
+  def __init__(self, path: str):
+    self.path = path
+    size = os.path.getsize(path)
+    if size == 0:
+      self._starts = self._ends = np.zeros(0, np.int64)
+      return
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+      newlines = np.flatnonzero(np.frombuffer(mm, np.uint8) == ord("\n"))
+    starts = np.concatenate([[0], newlines + 1])
+    ends = np.concatenate([newlines, [size]])
+    keep = starts < size  # A trailing newline does not start another record.
+    self._starts, self._ends = starts[keep], ends[keep]
+    self._fd = None
+
+  def __len__(self) -> int:
+    return len(self._starts)
+
+  def __getitem__(self, index: int) -> bytes:
+    if self._fd is None:  # Opened lazily so the source pickles into grain worker processes.
+      self._fd = os.open(self.path, os.O_RDONLY)
+    start = int(self._starts[index])
+    return os.pread(self._fd, int(self._ends[index]) - start, start)
+
+  def __getstate__(self):
+    return {**self.__dict__, "_fd": None}
+
+  def __repr__(self) -> str:
+    return f"JsonlSource({self.path!r}, records={len(self)})"
+
+
+class ParquetSource:
+  """Rows of one parquet column as `{field: value}` dicts; the column is memory-mapped per process."""
+
+  def __init__(self, path: str, field: str):
+    import pyarrow.parquet as pq
+    self.path = path
+    try:
+      meta = pq.ParquetFile(path)
+    except Exception as e:
+      raise ValueError(f"cannot read parquet file {path}: {e}") from e
+    names = meta.schema_arrow.names
+    self.field = "input_ids" if "input_ids" in names else field
+    if self.field not in names:
+      raise ValueError(f"parquet file {path} has no column {field!r} or 'input_ids' (has {names})")
+    self._len = meta.metadata.num_rows
+    self._column = None
+
+  def __len__(self) -> int:
+    return self._len
+
+  def __getitem__(self, index: int) -> dict:
+    if self._column is None:
+      import pyarrow.parquet as pq
+      self._column = pq.read_table(self.path, columns=[self.field], memory_map=True)[self.field]
+    return {self.field: self._column[int(index)].as_py()}
+
+  def __getstate__(self):
+    return {**self.__dict__, "_column": None}
+
+  def __repr__(self) -> str:
+    return f"ParquetSource({self.path!r}, field={self.field!r}, records={len(self)})"
+
+
+def decode_record(raw: Any) -> tuple[dict | None, Issue]:
+  """Raw record -> (JSON object, Issue.OK) or (None, the reason it is unusable)."""
+  if isinstance(raw, dict):
+    return raw, Issue.OK
+  try:
+    line = raw.decode("utf-8")
+  except UnicodeDecodeError:
+    return None, Issue.NOT_UTF8
+  if not line.strip():
+    return None, Issue.EMPTY
+  try:
+    obj = json.loads(line)
+  except ValueError:
+    return None, Issue.MALFORMED_JSON
+  if not isinstance(obj, dict):
+    return None, Issue.MALFORMED_JSON
+  return obj, Issue.OK
