@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import grain
+from absl import flags
 import numpy as np
 
 from k2jax.data.report import Issue, ReportingIterDataset, issue_counts
@@ -55,6 +56,10 @@ def pack_and_batch(ds: grain.IterDataset, *, seq_len: int, batch_size: int, num_
       grain.experimental.batch_and_pad, batch_size=batch_size))
   ds = ds.map(to_model_batch)
   if num_workers > 0:
+    if not flags.FLAGS.is_parsed():
+      # grain's worker processes read absl flags; outside an absl app (tests, notebooks) nothing
+      # parsed them, so take their defaults instead of failing in the first worker.
+      flags.FLAGS.mark_as_parsed()
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(
         num_workers=num_workers, per_worker_buffer_size=worker_buffer_size))
   return ReportingIterDataset(ds)

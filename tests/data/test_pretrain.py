@@ -112,3 +112,14 @@ def test_missing_or_unreadable_source_fails_at_start(tmp_path):
     make_pretrain_iter(_cfg(sources=(SourceSpec(str(broken)),)))
   with pytest.raises(FileNotFoundError, match="no_tok"):
     make_pretrain_iter(_cfg(tokenizer_path=str(tmp_path / "no_tok")))
+
+
+def test_process_shards_are_disjoint_by_document(tmp_path):
+  path = tmp_path / "u.jsonl"
+  path.write_text("".join(json.dumps({"input_ids": [i + 1] * (i % 7 + 1)}) + "\n" for i in range(101)))
+  cfg = _cfg(sources=(SourceSpec(str(path)),), append_eos=False)
+  docs = [set(packed_pieces(make_pretrain_iter(cfg, process_index=p, process_count=2)))
+          for p in range(2)]
+  assert not docs[0] & docs[1]
+  assert docs[0] | docs[1] == {tuple([i + 1] * (i % 7 + 1)) for i in range(101)}
+  assert len(docs[0]) == 51 and len(docs[1]) == 50
