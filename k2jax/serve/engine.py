@@ -1,0 +1,342 @@
+"""The embedded inference engine: continuous batching over fixed slots, prefix reuse, aborts, weight swaps.
+
+One scheduler thread owns the model and the cache. Callers (HTTP handler threads, RL rollout threads)
+`submit` requests and wait on them. Each scheduler iteration, between two decode steps:
+  1. runs queued control operations (weight swap, cache flush),
+  2. finishes requests whose abort was asked for (they return their partial output),
+  3. admits waiting requests into free slots: copy the longest cached prefix, prefill the rest,
+     sample the first token,
+  4. runs one decode step over all slots and appends one token to each running request.
+Requests therefore join and leave between decode steps, while the decode step keeps one shape.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from k2jax.model.transformer import K2Model
+from k2jax.serve.prefix_cache import PrefixCache
+from k2jax.serve.runner import ModelRunner, sampling_arrays
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequest(ValueError):
+  """A request the engine cannot run; `field` names the offending request field."""
+
+  def __init__(self, field: str, problem: str):
+    super().__init__(f"{field}: {problem}")
+    self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  max_slots: int = 8                # requests decoded together (the decode batch)
+  max_seq_len: int = 2048           # prompt + generated tokens per request (cache row length)
+  min_prefill_bucket: int = 16      # prefill lengths are padded to min_bucket * 2^i
+  prefix_cache_entries: int = 16    # finished sequences kept for prefix reuse (0 disables)
+  num_top_logprobs: int = 8         # most top logprobs a request may ask for
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+  max_new_tokens: int = 128
+  temperature: float = 1.0          # 0 = greedy
+  top_p: float = 1.0
+  top_k: int = -1                   # <= 0: no limit
+  stop: tuple[str, ...] = ()
+  stop_token_ids: tuple[int, ...] = ()
+  ignore_eos: bool = False
+  seed: int | None = None           # None: a fresh random seed
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  rid: str
+  input_ids: tuple[int, ...]
+  sampling: SamplingOptions = SamplingOptions()
+
+
+@dataclasses.dataclass
+class Completion:
+  """A finished request. `finish` is SGLang's finish_reason dict ({type: stop|length|abort, ...})."""
+  rid: str
+  prompt_tokens: int
+  output_ids: list[int]
+  logprobs: list[float]
+  top_logprobs: list[list[tuple[int, float]]]
+  finish: dict
+  cached_tokens: int
+  weight_version: int
+  latency_s: float
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+  request: Request
+  seed: int
+  t0: float
+  fed: list[int] = dataclasses.field(default_factory=list)   # tokens whose keys are in the slot's row
+  out: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  tops: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+  cached: int = 0
+  abort_message: str | None = None
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  completion: Completion | None = None
+
+
+class InferenceEngine:
+  """Serves one K2 model. Thread-safe: `submit`/`generate`/`abort`/`update_weights` from any thread."""
+
+  def __init__(self, model: K2Model, config: EngineConfig = EngineConfig(), *,
+               eos_token_ids: Sequence[int] = (), detokenize: Callable[[list[int]], str] | None = None):
+    max_len = min(config.max_seq_len, model.cfg.max_position_embeddings)
+    self.config = dataclasses.replace(config, max_seq_len=max_len)
+    self.cfg = model.cfg
+    self.eos_token_ids = tuple(eos_token_ids)
+    self._detokenize = detokenize
+    self._runner = ModelRunner(model, num_slots=config.max_slots, max_len=max_len,
+                               num_top=config.num_top_logprobs, min_bucket=config.min_prefill_bucket)
+    self._prefix = PrefixCache(config.prefix_cache_entries)
+    self._cv = threading.Condition()
+    self._waiting: collections.deque[_Live] = collections.deque()
+    self._slots: list[_Live | None] = [None] * config.max_slots
+    self._by_rid: dict[str, _Live] = {}
+    self._ops: list[tuple[Callable[[], object], dict]] = []
+    self._closed = False
+    self.weight_version = 0
+    self._thread = threading.Thread(target=self._loop, name="k2jax-engine", daemon=True)
+    self._thread.start()
+
+  # ---- public API -------------------------------------------------------------------------------
+  def submit(self, request: Request) -> _Live:
+    self._validate(request)
+    s = request.sampling
+    live = _Live(request, seed=secrets.randbits(32) if s.seed is None else s.seed % 2**32, t0=time.monotonic())
+    with self._cv:
+      if self._closed:
+        raise RuntimeError("engine is closed")
+      if request.rid in self._by_rid:
+        raise InvalidRequest("rid", f"request {request.rid!r} is already in flight")
+      self._by_rid[request.rid] = live
+      if s.max_new_tokens == 0:
+        self._complete(live, {"type": "length", "length": 0})
+      else:
+        self._waiting.append(live)
+        self._cv.notify_all()
+    return live
+
+  def wait(self, live: _Live, timeout: float | None = None) -> Completion:
+    if not live.done.wait(timeout):
+      raise TimeoutError(f"request {live.request.rid!r} not finished after {timeout}s")
+    return live.completion
+
+  def generate(self, request: Request) -> Completion:
+    return self.wait(self.submit(request))
+
+  def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
+    """Asks matching requests to return now (finish_reason abort); returns how many matched."""
+    with self._cv:
+      targets = list(self._by_rid.values()) if abort_all else [self._by_rid[rid]] if rid in self._by_rid else []
+      for live in targets:
+        live.abort_message = "Aborted by request" if rid is not None or not abort_all else "Aborted (abort_all)"
+        if live in self._waiting:
+          self._waiting.remove(live)
+          self._complete(live, _abort_reason(live.abort_message))
+      self._cv.notify_all()
+    return len(targets)
+
+  def update_weights(self, model: K2Model, weight_version: int | None = None, *, flush_cache: bool = True) -> int:
+    """Swaps in `model`'s parameters between decode steps and returns the new weight version.
+
+    Running requests continue on the new weights (SGLang's default; RL records versions per request).
+    The prefix cache holds keys computed by the old weights, so it is flushed unless asked otherwise.
+    """
+    def swap():
+      self._runner.set_model(model)
+      if flush_cache:
+        self._prefix.clear()
+      self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+      return self.weight_version
+    return self._run_op(swap)
+
+  def flush_cache(self) -> None:
+    self._run_op(self._prefix.clear)
+
+  def num_running(self) -> int:
+    with self._cv:
+      return len(self._by_rid)
+
+  def close(self) -> None:
+    with self._cv:
+      self._closed = True
+      self._cv.notify_all()
+    self._thread.join(timeout=60)
+
+  # ---- scheduler --------------------------------------------------------------------------------
+  def _loop(self) -> None:
+    while True:
+      with self._cv:
+        while not (self._closed or self._waiting or self._ops or any(self._slots)):
+          self._cv.wait()
+        if self._closed:
+          self._fail_all("engine shut down")
+          return
+        ops, self._ops = self._ops, []
+      try:
+        for fn, box in ops:
+          self._run_boxed(fn, box)
+        self._finish_aborted()
+        self._admit()
+        if any(self._slots):
+          self._decode_step()
+      except Exception as e:  # a failed step must not strand waiting callers
+        log.exception("engine step failed")
+        with self._cv:
+          self._fail_all(f"engine error: {type(e).__name__}: {e}")
+
+  def _admit(self) -> None:
+    while True:
+      with self._cv:
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        if not free or not self._waiting:
+          return
+        live = self._waiting.popleft()
+        self._slots[free[0]] = live
+      self._prefill(free[0], live)
+
+  def _prefill(self, slot: int, live: _Live) -> None:
+    tokens = list(live.request.input_ids)
+    common, row = self._prefix.lookup(tokens)
+    reuse = min(common, len(tokens) - 1)   # at least one token must run to produce logits
+    if reuse > 0:
+      self._runner.write_row(slot, row)
+    live.cached, live.fed = reuse, tokens
+    out = self._runner.prefill(slot, tokens[reuse:], reuse, self._sampling([live]))
+    self._emit(slot, live, out, 0)
+
+  def _decode_step(self) -> None:
+    n = self.config.max_slots
+    tokens_N, positions_N = np.zeros(n, np.int32), np.full(n, self.config.max_seq_len, np.int32)
+    for i, live in enumerate(self._slots):
+      if live is not None:
+        tokens_N[i], positions_N[i] = live.out[-1], len(live.fed)
+    out = self._runner.decode(tokens_N, positions_N, self._sampling(self._slots))
+    for i, live in enumerate(self._slots):
+      if live is not None:
+        live.fed.append(live.out[-1])
+        self._emit(i, live, out, i)
+
+  def _sampling(self, lives: Sequence[_Live | None]):
+    params = [(l.request.sampling, l.seed, len(l.out)) if l is not None else (SamplingOptions(), 0, 0)
+              for l in lives]
+    return sampling_arrays([p[0].temperature for p in params], [p[0].top_p for p in params],
+                           [p[0].top_k for p in params], [p[1] for p in params], [p[2] for p in params])
+
+  def _emit(self, slot: int, live: _Live, out, i: int) -> None:
+    """Appends row i's sampled token to `live`; finishes the request when a stop condition holds."""
+    token = int(out.tokens[i])
+    live.out.append(token)
+    live.logprobs.append(float(out.logprobs[i]))
+    k = len(out.top_ids[i])
+    live.tops.append([(int(out.top_ids[i][j]), float(out.top_logprobs[i][j])) for j in range(k)])
+    finish = self._finish_reason(live, token)
+    if finish is not None:
+      self._release(slot, live, finish)
+
+  def _finish_reason(self, live: _Live, token: int) -> dict | None:
+    s = live.request.sampling
+    if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
+      return {"type": "stop", "matched": token}
+    if s.stop and self._detokenize is not None:
+      text = self._detokenize(live.out)
+      for stop in s.stop:
+        if stop in text:
+          return {"type": "stop", "matched": stop}
+    if len(live.out) >= s.max_new_tokens:
+      return {"type": "length", "length": len(live.out)}
+    return None
+
+  def _finish_aborted(self) -> None:
+    for i, live in enumerate(self._slots):
+      if live is not None and live.abort_message is not None:
+        self._release(i, live, _abort_reason(live.abort_message))
+
+  def _release(self, slot: int, live: _Live, finish: dict) -> None:
+    if self._prefix.capacity and live.fed:
+      self._prefix.insert(live.fed, self._runner.read_row(slot))
+    with self._cv:
+      self._slots[slot] = None
+      self._complete(live, finish)
+
+  def _complete(self, live: _Live, finish: dict) -> None:
+    """Publishes the result (caller holds the lock)."""
+    req = live.request
+    live.completion = Completion(
+        rid=req.rid, prompt_tokens=len(req.input_ids), output_ids=list(live.out),
+        logprobs=list(live.logprobs), top_logprobs=list(live.tops), finish=finish, cached_tokens=live.cached,
+        weight_version=self.weight_version, latency_s=time.monotonic() - live.t0)
+    self._by_rid.pop(req.rid, None)
+    live.done.set()
+
+  def _fail_all(self, message: str) -> None:
+    for live in list(self._waiting) + [s for s in self._slots if s is not None]:
+      self._complete(live, _abort_reason(message, status_code=500))
+    self._waiting.clear()
+    self._slots = [None] * self.config.max_slots
+    for fn, box in self._ops:
+      box["error"] = RuntimeError(message)
+      box["done"].set()
+    self._ops = []
+
+  # ---- control operations -------------------------------------------------------------------------
+  def _run_op(self, fn: Callable[[], object]):
+    box = {"done": threading.Event()}
+    with self._cv:
+      if self._closed:
+        raise RuntimeError("engine is closed")
+      self._ops.append((fn, box))
+      self._cv.notify_all()
+    box["done"].wait()
+    if "error" in box:
+      raise box["error"]
+    return box.get("result")
+
+  @staticmethod
+  def _run_boxed(fn, box) -> None:
+    try:
+      box["result"] = fn()
+    except Exception as e:  # handed back to the caller of _run_op
+      box["error"] = e
+    box["done"].set()
+
+  def _validate(self, request: Request) -> None:
+    ids, s, max_len = request.input_ids, request.sampling, self.config.max_seq_len
+    if not ids:
+      raise InvalidRequest("input_ids", "the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+    if bad:
+      raise InvalidRequest("input_ids", f"token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
+    if len(ids) >= max_len:
+      raise InvalidRequest("input_ids", f"prompt of {len(ids)} tokens is too long: the maximum sequence "
+                           f"length is {max_len} tokens (prompt + new tokens)")
+    if len(ids) + s.max_new_tokens > max_len:
+      raise InvalidRequest("sampling_params.max_new_tokens",
+                           f"{len(ids)} prompt tokens + max_new_tokens {s.max_new_tokens} exceed the maximum "
+                           f"sequence length {max_len}")
+    if s.max_new_tokens < 0:
+      raise InvalidRequest("sampling_params.max_new_tokens", f"must be >= 0, got {s.max_new_tokens}")
+    if s.stop and self._detokenize is None:
+      raise InvalidRequest("sampling_params.stop", "stop strings need a tokenizer; this server has none")
+
+
+def _abort_reason(message: str, status_code: int = 200) -> dict:
+  return {"type": "abort", "message": message, "status_code": status_code}

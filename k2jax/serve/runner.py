@@ -1,0 +1,108 @@
+"""Compiled model steps over a fixed-shape slot cache: prefill one slot, decode all slots, copy rows.
+
+Shapes are fixed so each function compiles once: the cache is [L, num_slots, max_len, ...]; decode
+always runs all slots (free slots carry position max_len, so they write nothing); prefill pads the new
+tokens to a power-of-two bucket (>= min_bucket), one compile per bucket used. The cache is donated to
+every step, so XLA updates it in place.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from flax import nnx
+
+from k2jax.model.transformer import K2Model
+from k2jax.serve import decode
+from k2jax.serve.sampling import Sampled, SamplingArrays, sample
+
+
+def bucket_length(n: int, min_bucket: int, max_len: int) -> int:
+  """Prefill pad length: the smallest min_bucket * 2^i >= n, capped at max_len (n <= max_len)."""
+  b = min_bucket
+  while b < n:
+    b *= 2
+  return min(b, max_len)
+
+
+class ModelRunner:
+  """Owns the params and the slot cache; all methods run on the scheduler thread."""
+
+  def __init__(self, model: K2Model, *, num_slots: int, max_len: int, num_top: int, min_bucket: int = 16):
+    self.cfg = model.cfg
+    self.num_slots, self.max_len, self.min_bucket = num_slots, max_len, min_bucket
+    self._graphdef, self._state = nnx.split(model)
+    self.cache = decode.init_cache(self.cfg, num_slots, max_len)
+    self._num_top = num_top
+    self._compile(self._graphdef)
+    self._read_row = jax.jit(decode.read_row)
+    self._write_row = jax.jit(decode.write_row, donate_argnums=(0,))
+
+  def _compile(self, graphdef) -> None:
+    step = functools.partial(_step, graphdef, self._num_top)
+    self._decode = jax.jit(step, donate_argnums=(1,))
+    self._prefill = jax.jit(functools.partial(_prefill, step), donate_argnums=(1,))
+
+  def set_model(self, model: K2Model) -> None:
+    """Serve `model`'s weights from the next step on; they must have the served shapes and dtypes."""
+    graphdef, state = nnx.split(model)
+    want, got = _signature(self._state), _signature(state)
+    for path in sorted(want.keys() | got.keys()):
+      if want.get(path) != got.get(path):
+        raise ValueError(f"new weights do not fit the served model: {path} is {got.get(path)}, "
+                         f"served {want.get(path)}")
+    if graphdef != self._graphdef:   # e.g. a different routed_scaling_factor: same shapes, new program
+      self._graphdef = graphdef
+      self._compile(graphdef)
+    self._state = state
+
+  def prefill(self, slot: int, tokens: list[int], start: int, sampling: SamplingArrays) -> Sampled:
+    """Writes tokens at positions start.. of `slot` and samples the token after the last one."""
+    n = len(tokens)
+    T = bucket_length(n, self.min_bucket, self.max_len)
+    tokens_1T = np.zeros((1, T), np.int32)
+    tokens_1T[0, :n] = tokens
+    positions_1T = np.full((1, T), self.max_len, np.int32)   # padding: out of range, write dropped
+    positions_1T[0, :n] = np.arange(start, start + n)
+    out, self.cache = self._prefill(self._state, self.cache, np.int32(slot), tokens_1T, positions_1T,
+                                    np.array([n - 1], np.int32), sampling)
+    return jax.tree.map(np.asarray, out)
+
+  def decode(self, tokens_N: np.ndarray, positions_N: np.ndarray, sampling: SamplingArrays) -> Sampled:
+    """One token per slot at positions_N (max_len for free slots)."""
+    out, self.cache = self._decode(self._state, self.cache, tokens_N[:, None].astype(np.int32),
+                                   positions_N[:, None].astype(np.int32),
+                                   np.zeros((self.num_slots,), np.int32), sampling)
+    return jax.tree.map(np.asarray, out)
+
+  def read_row(self, slot: int) -> dict:
+    return self._read_row(self.cache, np.int32(slot))
+
+  def write_row(self, slot: int, row: dict) -> None:
+    self.cache = self._write_row(self.cache, row, np.int32(slot))
+
+
+def _step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_index_B, sampling):
+  model = nnx.merge(graphdef, state)
+  logits_BS, cache = decode.forward_cached(model, cache, tokens_BT, positions_BT, last_index_B)
+  return sample(logits_BS, sampling, num_top), cache
+
+
+def _prefill(step, state, cache, slot, tokens_1T, positions_1T, last_index_1, sampling):
+  row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
+  out, row = step(state, row, tokens_1T, positions_1T, last_index_1, sampling)
+  cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1), cache, row)
+  return out, cache
+
+
+def sampling_arrays(temperature, top_p, top_k, seed, step) -> SamplingArrays:
+  """Host lists/arrays -> SamplingArrays with the dtypes the compiled steps expect."""
+  return SamplingArrays(np.asarray(temperature, np.float32), np.asarray(top_p, np.float32),
+                        np.asarray(top_k, np.int32), np.asarray(seed, np.uint32), np.asarray(step, np.int32))
+
+
+
+def _signature(state) -> dict[str, tuple]:
+  return {jax.tree_util.keystr(path): (tuple(leaf.shape), str(leaf.dtype))
+          for path, leaf in jax.tree_util.tree_leaves_with_path(state)}

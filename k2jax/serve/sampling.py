@@ -1,0 +1,56 @@
+"""Per-row token sampling (temperature, top-k, top-p, seeds) with the logprobs the API reports.
+
+Reported logprobs follow SGLang's default: log-softmax of logits / temperature, before top-k/top-p
+truncation (greedy rows, temperature 0, report the plain log-softmax). At temperature 1 these are the
+model's log-probabilities, which is what RL's pi_old needs.
+
+Randomness: row b draws with key fold_in(key(seed_b), step_b), where step_b counts that request's
+tokens. A request's samples therefore depend only on its seed and its own logits, not on which other
+requests share the batch (continuous batching stays reproducible).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class SamplingArrays(NamedTuple):
+  """Per-row sampling parameters, as device arrays [B]."""
+  temperature: jnp.ndarray   # float32; <= 0 means greedy
+  top_p: jnp.ndarray         # float32 in (0, 1]
+  top_k: jnp.ndarray         # int32; <= 0 means no limit
+  seed: jnp.ndarray          # uint32
+  step: jnp.ndarray          # int32: index of the token being sampled within its request
+
+
+class Sampled(NamedTuple):
+  tokens: jnp.ndarray        # [B] int32
+  logprobs: jnp.ndarray      # [B] float32
+  top_ids: jnp.ndarray       # [B, N] int32: the N most likely tokens
+  top_logprobs: jnp.ndarray  # [B, N] float32
+
+
+def sample(logits_BS: jnp.ndarray, params: SamplingArrays, num_top: int) -> Sampled:
+  """Draws one token per row; jit-friendly (all parameters are arrays)."""
+  S = logits_BS.shape[-1]
+  greedy_B = params.temperature <= 0
+  temp_B = jnp.where(greedy_B, 1.0, params.temperature)
+  scaled_BS = logits_BS / temp_B[:, None]
+  logp_BS = jax.nn.log_softmax(scaled_BS, axis=-1)
+  # top-k/top-p on the sorted distribution; one sort serves both filters.
+  order_BS = jnp.argsort(-scaled_BS, axis=-1)
+  sorted_BS = jnp.take_along_axis(scaled_BS, order_BS, axis=-1)
+  probs_BS = jax.nn.softmax(sorted_BS, axis=-1)
+  mass_before_BS = jnp.cumsum(probs_BS, axis=-1) - probs_BS
+  k_B = jnp.where(params.top_k > 0, params.top_k, S)
+  keep_BS = (jnp.arange(S)[None] < k_B[:, None]) & (mass_before_BS < params.top_p[:, None])
+  masked_BS = jnp.where(keep_BS, sorted_BS, -jnp.inf)
+  keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seed, params.step)
+  pick_B = jax.vmap(jax.random.categorical)(keys, masked_BS)
+  sampled_B = jnp.take_along_axis(order_BS, pick_B[:, None], axis=-1)[:, 0]
+  tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BS, axis=-1), sampled_B).astype(jnp.int32)
+  logprobs_B = jnp.take_along_axis(logp_BS, tokens_B[:, None], axis=-1)[:, 0]
+  top_lp_BN, top_ids_BN = jax.lax.top_k(logp_BS, num_top)
+  return Sampled(tokens_B, logprobs_B, top_ids_BN.astype(jnp.int32), top_lp_BN)
