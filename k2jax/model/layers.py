@@ -44,7 +44,7 @@ class RMSNorm(nnx.Module):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     # HF casts back to the input dtype before multiplying by the gain.
-    return (self.scale.value.astype(jnp.float32) * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+    return (self.scale[...].astype(jnp.float32) * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
 
 
 class SwiGLU(nnx.Module):
@@ -58,6 +58,6 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x_BTD: jnp.ndarray) -> jnp.ndarray:
     dt = x_BTD.dtype
-    g_BTF = x_BTD @ self.w_gate.value.astype(dt)
-    u_BTF = x_BTD @ self.w_up.value.astype(dt)
-    return (jax.nn.silu(g_BTF) * u_BTF) @ self.w_down.value.astype(dt)
+    g_BTF = x_BTD @ self.w_gate[...].astype(dt)
+    u_BTF = x_BTD @ self.w_up[...].astype(dt)
+    return (jax.nn.silu(g_BTF) * u_BTF) @ self.w_down[...].astype(dt)

@@ -49,12 +49,12 @@ class MLA(nnx.Module):
     B, T, _ = x_BTD.shape
     H, Kn, Kr, V, Rkv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                          cfg.v_head_dim, cfg.kv_lora_rank)
-    q_BTR = self.q_norm(x_BTD @ self.w_q_a.value.astype(dt))
-    q_BTHK = (q_BTR @ self.w_q_b.value.astype(dt)).reshape(B, T, H, Kn + Kr)
+    q_BTR = self.q_norm(x_BTD @ self.w_q_a[...].astype(dt))
+    q_BTHK = (q_BTR @ self.w_q_b[...].astype(dt)).reshape(B, T, H, Kn + Kr)
     q_nope_BTHK, q_rope_BTHK = q_BTHK[..., :Kn], q_BTHK[..., Kn:]
-    kv_a_BTR = x_BTD @ self.w_kv_a.value.astype(dt)
+    kv_a_BTR = x_BTD @ self.w_kv_a[...].astype(dt)
     c_BTR, k_rope_BTK = self.kv_norm(kv_a_BTR[..., :Rkv]), kv_a_BTR[..., Rkv:]
-    kv_BTHK = (c_BTR @ self.w_kv_b.value.astype(dt)).reshape(B, T, H, Kn + V)
+    kv_BTHK = (c_BTR @ self.w_kv_b[...].astype(dt)).reshape(B, T, H, Kn + V)
     k_nope_BSHK, v_BSHV = kv_BTHK[..., :Kn], kv_BTHK[..., Kn:]
     q_rope_BTHK = rope_lib.apply_rope(q_rope_BTHK, cos_BTk, sin_BTk, cfg.rope_interleave)
     k_rope_BSK = rope_lib.apply_rope(k_rope_BTK[:, :, None, :], cos_BTk, sin_BTk, cfg.rope_interleave)[:, :, 0]
@@ -66,7 +66,7 @@ class MLA(nnx.Module):
     max_logit_H = jnp.max(jnp.where(valid_B1TS, logits_BHTS, -jnp.inf), axis=(0, 2, 3))
     probs_BHTS = jax.nn.softmax(jnp.where(valid_B1TS, logits_BHTS, _NEG), axis=-1)
     out_BTHV = jnp.einsum("bhts,bshv->bthv", probs_BHTS.astype(dt), v_BSHV)
-    out_BTD = out_BTHV.reshape(B, T, H * V) @ self.w_o.value.astype(dt)
+    out_BTD = out_BTHV.reshape(B, T, H * V) @ self.w_o[...].astype(dt)
     return out_BTD, max_logit_H
 
 

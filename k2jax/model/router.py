@@ -29,10 +29,10 @@ class Router(nnx.Module):
   def __call__(self, x_ND: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Returns (weights [N, k] float32, expert indices [N, k] int32)."""
     cfg = self.cfg
-    logits_NE = jnp.dot(x_ND.astype(jnp.float32), self.w.value.astype(jnp.float32),
+    logits_NE = jnp.dot(x_ND.astype(jnp.float32), self.w[...].astype(jnp.float32),
                         preferred_element_type=jnp.float32)
     scores_NE = jax.nn.sigmoid(logits_NE)
-    choice_NE = scores_NE + jax.lax.stop_gradient(self.bias.value.astype(jnp.float32))
+    choice_NE = scores_NE + jax.lax.stop_gradient(self.bias[...].astype(jnp.float32))
     if cfg.n_group > 1:
       choice_NE = _limit_groups(choice_NE, cfg.n_group, cfg.topk_group)
     # Selection is a discrete choice: no gradient flows through the ranking itself.

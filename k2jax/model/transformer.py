@@ -57,7 +57,7 @@ class K2Model(nnx.Module):
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cdt = jnp.dtype(cfg.compute_dtype)
-    x_BTD = jnp.take(self.embed.embedding.value, input_ids_BT, axis=0).astype(cdt)
+    x_BTD = jnp.take(self.embed.embedding[...], input_ids_BT, axis=0).astype(cdt)
     cos_BTk, sin_BTk = rope_lib.rope_cos_sin(cfg, positions_BT)
     valid_BTS = attention_mask(segment_ids_BT)
     token_valid_BT = segment_ids_BT > 0
@@ -72,7 +72,7 @@ class K2Model(nnx.Module):
     if counts is None:
       counts = jnp.zeros((0, cfg.n_routed_experts), jnp.int32)
     x_BTD = self.final_norm(x_BTD)
-    logits_BTS = jnp.dot(x_BTD, self.lm_head.w.value.astype(cdt), preferred_element_type=jnp.float32)
+    logits_BTS = jnp.dot(x_BTD, self.lm_head.w[...].astype(cdt), preferred_element_type=jnp.float32)
     return ModelOutput(logits_BTS.astype(jnp.float32), jnp.concatenate(max_logits, axis=0), counts)
 
   def _run_stack(self, stack: Block, x_BTD, side):
