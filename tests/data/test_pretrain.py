@@ -8,7 +8,7 @@ import pytest
 
 from k2jax.data import BUNDLED_CORPUS, BUNDLED_CORPUS_ARRAY_RECORD, Issue, PretrainDataConfig, SourceSpec
 from k2jax.data.pretrain import make_pretrain_iter
-from tests.data.conftest_helpers import corpus_texts, expected_pieces, packed_pieces
+from .helpers import corpus_texts, expected_pieces, packed_pieces
 
 
 def _cfg(**kw):
@@ -74,7 +74,7 @@ def expected_ids(docs, seq_len):
 def test_mixture_follows_weights(tmp_path):
   for name in "ab":
     (tmp_path / f"{name}.jsonl").write_text(
-        "".join(json.dumps({"input_ids": [10 if name == "a" else 20] * 7}) + "\n" for _ in range(50)))
+        "".join(json.dumps({"input_ids": [10 if name == "a" else 20] * 7}) + "\n" for _ in range(500)))
   cfg = _cfg(num_epochs=None, sources=(SourceSpec(str(tmp_path / "a.jsonl"), weight=3.0),
                                        SourceSpec(str(tmp_path / "b.jsonl"), weight=1.0)))
   ids = np.concatenate([b["input_ids"].ravel() for b in itertools.islice(make_pretrain_iter(cfg), 20)])
