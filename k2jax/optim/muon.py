@@ -45,12 +45,18 @@ class OwnerSharding:
       raise ValueError(f"OwnerSharding axes {missing} are not mesh axes {self.mesh.axis_names}")
 
   @property
+  def explicit(self) -> bool:
+    return all(t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types)
+
+  @property
   def n_owners(self) -> int:
     return math.prod(self.mesh.shape[a] for a in self.axes)
 
-  def constrain(self, x_NAB):
-    spec = P(self.axes if len(self.axes) > 1 else self.axes[0], None, None)
-    return jax.lax.with_sharding_constraint(x_NAB, NamedSharding(self.mesh, spec))
+  def constrain(self, x_NAB, *, replicated=False):
+    sharding = NamedSharding(self.mesh, P() if replicated else P(self.axes, None, None))
+    if self.explicit:
+      return jax.sharding.reshard(x_NAB, sharding)   # explicit-sharding meshes (make_mesh default)
+    return jax.lax.with_sharding_constraint(x_NAB, sharding)
 
 
 class MuonState(NamedTuple):
@@ -66,6 +72,7 @@ def newton_schulz(x, *, steps=5, coeffs=DEFAULT_NS_COEFFS, eps=1e-7, dtype=None)
   the result has x's dtype.
   """
   a, b, c = coeffs
+  x = _explicit_gather_matrix_axes(x)
   tall = x.shape[-2] > x.shape[-1]
   out_dtype = x.dtype
   x_MN = jnp.swapaxes(x, -1, -2) if tall else x
@@ -81,6 +88,23 @@ def newton_schulz(x, *, steps=5, coeffs=DEFAULT_NS_COEFFS, eps=1e-7, dtype=None)
   x_MN = jax.lax.fori_loop(0, steps, body, x_MN)
   x_MN = x_MN.astype(out_dtype)
   return jnp.swapaxes(x_MN, -1, -2) if tall else x_MN
+
+
+def _explicit_gather_matrix_axes(x):
+  """On an explicit-sharding mesh, gather the matrix axes (batch axes keep their sharding).
+
+  NS contracts over both matrix axes, which explicit mode refuses to partition implicitly; under
+  GSPMD (AxisType.Auto) the partitioner decides and this is a no-op.
+  """
+  sharding = jax.typeof(x).sharding
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not mesh.axis_names or not any(
+      t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return x
+  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  if spec[-2:] == (None, None):
+    return x
+  return jax.sharding.reshard(x, P(*spec[:-2], None, None))
 
 
 def shape_scale(shape, rms_scale: float) -> float:
@@ -141,12 +165,18 @@ def _owner_newton_schulz(tree, owners: OwnerSharding, ns):
     groups.setdefault((x.shape[-2:], x.dtype), []).append(i)
   out = list(leaves)
   for (ab, _), idx in groups.items():
-    stack_NAB = jnp.concatenate([leaves[i].reshape((-1,) + ab) for i in idx], axis=0)
+    pieces = [leaves[i].reshape((-1,) + ab) for i in idx]
+    if owners.explicit:   # explicit mode concatenates only equally sharded operands
+      pieces = [owners.constrain(x, replicated=True) for x in pieces]
+    stack_NAB = jnp.concatenate(pieces, axis=0)
     n = stack_NAB.shape[0]
     pad = -n % owners.n_owners
     if pad:  # zero matrices stay zero through NS (x / (0 + eps) = 0): padding is inert
       stack_NAB = jnp.concatenate([stack_NAB, jnp.zeros((pad,) + ab, stack_NAB.dtype)], axis=0)
     ortho_NAB = owners.constrain(newton_schulz(owners.constrain(stack_NAB), **ns))
+    # Back to every leaf's layout: one all-gather of the orthogonalised stack (the volume of
+    # Moonlight's gather of the inputs, ML §2.3), explicit so GSPMD need not guess a slice reshard.
+    ortho_NAB = owners.constrain(ortho_NAB, replicated=True)
     start = 0
     for i in idx:
       count = math.prod(leaves[i].shape[:-2])
