@@ -50,6 +50,11 @@ def select_old_logprobs(config: K2LossConfig, engine_logprobs_BT: jax.Array,
     return jax.lax.stop_gradient(old_BT)
 
 
+def sequence_logprobs(logprobs_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+    """log pi(y|x) = sum of response-token logprobs (K2 uses sequence probabilities; no length normalisation)."""
+    return jnp.sum(logprobs_BT * mask_BT.astype(logprobs_BT.dtype), axis=-1)
+
+
 def group_mean(values_B: jax.Array, group_ids_B: jax.Array, num_groups: int,
                sample_mask_B: jax.Array | None = None) -> jax.Array:
     """Mean of `values_B` over each sample's group (masked samples excluded), broadcast back to [B]."""
@@ -65,7 +70,7 @@ def k2_rl_loss(logprobs_BT: jax.Array, old_logprobs_BT: jax.Array, mask_BT: jax.
     """L_RL above, averaged over present groups and over the samples of each group (groups may differ in K)."""
     mask_BT = mask_BT.astype(jnp.float32)
     valid_B = jnp.ones_like(rewards_B, jnp.float32) if sample_mask_B is None else sample_mask_B.astype(jnp.float32)
-    log_ratio_B = jnp.sum((logprobs_BT - jax.lax.stop_gradient(old_logprobs_BT)) * mask_BT, axis=-1)
+    log_ratio_B = sequence_logprobs(logprobs_BT - jax.lax.stop_gradient(old_logprobs_BT), mask_BT)
     centred_B = rewards_B - group_mean(rewards_B, group_ids_B, num_groups, valid_B)
     residual_B = centred_B - tau * log_ratio_B
     count_G = jax.ops.segment_sum(valid_B, group_ids_B, num_groups)
