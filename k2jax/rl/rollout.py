@@ -112,7 +112,13 @@ class RolloutManager:
         with ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="rollout") as pool:
             futures = {pool.submit(self._advance, s, g.uid, temperature, weight_version): g
                        for g in groups if not g.complete for s in g.samples if not s.done}
-            self._run_until_enough(futures, done, pending_ids)
+            try:
+                self._run_until_enough(futures, done, pending_ids)
+            except BaseException:
+                self._stopping.set()  # let the other workers return instead of generating on
+                with self._lock:
+                    self.engine.abort(sorted(self._active))
+                raise
         batch_groups, extra = done[:self.config.target_groups], done[self.config.target_groups:]
         unfinished = [g for g in groups if not g.complete]
         stats.update(self._carry_over(extra, unfinished))

@@ -173,8 +173,25 @@ def test_rollout_over_http_server():
         mgr = RolloutManager(cfg, eng, iter(_prompts(lengths)), per_sample(_len_reward))
         batch, stats = mgr.collect(0)
         assert batch.num_groups == 2 and set(batch.response_lengths_B) == {10}
-        assert stats["samples_aborted"] == 4 and stats["partial_tokens_kept"] > 0
+        assert sum(not s.done for g in mgr.buffered_groups for s in g.samples) == 4
+        assert 1 <= stats["samples_aborted"] <= 4 and stats["partial_tokens_kept"] > 0
         assert server.calls["abort_request"] >= 4
         for g in mgr.buffered_groups:
             for s in g.samples:
                 assert s.output_ids == _expected_tokens(s.seed, len(s.output_ids), eos=False)
+
+
+def test_engine_error_propagates_and_stops_other_requests():
+    lengths = [10, 5000, 5000, 5000]
+
+    class Broken(Recording):
+        def generate(self, request):
+            if request.input_ids[0] == 2:
+                raise RuntimeError("engine at http://x exploded")
+            return super().generate(request)
+
+    engine = Broken(_engine(lengths))
+    cfg = RolloutConfig(group_size=1, target_groups=2, launch_groups=4, task_budgets=(("default", 6000),))
+    mgr = RolloutManager(cfg, engine, iter(_prompts(lengths)), per_sample(_len_reward))
+    with pytest.raises(RuntimeError, match="exploded"):
+        mgr.collect(0)
