@@ -2,6 +2,8 @@
 
 Every (token, chosen expert) pair is computed: no capacity, no dropped tokens. The routed experts are
 stacked weights [E, D, F] / [E, F, D]; ragged_dot runs one grouped matmul over the contiguous groups.
+Under an active multi-device mesh (`k2jax.sharding.use`) the same steps run per device inside
+`shard_map`, with token copies sent to the experts' devices by all-to-all (`expert_parallel.py`).
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k2jax import sharding as sharding_lib
 from k2jax.model.config import K2Config
 from k2jax.model.layers import make_param
 
@@ -24,12 +27,21 @@ class Experts(nnx.Module):
 
   def __call__(self, x_ND, weights_Nk, idx_Nk):
     """Σ_k weights[n,k] · Expert_{idx[n,k]}(x[n]) for every token n. Returns [N, D] in x's dtype."""
-    N, k = idx_Nk.shape
-    E = self.w_gate.value.shape[0]
-    x_sorted_MD, order_M, group_sizes_E = sort_by_expert(x_ND, idx_Nk, E)
-    y_sorted_MD = expert_ffn(x_sorted_MD, group_sizes_E, self.w_gate.value, self.w_up.value,
-                             self.w_down.value)
-    return combine(y_sorted_MD, order_M, weights_Nk, N, k)
+    weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    ctx = sharding_lib.current()
+    if ctx is not None:
+      # A multi-device mesh is active: per-device dispatch under shard_map, all-to-all over `expert`.
+      from k2jax.model import expert_parallel  # noqa: PLC0415 (expert_parallel imports this module)
+      return expert_parallel.ep_experts(ctx, x_ND, weights_Nk, idx_Nk, *weights)
+    return dispatch_compute_combine(x_ND, weights_Nk, idx_Nk, *weights)
+
+
+def dispatch_compute_combine(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD):
+  """The whole dropless MoE on one device's tokens and experts: sort, grouped SwiGLU, combine."""
+  N, k = idx_Nk.shape
+  x_sorted_MD, order_M, group_sizes_E = sort_by_expert(x_ND, idx_Nk, w_gate_EDF.shape[0])
+  y_sorted_MD = expert_ffn(x_sorted_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
+  return combine(y_sorted_MD, order_M, weights_Nk, N, k)
 
 
 def sort_by_expert(x_ND, idx_Nk, num_experts: int):

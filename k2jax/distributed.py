@@ -1,0 +1,98 @@
+"""Multi-host start-up and per-process data: `jax.distributed.initialize` from flags or environment.
+
+  initialize()                       # TPU pod / SLURM / Open MPI: jax detects the cluster itself
+  initialize("10.0.0.1:1234", 4, 0)  # GPU or CPU hosts: coordinator address, process count, id
+
+Explicit arguments win; missing ones come from K2JAX_COORDINATOR, K2JAX_NUM_PROCESSES,
+K2JAX_PROCESS_ID. With none of them set and no cluster detected the run stays single-process.
+Each process then loads only its own rows (`process_rows`) and assembles the global batch with
+`global_batch` (jax.make_array_from_process_local_data): no process ever holds the whole batch.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+ENV_COORDINATOR = "K2JAX_COORDINATOR"
+ENV_NUM_PROCESSES = "K2JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "K2JAX_PROCESS_ID"
+
+# Environment variables by which jax's own cluster detection recognises a managed cluster.
+_CLUSTER_ENV = ("TPU_WORKER_HOSTNAMES", "CLOUD_TPU_TASK_ID", "MEGASCALE_COORDINATOR_ADDRESS",
+                "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "PMIX_NAMESPACE")
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, env: Mapping[str, str] | None = None,
+               cpu_collectives: str = "gloo") -> bool:
+  """Join (or form) the multi-process JAX runtime. Returns True when running multi-process.
+
+  Must run before anything touches a JAX device. `cpu_collectives` picks the CPU cross-process
+  collectives (jax's `jax_cpu_collectives_implementation`: 'gloo' or 'mpi'); without it CPU
+  processes could not run collectives with each other.
+  """
+  env = os.environ if env is None else env
+  coordinator_address = coordinator_address or env.get(ENV_COORDINATOR) or None
+  num_processes = num_processes if num_processes is not None else _int_env(env, ENV_NUM_PROCESSES)
+  process_id = process_id if process_id is not None else _int_env(env, ENV_PROCESS_ID)
+  given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+           "process_id": process_id}
+  if all(v is None for v in given.values()):
+    if not any(k in env for k in _CLUSTER_ENV):
+      return False                      # a plain single-process run
+    jax.distributed.initialize()        # TPU pods, SLURM, Open MPI: jax reads the cluster itself
+    return jax.process_count() > 1
+  missing = [k for k, v in given.items() if v is None]
+  if missing:
+    raise ValueError(f"distributed.initialize: {', '.join(missing)} missing (set the arguments or "
+                     f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}); got {given}")
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f"distributed.initialize: process_id={process_id} is not in [0, {num_processes})")
+  if ":" not in coordinator_address:
+    raise ValueError(f"distributed.initialize: coordinator_address={coordinator_address!r} needs "
+                     "host:port")
+  jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                             process_id=process_id)
+  return num_processes > 1
+
+
+def process_rows(global_batch_size: int, sharding: NamedSharding) -> slice:
+  """Rows of a [global_batch_size, ...] batch that this process's devices hold under `sharding`.
+
+  Rows are sharded over the batch mesh axes; a process reads exactly the rows of its addressable
+  shards (a contiguous block when the mesh orders devices by process, as jax.make_mesh does).
+  """
+  shape = (global_batch_size,)
+  index_map = sharding.addressable_devices_indices_map(shape)
+  starts = sorted({(idx[0].start or 0) for idx in index_map.values()})
+  stops = sorted({(idx[0].stop if idx[0].stop is not None else global_batch_size)
+                  for idx in index_map.values()})
+  lo, hi = starts[0], stops[-1]
+  covered = sum(b - a for a, b in zip(starts, stops))
+  if covered != hi - lo:
+    raise ValueError(f"process {jax.process_index()}: its batch rows {list(zip(starts, stops))} "
+                     "are not one contiguous block; build the mesh with k2jax.sharding.make_mesh")
+  return slice(lo, hi)
+
+
+def global_batch(local_tree, sharding: NamedSharding, global_batch_size: int):
+  """Global jax.Arrays from this process's rows (each leaf [local_rows, ...])."""
+  def one(x):
+    x = np.asarray(x)
+    return jax.make_array_from_process_local_data(sharding, x, (global_batch_size, *x.shape[1:]))
+  return jax.tree.map(one, local_tree)
+
+
+def _int_env(env: Mapping[str, str], key: str) -> int | None:
+  value = env.get(key)
+  if value in (None, ""):
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"environment {key}={value!r} is not an integer") from None

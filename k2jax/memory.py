@@ -1,0 +1,163 @@
+"""Memory planner: per-device bytes of parameters, gradients, MuonClip state and activations.
+
+Nothing is allocated: parameters come from `nnx.eval_shape` of the model, optimizer state from
+`jax.eval_shape` of the real MuonClip `init` (momentum for Muon leaves, two moments for AdamW leaves),
+and each leaf's per-device shard follows its PartitionSpec under the rules preset and mesh sizes,
+so a 512-chip plan runs on a laptop. Activations are an estimate (formula in `activation_bytes`).
+
+  p = plan(presets.get("1t"), TOPOLOGIES["v5p-1024"].mesh, "fsdp_ep", 4096,
+           seq_len=4096, topology="v5p-1024")
+  print(format_plan(p))      # key=value lines, ending in fits=True|False
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k2jax import sharding as sharding_lib
+from k2jax.model import K2Config, K2Model
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """A machine: JAX devices, memory per device, and a default mesh and rules preset for `1t`."""
+  num_devices: int
+  device_memory_bytes: int
+  mesh: Mapping[str, int]
+  preset: str
+  description: str
+
+
+TOPOLOGIES: dict[str, Topology] = {
+    # v5p: 95 GiB HBM per chip, one JAX device per chip; v5p-1024 = 1024 TensorCores = 512 chips.
+    # EP 8 x FSDP 64 follows MaxText's Kimi recipe (reference §7: ici_fsdp 64, ici_expert 8).
+    "v5p-1024": Topology(512, 95 * 2**30, {"fsdp": 64, "expert": 8}, "fsdp_ep",
+                         "TPU v5p-1024: 512 chips x 95 GiB HBM"),
+    # 32 nodes x 8 H200 (141 GB HBM3e each); EP within a node keeps the all-to-all on NVLink.
+    "h200-32x8": Topology(256, 141 * 10**9, {"fsdp": 32, "expert": 8}, "fsdp_ep",
+                          "32 nodes x 8 NVIDIA H200: 256 GPUs x 141 GB HBM"),
+}
+
+
+def topology(name: str) -> Topology:
+  if name not in TOPOLOGIES:
+    raise KeyError(f"unknown topology {name!r}; known: {sorted(TOPOLOGIES)}")
+  return TOPOLOGIES[name]
+
+
+def plan(model_cfg: K2Config, mesh_shape, rules_preset: str, batch_per_device_tokens: int, *,
+         seq_len: int, topology: str | None = None, device_memory_bytes: int | None = None,
+         num_devices: int | None = None, mu_dtype=None) -> dict:
+  """Per-device memory of training `model_cfg` under `rules_preset` on a mesh of `mesh_shape`.
+
+  Args:
+    batch_per_device_tokens: tokens per device per forward/backward (one micro-batch).
+    seq_len: sequence length (attention's score matrix is seq_len wide).
+    topology: a TOPOLOGIES name: gives num_devices and device_memory_bytes.
+    device_memory_bytes, num_devices: explicit values (override the topology's).
+    mu_dtype: Muon/AdamW first-moment dtype (None: the parameter dtype), as given to `muonclip`.
+  Returns a dict of ints (bytes per device, parameter counts) plus `fits` (bool or None when no
+  device memory is known).
+  """
+  from k2jax.optim import QKClipSpec, muonclip, path_name  # noqa: PLC0415 (optional dependency)
+
+  topo = TOPOLOGIES[topology] if topology is not None else None
+  n_dev = num_devices or (topo.num_devices if topo else jax.device_count())
+  mem = device_memory_bytes or (topo.device_memory_bytes if topo else None)
+  sizes = sharding_lib.resolve_mesh_shape(mesh_shape, n_dev)
+  abstract = nnx.eval_shape(lambda: K2Model(model_cfg, rngs=nnx.Rngs(0)))
+  state = nnx.state(abstract)
+  specs = {}  # param path name -> (shape, spec)
+  for path, var in jax.tree_util.tree_flatten_with_path(
+      sharding_lib.param_specs(state, rules_preset), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+    specs[path_name(path)] = var.get_value()
+  shapes = {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+  params_bytes = sum(_shard_bytes(x, specs[n], sizes, n) for n, x in shapes.items())
+  trained = nnx.state(abstract, nnx.Param)
+  opt = muonclip(1e-3, qk_clip_spec=QKClipSpec.from_config(model_cfg), mu_dtype=mu_dtype)
+  opt_state = jax.eval_shape(opt.init, trained)
+  opt_bytes = 0
+  for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    owner = _owning_param(path_name(path), x.shape, shapes)
+    opt_bytes += _shard_bytes(x, specs[owner] if owner else jax.sharding.PartitionSpec(), sizes,
+                              path_name(path))
+  grads_bytes = sum(_shard_bytes(x, specs[path_name(p)], sizes, path_name(p))
+                    for p, x in jax.tree_util.tree_flatten_with_path(trained)[0])
+  act = activation_bytes(model_cfg, sizes, rules_preset, batch_per_device_tokens, seq_len)
+  total = params_bytes + grads_bytes + opt_bytes + act
+  return dict(num_devices=n_dev, mesh=",".join(f"{a}={s}" for a, s in sizes.items()),
+              rules_preset=rules_preset, batch_per_device_tokens=batch_per_device_tokens,
+              seq_len=seq_len, params_bytes_per_device=params_bytes,
+              grads_bytes_per_device=grads_bytes, opt_bytes_per_device=opt_bytes,
+              act_bytes_per_device=act, total_bytes_per_device=total,
+              device_memory_bytes=mem, fits=None if mem is None else total <= mem)
+
+
+def format_plan(p: dict) -> str:
+  """`key=value` lines (bytes as ints, plus total in GiB) for the dry run."""
+  lines = [f"{k}={v}" for k, v in p.items()]
+  lines.insert(-2, f"total_gib_per_device={p['total_bytes_per_device'] / 2**30:.2f}")
+  return "\n".join(lines)
+
+
+def activation_bytes(cfg: K2Config, sizes: Mapping[str, int], preset: str, tokens: int,
+                     seq_len: int) -> int:
+  """Estimated activation bytes held for the backward pass, per device.
+
+  Per token and layer (c = compute dtype bytes; widths divided by their `tensor` sharding):
+    attention: c*(2D + 2Rq + 2H(Kn+Kr) + 2(Rkv+Kr) + H(Kn+V) + HV) + (4 + c)*H*seq_len
+               (float32 logits and compute-dtype probabilities: the plain XLA attention path)
+    MoE:       c*(D + o*k*(2D + 3F) + 3Fs) + 4E (router scores), o = EP padding overhead
+    dense FFN: c*(D + 3F_dense)
+  Remat: 'none' and 'dots' keep every layer; 'dots_no_batch' drops the attention score terms
+  (batched dots); 'full' keeps only each layer's input (c*D) plus one layer recomputed in backward.
+  Plus the float32 logits and their gradient (2 * 4 * S per token).
+  """
+  from k2jax.model import expert_parallel  # noqa: PLC0415
+
+  c = jnp.dtype(cfg.compute_dtype).itemsize
+  tp = lambda logical: math.prod(  # noqa: E731
+      sizes[a] for a in (sharding_lib.rules(preset)[logical] or ()))
+  D, H, S = cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size
+  Kn, Kr, V, Rq, Rkv = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.q_lora_rank,
+                        cfg.kv_lora_rank)
+  ht = tp("q_heads")
+  scores = (4 + c) * H * seq_len / ht
+  attn = c * (2 * D + 2 * Rq + 2 * H * (Kn + Kr) / ht + 2 * (Rkv + Kr) + H * (Kn + V + V) / ht)
+  ep = tp("experts")
+  o = expert_parallel.padding_overhead(max(tokens, 1), cfg.num_experts_per_tok,
+                                       cfg.n_routed_experts // ep, ep) if ep > 1 else 1.0
+  F, Fs = cfg.moe_intermediate_size / tp("expert_mlp"), cfg.moe_intermediate_size * cfg.n_shared_experts
+  moe = c * (D + o * cfg.num_experts_per_tok * (2 * D + 3 * F) + 3 * Fs / tp("shared_mlp")) \
+      + 4 * cfg.n_routed_experts
+  dense = c * (D + 3 * cfg.intermediate_size / tp("mlp"))
+  per_layer = {"dense": attn + scores + dense, "moe": attn + scores + moe}
+  if cfg.remat_policy == "dots_no_batch":
+    per_layer = {k: v - scores for k, v in per_layer.items()}
+  n = {"dense": cfg.num_dense_layers, "moe": cfg.num_moe_layers}
+  if cfg.remat_policy == "full":
+    held = cfg.num_hidden_layers * c * D + max(per_layer[k] for k in n if n[k])
+  else:
+    held = sum(n[k] * per_layer[k] for k in n)
+  logits = 2 * 4 * S / tp("act_vocab")
+  return int(tokens * (held + logits))
+
+
+def _shard_bytes(x, spec, sizes, name) -> int:
+  sharding_lib.check_divisible(x.shape, spec, sizes, name)
+  shard = [d // math.prod(sizes[a] for a in sharding_lib.spec_mesh_axes(e))
+           for d, e in zip(x.shape, tuple(spec) + (None,) * len(x.shape))]
+  return math.prod(shard) * jnp.dtype(x.dtype).itemsize
+
+
+def _owning_param(opt_name: str, shape, param_shapes) -> str | None:
+  """The parameter an optimizer-state leaf mirrors (same path suffix and shape); None for scalars."""
+  for name, x in param_shapes.items():
+    if (opt_name == name or opt_name.endswith("." + name)) and tuple(x.shape) == tuple(shape):
+      return name
+  return None

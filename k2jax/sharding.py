@@ -1,0 +1,256 @@
+"""Meshes and sharding rules: logical axis names -> the four mesh axes `data, fsdp, expert, tensor`.
+
+Sharding is declared once: every model variable carries `axes` metadata (logical names, e.g.
+('layers', 'experts', 'embed', 'expert_mlp')); a named rules preset maps each logical name to mesh
+axes; activations are constrained through `constrain(x, names)`. Presets (each a complete table):
+
+  fsdp         weights' `embed` dim over fsdp; the batch over every axis (expert, tensor act as data)
+  fsdp_ep      + routed experts over `expert` (tokens travel by all-to-all, expert_parallel.py)
+  fsdp_ep_tp   + heads, FFN widths and vocab over `tensor` (Megatron-style column/row split)
+
+Usage:
+  mesh = make_mesh({"fsdp": -1, "expert": 4})           # -1: the rest of the devices
+  shard_model(model, mesh, "fsdp_ep")
+  with use(mesh, "fsdp_ep"):                            # active for tracing: MoE takes the EP path
+    out = jitted_forward(...)
+
+The active (mesh, preset) is read at trace time. jax puts the mesh of `jax.set_mesh` in jit's cache
+key but not the preset, so trace a jitted function once per preset (a fresh `jax.jit` per preset).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+PARAM_AXES = ("layers", "vocab", "embed", "q_lora", "q_heads", "kv_lora_rope", "kv_lora", "kv_heads",
+              "o_heads", "mlp", "shared_mlp", "experts", "experts_router", "expert_mlp")
+# Activations: act_batch is the (flattened) token/batch dim, the rest are feature dims.
+ACT_AXES = ("act_batch", "act_length", "act_embed", "act_heads", "act_mlp", "act_vocab")
+LOGICAL_AXES = PARAM_AXES + ACT_AXES
+
+# FSDP shards every large matrix on one dim: `embed` where it has one, else the LoRA rank (w_q_b,
+# w_kv_b are [rank, heads*dim]; [L, 1536, 12288] x 60 layers is 4.5 GB in float32 for K2).
+_BASE = {name: None for name in LOGICAL_AXES}
+_FSDP = {**_BASE, "embed": ("fsdp",), "q_lora": ("fsdp",), "kv_lora": ("fsdp",)}
+RULES: dict[str, dict[str, tuple[str, ...] | None]] = {
+    "fsdp": {**_FSDP, "act_batch": ("data", "fsdp", "expert", "tensor")},
+    "fsdp_ep": {**_FSDP, "experts": ("expert",), "act_batch": ("data", "fsdp", "expert", "tensor")},
+    "fsdp_ep_tp": {**_FSDP, "experts": ("expert",),
+                   "vocab": ("tensor",), "q_heads": ("tensor",), "kv_heads": ("tensor",),
+                   "o_heads": ("tensor",), "mlp": ("tensor",), "shared_mlp": ("tensor",),
+                   "expert_mlp": ("tensor",), "act_heads": ("tensor",), "act_mlp": ("tensor",),
+                   "act_vocab": ("tensor",), "act_batch": ("data", "fsdp", "expert")},
+}
+
+
+class ShardingError(ValueError):
+  """A mesh shape, preset or tensor dimension does not fit; the message names it."""
+
+
+def _check_rules():
+  for name, table in RULES.items():
+    missing, extra = set(LOGICAL_AXES) - set(table), set(table) - set(LOGICAL_AXES)
+    if missing or extra:
+      raise ShardingError(f"rules preset {name!r}: missing {sorted(missing)}, unknown {sorted(extra)}")
+    for logical, axes in table.items():
+      if axes is not None and not set(axes) <= set(MESH_AXES):
+        raise ShardingError(f"rules preset {name!r}: {logical} -> {axes} names a non-mesh axis")
+
+
+_check_rules()
+
+
+def rules(preset: str) -> dict[str, tuple[str, ...] | None]:
+  if preset not in RULES:
+    raise ShardingError(f"unknown sharding rules preset {preset!r}; known: {sorted(RULES)}")
+  return RULES[preset]
+
+
+# ----------------------------------------------------------------------------------------- meshes
+def resolve_mesh_shape(mesh_shape: Mapping[str, int] | Sequence[int], num_devices: int) -> dict[str, int]:
+  """{axis: size} for all four mesh axes; a dict may omit axes (size 1); one size may be -1 (the rest)."""
+  if isinstance(mesh_shape, Mapping):
+    unknown = set(mesh_shape) - set(MESH_AXES)
+    if unknown:
+      raise ShardingError(f"mesh_shape: unknown axes {sorted(unknown)}; the mesh axes are {MESH_AXES}")
+    shape = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+  else:
+    if len(mesh_shape) != len(MESH_AXES):
+      raise ShardingError(f"mesh_shape: {tuple(mesh_shape)} needs {len(MESH_AXES)} sizes {MESH_AXES}")
+    shape = dict(zip(MESH_AXES, (int(s) for s in mesh_shape)))
+  rest = [a for a, s in shape.items() if s == -1]
+  bad = [a for a, s in shape.items() if s == 0 or s < -1]
+  if bad or len(rest) > 1:
+    raise ShardingError(f"mesh_shape {shape}: sizes must be >= 1 with at most one -1")
+  known = math.prod(s for s in shape.values() if s != -1)
+  if rest:
+    if num_devices % known:
+      raise ShardingError(f"mesh_shape {shape}: {num_devices} devices are not divisible by {known}, "
+                          f"so '{rest[0]}': -1 has no integer size")
+    shape[rest[0]] = num_devices // known
+  if math.prod(shape.values()) != num_devices:
+    raise ShardingError(f"mesh_shape {shape}: product {math.prod(shape.values())} != {num_devices} devices")
+  return shape
+
+
+def make_mesh(mesh_shape: Mapping[str, int] | Sequence[int], devices=None) -> Mesh:
+  """A `jax.sharding.Mesh` with axes `data, fsdp, expert, tensor` over `devices` (default: all)."""
+  devices = jax.devices() if devices is None else list(devices)
+  shape = resolve_mesh_shape(mesh_shape, len(devices))
+  axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  return jax.make_mesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES, axis_types=axis_types,
+                       devices=devices)
+
+
+# ------------------------------------------------------------------------------ logical -> spec
+def logical_to_spec(names: Sequence[str | None], preset: str) -> P:
+  """PartitionSpec for one array with logical axis `names` (None = never sharded).
+
+  A mesh axis shards at most one dimension: a later dimension whose rule names an already used mesh
+  axis drops it (e.g. `act_batch` takes `tensor` only where no feature dim does).
+  """
+  table, used, out = rules(preset), set(), []
+  for name in names:
+    if name is None:
+      out.append(None)
+      continue
+    if name not in table:
+      raise ShardingError(f"logical axis {name!r} has no rule in preset {preset!r}; "
+                          f"known: {sorted(table)}")
+    axes = tuple(a for a in (table[name] or ()) if a not in used)
+    used.update(axes)
+    out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return P(*out)
+
+
+def spec_mesh_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, 'x' or ('x', 'y'))."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def check_divisible(shape, spec: P, mesh_sizes: Mapping[str, int], what: str) -> None:
+  for dim, (size, entry) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+    n = math.prod(mesh_sizes[a] for a in spec_mesh_axes(entry))
+    if size % n:
+      raise ShardingError(f"{what}: dim {dim} of shape {tuple(shape)} (size {size}) is not divisible "
+                          f"by mesh axes {spec_mesh_axes(entry)} of total size {n}")
+
+
+def _path_name(path) -> str:
+  return ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def param_specs(state, preset: str):
+  """`state` (nnx.State, abstract or concrete) with each Variable's value replaced by its PartitionSpec."""
+  def spec(path, var):
+    axes = var.get_metadata().get("axes")
+    if axes is None:
+      raise ShardingError(f"{_path_name(path)}: variable has no `axes` metadata")
+    if len(axes) != len(var.get_value().shape):
+      raise ShardingError(f"{_path_name(path)}: axes {axes} do not match shape {var.get_value().shape}")
+    return var.replace(logical_to_spec(axes, preset))
+  return jax.tree_util.tree_map_with_path(spec, state, is_leaf=_is_var)
+
+
+def param_shardings(abstract_state, mesh: Mesh, preset: str):
+  """Tree like `abstract_state` whose Variables hold `NamedSharding`s; checks divisibility per tensor."""
+  sizes = dict(mesh.shape)
+
+  def sharding(path, var):
+    spec = logical_to_spec(var.get_metadata()["axes"], preset)
+    check_divisible(var.get_value().shape, spec, sizes, _path_name(path))
+    return var.replace(NamedSharding(mesh, spec))
+  param_specs(abstract_state, preset)  # validates metadata first, with clear errors
+  return jax.tree_util.tree_map_with_path(sharding, abstract_state, is_leaf=_is_var)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, preset: str) -> nnx.Module:
+  """Moves every variable of `model` to its sharding under `preset` (in place); returns `model`."""
+  state = nnx.state(model)
+  shardings = param_shardings(state, mesh, preset)
+  if jax.process_count() == 1:
+    nnx.update(model, jax.device_put(state, shardings))
+    return model
+  # Multi-process: every process holds the same full values; each places only its own shards.
+  place = lambda x, s: jax.make_array_from_callback(  # noqa: E731
+      x.shape, s, lambda idx, x=np.asarray(x): x[idx])
+  nnx.update(model, jax.tree.map(place, state, shardings))
+  return model
+
+
+def dump_partition_specs(abstract_state, preset: str) -> str:
+  """`path shape spec` lines for every variable: the reviewable golden of a preset's layout."""
+  lines = []
+  leaves = jax.tree_util.tree_flatten_with_path(param_specs(abstract_state, preset), is_leaf=_is_var)[0]
+  shapes = dict((_path_name(p), v.get_value().shape)
+                for p, v in jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=_is_var)[0])
+  for path, var in leaves:
+    name = _path_name(path)
+    lines.append(f"{name} {tuple(shapes[name])} {var.get_value()}")
+  return "\n".join(sorted(lines)) + "\n"
+
+
+def batch_sharding(mesh: Mesh, preset: str, ndim: int = 2) -> NamedSharding:
+  """Sharding of a [B, ...] input batch (token ids, segment ids, positions)."""
+  return NamedSharding(mesh, logical_to_spec(("act_batch",) + (None,) * (ndim - 1), preset))
+
+
+# ------------------------------------------------------------------------------ active context
+@dataclasses.dataclass(frozen=True)
+class Context:
+  mesh: Mesh
+  preset: str
+
+  @property
+  def rules(self) -> dict[str, Any]:
+    return rules(self.preset)
+
+  def axis_size(self, logical: str) -> int:
+    return math.prod(self.mesh.shape[a] for a in (self.rules[logical] or ()))
+
+
+_CTX: contextvars.ContextVar[Context | None] = contextvars.ContextVar("k2jax_sharding", default=None)
+
+
+@contextlib.contextmanager
+def use(mesh: Mesh, preset: str):
+  """Makes (mesh, preset) active for tracing (`constrain`, the MoE dispatch) and `jax.set_mesh`."""
+  rules(preset)
+  token = _CTX.set(Context(mesh, preset))
+  try:
+    with jax.set_mesh(mesh):
+      yield
+  finally:
+    _CTX.reset(token)
+
+
+def current() -> Context | None:
+  """The active context, or None when no mesh is active or the mesh has a single device."""
+  ctx = _CTX.get()
+  return ctx if ctx is not None and ctx.mesh.size > 1 else None
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """`with_sharding_constraint` of activation `x` by logical `names`; identity with no active mesh."""
+  ctx = current()
+  if ctx is None:
+    return x
+  if len(names) != x.ndim:
+    raise ShardingError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
+  spec = logical_to_spec(names, ctx.preset)
+  check_divisible(x.shape, spec, dict(ctx.mesh.shape), f"activation {tuple(names)}")
+  return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
