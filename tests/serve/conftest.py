@@ -1,0 +1,44 @@
+"""One tiny served model shared by all serve tests (compiles are the cost: build them once)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import k2jax
+from k2jax.model import K2Model, presets
+from k2jax.serve import EngineConfig, Server
+
+MAX_LEN = 128
+
+
+@dataclasses.dataclass
+class Served:
+  server: Server
+  model: K2Model          # the same weights, for full-forward references
+  hf_dir: str
+
+  @property
+  def engine(self):
+    return self.server.engine
+
+  @property
+  def tok(self):
+    return self.server.tokenizer
+
+  def forward_logprobs(self, ids):
+    """log-softmax of the full (uncached) forward pass: [T, S]."""
+    return jax.nn.log_softmax(self.model(jnp.asarray([ids], jnp.int32)).logits[0], axis=-1)
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory):
+  cfg = presets.get("tiny", max_position_embeddings=MAX_LEN)
+  model = K2Model(cfg, rngs=nnx.Rngs(0))
+  hf_dir = str(tmp_path_factory.mktemp("tiny_hf"))
+  k2jax.save_hf(model, hf_dir)
+  server = Server(hf_dir, engine_config=EngineConfig(max_slots=4, max_seq_len=MAX_LEN, prefix_cache_entries=8),
+                  port=0).start()
+  yield Served(server, model, hf_dir)
+  server.close()

@@ -1,0 +1,202 @@
+"""The HTTP API: SGLang /generate fields, stop strings, weight updates, bad requests, the openai client,
+and OpenAI tool calls produced by a model whose weights were set to emit one."""
+import json
+
+import numpy as np
+import openai
+import pytest
+import requests
+from flax import nnx
+
+import k2jax
+from k2jax.api import model_from_state
+from k2jax.data import chat
+from k2jax.model import K2Model
+
+
+def _post(served, route, body, status=200):
+  r = requests.post(f"{served.server.url}/{route}", json=body, timeout=120)
+  assert r.status_code == status, r.text
+  return r.json() if r.headers.get("Content-Type") == "application/json" else r.text
+
+
+def _greedy(served, ids, n=12, **extra):
+  return _post(served, "generate", {"input_ids": list(ids), "return_logprob": True, "sampling_params": {
+      "max_new_tokens": n, "temperature": 0, "ignore_eos": True, **extra}})
+
+
+def test_generate_meta_info_and_batch(served):
+  out = _greedy(served, [5, 6, 7, 8], n=6)
+  meta = out["meta_info"]
+  assert meta["completion_tokens"] == len(out["output_ids"]) == len(meta["output_token_logprobs"]) == 6
+  assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+  assert meta["prompt_tokens"] == 4 and meta["finish_reason"] == {"type": "length", "length": 6}
+  assert isinstance(out["text"], str) and meta["weight_version"] == str(served.engine.weight_version)
+  batch = _post(served, "generate", {"input_ids": [[5, 6, 7, 8], [9, 10]], "rid": ["b0", "b1"],
+                                     "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+  assert [b["meta_info"]["id"] for b in batch] == ["b0", "b1"]
+  assert batch[0]["output_ids"] == out["output_ids"]
+  text = _post(served, "generate", {"text": "Hello world", "sampling_params": {"max_new_tokens": 3}})
+  assert text["meta_info"]["prompt_tokens"] == len(served.tok.encode("Hello world"))
+
+
+def test_stop_string_trims_text(served):
+  tok = served.tok
+  ids = _greedy(served, [11, 12, 13])["output_ids"]
+  k = next(i for i in range(1, len(ids)) if ids[i] < tok.num_base_tokens and len(tok.decode([ids[i]]).strip()) >= 2)
+  stop = tok.decode([ids[k]]).strip()
+  j = next(i for i in range(len(ids)) if stop in tok.decode(ids[:i + 1]))
+  out = _greedy(served, [11, 12, 13], stop=[stop, "never-generated"])
+  assert out["output_ids"] == ids[:j + 1]
+  assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+  text = tok.decode([t for t in ids[:j + 1] if t < tok.num_base_tokens])
+  assert out["text"] == text[:text.index(stop)] and stop not in out["text"]
+
+
+def test_update_weights_from_disk_changes_outputs_and_version(served, bigram_dir):
+  before = _greedy(served, [3, 1, 4, 1, 5])
+  res = _post(served, "update_weights_from_disk", {"model_path": bigram_dir, "weight_version": "5"})
+  assert res["success"] is True
+  try:
+    after = _greedy(served, [3, 1, 4, 1, 5])
+    assert after["output_ids"] != before["output_ids"]
+    assert after["meta_info"]["weight_version"] == "5"
+    assert requests.get(f"{served.server.url}/get_model_info").json()["weight_version"] == "5"
+  finally:
+    res = _post(served, "update_weights_from_disk", {"model_path": served.hf_dir})
+  assert res["success"] and res["weight_version"] == "6"   # no version given: incremented
+  assert _greedy(served, [3, 1, 4, 1, 5])["output_ids"] == before["output_ids"]
+  bad = _post(served, "update_weights_from_disk", {"model_path": "/nonexistent/dir"}, status=400)
+  assert bad["success"] is False and "/nonexistent/dir" in bad["message"]
+
+
+BAD = [
+    ("generate", {}, "input_ids"),
+    ("generate", {"input_ids": "abc"}, "input_ids"),
+    ("generate", {"input_ids": [1, 2], "text": "x"}, "input_ids"),
+    ("generate", {"input_ids": [99999]}, "input_ids"),
+    ("generate", {"input_ids": [1] * 200}, "input_ids"),
+    ("generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1000}}, "sampling_params.max_new_tokens"),
+    ("generate", {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+    ("generate", {"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    ("generate", {"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}},
+     "sampling_params.frequency_penalty"),
+    ("generate", {"input_ids": [1, 2], "sampling_params": {"colour": 1}}, "sampling_params.colour"),
+    ("generate", {"input_ids": [1, 2], "rid": 5}, "rid"),
+    ("generate", {"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
+    ("generate", {"input_ids": [1, 2], "stream": True}, "stream"),
+    ("generate", {"input_ids": [1, 2], "bogus": 1}, "bogus"),
+    ("update_weights_from_disk", {}, "model_path"),
+    ("abort_request", {}, "rid"),
+    ("v1/completions", {"model": "m"}, "prompt"),
+    ("v1/completions", {"model": "m", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("v1/completions", {"model": "m", "prompt": [1] * 200}, "prompt"),
+    ("v1/chat/completions", {"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("route,body,field", BAD, ids=[f"{r}:{f}" for r, _, f in BAD])
+def test_bad_requests_get_400_naming_the_field(served, route, body, field):
+  err = _post(served, route, body, status=400)["error"]
+  assert err["param"] == field and field in err["message"]
+
+
+def test_invalid_json_body(served):
+  r = requests.post(f"{served.server.url}/generate", data=b"{not json", timeout=30)
+  assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+
+
+def test_openai_client_completions_and_chat(served):
+  client = openai.OpenAI(base_url=f"{served.server.url}/v1", api_key="unused")
+  ids = [21, 22, 23, 24]
+  ref = _greedy(served, ids, n=6)
+  comp = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, logprobs=3,
+                                   extra_body={"ignore_eos": True})
+  choice = comp.choices[0]
+  assert choice.text == ref["text"] and choice.finish_reason == "length"
+  np.testing.assert_allclose(choice.logprobs.token_logprobs,
+                             [e[0] for e in ref["meta_info"]["output_token_logprobs"]], atol=1e-5)
+  assert all(len(t) == 3 for t in choice.logprobs.top_logprobs)
+  assert comp.usage.prompt_tokens == 4 and comp.usage.completion_tokens == 6
+  two = client.completions.create(model="tiny", prompt="Once", max_tokens=4, n=2, seed=1)
+  assert len(two.choices) == 2
+  messages = [{"role": "user", "content": "Say hi"}]
+  resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                        logprobs=True, top_logprobs=2)
+  prompt_ids, _ = chat.render_chat(messages, tokenizer=served.tok, add_generation_prompt=True)
+  raw = _post(served, "generate", {"input_ids": prompt_ids, "return_logprob": True,
+                                   "sampling_params": {"max_new_tokens": 5, "temperature": 0}})
+  assert [c.logprob for c in resp.choices[0].logprobs.content] == pytest.approx(
+      [e[0] for e in raw["meta_info"]["output_token_logprobs"]], abs=1e-5)
+  assert resp.usage.prompt_tokens == len(prompt_ids)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"days": {"type": "integer"}}}}}]
+
+
+def test_openai_chat_tool_call_from_model_output(served, bigram_dir, bigram_args):
+  """The served weights are set to greedily emit a K2 tool-call section (see `bigram_dir`); the server
+  must parse the generated tokens into OpenAI `tool_calls`."""
+  _post(served, "update_weights_from_disk", {"model_path": bigram_dir})
+  try:
+    client = openai.OpenAI(base_url=f"{served.server.url}/v1", api_key="unused")
+    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Paris, 3 days?"}],
+                                          tools=TOOLS, temperature=0, max_tokens=30)
+  finally:
+    _post(served, "update_weights_from_disk", {"model_path": served.hf_dir})
+  choice = resp.choices[0]
+  assert choice.finish_reason == "tool_calls"
+  (call,) = choice.message.tool_calls
+  assert call.id == "functions.get_weather:0" and call.function.name == "get_weather"
+  assert json.loads(call.function.arguments) == json.loads(bigram_args)
+
+
+@pytest.fixture(scope="module")
+def bigram_args(served):
+  # Arguments whose tokens do not repeat (each token of the chain needs a single successor); a string
+  # value would repeat the `"` token, so the argument is a number.
+  for args in ('{"days": 3}', '{"days":3}', '{"q": 1}'):
+    if len(set(_chain(served.tok, args))) == len(_chain(served.tok, args)):
+      return args
+  pytest.fail("no argument string with distinct tokens under this tokenizer")
+
+
+def _chain(tok, args):
+  sp = tok.special_ids
+  return ([sp["<|im_middle|>"], sp["<|tool_calls_section_begin|>"], sp["<|tool_call_begin|>"]]
+          + tok.encode("functions.get_weather:0") + [sp["<|tool_call_argument_begin|>"]] + tok.encode(args)
+          + [sp["<|tool_call_end|>"], sp["<|tool_calls_section_end|>"]])
+
+
+@pytest.fixture(scope="module")
+def bigram_dir(served, bigram_args, tmp_path_factory):
+  """HF dir of a model whose greedy continuation of `<|im_middle|>` is a fixed tool call.
+
+  Attention outputs (w_o) and every MLP/expert down projection are zero, so the final hidden state is
+  the current token's embedding: the model is a bigram table. Chain token i embeds as basis vector e_i
+  and the LM head maps e_i to chain token i+1 with a large logit, ending in <|im_end|>.
+  """
+  cfg = served.model.cfg
+  state = nnx.state(K2Model(cfg, rngs=nnx.Rngs(1))).to_pure_dict()
+  state = __import__("jax").tree.map(np.array, state)
+  for stack, paths in (("dense_layers", (("attn", "w_o"), ("mlp", "w_down"))),
+                       ("moe_layers", (("attn", "w_o"), ("moe", "experts", "w_down"), ("moe", "shared", "w_down")))):
+    for path in paths:
+      leaf = state[stack]
+      for key in path[:-1]:
+        leaf = leaf[key]
+      leaf[path[-1]][...] = 0
+  chain = _chain(served.tok, bigram_args) + [served.tok.special_ids["<|im_end|>"]]
+  emb, head = state["embed"]["embedding"], state["lm_head"]["w"]
+  assert len(chain) - 1 <= cfg.hidden_size
+  for i, (a, b) in enumerate(zip(chain, chain[1:])):
+    emb[a] = 0
+    emb[a, i] = 1.0
+    head[i, b] += 10.0
+  path = str(tmp_path_factory.mktemp("bigram_hf"))
+  k2jax.save_hf(model_from_state(cfg, state), path)
+  return path
