@@ -1,0 +1,20 @@
+"""One tiny model served over HTTP for the agentic tests (compiles are the cost: build them once)."""
+import pytest
+from flax import nnx
+
+import k2jax
+from k2jax.model import K2Model, presets
+from k2jax.serve import EngineConfig, Server
+
+MAX_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory):
+  cfg = presets.get("tiny", max_position_embeddings=MAX_LEN)
+  hf_dir = str(tmp_path_factory.mktemp("agentic_tiny_hf"))
+  k2jax.save_hf(K2Model(cfg, rngs=nnx.Rngs(0)), hf_dir)
+  server = Server(hf_dir, engine_config=EngineConfig(max_slots=8, max_seq_len=MAX_LEN, min_prefill_bucket=64,
+                                                     prefix_cache_entries=16), port=0).start()
+  yield server
+  server.close()
