@@ -81,11 +81,10 @@ def plan(model_cfg: K2Config, mesh_shape, rules_preset: str, batch_per_device_to
   trained = nnx.state(abstract, nnx.Param)
   opt = muonclip(1e-3, qk_clip_spec=QKClipSpec.from_config(model_cfg), mu_dtype=mu_dtype)
   opt_state = jax.eval_shape(opt.init, trained)
-  opt_bytes = 0
-  for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-    owner = _owning_param(path_name(path), x.shape, shapes)
-    opt_bytes += _shard_bytes(x, specs[owner] if owner else jax.sharding.PartitionSpec(), sizes,
-                              path_name(path))
+  mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
+  opt_shardings = sharding_lib.opt_state_shardings(opt_state, trained, mesh, rules_preset)
+  opt_bytes = sum(_shard_bytes(x, s.spec, sizes, path_name(p)) for (p, x), s in zip(
+      jax.tree_util.tree_flatten_with_path(opt_state)[0], jax.tree.leaves(opt_shardings)))
   grads_bytes = sum(_shard_bytes(x, specs[path_name(p)], sizes, path_name(p))
                     for p, x in jax.tree_util.tree_flatten_with_path(trained)[0])
   act = activation_bytes(model_cfg, sizes, rules_preset, batch_per_device_tokens, seq_len)
@@ -154,10 +153,3 @@ def _shard_bytes(x, spec, sizes, name) -> int:
            for d, e in zip(x.shape, tuple(spec) + (None,) * len(x.shape))]
   return math.prod(shard) * jnp.dtype(x.dtype).itemsize
 
-
-def _owning_param(opt_name: str, shape, param_shapes) -> str | None:
-  """The parameter an optimizer-state leaf mirrors (same path suffix and shape); None for scalars."""
-  for name, x in param_shapes.items():
-    if (opt_name == name or opt_name.endswith("." + name)) and tuple(x.shape) == tuple(shape):
-      return name
-  return None

@@ -147,7 +147,9 @@ def check_divisible(shape, spec: P, mesh_sizes: Mapping[str, int], what: str) ->
 
 
 def _path_name(path) -> str:
-  return ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+  """'moe_layers.moe.experts.w_gate' for a key path (a trailing nnx `.value` key is dropped)."""
+  parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  return ".".join(parts[:-1] if len(parts) > 1 and parts[-1] == "value" else parts)
 
 
 def _is_var(x) -> bool:
@@ -202,6 +204,28 @@ def dump_partition_specs(abstract_state, preset: str) -> str:
     name = _path_name(path)
     lines.append(f"{name} {tuple(shapes[name])} {var.get_value()}")
   return "\n".join(sorted(lines)) + "\n"
+
+
+def opt_state_shardings(abstract_opt_state, abstract_params, mesh: Mesh, preset: str):
+  """NamedShardings for an optimizer state (e.g. `jax.eval_shape(opt.init, params)`).
+
+  A state leaf whose path ends with a parameter's path and has its shape (momentum, Adam moments)
+  gets that parameter's sharding; every other leaf (step counts, scalars) is replicated. Pass the
+  result as `out_shardings` of the jitted `opt.init`: zeros have no data to propagate from.
+  """
+  by_name = {}
+  for path, var in jax.tree_util.tree_flatten_with_path(
+      param_shardings(abstract_params, mesh, preset), is_leaf=_is_var)[0]:
+    by_name[_path_name(path)] = var.get_value()
+  shapes = {_path_name(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+
+  def one(path, x):
+    name = _path_name(path)
+    for pname, sharding in by_name.items():
+      if (name == pname or name.endswith("." + pname)) and tuple(shapes[pname]) == tuple(x.shape):
+        return sharding
+    return NamedSharding(mesh, P())
+  return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
 
 
 def batch_sharding(mesh: Mesh, preset: str, ndim: int = 2) -> NamedSharding:
