@@ -44,7 +44,7 @@ class _Worker:
     self.start()
 
   def start(self) -> None:
-    cmd = [sys.executable, "-m", "k2jax.rl.envs.service", f"--env={self.config.env}", "--port=0",
+    cmd = [sys.executable, "-m", "k2jax.rl.envs", f"--env={self.config.env}", "--port=0",
            f"--egress_allow={','.join(self.config.egress_allow)}"]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -10,7 +10,7 @@ One process serves many episodes (one `Environment` instance each, steps of one 
 all sharing one `Guard` (rate limits and the concurrency cap are per process). Episodes idle for
 `episode_ttl_s` are dropped. Built on the standard library's ThreadingHTTPServer like k2jax.serve.
 
-  python -m k2jax.rl.envs.service --env=sim_tools --port=8080 [--egress_allow=host:port,...]
+  python -m k2jax.rl.envs --env=sim_tools --port=8080 [--egress_allow=host:port,...]
 prints `READY <port>` once serving (the pool reads it). With no --egress_allow the process has no
 outbound network at all (`install_egress_hook`).
 """
@@ -176,25 +176,3 @@ def _handler(service: EnvService):
       self.wfile.write(data)
 
   return Handler
-
-
-def main(argv) -> None:
-  from absl import flags
-
-  from k2jax.agentic.guards import install_egress_hook
-  f = flags.FLAGS
-  allowed = {t for t in f.egress_allow.split(",") if t}
-  install_egress_hook(allowed)   # no targets: no outbound connections at all
-  service = EnvService(f.env, host=f.host, port=f.port, episode_ttl_s=f.episode_ttl_s)
-  print(f"READY {service.port}", flush=True)
-  service.serve_forever()
-
-
-if __name__ == "__main__":
-  from absl import app, flags
-  flags.DEFINE_string("env", "sim_tools", "Environment to host (sim_tools | code).")
-  flags.DEFINE_string("host", "127.0.0.1", "Bind address (0.0.0.0 in a container).")
-  flags.DEFINE_integer("port", 0, "Port (0 = any free port; printed as READY <port>).")
-  flags.DEFINE_string("egress_allow", "", "Comma-separated host:port targets tools may reach.")
-  flags.DEFINE_float("episode_ttl_s", 600.0, "Idle episodes are dropped after this many seconds.")
-  app.run(main)

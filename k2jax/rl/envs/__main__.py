@@ -1,0 +1,26 @@
+"""`python -m k2jax.rl.envs --env=sim_tools --port=8080 [--egress_allow=host:port,...]`: one env service.
+
+Prints `READY <port>` once serving. Without --egress_allow the process may open no outbound connection.
+"""
+from absl import app, flags
+
+from k2jax.agentic.guards import install_egress_hook
+from k2jax.rl.envs.service import EnvService
+
+_ENV = flags.DEFINE_string("env", "sim_tools", "Environment to host (sim_tools | code).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Bind address (0.0.0.0 in a container).")
+_PORT = flags.DEFINE_integer("port", 0, "Port (0 = any free port; printed as READY <port>).")
+_EGRESS = flags.DEFINE_list("egress_allow", [], "host:port targets tools may reach (default: none).")
+_TTL = flags.DEFINE_float("episode_ttl_s", 600.0, "Idle episodes are dropped after this many seconds.")
+
+
+def main(argv) -> None:
+  del argv
+  install_egress_hook(set(_EGRESS.value))   # no targets: no outbound connections at all
+  service = EnvService(_ENV.value, host=_HOST.value, port=_PORT.value, episode_ttl_s=_TTL.value)
+  print(f"READY {service.port}", flush=True)
+  service.serve_forever()
+
+
+if __name__ == "__main__":
+  app.run(main)
