@@ -1,0 +1,167 @@
+"""Training checkpoints: orbax `CheckpointManager` items beside the workdir's `model` item.
+
+  W/checkpoints/<step>/model   the model's full pure state dict (Params + RouterBias): `k2jax.load(W)`
+                  /opt     {"opt_state", "step", "skipped_steps"}
+                  /data    grain iterator state, one `process_{i}-of-{n}.json` per JAX process
+                  /meta    JSON: host-side state (spike detector window, process count, config)
+
+Saves are asynchronous (arrays are copied to host, then written in the background); a step directory
+appears only once complete, so a crash mid-write leaves the previous checkpoints intact. The restore
+order lives in `restore_latest`: newest step first; a step that fails to read is reported by path,
+moved to `W/checkpoints_corrupt/` and the next older one is tried. Arrays restore straight into the
+target shardings, so a checkpoint written on one mesh shape restores onto another.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+import shutil
+from typing import Any, NamedTuple
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+from k2jax.convert import workdir as wd
+from k2jax.train.step import TrainState
+
+
+class Restored(NamedTuple):
+  state: TrainState
+  meta: dict
+  data_restored: bool     # False when the saved iterator was from a different process count
+
+
+class _FrozenIteratorState:
+  """The iterator state taken at save time: the async writer must not see later batches."""
+
+  def __init__(self, it: grain.DatasetIterator):
+    self._text = json.dumps(it.get_state(), indent=1)
+
+  def get_state(self) -> bytes:
+    return self._text.encode()
+
+
+class Checkpointer:
+  """Save / restore of the whole training state (see module docstring)."""
+
+  def __init__(self, workdir: str, *, keep: int, async_save: bool):
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, wd.CHECKPOINTS)
+    self._keep, self._async = keep, async_save
+    self.mgr = self._manager()
+
+  def _manager(self) -> ocp.CheckpointManager:
+    opts = ocp.CheckpointManagerOptions(max_to_keep=self._keep, enable_async_checkpointing=self._async,
+                                        create=True)
+    return ocp.CheckpointManager(self.directory, options=opts)
+
+  def save(self, step: int, state: TrainState, data_iter, meta: dict) -> None:
+    """Start saving `state` at `step` (returns once arrays are on host, unless async is off)."""
+    args = ocp.args.Composite(
+        model=ocp.args.StandardSave(merge_dicts(state.params, state.bias)),
+        opt=ocp.args.StandardSave({"opt_state": state.opt_state, "step": state.step,
+                                   "skipped_steps": state.skipped_steps}),
+        data=grain.checkpoint.CheckpointSave(_FrozenIteratorState(data_iter)),
+        meta=ocp.args.JsonSave(meta))
+    self.mgr.save(step, args=args, force=True)
+
+  def reached_preemption(self, step: int) -> bool:
+    """True on every host once the cluster saw a preemption notice (multi-host SIGTERM sync)."""
+    return self.mgr.reached_preemption(step)
+
+  def wait(self) -> None:
+    self.mgr.wait_until_finished()
+
+  def close(self) -> None:
+    self.mgr.wait_until_finished()
+    self.mgr.close()
+
+  def restore_latest(self, abstract: TrainState, data_iter) -> Restored | None:
+    """Restore the newest readable checkpoint into `abstract`'s shapes and shardings (None if none)."""
+    for step in sorted(self.mgr.all_steps(), reverse=True):
+      path = os.path.join(self.directory, str(step))
+      try:
+        return self._restore(step, abstract, data_iter)
+      except Exception as e:  # orbax/tensorstore raise many types for truncated or corrupt files.
+        logging.error("checkpoint %s is unreadable (%s: %s); falling back to the previous one",
+                      path, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        self._quarantine(step)
+    return None
+
+  def _restore(self, step: int, abstract: TrainState, data_iter) -> Restored:
+    model_abs = merge_dicts(abstract.params, abstract.bias)
+    opt_abs = {"opt_state": abstract.opt_state, "step": abstract.step,
+               "skipped_steps": abstract.skipped_steps}
+    items = dict(model=ocp.args.StandardRestore(model_abs), opt=ocp.args.StandardRestore(opt_abs),
+                 meta=ocp.args.JsonRestore())
+    data_ok = self._data_matches(step)
+    if data_ok:
+      items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+    out = self.mgr.restore(step, args=ocp.args.Composite(**items))
+    params, bias = split_dict(out["model"], abstract.params)
+    opt = out["opt"]
+    state = TrainState(step=opt["step"], params=params, bias=bias, opt_state=opt["opt_state"],
+                       skipped_steps=opt["skipped_steps"])
+    if int(state.step) != step:
+      raise ValueError(f"opt.step={int(state.step)} does not match the directory step {step}")
+    return Restored(state, dict(out["meta"]), data_ok)
+
+  def _data_matches(self, step: int) -> bool:
+    """Whether the saved iterator states fit this run's process count (else data restarts)."""
+    files = glob.glob(os.path.join(self.directory, str(step), "data", "process_*-of-*.json"))
+    counts = {int(m.group(1)) for f in files if (m := re.search(r"-of-(\d+)\.json$", f))}
+    if not files:
+      raise FileNotFoundError(f"{os.path.join(self.directory, str(step), 'data')}: no iterator state")
+    if counts != {jax.process_count()}:
+      logging.warning("checkpoint %s: data iterator saved by %s processes, this run has %d; the "
+                      "data pipeline restarts with a step-offset seed instead of resuming exactly",
+                      os.path.join(self.directory, str(step)), sorted(counts), jax.process_count())
+      return False
+    return True
+
+  def _quarantine(self, step: int) -> None:
+    """Move a bad step aside so later saves of that step number do not collide with it."""
+    if jax.process_index() == 0:
+      dst = os.path.join(self.workdir, "checkpoints_corrupt", str(step))
+      if os.path.exists(dst):
+        shutil.rmtree(dst)
+      os.makedirs(os.path.dirname(dst), exist_ok=True)
+      shutil.move(os.path.join(self.directory, str(step)), dst)
+      logging.error("moved unreadable checkpoint to %s", dst)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"quarantine_{step}")
+    self.mgr.close()
+    self.mgr = self._manager()
+
+
+def merge_dicts(a: dict, b: dict) -> dict:
+  """Deep union of two nested dicts with disjoint leaves (params + bias -> the model's state dict)."""
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = merge_dicts(out[k], v) if k in out and isinstance(v, dict) else v
+  return out
+
+
+def split_dict(full: dict, like: dict) -> tuple[dict, dict]:
+  """(the part of `full` with `like`'s keys, the rest): the inverse of merge_dicts."""
+  inside, rest = {}, {}
+  for k, v in full.items():
+    if k in like and isinstance(v, dict):
+      inside[k], r = split_dict(v, like[k])
+      if r:
+        rest[k] = r
+    elif k in like:
+      inside[k] = v
+    else:
+      rest[k] = v
+  return inside, rest
+
+
+def abstract_like(tree: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs carrying the target shardings (orbax restores straight into them)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)

@@ -1,0 +1,186 @@
+"""`run(config, workdir)`: pretraining / SFT from a configs/k2.py ConfigDict, in named phases:
+config -> mesh -> model and optimizer -> data -> restore -> step -> loop.
+
+The loop dispatches step n+1 before it reads step n's metrics, so the host never stalls the device
+on a metrics fetch. A SIGTERM (or a multi-host preemption notice) saves a checkpoint at the current
+step and returns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+from flax import nnx
+from ml_collections import config_dict
+
+from k2jax import sharding
+from k2jax.convert import workdir as wd
+from k2jax.model.transformer import K2Model
+from k2jax.optim import QKClipSpec, muonclip, wsd_schedule
+from k2jax.train import inputs
+from k2jax.train.checkpoint import Checkpointer, abstract_like
+from k2jax.train.config import TrainConfig, check_runtime, from_config_dict
+from k2jax.train.counting import flops_per_token
+from k2jax.train.init_from import initial_state, model_config_for_run
+from k2jax.train.metrics import MetricsLogger, SpikeDetector, measure_peak_flops, say, to_record
+from k2jax.train.partition import state_shardings
+from k2jax.train.step import ModelDef, TrainState, init_state, make_train_step
+
+
+def run(config: config_dict.ConfigDict, workdir: str) -> dict:
+  """Train per `config` in `workdir` (resuming from its latest checkpoint). Returns final metrics."""
+  # Config: the one ConfigDict -> dataclass boundary, then checks against devices and files.
+  tc = from_config_dict(config)
+  tc = dataclasses.replace(tc, model=model_config_for_run(tc, workdir))
+  mesh_shape = check_runtime(tc, jax.device_count(), jax.process_count())
+  peak = _peak(tc)  # Before the mesh is active: measured on one device.
+  # Mesh.
+  mesh = sharding.make_mesh(mesh_shape)
+  preset = tc.mesh.rules
+  with sharding.use(mesh, preset):
+    # Model and optimizer (abstract: nothing allocated yet).
+    schedule = _schedule(tc)
+    tau = tc.optim.qk_clip_tau if tc.optim.qk_clip_tau > 0 else None
+    o = tc.optim
+    optimizer = muonclip(schedule, weight_decay=o.weight_decay, momentum=o.momentum, adam_b1=o.adam_b1,
+                         adam_b2=o.adam_b2, adam_eps=o.adam_eps, qk_clip_tau=tau,
+                         qk_clip_spec=QKClipSpec.from_config(tc.model))
+    build = lambda: K2Model(tc.model, rngs=nnx.Rngs(tc.seed))
+    abstract_model = nnx.eval_shape(build)
+    abstract_state = jax.eval_shape(lambda: init_state(build(), optimizer))
+    shardings = state_shardings(abstract_model, abstract_state, mesh, preset)
+    # Data.
+    it = inputs.make_iterator(tc.data, tc.model.vocab_size)
+    # Restore (or initialise).
+    if jax.process_index() == 0:
+      wd.write_model_config(tc.model, workdir)
+    ckpt = Checkpointer(workdir, keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
+    restored = ckpt.restore_latest(abstract_like(abstract_state, shardings), it)
+    meta = {}
+    if restored is None:
+      state = initial_state(tc, build, optimizer, shardings)
+    else:
+      state, meta = restored.state, restored.meta
+      say(f"resumed from {ckpt.directory}/{int(state.step)}")
+      if not restored.data_restored:
+        it = inputs.make_iterator(tc.data, tc.model.vocab_size, seed_offset=int(state.step))
+    # Step.
+    step_fn = jax.jit(
+        make_train_step(ModelDef.from_model(abstract_model), optimizer, schedule,
+                        num_microbatches=tc.data.num_microbatches,
+                        bias_update_rate=tc.optim.bias_update_rate, qk_clip_tau=tau),
+        in_shardings=(shardings, sharding.batch_sharding(mesh, preset)),
+        out_shardings=(shardings, None), donate_argnums=0)
+    # Loop.
+    return _Loop(tc, workdir, step_fn, ckpt, mesh, preset, meta, peak).run(state, it)
+
+
+def _schedule(tc: TrainConfig):
+  decay = round(tc.optim.decay_fraction * tc.steps)
+  warmup = min(tc.optim.warmup_steps, tc.steps - decay)
+  return wsd_schedule(tc.optim.peak_lr, warmup_steps=warmup, stable_steps=tc.steps - decay - warmup,
+                      decay_steps=decay, final_lr=tc.optim.final_lr)
+
+
+def _peak(tc: TrainConfig) -> tuple[float, str]:
+  """(per-device peak FLOP/s for MFU, where it came from)."""
+  if tc.log.peak_flops > 0:
+    return tc.log.peak_flops, "config log.peak_flops"
+  dtype = tc.model.compute_dtype
+  return measure_peak_flops(dtype), f"measured {dtype} matmul rate of one device at start"
+
+
+class _Loop:
+  """The host loop: feed batches, save checkpoints, log metrics one step behind the device."""
+
+  def __init__(self, tc: TrainConfig, workdir: str, step_fn, ckpt: Checkpointer, mesh, preset: str,
+               meta: dict, peak: tuple[float, str]):
+    self.tc, self.workdir, self.step_fn, self.ckpt = tc, workdir, step_fn, ckpt
+    self.batch_sharding = sharding.batch_sharding(mesh, preset)
+    self.primary = jax.process_index() == 0
+    self.spikes = SpikeDetector(tc.log.spike_factor, tc.log.spike_window, meta.get("spike_history"))
+    self.flops_per_token = flops_per_token(tc.model, tc.data.seq_len)
+    self.tokens_per_step = tc.data.global_batch_size * tc.data.seq_len
+    self._sigterm = threading.Event()
+    self.last: dict = {}
+    self.peak, self.peak_source = peak
+
+  def run(self, state: TrainState, it) -> dict:
+    tc = self.tc
+    start = int(state.step)
+    self._install_sigterm()
+    say(f"MFU peak {self.peak:.3e} FLOP/s per device ({self.peak_source}); "
+        f"{self.flops_per_token:.3e} training FLOPs/token")
+    self.log = MetricsLogger(self.workdir, total_steps=tc.steps, start_step=start,
+                             tensorboard=tc.log.tensorboard, progress=tc.log.progress,
+                             enabled=self.primary)
+    self._t, self._t_step = 0.0, None
+    step, pending, saved = start, None, start
+    try:
+      while step < tc.steps:
+        if self._sigterm.is_set() or self.ckpt.reached_preemption(step):
+          logging.warning("stop requested at step %d: saving a checkpoint and exiting", step)
+          break
+        data_state = it.get_state() if tc.log.spike_factor > 0 else None
+        host = next(it)
+        state, metrics = self.step_fn(state, inputs.to_global(host, self.batch_sharding, tc.data.global_batch_size))
+        step += 1
+        if pending is not None:
+          self._handle(*pending)
+        pending = (step, metrics, inputs.fingerprint(host), data_state)
+        if step % tc.checkpoint.every_steps == 0:
+          # Read this step's metrics first: the saved spike history then ends exactly at `step`.
+          self._handle(*pending)
+          pending = None
+          self._save(step, state, it)
+          saved = step
+      if pending is not None:
+        self._handle(*pending)
+      if saved != step:
+        self._save(step, state, it)
+    finally:
+      self.ckpt.close()
+      self.log.close()
+    return dict(self.last, step=step)
+
+  def _save(self, step: int, state: TrainState, it) -> None:
+    meta = {"spike_history": self.spikes.state(), "process_count": jax.process_count()}
+    self.ckpt.save(step, state, it, meta)
+
+  def _handle(self, step: int, metrics: dict, fp: str, data_state: Any) -> None:
+    """Read step `step`'s metrics (its successor is already dispatched): spikes, then logging."""
+    loss = float(jax.device_get(metrics["loss"]))
+    if self._t_step is None:  # The first step includes compilation: time from its end instead.
+      self._t, self._t_step = time.perf_counter(), step
+    if self.spikes.check(loss):
+      self._report_spike(step, loss, fp, data_state)
+    if step % self.tc.log.every_steps and step != self.tc.steps:
+      self.log.advance(step)
+      return
+    fetched = jax.device_get(metrics)
+    now = time.perf_counter()
+    steps_timed = step - self._t_step
+    tps = self.tokens_per_step * steps_timed / (now - self._t) if steps_timed else 0.0
+    self._t, self._t_step = now, step
+    mfu = tps * self.flops_per_token / (self.peak * jax.device_count())
+    self.last = to_record(step, fetched, tokens_per_sec=tps, mfu=mfu)
+    self.log.write(self.last)
+
+  def _report_spike(self, step: int, loss: float, fp: str, data_state: Any) -> None:
+    rec = {"step": step, "loss": loss, "baseline_mean": sum(self.spikes.history) / len(self.spikes.history),
+           "batch_fingerprint": fp, "process_index": jax.process_index(), "data_state_before": data_state}
+    logging.warning("loss spike at step %d: %.4f (batch %s)", step, loss, fp)
+    with open(os.path.join(self.workdir, f"spikes.process{jax.process_index()}.jsonl"), "a") as f:
+      f.write(json.dumps(rec, sort_keys=True, default=str) + "\n")
+
+  def _install_sigterm(self) -> None:
+    """Single-process SIGTERM -> save and stop (multi-host runs use JAX's preemption sync instead)."""
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      signal.signal(signal.SIGTERM, lambda *_: self._sigterm.set())

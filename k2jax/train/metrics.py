@@ -1,0 +1,145 @@
+"""What a run shows: `W/metrics.jsonl`, TensorBoard events (`W/tb`), a live progress line with ETA,
+MFU, and the loss-spike detector.
+
+MFU = tokens/s x training FLOPs per token (counting.flops_per_token) / (peak FLOP/s per device x
+devices). The peak is `log.peak_flops` when set, else the matmul rate of one device measured at start
+in the model's compute dtype (the machine's practical limit); `mfu_peak_source` in the first
+metrics line says which.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def say(msg: str) -> None:
+  """A run-status line on stdout from the primary process (library INFO logs stay quiet)."""
+  if jax.process_index() == 0:
+    print(msg, flush=True)
+
+
+def measure_peak_flops(dtype: str, n: int | None = None, repeats: int = 5) -> float:
+  """Best-of-`repeats` FLOP/s of an n x n matmul on one device (fp32 or bf16)."""
+  dev = jax.devices()[0]
+  n = n or (1024 if dev.platform == "cpu" else 8192)
+  a = jax.device_put(jnp.ones((n, n), dtype), dev)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(a).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2.0 * n**3 / best
+
+
+class SpikeDetector:
+  """Flags a step whose loss exceeds `factor` x the mean of the previous `window` finite losses."""
+
+  def __init__(self, factor: float, window: int, history: list[float] | None = None):
+    self.factor = factor
+    self.history = collections.deque(history or [], maxlen=window)
+
+  def check(self, loss: float) -> bool:
+    full = len(self.history) == self.history.maxlen
+    spike = bool(full and np.isfinite(loss) and loss > self.factor * float(np.mean(self.history)))
+    if np.isfinite(loss) and not spike:  # A spike does not raise the baseline it is judged against.
+      self.history.append(float(loss))
+    return spike
+
+  def state(self) -> list[float]:
+    return list(self.history)
+
+
+class MetricsLogger:
+  """Writes one JSON line (and TensorBoard scalars) per logged step; primary process only."""
+
+  def __init__(self, workdir: str, *, total_steps: int, start_step: int, tensorboard: bool,
+               progress: bool, enabled: bool):
+    self.enabled = enabled
+    self.path = os.path.join(workdir, METRICS_FILE)
+    self._tb = self._progress = None
+    self._total = total_steps
+    if not enabled:
+      return
+    truncate_after(self.path, start_step)
+    self._file = open(self.path, "a")
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+    if progress and sys.stderr.isatty():
+      from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                 TimeElapsedColumn, TimeRemainingColumn)
+      self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                TextColumn("{task.fields[info]}"))
+      self._progress.start()
+      self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+
+  def write(self, record: dict) -> None:
+    if not self.enabled:
+      return
+    self._file.write(json.dumps(record, sort_keys=True) + "\n")
+    self._file.flush()
+    step = record["step"]
+    if self._tb is not None:
+      for k, v in record.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+          self._tb.add_scalar(k, v, step)
+        elif isinstance(v, list):
+          for i, x in enumerate(v):
+            self._tb.add_scalar(f"{k}/{i}", x, step)
+      self._tb.flush()
+    info = (f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_sec']:.0f} tok/s "
+            f"mfu {100 * record['mfu']:.2f}%")
+    if self._progress is not None:
+      self._progress.update(self._task, completed=step, info=info)
+    else:
+      say(f"step {step}/{self._total} {info}")
+
+  def advance(self, step: int) -> None:
+    if self._progress is not None:
+      self._progress.update(self._task, completed=step)
+
+  def close(self) -> None:
+    if not self.enabled:
+      return
+    if self._progress is not None:
+      self._progress.stop()
+    if self._tb is not None:
+      self._tb.close()
+    self._file.close()
+
+
+def truncate_after(path: str, step: int) -> None:
+  """Drop lines logged after `step` (a run killed past its last checkpoint re-runs those steps)."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = f.readlines()
+  keep = [l for l in lines if l.strip() and json.loads(l).get("step", 0) <= step]
+  if len(keep) != len(lines):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(keep)
+    os.replace(tmp, path)
+
+
+def to_record(step: int, fetched: dict, *, tokens_per_sec: float, mfu: float) -> dict:
+  """Device metrics (already on host) -> one JSON-able metrics line."""
+  rec = {"step": step, "tokens_per_sec": tokens_per_sec, "mfu": mfu}
+  for k, v in fetched.items():
+    v = np.asarray(v)
+    if k == "finite":
+      continue
+    rec[k] = v.tolist() if v.ndim else (int(v) if v.dtype.kind in "iu" else float(v))
+  return rec

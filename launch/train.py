@@ -1,0 +1,41 @@
+"""Pretrain or fine-tune Kimi K2: `python launch/train.py --config=configs/k2.py:tiny --workdir=W`.
+
+Resumes from W's latest checkpoint. `--dry_run` prints parameter counts (and the memory plan for
+`config.topology`) from shapes alone, allocating nothing. Multi-host: set the coordinator flags (or
+let the cluster's environment do it, see BUILD.md) and run the same command on every host.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+config_flags.DEFINE_config_file("config", None, "configs/k2.py:<variant>", lock_config=True)
+flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard events.")
+flags.DEFINE_bool("dry_run", False, "Print params_total/params_activated (+ memory plan) and exit.")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (else K2JAX_COORDINATOR or the cluster).")
+flags.DEFINE_integer("num_processes", None, "Total JAX processes (multi-host).")
+flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  from k2jax.train import dryrun, loop
+  if FLAGS.dry_run:
+    print(dryrun.report(FLAGS.config))
+    return
+  if not FLAGS.workdir:
+    raise app.UsageError("--workdir is required (unless --dry_run)")
+  from k2jax import distributed
+  distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; the loop prints status
+  final = loop.run(FLAGS.config, FLAGS.workdir)
+  print(" ".join(f"{k}={final[k]}" for k in ("step", "loss") if k in final))
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main)
