@@ -21,6 +21,7 @@ setup(
         "tiktoken>=0.9",
         "numpy>=1.26",
         "array_record>=0.7",
+        "pyarrow>=14",
         "sympy>=1.13",
         "rich>=13",
         "tensorboardX>=2.6",
