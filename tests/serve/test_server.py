@@ -200,3 +200,18 @@ def bigram_dir(served, bigram_args, tmp_path_factory):
   path = str(tmp_path_factory.mktemp("bigram_hf"))
   k2jax.save_hf(model_from_state(cfg, state), path)
   return path
+
+
+def test_k2jax_rl_http_client_accepts_our_answers(served):
+  """The RL side's SGLang client (which validates every field) talks to this server unchanged."""
+  from k2jax.rl.engine import GenerateRequest, SamplingParams
+  from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
+
+  client = HttpEngine(HttpEngineConfig(url=served.server.url))
+  assert client.health() and client.model_info()["model_path"]
+  res = client.generate(GenerateRequest("rl-0", (7, 8, 9), SamplingParams(max_new_tokens=5, seed=3)))
+  assert res.completion_tokens == len(res.output_ids) == 5 and res.finish_reason in ("stop", "length")
+  client.update_weights(served.hf_dir, 41)
+  again = client.generate(GenerateRequest("rl-1", (7, 8, 9), SamplingParams(max_new_tokens=5, seed=3)))
+  assert again.weight_versions == (41,) * 5 and again.output_ids == res.output_ids  # same weights, same seed
+  client.flush_cache()
