@@ -10,10 +10,14 @@ MAX_LEN = 1024
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tmp_path_factory):
-  cfg = presets.get("tiny", max_position_embeddings=MAX_LEN)
+def tiny_model():
+  return K2Model(presets.get("tiny", max_position_embeddings=MAX_LEN), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory, tiny_model):
   hf_dir = str(tmp_path_factory.mktemp("agentic_tiny_hf"))
-  k2jax.save_hf(K2Model(cfg, rngs=nnx.Rngs(0)), hf_dir)
+  k2jax.save_hf(tiny_model, hf_dir)
   server = Server(hf_dir, engine_config=EngineConfig(max_slots=8, max_seq_len=MAX_LEN, min_prefill_bucket=64,
                                                      prefix_cache_entries=16), port=0).start()
   yield server

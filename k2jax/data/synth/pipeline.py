@@ -1,0 +1,145 @@
+"""The K2 agentic data-synthesis pipeline, stage by stage (K2 §3.1.1; reference k2-data-and-synthesis §3):
+
+  tools        import MCP specs + evolve synthetic tools (categories -> domains -> tools), deduplicate
+  agents       system prompts with tool subsets
+  tasks        per agent, tasks with rubrics and user personas
+  trajectories simulated user x agent x tool simulator (world state, injected failures/edge cases)
+  sft          LLM judge against the rubric; passing trajectories become SFT records (`sft.jsonl`)
+
+Each stage writes `<stage>.jsonl` and `<stage>.rejected.jsonl` in the output directory and skips units
+already in either, so a rerun resumes where the last one stopped and every decision can be inspected.
+`stats.json` holds per-stage counts and the LLM's call / invalid-output counters.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+
+from k2jax.data.synth import agents as agents_lib
+from k2jax.data.synth import tools as tools_lib
+from k2jax.data.synth.judge import judge
+from k2jax.data.synth.llm import LLM, LLMConfig
+from k2jax.data.synth.store import StageStore, run_units
+from k2jax.data.synth.trajectories import make_trajectory
+
+log = logging.getLogger(__name__)
+STAGES = ("tools", "agents", "tasks", "trajectories", "sft")
+
+
+@dataclasses.dataclass(frozen=True)
+class SynthConfig:
+  llm: LLMConfig
+  mcp_tool_files: tuple[str, ...] = ()
+  categories: tuple[str, ...] = ("financial trading", "software applications", "robot control")
+  domains_per_category: int = 3
+  tools_per_domain: int = 4
+  dedup_threshold: float = 0.8
+  num_agents: int = 8
+  tools_per_agent: int = 4
+  cross_domain_tools: int = 1
+  tasks_per_agent: int = 2
+  max_turns: int = 6
+  p_failure: float = 0.15           # injected tool failures
+  p_edge_case: float = 0.15         # injected edge cases
+  agent_max_tokens: int = 512
+  judge_min_score: float = 7.0
+  default_persona: str = "a busy professional who writes short, direct messages"
+  stages: tuple[str, ...] = STAGES  # run a prefix/subset to stop early; later stages read earlier files
+  workers: int = 8                  # units processed at once (LLM concurrency is LLMConfig.concurrency)
+  seed: int = 0
+
+  def __post_init__(self):
+    bad = [s for s in self.stages if s not in STAGES]
+    if bad:
+      raise ValueError(f"SynthConfig.stages: unknown {bad}; known {STAGES}")
+
+
+def run_synth(cfg: SynthConfig, out_dir: str) -> dict:
+  """Runs the configured stages into `out_dir` (resumable); returns and writes the stats."""
+  llm = LLM(cfg.llm)
+  stats: dict = {s: {} for s in STAGES}
+  with concurrent.futures.ThreadPoolExecutor(cfg.workers, thread_name_prefix="synth") as pool:
+    if "tools" in cfg.stages:
+      _tools(cfg, llm, out_dir, pool, stats["tools"])
+    if "agents" in cfg.stages:
+      _agents(cfg, llm, out_dir, pool, stats["agents"])
+    if "tasks" in cfg.stages:
+      _tasks(cfg, llm, out_dir, pool, stats["tasks"])
+    if "trajectories" in cfg.stages:
+      _trajectories(cfg, llm, out_dir, pool, stats["trajectories"])
+    if "sft" in cfg.stages:
+      _sft(cfg, llm, out_dir, pool, stats["sft"])
+  stats["llm"] = dict(sorted(llm.counts.items()))
+  stats["sft_records"] = len(StageStore(out_dir, "sft").records())
+  with open(os.path.join(out_dir, "stats.json"), "w") as f:
+    json.dump(stats, f, indent=1, sort_keys=True)
+  log.info("synth stats: %s", stats)
+  return stats
+
+
+def _tools(cfg, llm, out, pool, st) -> None:
+  imported = tools_lib.import_mcp(cfg.mcp_tool_files, StageStore(out, "tools_import"))
+  domains = StageStore(out, "domains")
+  run_units([(c, lambda c=c: {"category": c, "domains": tools_lib.evolve_domains(llm, c, cfg.domains_per_category)})
+             for c in cfg.categories], domains, pool, st.setdefault("domains", {}))
+  units = StageStore(out, "tool_units")
+  work = [(f"{r['category']}/{d}", lambda c=r["category"], d=d: _tool_unit(llm, c, d, cfg.tools_per_domain))
+          for r in domains.records() for d in r["domains"]]
+  run_units(work, units, pool, st.setdefault("units", {}))
+  repo, dropped = tools_lib.build_repository(imported, units.records(), cfg.dedup_threshold)
+  _rewrite(os.path.join(out, "tools.jsonl"), repo)
+  st.update(imported=len(imported), synthetic=len(repo) - sum(r["source"] == "mcp" for r in repo),
+            duplicates_dropped=dropped, repository=len(repo))
+
+
+def _tool_unit(llm, category, domain, n) -> dict:
+  tools, invalid = tools_lib.evolve_tools(llm, category, domain, n)
+  return {"category": category, "domain": domain, "tools": tools, "invalid_tools": invalid}
+
+
+def _agents(cfg, llm, out, pool, st) -> None:
+  repo = StageStore(out, "tools").records()
+  st["repository"] = len(repo)
+  if not repo:
+    return
+  work = [(f"agent{i}", lambda i=i: agents_lib.make_agent(
+      llm, agents_lib.pick_tools(repo, i, cfg.seed, cfg.tools_per_agent, cfg.cross_domain_tools)))
+      for i in range(cfg.num_agents)]
+  run_units(work, StageStore(out, "agents"), pool, st)
+
+
+def _tasks(cfg, llm, out, pool, st) -> None:
+  store = StageStore(out, "tasks")
+  work = [(a["id"], lambda a=a: {"agent_id": a["id"], "tasks": agents_lib.make_tasks(llm, a, cfg.tasks_per_agent)})
+          for a in StageStore(out, "agents").records()]
+  run_units(work, store, pool, st)
+  st["tasks"] = sum(len(r["tasks"]) for r in store.records())
+
+
+def _trajectories(cfg, llm, out, pool, st) -> None:
+  agents = {a["id"]: a for a in StageStore(out, "agents").records()}
+  work = []
+  for rec in StageStore(out, "tasks").records():
+    for j, task in enumerate(rec["tasks"]):
+      tid = f"{rec['agent_id']}/task{j}"
+      work.append((tid, lambda t={**task, "id": tid}, a=agents[rec["agent_id"]]: make_trajectory(
+          llm, t, a, seed=cfg.seed, max_turns=cfg.max_turns, p_failure=cfg.p_failure, p_edge=cfg.p_edge_case,
+          agent_max_tokens=cfg.agent_max_tokens, default_persona=cfg.default_persona)))
+  run_units(work, StageStore(out, "trajectories"), pool, st)
+
+
+def _sft(cfg, llm, out, pool, st) -> None:
+  work = [(t["id"], lambda t=t: judge(llm, t, cfg.judge_min_score))
+          for t in StageStore(out, "trajectories").records()]
+  run_units(work, StageStore(out, "sft"), pool, st)
+
+
+def _rewrite(path: str, records: list[dict]) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    for r in records:
+      f.write(json.dumps(r, ensure_ascii=False) + "\n")
+  os.replace(tmp, path)
