@@ -160,7 +160,7 @@ def _sft_tiny(c):
 def get_sweep(name: str) -> list[dict]:
   """Sweeps: a list of runs, each a dict of dotted config keys -> values (absl overrides)."""
   sweeps = {
-      "lr": [{"optim.peak_lr": lr, "optim.final_lr": lr / 10} for lr in (3e-3, 1e-2, 3e-2)],
+      "lr": [{"optim.peak_lr": lr, "optim.final_lr": final} for lr, final in ((3e-3, 3e-4), (1e-2, 1e-3), (3e-2, 3e-3))],
       "bias_rate": [{"optim.bias_update_rate": u} for u in (0.0, 1e-3, 1e-2)],
       "microbatches": [{"data.num_microbatches": k} for k in (1, 2, 4)],
   }

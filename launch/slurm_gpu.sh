@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPU cluster training under SLURM: one JAX process per node (it drives all the node's GPUs).
+#
+#   CONFIG=configs/k2.py:small WORKDIR=/shared/k2small sbatch --nodes=4 launch/slurm_gpu.sh [--config.x=y ...]
+#
+# Process 0's host is the coordinator; every task runs the same train command with its own
+# --process_id. The workdir must be on a filesystem all nodes share. SLURM sends SIGTERM 120 s before
+# the time limit (--signal); JAX's preemption sync turns it into a checkpoint on every host, and a
+# resubmitted job resumes from it.
+#SBATCH --job-name=k2jax
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --signal=TERM@120
+set -euo pipefail
+: "${WORKDIR:?set WORKDIR to a directory shared by all nodes}"
+CONFIG=${CONFIG:-configs/k2.py:small}
+PORT=${PORT:-12355}
+REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(pwd)}}
+coordinator="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):$PORT"
+export CONFIG WORKDIR REPO coordinator
+# Single quotes: SLURM_PROCID is expanded by each task, not here.
+srun --kill-on-bad-exit=1 bash -c 'cd "$REPO" && . .venv/bin/activate && exec python launch/train.py \
+  --config="$CONFIG" --workdir="$WORKDIR" --coordinator_address="$coordinator" \
+  --num_processes="$SLURM_NTASKS" --process_id="$SLURM_PROCID" "$@"' k2jax "$@"
