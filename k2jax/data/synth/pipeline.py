@@ -24,6 +24,7 @@ from k2jax.data.synth.judge import judge
 from k2jax.data.synth.llm import LLM, LLMConfig
 from k2jax.data.synth.store import StageStore, run_units
 from k2jax.data.synth.trajectories import make_trajectory
+from k2jax.rl.transport import RetryPolicy
 
 log = logging.getLogger(__name__)
 STAGES = ("tools", "agents", "tasks", "trajectories", "sft")
@@ -143,3 +144,18 @@ def _rewrite(path: str, records: list[dict]) -> None:
     for r in records:
       f.write(json.dumps(r, ensure_ascii=False) + "\n")
   os.replace(tmp, path)
+
+
+def from_config_dict(c, llm_url: str) -> SynthConfig:
+  """The typed config from configs/synth.py (`llm_url` resolved by the launcher)."""
+  llm = LLMConfig(url=llm_url, model=c.model, api_key=c.api_key or None, temperature=c.temperature,
+                  max_tokens=c.max_tokens, timeout_s=c.timeout_s, concurrency=c.concurrency,
+                  retry=RetryPolicy(max_retries=c.max_retries))
+  return SynthConfig(
+      llm=llm, mcp_tool_files=tuple(c.mcp_tool_files), categories=tuple(c.categories),
+      domains_per_category=c.domains_per_category, tools_per_domain=c.tools_per_domain,
+      dedup_threshold=c.dedup_threshold, num_agents=c.num_agents, tools_per_agent=c.tools_per_agent,
+      cross_domain_tools=c.cross_domain_tools, tasks_per_agent=c.tasks_per_agent, max_turns=c.max_turns,
+      p_failure=c.p_failure, p_edge_case=c.p_edge_case, agent_max_tokens=c.agent_max_tokens,
+      judge_min_score=c.judge_min_score, default_persona=c.default_persona, stages=tuple(c.stages),
+      workers=c.workers, seed=c.seed)
