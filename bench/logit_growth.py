@@ -1,9 +1,9 @@
 """K2 Figure 2 in miniature: max attention logit per step, Muon with and without QK-Clip.
 
-  python bench/logit_growth.py [--steps=300] [--lr=0.03] [--tau=20] [--out=logit_growth.png]
+  python bench/logit_growth.py [--steps=150] [--lr=0.1] [--tau=20] [--out=logit_growth.png]
 
 Trains the tiny preset twice from the same init on the same batches (bundled corpus via
-k2jax.data, seq 128, batch 8) with Muon at an aggressive LR: once with QK-Clip (tau low, default
+k2jax.data, seq 64, batch 8) with Muon at an aggressive LR (0.1, no weight decay): once with QK-Clip (tau low, default
 20) and once without (qk_clip_tau=None). Saves a PNG with the per-step max pre-softmax logit (max
 over layers and heads, the value QK-Clip acts on) and both loss curves, and prints key=value figures.
 A minimal loop on purpose: the real trainer is k2jax/train.
@@ -76,11 +76,11 @@ def plot(path, runs, tau):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--steps", type=int, default=300)
-  ap.add_argument("--lr", type=float, default=0.03)
+  ap.add_argument("--steps", type=int, default=150)
+  ap.add_argument("--lr", type=float, default=0.1)
   ap.add_argument("--tau", type=float, default=20.0)
-  ap.add_argument("--weight_decay", type=float, default=0.1)
-  ap.add_argument("--seq_len", type=int, default=128)
+  ap.add_argument("--weight_decay", type=float, default=0.0)
+  ap.add_argument("--seq_len", type=int, default=64)
   ap.add_argument("--batch_size", type=int, default=8)
   ap.add_argument("--out", default="logit_growth.png")
   args = ap.parse_args()

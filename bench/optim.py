@@ -51,18 +51,19 @@ def optax_muon(lr, params):
 def time_update(opt, params, grads, iters, **extra):
   state = opt.init(params)
 
+  # grads and max logits are arguments, not closure constants (XLA would constant-fold them).
   @jax.jit
-  def step(params, state):
+  def step(params, state, grads, extra):
     updates, state = opt.update(grads, state, params, **extra)
     return optax.apply_updates(params, updates), state
 
-  params, state = jax.block_until_ready(step(params, state))   # compile + warm up
+  params, state = jax.block_until_ready(step(params, state, grads, extra))   # compile + warm up
   times = []
   for _ in range(iters):
     t0 = time.perf_counter()
-    params, state = jax.block_until_ready(step(params, state))
+    params, state = jax.block_until_ready(step(params, state, grads, extra))
     times.append(time.perf_counter() - t0)
-  return float(np.median(times)), step.lower(params, state)
+  return float(np.median(times)), step.lower(params, state, grads, extra)
 
 
 def single_device(cfg, iters):
