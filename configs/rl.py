@@ -33,6 +33,7 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
     c.task.a_min, c.task.a_max = 0, 4
     c.task.b_min, c.task.b_max = 0, 4
     c.task.seed = 0
+    c.task.template = "{a}+{b}="       # prompt text ({a}, {b} = operands)
     c.task.budget = 4                  # total response tokens per sample over all its segments (K2 budget control)
     c.task.truncation_penalty = 0.5    # subtracted from the reward of samples that hit the budget
 

@@ -104,7 +104,8 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_id: int) -> L
     lc = LearnerConfig(
         seed=c.seed, iterations=c.iterations, model=model, init_from=c.model.init_from,
         tokenizer_path=c.tokenizer_path or BUNDLED_TOKENIZER,
-        task=ArithmeticTaskConfig(c.task.a_min, c.task.a_max, c.task.b_min, c.task.b_max, c.task.seed),
+        task=ArithmeticTaskConfig(c.task.a_min, c.task.a_max, c.task.b_min, c.task.b_max, c.task.seed,
+                                  c.task.template),
         rollout=rollout, engine_url=r.engine_url, worker_urls=tuple(u for u in r.worker_urls.split(",") if u),
         engine=EngineConfig(max_slots=c.engine.max_slots, max_seq_len=c.engine.max_seq_len),
         loss=loss, ptx=ptx, warm_start_steps=c.warm_start.steps, warm_start_batch_size=c.warm_start.batch_size,

@@ -1,4 +1,4 @@
-"""A generated verifiable task for RL: digit arithmetic `a+b=` with an exact integer answer.
+"""A generated verifiable task for RL: digit arithmetic (`a+b=` by default) with an exact integer answer.
 
 Prompt i is a pure function of (seed, i), so a resumed run continues the same stream by index. The
 reward is exact match: 1.0 when the response (stop token removed) is exactly the decimal answer and the
@@ -27,10 +27,13 @@ class ArithmeticTaskConfig:
     b_min: int = 0          # second operand range [b_min, b_max]
     b_max: int = 4
     seed: int = 0           # prompt stream seed
+    template: str = "{a}+{b}="  # prompt text; the answer is the decimal a+b
 
     def __post_init__(self):
         if not (0 <= self.a_min <= self.a_max and 0 <= self.b_min <= self.b_max):
             raise ValueError(f"ArithmeticTaskConfig: need 0 <= a_min <= a_max and 0 <= b_min <= b_max, got {self}")
+        if "{a}" not in self.template or "{b}" not in self.template:
+            raise ValueError(f"ArithmeticTaskConfig.template must contain {{a}} and {{b}}, got {self.template!r}")
 
     @property
     def answers(self) -> list[int]:
@@ -73,7 +76,7 @@ class ArithmeticTask:
         return out
 
     def _make(self, prompt_id: str, a: int, b: int) -> Prompt:
-        text = f"{a}+{b}="
+        text = self.config.template.format(a=a, b=b)
         return Prompt(prompt_id, TASK_NAME, tuple(self._encode(text)), text, {"answer": str(a + b)})
 
 
