@@ -20,15 +20,17 @@ import concurrent.futures
 import dataclasses
 import logging
 import zlib
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from k2jax.data.chat import parse_assistant, render_chat
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.rl.engine import Engine, GenerateRequest, RolloutBatch, SamplingParams
-from k2jax.rl.envs.base import Environment
 from k2jax.rl.transport import ServiceError
+
+if TYPE_CHECKING:  # k2jax.rl.envs imports k2jax.agentic: a runtime import here would be circular
+  from k2jax.rl.envs.base import Environment
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k2jax import sharding as sharding_lib
+from k2jax.model import grouped_matmul
 from k2jax.model.config import K2Config
 from k2jax.model.layers import make_param
 
@@ -56,9 +57,17 @@ def sort_by_expert(x_ND, idx_Nk, num_experts: int):
 def expert_ffn(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
   """SwiGLU per contiguous expert group with grouped matmuls."""
   dt = x_MD.dtype
-  g_MF = jax.lax.ragged_dot(x_MD, w_gate_EDF.astype(dt), group_sizes_E)
-  u_MF = jax.lax.ragged_dot(x_MD, w_up_EDF.astype(dt), group_sizes_E)
-  return jax.lax.ragged_dot(jax.nn.silu(g_MF) * u_MF, w_down_EFD.astype(dt), group_sizes_E)
+  g_MF = grouped_dot(x_MD, w_gate_EDF.astype(dt), group_sizes_E)
+  u_MF = grouped_dot(x_MD, w_up_EDF.astype(dt), group_sizes_E)
+  return grouped_dot(jax.nn.silu(g_MF) * u_MF, w_down_EFD.astype(dt), group_sizes_E)
+
+
+def grouped_dot(x_MD, w_EDF, group_sizes_E):
+  """`jax.lax.ragged_dot`, except on CPU where it costs E dense matmuls: there the tiled kernel."""
+  if jax.default_backend() == "cpu":
+    return grouped_matmul.grouped_matmul(x_MD, w_EDF, group_sizes_E,
+                                         grouped_matmul.default_tile(x_MD.shape[0], w_EDF.shape[0]))
+  return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
 
 
 def combine(y_sorted_MD, order_M, weights_Nk, N: int, k: int):

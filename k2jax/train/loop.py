@@ -115,7 +115,7 @@ class _Loop:
   def run(self, state: TrainState, it) -> dict:
     tc = self.tc
     start = int(state.step)
-    self._install_sigterm()
+    previous_handler = self._install_sigterm()
     say(f"MFU peak {self.peak:.3e} FLOP/s per device ({self.peak_source}); "
         f"{self.flops_per_token:.3e} training FLOPs/token")
     self.log = MetricsLogger(self.workdir, total_steps=tc.steps, start_step=start,
@@ -148,6 +148,8 @@ class _Loop:
     finally:
       self.ckpt.close()
       self.log.close()
+      if previous_handler is not None:
+        signal.signal(signal.SIGTERM, previous_handler)
     return dict(self.last, step=step)
 
   def _save(self, step: int, state: TrainState, it) -> None:
@@ -180,7 +182,9 @@ class _Loop:
     with open(os.path.join(self.workdir, f"spikes.process{jax.process_index()}.jsonl"), "a") as f:
       f.write(json.dumps(rec, sort_keys=True, default=str) + "\n")
 
-  def _install_sigterm(self) -> None:
-    """Single-process SIGTERM -> save and stop (multi-host runs use JAX's preemption sync instead)."""
+  def _install_sigterm(self):
+    """Single-process SIGTERM -> save and stop (multi-host runs use JAX's preemption sync instead).
+    Returns the handler it replaced (None when it installed nothing)."""
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      signal.signal(signal.SIGTERM, lambda *_: self._sigterm.set())
+      return signal.signal(signal.SIGTERM, lambda *_: self._sigterm.set())
+    return None

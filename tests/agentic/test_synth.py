@@ -61,7 +61,7 @@ def test_scripted_pipeline_resumes_and_trains(tmp_path, tiny_model):
 
 
 def _train_on(path, model, steps=4):
-  it = make_sft_iter(SFTDataConfig(sources=(SourceSpec(path),), seq_len=1024, batch_size=2, num_packing_bins=4))
+  it = make_sft_iter(SFTDataConfig(sources=(SourceSpec(path),), seq_len=512, batch_size=2, num_packing_bins=4))
   batch = {k: jnp.asarray(v) for k, v in next(it).items()}
   assert int(batch["loss_mask"].sum()) > 0
   opt = muonclip(3e-3, qk_clip_tau=None)

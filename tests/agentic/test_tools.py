@@ -98,7 +98,7 @@ _SPECIAL = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|too
             "functions.send_email:3", '{"city": "x"}', '{"to": 1}', "{", "}", '"', ":", "functions.", "\\u0000"]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.one_of(st.sampled_from(_SPECIAL), st.text(max_size=8)), max_size=24))
 def test_fuzz_parse_turn_text(pieces):
   tok = load_tokenizer()
@@ -106,7 +106,7 @@ def test_fuzz_parse_turn_text(pieces):
   assert all(isinstance(e, ToolError) for e in turn.errors)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(min_value=-5, max_value=5000), max_size=40))
 def test_fuzz_parse_turn_ids(ids):
   tok = load_tokenizer()
@@ -119,7 +119,7 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow
                      max_leaves=12)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.sampled_from(["get_weather", "send_email", "delete_note", "zzz"]),
        st.one_of(_JSON.map(json.dumps), st.text(max_size=30), st.just("[" * 5000)))
 def test_fuzz_validate_call(name, args):
@@ -127,7 +127,7 @@ def test_fuzz_validate_call(name, args):
   assert isinstance(out, ToolError) or isinstance(out.arguments, dict)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.one_of(_JSON, st.lists(st.dictionaries(st.sampled_from(["id", "function", "type"]),
                                                  _JSON | st.fixed_dictionaries(
                                                      {"name": st.text(max_size=10), "arguments": _JSON}),

@@ -51,7 +51,7 @@ class Environment(abc.ABC):
 class ToolEnvironment(Environment):
   """Runs the agent's tool calls through the registry's validation and the guard.
 
-  A turn with calls gets one tool-result message per call (errors included, in call order); a turn
+  A turn with calls gets one tool-result message per call (valid calls first, then errors); a turn
   without calls ends the episode unless the task has scripted user follow-ups left, then
   `score(task, state, final_message)` gives the reward. `max_turns` assistant turns end it too.
   Subclasses give the tools (`registry`, `impls`) and `initial_state` / `score`.

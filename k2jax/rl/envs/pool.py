@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -41,9 +42,12 @@ class _Worker:
     self.config, self.index, self.active = config, index, 0
     self.proc: subprocess.Popen | None = None
     self.url = ""
-    self.start()
 
   def start(self) -> None:
+    self.spawn()
+    self.wait_ready()
+
+  def spawn(self) -> None:
     cmd = [sys.executable, "-m", "k2jax.rl.envs", f"--env={self.config.env}", "--port=0",
            f"--egress_allow={','.join(self.config.egress_allow)}"]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -51,15 +55,22 @@ class _Worker:
            "JAX_PLATFORMS": "cpu"}
     self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                  start_new_session=True, env=env)
+
+  def wait_ready(self) -> None:
     deadline = time.monotonic() + self.config.startup_timeout_s
     line = ""
-    while time.monotonic() < deadline:
+    while True:
+      left = deadline - time.monotonic()
+      if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+        line = f"(no READY line after {self.config.startup_timeout_s}s)"
+        break
       line = self.proc.stdout.readline()
       if line.startswith("READY ") or not line:
         break
     if not line.startswith("READY "):
       self.stop()
-      raise ServiceError(f"env worker {self.index} ({' '.join(cmd)}) did not start: last line {line!r}")
+      raise ServiceError(f"env worker {self.index} ({' '.join(self.proc.args)}) did not start: "
+                         f"last line {line!r}")
     self.url = f"http://127.0.0.1:{int(line.split()[1])}"
 
   def stop(self) -> None:
@@ -78,6 +89,10 @@ class EnvPool:
     self.config = config
     self._lock = threading.Lock()
     self._workers = [_Worker(config, i) for i in range(config.num_workers)]
+    for w in self._workers:          # start all, then wait: start-up (imports) runs in parallel
+      w.spawn()
+    for w in self._workers:
+      w.wait_ready()
     self.restarts = 0
 
   def episode(self) -> "PooledEnvironment":
