@@ -113,3 +113,22 @@ def test_served_tiny_model_many_episodes(tiny_server):
     check_trajectory(traj, engine, f"ep-{i}")
   batch = to_rollout_batch(trajs)
   assert np.isfinite(batch.engine_logprobs_BT).all() and (batch.engine_logprobs_BT <= 0).all()
+
+
+def test_rollout_batch_feeds_the_k2_objective():
+  """The learner's objective sees exactly the generated tokens: with log pi = log pi_old + d on every
+  trained token, L = mean_i (r_i - rbar - tau * d * M)^2 where M counts generated tokens only."""
+  import jax.numpy as jnp
+  from k2jax.rl.algo import K2LossConfig, k2_objective
+  engine, traj = scripted_run(SimToolsEnv)
+  _, traj2 = scripted_run(SimToolsEnv)
+  traj2.reward = 0.0
+  batch = to_rollout_batch([traj, traj2], group_ids=[0, 0])
+  d, M = 0.01, sum(len(t.output_ids) for t in traj.turns)
+  old = jnp.asarray(batch.engine_logprobs_BT)
+  loss, _ = k2_objective(K2LossConfig(tau=1.0), old + d * jnp.asarray(batch.loss_mask_BT), old,
+                         jnp.asarray(batch.loss_mask_BT), jnp.asarray(batch.rewards_B),
+                         jnp.asarray(batch.group_ids_B), num_groups=1)
+  assert M < len(traj.tokens) - traj.prompt_length                # there are masked (tool/user) tokens
+  want = ((0.5 - d * M) ** 2 + (-0.5 - d * M) ** 2) / 2
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
