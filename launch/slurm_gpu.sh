@@ -17,9 +17,11 @@ set -euo pipefail
 CONFIG=${CONFIG:-configs/k2.py:small}
 PORT=${PORT:-12355}
 REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(pwd)}}
-coordinator="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):$PORT"
-export CONFIG WORKDIR REPO coordinator
+PYTHON=${PYTHON:-$REPO/.venv/bin/python}     # the venv BUILD.md creates on the shared filesystem
+# sed (not head) reads all of scontrol's output: no SIGPIPE under pipefail.
+coordinator="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p):$PORT"
+export CONFIG WORKDIR REPO PYTHON coordinator
 # Single quotes: SLURM_PROCID is expanded by each task, not here.
-srun --kill-on-bad-exit=1 bash -c 'cd "$REPO" && . .venv/bin/activate && exec python launch/train.py \
+srun --kill-on-bad-exit=1 bash -c 'cd "$REPO" && exec "$PYTHON" launch/train.py \
   --config="$CONFIG" --workdir="$WORKDIR" --coordinator_address="$coordinator" \
   --num_processes="$SLURM_NTASKS" --process_id="$SLURM_PROCID" "$@"' k2jax "$@"

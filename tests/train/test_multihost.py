@@ -4,6 +4,7 @@ import os
 import socket
 import stat
 import subprocess
+import sys
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_two_processes_train_checkpoint_then_one_resumes(tmp_path):
   env = _util.env(devices=4)
   env.update(PATH=bin_dir + os.pathsep + env["PATH"], SLURM_NTASKS="2", SLURM_JOB_NODELIST="n[1-2]",
              CONFIG=os.path.join(_util.ROOT, "configs/k2.py:tiny"), WORKDIR=workdir, REPO=_util.ROOT,
-             PORT=str(_free_port()))
+             PORT=str(_free_port()), PYTHON=sys.executable)
   args = _util.flags(**{"steps": 4, "checkpoint.every_steps": 2, "log.every_steps": 1})
   p = subprocess.run(["bash", os.path.join(_util.ROOT, "launch/slurm_gpu.sh"), *args], cwd=_util.ROOT,
                      env=env, capture_output=True, text=True, timeout=900)
