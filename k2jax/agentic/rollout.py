@@ -96,7 +96,11 @@ class MultiTurnRunner:
   def run_episode(self, task: Mapping[str, Any], rid: str) -> Trajectory:
     env = self.env_factory()
     try:
-      obs = env.reset(task)
+      try:
+        obs = env.reset(task)
+      except ServiceError as e:   # the environment service failed (a pool restarts it): skip this episode
+        return Trajectory(str(task.get("id", rid)), str(task.get("task", "agentic")), [], [], [], [], 0,
+                          end="env_error", info={"error": str(e)[:500]})
       ids, _ = render_chat(obs["messages"], obs.get("tools"), tokenizer=self.tok, add_generation_prompt=True)
       traj = Trajectory(str(task.get("id", rid)), str(task.get("task", "agentic")), list(ids), [0] * len(ids),
                         [0.0] * len(ids), [-1] * len(ids), len(ids))
