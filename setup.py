@@ -22,6 +22,8 @@ setup(
         "numpy>=1.26",
         "array_record>=0.7",
         "pyarrow>=14",
+        "jsonschema>=4.20",
+        "pyyaml>=6",
         "sympy>=1.13",
         "rich>=13",
         "tensorboardX>=2.6",
