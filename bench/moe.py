@@ -1,0 +1,127 @@
+"""One MoE layer vs a dense SwiGLU of the same activated FLOPs: forward+backward time ratios.
+
+  python bench/moe.py [--reps=3]
+
+The dense baseline has width (num_experts_per_tok + n_shared_experts) * moe_intermediate_size, so
+both sides do the same expert matmul FLOPs per token (the MoE also pays its router, D x E, and the
+sort/dispatch). Both are timed in the same run: on one device, then under each sharding preset on 8
+fake CPU devices (the dense layer sharded by the same preset). Also printed: the EP fixed-size
+all-to-all padding overhead (rows sent / real token copies) and, on one device, `ragged_dot`'s cost
+relative to the grouped-matmul kernel the CPU path uses. Last line: `moe_over_dense=<ratio>` for the
+small width on one device.
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+from k2jax import sharding  # noqa: E402
+from k2jax.model import expert_parallel, grouped_matmul, presets  # noqa: E402
+from k2jax.model.block import MoE  # noqa: E402
+from k2jax.model.layers import SwiGLU  # noqa: E402
+
+SHAPES = {"tiny": (8, 256), "small": (8, 64)}        # (batch, length) per width
+MESHES = {"fsdp": {"fsdp": 8}, "fsdp_ep": {"expert": 8}, "fsdp_ep_tp": {"expert": 4, "tensor": 2}}
+
+
+def build(width: str):
+  """(moe graphdef, state), (dense graphdef, state), x, cotangent; random values from numpy."""
+  cfg = presets.get(width)
+  dense_width = (cfg.num_experts_per_tok + cfg.n_shared_experts) * cfg.moe_intermediate_size
+  moe = nnx.eval_shape(lambda: MoE(cfg, stack=None, rngs=nnx.Rngs(0)))
+  dense = nnx.eval_shape(lambda: SwiGLU(cfg.hidden_size, dense_width, "mlp", stack=None, std=0.02,
+                                        dtype=jnp.float32, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng(0)
+  fill = lambda x: jnp.asarray(0.05 * rng.standard_normal(x.shape), x.dtype)  # noqa: E731
+  B, T = SHAPES[width]
+  x = jnp.asarray(rng.standard_normal((B, T, cfg.hidden_size)), jnp.float32)
+  cot = jnp.asarray(rng.standard_normal((B, T, cfg.hidden_size)), jnp.float32)
+  return [(g, jax.tree.map(fill, s)) for g, s in (nnx.split(moe), nnx.split(dense))], x, cot
+
+
+def _loss(graphdef, state, x, cot, moe: bool):
+  layer = nnx.merge(graphdef, state)
+  out = layer(x, jnp.ones(x.shape[:2], bool))[0] if moe else layer(x)
+  return jnp.sum(out * cot)
+
+
+def time_fwd_bwd(graphdef, state, x, cot, moe: bool, reps: int) -> float:
+  fn = jax.jit(jax.grad(functools.partial(_loss, graphdef, moe=moe), argnums=(0, 1)))
+  jax.block_until_ready(fn(state, x, cot))           # compile + warm-up
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(state, x, cot))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def run_width(width: str, reps: int) -> float:
+  ((moe_g, moe_s), (dense_g, dense_s)), x, cot = build(width)
+  cfg = presets.get(width)
+  t_moe = time_fwd_bwd(moe_g, moe_s, x, cot, True, reps)
+  t_dense = time_fwd_bwd(dense_g, dense_s, x, cot, False, reps)
+  print(f"{width}_1dev_moe_ms={1e3 * t_moe:.2f}")
+  print(f"{width}_1dev_dense_ms={1e3 * t_dense:.2f}")
+  ratio_1dev = t_moe / t_dense
+  print(f"{width}_1dev_moe_over_dense={ratio_1dev:.3f}")
+  for preset, mesh_shape in MESHES.items():
+    mesh = sharding.make_mesh(mesh_shape)
+    place = lambda s: jax.device_put(s, sharding.param_shardings(s, mesh, preset))  # noqa: E731
+    xs = jax.device_put((x, cot), NamedSharding(mesh, sharding.logical_to_spec(
+        ("act_batch", None, None), preset)))
+    with sharding.use(mesh, preset):
+      t_moe = time_fwd_bwd(moe_g, place(moe_s), *xs, True, reps)
+      t_dense = time_fwd_bwd(dense_g, place(dense_s), *xs, False, reps)
+      ctx = sharding.current()
+    print(f"{width}_{preset}_8dev_moe_over_dense={t_moe / t_dense:.3f}")
+    if ctx.axis_size("experts") > 1:
+      overhead = expert_parallel.expected_padding_overhead(cfg, ctx, x.shape[0] * x.shape[1])
+      print(f"{width}_{preset}_8dev_a2a_padding_overhead={overhead:.2f}")
+  return ratio_1dev
+
+
+def ragged_dot_over_kernel(reps: int) -> float:
+  """fwd+bwd of one grouped matmul at the small width (1024 rows): ragged_dot over the kernel."""
+  cfg = presets.get("small")
+  E, D, F, M = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, 1024
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((M, D)), jnp.float32)
+  w = jnp.asarray(0.05 * rng.standard_normal((E, D, F)), jnp.float32)
+  sizes = jnp.asarray(np.bincount(rng.integers(0, E, M), minlength=E), jnp.int32)
+  tile = grouped_matmul.default_tile(M, E)
+  out = {}
+  for name, mm in (("ragged_dot", jax.lax.ragged_dot),
+                   ("kernel", lambda a, b, s: grouped_matmul.grouped_matmul(a, b, s, tile))):
+    fn = jax.jit(jax.grad(lambda a, b, mm=mm: jnp.sum(mm(a, b, sizes) ** 2), argnums=(0, 1)))
+    jax.block_until_ready(fn(x, w))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+      jax.block_until_ready(fn(x, w))
+    out[name] = (time.perf_counter() - t0) / reps
+  return out["ragged_dot"] / out["kernel"]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--reps", type=int, default=3)
+  args = parser.parse_args()
+  print(f"backend={jax.default_backend()} devices={jax.device_count()}")
+  if jax.default_backend() == "cpu":
+    print(f"small_ragged_dot_over_cpu_kernel={ragged_dot_over_kernel(args.reps):.2f}")
+  ratios = {width: run_width(width, args.reps) for width in SHAPES}
+  print(f"moe_over_dense={ratios['small']:.3f}")
+
+
+if __name__ == "__main__":
+  main()
