@@ -2,15 +2,15 @@
 
   python launch/rl.py --config=configs/rl.py:tiny --workdir=/tmp/rl_tiny
   python launch/rl.py --config=configs/rl.py:tiny --workdir=/tmp/rl_tiny \
-      --config.rollout.engine_url=http://127.0.0.1:30000      # SGLang (or launch/serve.py) instead
+      --config.rollout.engine_url=http://127.0.0.1:30000      # an SGLang server instead
 
 With no `rollout.engine_url` the embedded k2jax engine runs in-process. With a URL, the server must
 see `sync.root` at the same path (shared filesystem) and serve the same architecture; the learner
 pushes its full weights once at start, then only changed tensors after every update.
 
-`tiny` trains the tiny model from scratch on `a+b=` (a, b in 0..4): a format-only warm start (random
-answers: teaches "digits then [EOS]", nothing about which digit) leaves it at chance (~1/9), then RL
-with the exact-match reward alone raises the reward (see BUILD.md for measured figures).
+`tiny` trains the tiny model from scratch on "1+b" (b in 0..8; the answer is the digit that follows b):
+a format-only warm start (random answers: teaches "digit then [EOS]", nothing about which digit) leaves it
+at chance (~1/9), then RL with the exact-match reward alone raises the reward (BUILD.md has the figures).
 """
 from ml_collections import config_dict
 
@@ -30,10 +30,10 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
     c.model.compute_dtype = "float32"
 
     c.task = config_dict.ConfigDict()  # generated `a+b=` prompts, exact-match reward (k2jax/rl/tasks.py)
-    c.task.a_min, c.task.a_max = 0, 4
-    c.task.b_min, c.task.b_max = 0, 4
+    c.task.a_min, c.task.a_max = 1, 1   # "1+b": the digit that follows b
+    c.task.b_min, c.task.b_max = 0, 8
     c.task.seed = 0
-    c.task.template = "{a}+{b}="       # prompt text ({a}, {b} = operands)
+    c.task.template = "{a}+{b}"        # prompt text ({a}, {b} = operands); ends on b so a tiny model reads it
     c.task.budget = 4                  # total response tokens per sample over all its segments (K2 budget control)
     c.task.truncation_penalty = 0.5    # subtracted from the reward of samples that hit the budget
 
@@ -41,8 +41,8 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
     c.rollout.engine_url = ""          # "" = embedded engine in-process; else an SGLang /generate server
     c.rollout.worker_urls = ""         # with a router as engine_url: its workers, comma-separated (updates, aborts)
     c.rollout.group_size = 8           # K responses per prompt
-    c.rollout.target_groups = 8        # complete groups per train batch
-    c.rollout.launch_groups = 10       # groups in flight (over-sampling; the slowest are aborted)
+    c.rollout.target_groups = 16       # complete groups per train batch
+    c.rollout.launch_groups = 20       # groups in flight (over-sampling; the slowest are aborted)
     c.rollout.partial_rollout = True   # aborted samples resume next iteration (K1.5 partial rollouts)
     c.rollout.max_staleness = 2        # resumed tokens at most this many weight versions old
     c.rollout.temperature = 1.0        # initial sampling temperature ...
@@ -58,7 +58,7 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
     c.loss = config_dict.ConfigDict()  # k2jax.rl.algo.K2LossConfig
     c.loss.tau = 1.0                   # regulariser tau of the K2 objective
     c.loss.old_logprobs = "trainer"    # pi_old: "trainer" (recomputed) or "engine" (sampling logprobs)
-    c.loss.ptx_coef = 0.02             # weight of the PTX NLL on the curated set (0 disables PTX)
+    c.loss.ptx_coef = 0.002            # weight of the PTX NLL on the curated set (0 disables PTX)
 
     c.ptx = config_dict.ConfigDict()   # k2jax.rl.ptx.PTXConfig
     c.ptx.source = "bundled"           # jsonl of {"messages"} or {"text"} records; "bundled" = offline corpus
@@ -67,12 +67,12 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
     c.ptx.seq_len = 32
 
     c.warm_start = config_dict.ConfigDict()  # format-only SFT before RL (random answers; see tasks.py)
-    c.warm_start.steps = 30            # 0 disables
+    c.warm_start.steps = 20            # 0 disables
     c.warm_start.batch_size = 32
     c.warm_start.lr = 0.01
 
     c.optim = config_dict.ConfigDict()  # MuonClip (k2jax.optim.muonclip)
-    c.optim.lr = 0.005                 # constant RL learning rate
+    c.optim.lr = 0.003                 # constant RL learning rate
     c.optim.weight_decay = 0.0
     c.optim.momentum = 0.95
     c.optim.qk_clip_tau = 100.0        # QK-Clip threshold on the forward's max logits (0 disables)

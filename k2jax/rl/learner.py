@@ -276,7 +276,8 @@ class Learner:
                                                    vocab_size=lc.model.vocab_size, version=version)
         s = self.state
         old_BT = select_old_logprobs(lc.loss, arrays["engine_logprobs_BT"],
-                                     lambda: self.logprobs_fn(s.params, s.bias, arrays))
+                                     lambda: self.logprobs_fn(s.params, s.bias, arrays["tokens_BT"],
+                                                              arrays["segment_ids_BT"]))
         ptx = None
         for u in range(lc.updates_per_batch):
             if self.ptx is not None:

@@ -1,6 +1,6 @@
 """Pure RL train-step functions over `k2jax.train.step.TrainState`; the learner jits them.
 
-  logprobs_fn(params, bias, batch) -> logprobs_BT             pi_old recomputed by the trainer
+  logprobs_fn(params, bias, tokens_BT, segment_ids_BT) -> logprobs_BT   pi_old recomputed by the trainer
   rl_step(state, batch, old_logprobs_BT, ptx) -> (state, m)   K2 objective (+ PTX), one MuonClip update
   sft_step(state, tokens_BT, segment_ids_BT, mask_BT) -> (state, m)   NLL (warm start)
 
@@ -29,8 +29,8 @@ def forward_logprobs(mdef: ModelDef, params: dict, bias: dict, tokens_BT, segmen
 
 
 def make_logprobs_fn(mdef: ModelDef) -> Callable:
-    def logprobs_fn(params, bias, batch):
-        return forward_logprobs(mdef, params, bias, batch["tokens_BT"], batch["segment_ids_BT"])[0]
+    def logprobs_fn(params, bias, tokens_BT, segment_ids_BT):
+        return forward_logprobs(mdef, params, bias, tokens_BT, segment_ids_BT)[0]
     return logprobs_fn
 
 
