@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k2jax import sharding as sharding_lib
-from k2jax.model import K2Config, K2Model
+from k2jax.model import K2Config, K2Model, expert_parallel
+from k2jax.optim import QKClipSpec, muonclip, path_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +65,6 @@ def plan(model_cfg: K2Config, mesh_shape, rules_preset: str, batch_per_device_to
   Returns a dict of ints (bytes per device, parameter counts) plus `fits` (bool or None when no
   device memory is known).
   """
-  from k2jax.optim import QKClipSpec, muonclip, path_name  # noqa: PLC0415 (optional dependency)
-
   topo = TOPOLOGIES[topology] if topology is not None else None
   n_dev = num_devices or (topo.num_devices if topo else jax.device_count())
   mem = device_memory_bytes or (topo.device_memory_bytes if topo else None)
@@ -117,8 +116,6 @@ def activation_bytes(cfg: K2Config, sizes: Mapping[str, int], preset: str, token
   (batched dots); 'full' keeps only each layer's input (c*D) plus one layer recomputed in backward.
   Plus the float32 logits and their gradient (2 * 4 * S per token).
   """
-  from k2jax.model import expert_parallel  # noqa: PLC0415
-
   c = jnp.dtype(cfg.compute_dtype).itemsize
   tp = lambda logical: math.prod(  # noqa: E731
       sizes[a] for a in (sharding_lib.rules(preset)[logical] or ()))

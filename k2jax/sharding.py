@@ -254,6 +254,8 @@ _CTX: contextvars.ContextVar[Context | None] = contextvars.ContextVar("k2jax_sha
 def use(mesh: Mesh, preset: str):
   """Makes (mesh, preset) active for tracing (`constrain`, the MoE dispatch) and `jax.set_mesh`."""
   rules(preset)
+  if tuple(mesh.axis_names) != MESH_AXES:
+    raise ShardingError(f"mesh axes {tuple(mesh.axis_names)} are not {MESH_AXES}; build it with make_mesh")
   token = _CTX.set(Context(mesh, preset))
   try:
     with jax.set_mesh(mesh):

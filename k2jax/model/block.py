@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from k2jax import sharding as sharding_lib
 from k2jax.model.config import K2Config
 from k2jax.model.experts import Experts
 from k2jax.model.layers import RMSNorm, SwiGLU
@@ -24,7 +25,8 @@ class MoE(nnx.Module):
   def __call__(self, x_BTD, token_valid_BT):
     """Returns (out [B,T,D], expert token counts [E] int32 over valid tokens)."""
     B, T, D = x_BTD.shape
-    x_ND = x_BTD.reshape(B * T, D)
+    # Tokens stay sharded over the batch axes through routing and into the EP dispatch.
+    x_ND = sharding_lib.constrain(x_BTD.reshape(B * T, D), ("act_batch", "act_embed"))
     w_Nk, idx_Nk = self.router(x_ND)
     y_ND = self.experts(x_ND, w_Nk, idx_Nk)
     E = self.router.w.value.shape[-1]
