@@ -30,7 +30,9 @@ from k2jax.model import expert_parallel, grouped_matmul, presets  # noqa: E402
 from k2jax.model.block import MoE  # noqa: E402
 from k2jax.model.layers import SwiGLU  # noqa: E402
 
-SHAPES = {"tiny": (8, 256), "small": (8, 64)}        # (batch, length) per width
+# (batch, length) per width: 2048 tokens -> 512 (tiny) / 256 (small) token copies per expert. Fewer
+# rows per expert make the MoE weight-bandwidth bound (E x the dense layer's weights and weight grads).
+SHAPES = {"tiny": (8, 256), "small": (8, 256)}
 MESHES = {"fsdp": {"fsdp": 8}, "fsdp_ep": {"expert": 8}, "fsdp_ep_tp": {"expert": 4, "tensor": 2}}
 
 

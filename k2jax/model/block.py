@@ -29,7 +29,7 @@ class MoE(nnx.Module):
     x_ND = sharding_lib.constrain(x_BTD.reshape(B * T, D), ("act_batch", "act_embed"))
     w_Nk, idx_Nk = self.router(x_ND)
     y_ND = self.experts(x_ND, w_Nk, idx_Nk)
-    E = self.router.w.value.shape[-1]
+    E = self.router.w.get_value().shape[-1]
     valid_N = token_valid_BT.reshape(-1).astype(jnp.int32)
     counts_E = jnp.zeros((E,), jnp.int32).at[idx_Nk.reshape(-1)].add(jnp.repeat(valid_N, idx_Nk.shape[1]))
     out_BTD = y_ND.reshape(B, T, D)
