@@ -12,7 +12,7 @@ from k2jax.model import K2Model, presets
 from k2jax.optim import QKClipSpec, muonclip
 from k2jax.train.step import ModelDef, accumulate_grads, init_state, make_train_step, update_bias
 
-CFG = presets.get("tiny")
+CFG = presets.get("tiny", num_hidden_layers=2)   # one dense + one MoE layer: half the compile
 
 
 def _batch(rows=8, seq_len=32):
