@@ -107,6 +107,24 @@ def test_resume_restores_state(run, tmp_path):
         again.close()
 
 
+def test_engine_logprobs_match_trainer(run):
+    """loss.old_logprobs='engine' is sound here: the engine's sampling logprobs (temperature 1) equal the
+    trainer's recomputation on every token sampled with the current weights."""
+    learner, _, _ = run
+    lc = learner.lc
+    batch, _ = learner.manager.collect(learner.sync.version)
+    arrays, dropped = batching.to_train_arrays(batch, rows=lc.rows, seq_len=lc.seq_len,
+                                               vocab_size=lc.model.vocab_size, version=learner.sync.version)
+    assert not dropped
+    lp = np.asarray(learner.logprobs_fn(learner.state.params, learner.state.bias, arrays["tokens_BT"],
+                                        arrays["segment_ids_BT"]))
+    versions = np.full(arrays["tokens_BT"].shape, -1)
+    versions[:len(batch.rewards_B), :batch.tokens_BT.shape[1]] = batch.weight_versions_BT[:, :lc.seq_len]
+    current = (arrays["loss_mask_BT"] > 0) & (versions == learner.sync.version)
+    assert current.sum() > lc.rows  # most tokens are fresh (a few resume from the previous version)
+    np.testing.assert_allclose(lp[current], arrays["engine_logprobs_BT"][current], atol=2e-4)
+
+
 def test_engine_url_switch(run):
     """One flag picks an HTTP engine (SGLang); with worker URLs, a router client that controls each worker."""
     learner, workdir, _ = run
