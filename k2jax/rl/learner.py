@@ -279,7 +279,7 @@ class Learner:
                                      lambda: self.logprobs_fn(s.params, s.bias, arrays["tokens_BT"],
                                                               arrays["segment_ids_BT"]))
         ptx = None
-        for u in range(lc.updates_per_batch):
+        for _ in range(lc.updates_per_batch):
             if self.ptx is not None:
                 ptx = self.ptx.batch(int(self.state.step))
             self.state, metrics = self.rl_step(self.state, arrays, old_BT, ptx)
