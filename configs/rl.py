@@ -29,7 +29,9 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
     c.model.param_dtype = "float32"    # master weights
     c.model.compute_dtype = "float32"  # matmuls/activations ("bfloat16" on accelerators)
 
-    c.task = config_dict.ConfigDict()  # generated `a+b=` prompts, exact-match reward (k2jax/rl/tasks.py)
+    c.task = config_dict.ConfigDict()  # k2jax/rl/tasks.py
+    c.task.kind = "arith"              # "arith": generated a+b, exact match; "math_jsonl": task.path, \boxed{} reward
+    c.task.path = ""                   # math_jsonl: {"question", "answer"} records (chat-templated prompts)
     c.task.a_min, c.task.a_max = 1, 1   # "1+b": the digit that follows b
     c.task.b_min, c.task.b_max = 0, 8
     c.task.seed = 0                    # prompt stream (prompt i is a function of (seed, i))

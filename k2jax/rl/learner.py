@@ -41,9 +41,9 @@ from k2jax.rl.engines.embedded import EmbeddedEngine
 from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
 from k2jax.rl.engines.routed import RoutedEngine
 from k2jax.rl.ptx import PTXConfig, PTXSet
-from k2jax.rl.rewards.base import per_sample
+from k2jax.rl.rewards.base import Completion, per_sample
 from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
-from k2jax.rl.tasks import TASK_NAME, ArithmeticTask, ArithmeticTaskConfig, exact_answer_reward, strip_stop
+from k2jax.rl.tasks import TASK_NAME, ArithmeticTask, ArithmeticTaskConfig, MathJsonlTask, strip_stop
 from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
 from k2jax.serve.engine import EngineConfig
 from k2jax.train.checkpoint import merge_dicts, split_dict
@@ -61,6 +61,8 @@ class LearnerConfig:
     model: K2Config
     init_from: str
     tokenizer_path: str
+    task_kind: str
+    task_path: str
     task: ArithmeticTaskConfig
     rollout: RolloutConfig
     engine_url: str
@@ -89,21 +91,25 @@ class LearnerConfig:
         return self.rollout.target_groups * self.rollout.group_size
 
 
-def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_id: int) -> LearnerConfig:
+TASK_NAMES = {"arith": TASK_NAME, "math_jsonl": MathJsonlTask.name}  # task.kind -> budget key
+
+
+def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[int, ...]) -> LearnerConfig:
     """ConfigDict -> LearnerConfig (the one boundary); errors name the config key."""
     model = _model_config(c.model)
     r = c.rollout
     rollout = RolloutConfig(
         group_size=r.group_size, target_groups=r.target_groups, launch_groups=r.launch_groups,
         partial_rollout=r.partial_rollout, max_staleness=r.max_staleness,
-        task_budgets=((TASK_NAME, c.task.budget),), truncation_penalty=c.task.truncation_penalty,
+        task_budgets=((TASK_NAMES.get(c.task.kind, c.task.kind), c.task.budget),),
+        truncation_penalty=c.task.truncation_penalty,
         temperature=TemperatureSchedule(r.temperature, r.temperature_final, r.temperature_half_life),
-        top_p=r.top_p, stop_token_ids=(stop_id,), max_concurrency=r.max_concurrency)
+        top_p=r.top_p, stop_token_ids=tuple(stop_ids), max_concurrency=r.max_concurrency)
     loss = K2LossConfig(tau=c.loss.tau, ptx_coef=c.loss.ptx_coef, old_logprobs=c.loss.old_logprobs)
     ptx = PTXConfig(c.ptx.source, c.ptx.num_samples, c.ptx.batch_size, c.ptx.seq_len) if loss.ptx_coef > 0 else None
     lc = LearnerConfig(
         seed=c.seed, iterations=c.iterations, model=model, init_from=c.model.init_from,
-        tokenizer_path=c.tokenizer_path or BUNDLED_TOKENIZER,
+        tokenizer_path=c.tokenizer_path or BUNDLED_TOKENIZER, task_kind=c.task.kind, task_path=c.task.path,
         task=ArithmeticTaskConfig(c.task.a_min, c.task.a_max, c.task.b_min, c.task.b_max, c.task.seed,
                                   c.task.template),
         rollout=rollout, engine_url=r.engine_url, worker_urls=tuple(u for u in r.worker_urls.split(",") if u),
@@ -117,6 +123,9 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_id: int) -> L
         checkpoint_every=c.checkpoint.every, checkpoint_keep=c.checkpoint.keep,
         tensorboard=c.log.tensorboard, eval_every=c.eval.every)
     for key, ok in (("iterations", lc.iterations >= 1), ("optim.lr", lc.lr > 0),
+                    ("task.kind", lc.task_kind in TASK_NAMES), ("task.path", lc.task_kind != "math_jsonl"
+                                                                 or os.path.isfile(lc.task_path)),
+                    ("warm_start.steps", lc.task_kind == "arith" or lc.warm_start_steps == 0),
                     ("optim.updates_per_batch", lc.updates_per_batch >= 1),
                     ("warm_start.steps", lc.warm_start_steps >= 0), ("checkpoint.every", lc.checkpoint_every >= 1),
                     ("train.seq_len", 2 <= lc.seq_len <= model.max_position_embeddings),
@@ -142,12 +151,15 @@ def _model_config(m: config_dict.ConfigDict) -> K2Config:
 def run(config: config_dict.ConfigDict, workdir: str) -> dict:
     """RL-train per `config` in `workdir`, resuming from its latest checkpoint. Returns the last metrics."""
     tok = load_tokenizer(config.tokenizer_path or BUNDLED_TOKENIZER)
-    lc = from_config_dict(config, workdir, tok.eos_id)
+    # A chat-templated task also ends an answer at the end of the assistant turn.
+    stop_ids = (tok.eos_id,) if config.task.kind == "arith" else (tok.eos_id, tok.special_ids["<|im_end|>"])
+    lc = from_config_dict(config, workdir, stop_ids)
     if tok.vocab_size != lc.model.vocab_size:
         raise ConfigError(f"tokenizer_path: {tok.path} has {tok.vocab_size} tokens, the model's vocab_size is "
                           f"{lc.model.vocab_size}")
-    learner = Learner(lc, workdir, ArithmeticTask(lc.task, tok.encode, tok.eos_id),
-                      strip_stop(tok.decode, lc.rollout.stop_token_ids))
+    task = (ArithmeticTask(lc.task, tok.encode, tok.eos_id) if lc.task_kind == "arith"
+            else MathJsonlTask(lc.task_path, tok))
+    learner = Learner(lc, workdir, task, strip_stop(tok.decode, lc.rollout.stop_token_ids))
     try:
         return learner.train()
     finally:
@@ -170,7 +182,8 @@ def make_engine(lc: LearnerConfig, state: TrainState, decode) -> Engine:
 class Learner:
     """Holds the train state, the engine, the rollout manager and the weight sync for one run."""
 
-    def __init__(self, lc: LearnerConfig, workdir: str, task: ArithmeticTask, decode, engine: Engine | None = None):
+    def __init__(self, lc: LearnerConfig, workdir: str, task: ArithmeticTask | MathJsonlTask, decode,
+                 engine: Engine | None = None):
         self.lc, self.workdir, self.task, self.decode = lc, os.path.abspath(workdir), task, decode
         # Model and optimizer: warm-start LR for the first warm_start_steps updates, then the RL LR.
         self.schedule = optax.join_schedules([optax.constant_schedule(lc.warm_start_lr),
@@ -202,7 +215,7 @@ class Learner:
         self.engine = engine or make_engine(lc, self.state, decode)
         self.sync = WeightSync(lc.sync, self.engine, initial_version=self.meta["weight_version"])
         self.manager = RolloutManager(lc.rollout, self.engine, self._prompts(self.meta["prompts_drawn"]),
-                                      per_sample(exact_answer_reward), decode=decode)
+                                      per_sample(task.reward), decode=decode)
         self.log = MetricsLogger(self.workdir, total_steps=lc.iterations, start_step=self.meta["iteration"],
                                  tensorboard=lc.tensorboard, progress=False, enabled=True)
         self.peak = measure_peak_flops(lc.model.compute_dtype)
@@ -335,14 +348,15 @@ class Learner:
     def evaluate(self) -> float:
         """Greedy exact-match accuracy over every distinct prompt of the task, through the engine."""
         prompts = self.task.all_prompts()
-        budget = self.lc.rollout.budget(TASK_NAME)
+        budget = self.lc.rollout.budget(self.task.name)
         sampling = SamplingParams(max_new_tokens=budget, temperature=0.0, stop_token_ids=self.lc.rollout.stop_token_ids)
 
         def one(i_p):
             i, p = i_p
             res = self.engine.generate(GenerateRequest(f"eval/{self.meta['iteration']}/{i}", p.input_ids, sampling))
             text = self.decode(res.output_ids) if self.decode else (res.text or "")
-            return res.finish_reason == "stop" and text.strip() == p.data["answer"]
+            done = Completion(res.output_ids, text, res.finish_reason, res.finish_reason == "length")
+            return self.task.reward(p, done).reward == 1.0
 
         with concurrent.futures.ThreadPoolExecutor(min(len(prompts), 64)) as pool:
             return float(np.mean(list(pool.map(one, enumerate(prompts)))))

@@ -1,4 +1,8 @@
-"""A generated verifiable task for RL: digit arithmetic (`a+b=` by default) with an exact integer answer.
+"""RL tasks: prompts plus the reward that verifies them. Each task has `name` (selects the token budget),
+`prompts(start)` (an endless stream, resumable by index), `all_prompts()` (for greedy evaluation),
+`reward(prompt, completion)` and `format_examples` (warm start; the arithmetic task only).
+
+`ArithmeticTask` generates digit arithmetic (`a+b=` by default) with an exact integer answer.
 
 Prompt i is a pure function of (seed, i), so a resumed run continues the same stream by index. The
 reward is exact match: 1.0 when the response (stop token removed) is exactly the decimal answer and the
@@ -11,11 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from k2jax.data.chat import render_chat
+from k2jax.data.tokenizer import Tokenizer
 from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
+from k2jax.rl.rewards.math import math_reward
 
 TASK_NAME = "arith"
 
@@ -42,6 +50,8 @@ class ArithmeticTaskConfig:
 
 class ArithmeticTask:
     """Prompts, the exact-match reward and format-only warm-start examples for `a+b=`."""
+
+    name = TASK_NAME
 
     def __init__(self, config: ArithmeticTaskConfig, encode: Callable[[str], list[int]], stop_id: int):
         self.config = config
@@ -78,6 +88,67 @@ class ArithmeticTask:
     def _make(self, prompt_id: str, a: int, b: int) -> Prompt:
         text = self.config.template.format(a=a, b=b)
         return Prompt(prompt_id, TASK_NAME, tuple(self._encode(text)), text, {"answer": str(a + b)})
+
+    @staticmethod
+    def reward(prompt: Prompt, completion: Completion) -> RewardResult:
+        return exact_answer_reward(prompt, completion)
+
+
+class MathJsonlTask:
+    """Math problems from a jsonl file of `{"question", "answer"}` records (optional `id`, `system`).
+
+    Each question is rendered as a K2 chat user turn followed by the assistant generation prompt; the
+    reward is `rewards.math.math_reward` (the last \\boxed{} answer against `answer`). The stream cycles
+    through the file in order; `all_prompts` (greedy evaluation) is the first `eval_size` records.
+    """
+
+    name = "math"
+
+    def __init__(self, path: str, tokenizer: Tokenizer, eval_size: int = 64):
+        self._records = _read_math_records(path)
+        self._tok = tokenizer
+        self._eval_size = eval_size
+
+    def prompt(self, index: int) -> Prompt:
+        i = index % len(self._records)
+        r = self._records[i]
+        messages = ([{"role": "system", "content": r["system"]}] if r.get("system") else []) + [
+            {"role": "user", "content": r["question"]}]
+        ids, _ = render_chat(messages, tokenizer=self._tok, add_generation_prompt=True)
+        return Prompt(f"{self.name}/{r.get('id', i)}/{index}", self.name, tuple(ids), r["question"],
+                      {"answer": str(r["answer"])})
+
+    def prompts(self, start: int = 0) -> Iterator[Prompt]:
+        return (self.prompt(i) for i in itertools.count(start))
+
+    def all_prompts(self) -> list[Prompt]:
+        return [self.prompt(i) for i in range(min(self._eval_size, len(self._records)))]
+
+    def format_examples(self, n: int, rng: np.random.Generator):
+        raise ValueError("the math task has no format warm start: set warm_start.steps=0 (start from an SFT "
+                         "model with model.init_from)")
+
+    @staticmethod
+    def reward(prompt: Prompt, completion: Completion) -> RewardResult:
+        return math_reward(prompt, completion)
+
+
+def _read_math_records(path: str) -> list[dict]:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not JSON ({e})") from e
+            if not isinstance(r, dict) or not isinstance(r.get("question"), str) or "answer" not in r:
+                raise ValueError(f"{path}:{line_no}: a math record needs a string 'question' and an 'answer'")
+            records.append(r)
+    if not records:
+        raise ValueError(f"{path}: no records")
+    return records
 
 
 def exact_answer_reward(prompt: Prompt, completion: Completion) -> RewardResult:

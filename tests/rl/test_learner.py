@@ -47,7 +47,7 @@ def _config(**overrides):
 
 def _learner(config, workdir):
     tok = load_tokenizer()
-    lc = from_config_dict(config, str(workdir), tok.eos_id)
+    lc = from_config_dict(config, str(workdir), (tok.eos_id,))
     task = ArithmeticTask(lc.task, tok.encode, tok.eos_id)
     return Learner(lc, str(workdir), task, strip_stop(tok.decode, lc.rollout.stop_token_ids))
 
@@ -129,11 +129,11 @@ def test_engine_url_switch(run):
     """One flag picks an HTTP engine (SGLang); with worker URLs, a router client that controls each worker."""
     learner, workdir, _ = run
     with FakeSglangServer(learner.engine) as server:
-        lc = from_config_dict(_config(**{"rollout.engine_url": server.url}), str(workdir), 3841)
+        lc = from_config_dict(_config(**{"rollout.engine_url": server.url}), str(workdir), (3841,))
         engine = make_engine(lc, learner.state, learner.decode)
         assert isinstance(engine, HttpEngine)
         lc = from_config_dict(_config(**{"rollout.engine_url": server.url, "rollout.worker_urls":
-                                         f"{server.url},{server.url}"}), str(workdir), 3841)
+                                         f"{server.url},{server.url}"}), str(workdir), (3841,))
         routed = make_engine(lc, learner.state, learner.decode)
         assert isinstance(routed, RoutedEngine) and len(routed.workers) == 2
         prompt = learner.task.prompt(0)

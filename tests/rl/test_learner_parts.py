@@ -13,7 +13,7 @@ from k2jax.rl.engine import RolloutBatch
 from k2jax.rl.learner import from_config_dict
 from k2jax.rl.ptx import PTXConfig, PTXSet
 from k2jax.rl.rewards.base import Completion
-from k2jax.rl.tasks import ArithmeticTask, ArithmeticTaskConfig, exact_answer_reward
+from k2jax.rl.tasks import ArithmeticTask, ArithmeticTaskConfig, MathJsonlTask, exact_answer_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("rl_config_file", os.path.join(ROOT, "configs", "rl.py"))
@@ -31,21 +31,24 @@ def _config(**overrides):
 
 
 def test_config_boundary(tmp_path):
-    lc = from_config_dict(_config(), str(tmp_path), stop_id=3841)
+    lc = from_config_dict(_config(), str(tmp_path), (3841,))
     assert lc.rows == 128 and lc.rollout.stop_token_ids == (3841,) and lc.engine_url == ""
     assert lc.sync.root == os.path.join(str(tmp_path), "weights") and lc.ptx is not None
-    assert from_config_dict(_config(**{"loss.ptx_coef": 0.0}), str(tmp_path), 1).ptx is None
+    assert from_config_dict(_config(**{"loss.ptx_coef": 0.0}), str(tmp_path), (1,)).ptx is None
     for overrides, key in (({"rollout.engine_url": "ftp://x"}, "rollout.engine_url"),
                            ({"rollout.worker_urls": "http://a:1"}, "rollout.worker_urls"),
                            ({"train.seq_len": 100000}, "train.seq_len"),
                            ({"optim.updates_per_batch": 0}, "optim.updates_per_batch"),
-                           ({"model.init_from": str(tmp_path / "nothing")}, "model.init_from")):
+                           ({"model.init_from": str(tmp_path / "nothing")}, "model.init_from"),
+                           ({"task.kind": "chess"}, "task.kind"),
+                           ({"task.kind": "math_jsonl", "task.path": "/nope.jsonl"}, "task.path"),
+                           ({"task.kind": "math_jsonl", "task.path": __file__}, "warm_start.steps")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            from_config_dict(_config(**overrides), str(tmp_path), 1)
+            from_config_dict(_config(**overrides), str(tmp_path), (1,))
     with pytest.raises(ValueError, match="old_logprobs"):
-        from_config_dict(_config(**{"loss.old_logprobs": "magic"}), str(tmp_path), 1)
+        from_config_dict(_config(**{"loss.old_logprobs": "magic"}), str(tmp_path), (1,))
     with pytest.raises(ValueError, match="target_groups"):
-        from_config_dict(_config(**{"rollout.launch_groups": 4}), str(tmp_path), 1)
+        from_config_dict(_config(**{"rollout.launch_groups": 4}), str(tmp_path), (1,))
 
 
 def _batch():
@@ -130,3 +133,22 @@ def test_ptx_set(tmp_path):
     path.write_text('{"neither": 1}\n')
     with pytest.raises(ValueError, match=r"ptx.jsonl:1: record has neither"):
         PTXSet(PTXConfig(str(path)), tok)
+
+
+def test_math_jsonl_task(tmp_path):
+    tok = load_tokenizer()
+    path = tmp_path / "math.jsonl"
+    path.write_text('{"id": "q1", "question": "What is 2+3?", "answer": "5"}\n\n'
+                    '{"question": "Half of 1?", "answer": "\\\\frac{1}{2}", "system": "Box the answer."}\n')
+    task = MathJsonlTask(str(path), tok)
+    p0, p1, p2 = task.prompt(0), task.prompt(1), task.prompt(2)
+    assert p0.prompt_id == "math/q1/0" and p2.input_ids == p0.input_ids and p0.task == "math"
+    assert tok.decode(p0.input_ids).endswith("assistant<|im_middle|>") and "What is 2+3?" in tok.decode(p0.input_ids)
+    assert "Box the answer." in tok.decode(p1.input_ids) and len(task.all_prompts()) == 2
+    assert task.reward(p1, Completion((), "so \\boxed{0.5}", "stop", False)).reward == 1.0
+    assert task.reward(p0, Completion((), "\\boxed{6}", "stop", False)).reward == 0.0
+    with pytest.raises(ValueError, match="warm start"):
+        task.format_examples(1, np.random.default_rng(0))
+    path.write_text('{"question": "no answer"}\n')
+    with pytest.raises(ValueError, match=r"math.jsonl:1: a math record needs"):
+        MathJsonlTask(str(path), tok)
