@@ -13,12 +13,11 @@ import os
 
 from ml_collections import config_dict
 
+from k2jax import sharding
 from k2jax.model import presets
 from k2jax.model.config import ConfigError, K2Config
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
 DATA_KINDS = ("pretrain", "sft")
-RULES = ("fsdp", "fsdp_ep", "fsdp_ep_tp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,21 +55,6 @@ class MeshSpec:
   fsdp: int
   expert: int
   tensor: int
-
-  def shape(self, n_devices: int) -> dict[str, int]:
-    """Axis sizes with the (at most one) -1 filled so the product is n_devices."""
-    sizes = {a: getattr(self, a) for a in MESH_AXES}
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    for a, v in sizes.items():
-      if v == -1:
-        if n_devices % fixed:
-          raise ConfigError(f"mesh.{a}=-1: {n_devices} devices are not divisible by the other mesh "
-                            f"axes' product {fixed}")
-        sizes[a] = n_devices // fixed
-    if math.prod(sizes.values()) != n_devices:
-      raise ConfigError(f"mesh: {sizes} uses {math.prod(sizes.values())} devices but there are "
-                        f"{n_devices} (set one of mesh.{{{','.join(MESH_AXES)}}} to -1)")
-    return sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,10 +158,10 @@ def _validate(tc: TrainConfig) -> None:
   _need(0.0 <= o.decay_fraction <= 1.0, "optim.decay_fraction", f"in [0, 1], got {o.decay_fraction}")
   _need(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
   _need(o.bias_update_rate >= 0, "optim.bias_update_rate", f"must be >= 0, got {o.bias_update_rate}")
-  _need(m.rules in RULES, "mesh.rules", f"one of {RULES}, got {m.rules!r}")
-  for a in MESH_AXES:
+  _need(m.rules in sharding.RULES, "mesh.rules", f"one of {sorted(sharding.RULES)}, got {m.rules!r}")
+  for a in sharding.MESH_AXES:
     _need(getattr(m, a) == -1 or getattr(m, a) >= 1, f"mesh.{a}", f"must be >= 1 or -1, got {getattr(m, a)}")
-  _need(sum(getattr(m, a) == -1 for a in MESH_AXES) <= 1, "mesh", "at most one axis may be -1")
+  _need(sum(getattr(m, a) == -1 for a in sharding.MESH_AXES) <= 1, "mesh", "at most one axis may be -1")
   _need(tc.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   _need(tc.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
   _need(tc.log.every_steps >= 1, "log.every_steps", "must be >= 1")
@@ -186,12 +170,17 @@ def _validate(tc: TrainConfig) -> None:
 
 def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[str, int]:
   """Checks against the live runtime and files; returns the mesh shape. Call before compiling."""
-  shape = tc.mesh.shape(n_devices)
-  batch_shards = shape["data"] * shape["fsdp"]
+  try:
+    shape = sharding.resolve_mesh_shape({a: getattr(tc.mesh, a) for a in sharding.MESH_AXES}, n_devices)
+  except sharding.ShardingError as e:
+    raise ConfigError(f"mesh: {e}") from None
+  batch_axes = sharding.spec_mesh_axes(sharding.logical_to_spec(("act_batch",), tc.mesh.rules)[0])
+  batch_shards = math.prod(shape[a] for a in batch_axes)
   micro = tc.data.global_batch_size // tc.data.num_microbatches
   _need(micro % batch_shards == 0, "data.global_batch_size",
         f"microbatch of {micro} rows (global_batch_size {tc.data.global_batch_size} / "
-        f"num_microbatches {tc.data.num_microbatches}) is not divisible by mesh data*fsdp = {batch_shards}")
+        f"num_microbatches {tc.data.num_microbatches}) is not divisible by the {batch_shards} batch "
+        f"shards (mesh axes {batch_axes} under mesh.rules={tc.mesh.rules!r})")
   _need(tc.data.global_batch_size % process_count == 0, "data.global_batch_size",
         f"{tc.data.global_batch_size} is not divisible by the {process_count} processes")
   _need(tc.model.n_routed_experts % shape["expert"] == 0, "mesh.expert",

@@ -5,7 +5,8 @@ from ml_collections import config_dict
 
 from k2jax import memory
 from k2jax.model.config import ConfigError
-from k2jax.train.config import MESH_AXES, from_config_dict
+from k2jax.sharding import MESH_AXES
+from k2jax.train.config import from_config_dict
 from k2jax.train.counting import count_params, flops_per_token
 
 

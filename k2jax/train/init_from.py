@@ -28,6 +28,9 @@ def model_config_for_run(tc: TrainConfig, workdir: str | None = None) -> K2Confi
   if tc.checkpoint.init_from:
     exec_kw = {k: getattr(tc.model, k) for k in _EXEC_FIELDS}
     src = tc.checkpoint.init_from
+    if not (wd.is_workdir(src) or os.path.isfile(os.path.join(src, "config.json"))):
+      raise ConfigError(f"checkpoint.init_from: {src!r} is neither a k2jax workdir ({wd.MODEL_CONFIG}) "
+                        "nor an HF directory (config.json)")
     cfg = wd.read_model_config(src, **exec_kw) if wd.is_workdir(src) else hf_io.read_config(src, **exec_kw)
   if workdir is not None and wd.is_workdir(workdir) and os.path.isdir(os.path.join(workdir, wd.CHECKPOINTS)):
     have = wd.read_model_config(workdir).to_hf_dict()
