@@ -4,8 +4,10 @@ The train step compiles once for [B, T] = [target_groups * group_size, train.seq
 right-padded to that shape (padding rows have sample_mask 0). A sample is *bad*, and gets sample_mask 0
 so it contributes neither to its group's mean reward nor to the loss, when any of these hold:
 
-  span         its loss mask / segment ids are not exactly prompt + response as the lengths say
-               (e.g. a logprob list shorter or longer than the response)
+  span         its segment ids are not exactly prompt + response as the lengths say, or its loss mask
+               leaves that response span, or does not cover the response's first and last tokens
+               (e.g. a logprob list shorter or longer than the response). Holes inside the span are
+               allowed: multi-turn samples mask out tool results and user turns.
   logprob      an engine logprob on a response token is non-finite or > 0, or one is set off the response
   version      a response token has no weight version (-1) or one newer than the trainer's
   token        a token id is outside the vocabulary
@@ -31,7 +33,8 @@ def sample_problems(batch: RolloutBatch, b: int, *, vocab_size: int, seq_len: in
     want_mask = np.zeros(T, bool)
     want_mask[P:P + R] = True
     seg = batch.segment_ids_BT[b] > 0
-    if (P < 1 or P + R > T or not np.array_equal(batch.loss_mask_BT[b] > 0, want_mask)
+    mask = batch.loss_mask_BT[b] > 0
+    if (P < 1 or R < 1 or P + R > T or np.any(mask & ~want_mask) or not (mask[P] and mask[P + R - 1])
             or not np.array_equal(seg, np.arange(T) < P + R)):
         problems.append("span")
     lp = batch.engine_logprobs_BT[b]

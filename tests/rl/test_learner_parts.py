@@ -152,3 +152,19 @@ def test_math_jsonl_task(tmp_path):
     path.write_text('{"question": "no answer"}\n')
     with pytest.raises(ValueError, match=r"math.jsonl:1: a math record needs"):
         MathJsonlTask(str(path), tok)
+
+
+def test_multi_turn_holes_are_kept_but_mask_outside_the_response_is_dropped():
+    """Multi-turn samples mask tool results inside the response span: that is not a bad sample."""
+    tokens = np.array([[5, 6, 7, 8, 9, 10]], np.int32)
+    batch = RolloutBatch(
+        tokens_BT=tokens, segment_ids_BT=np.ones((1, 6), np.int32),
+        loss_mask_BT=np.array([[0, 1, 1, 0, 0, 1]], np.float32),     # turn 1, tool result, turn 2
+        engine_logprobs_BT=np.array([[0, -0.2, -0.3, 0, 0, -0.1]], np.float32),
+        weight_versions_BT=np.array([[-1, 3, 3, -1, -1, 3]], np.int32),
+        rewards_B=np.array([1.0], np.float32), group_ids_B=np.array([0], np.int32),
+        prompt_lengths_B=np.array([1], np.int32), response_lengths_B=np.array([5], np.int32),
+        truncated_B=np.zeros(1, bool), tasks=("agent",), iteration=0, temperature=1.0)
+    assert batching.sample_problems(batch, 0, vocab_size=4096, seq_len=8, version=3) == []
+    batch.loss_mask_BT[0, 0] = 1.0   # a prompt token in the loss
+    assert "span" in batching.sample_problems(batch, 0, vocab_size=4096, seq_len=8, version=3)
