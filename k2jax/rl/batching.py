@@ -9,7 +9,7 @@ so it contributes neither to its group's mean reward nor to the loss, when any o
                (e.g. a logprob list shorter or longer than the response). Holes inside the span are
                allowed: multi-turn samples mask out tool results and user turns.
   logprob      an engine logprob on a response token is non-finite or > 0, or one is set off the response
-  version      a response token has no weight version (-1) or one newer than the trainer's
+  version      a trained (generated) response token has no weight version (-1) or one newer than the trainer's
   token        a token id is outside the vocabulary
   reward       the reward is not finite
   too_long     prompt + response do not fit train.seq_len
@@ -41,7 +41,7 @@ def sample_problems(batch: RolloutBatch, b: int, *, vocab_size: int, seq_len: in
     resp = want_mask & (batch.loss_mask_BT[b] > 0)
     if not np.all(np.isfinite(lp[resp])) or np.any(lp[resp] > 1e-4) or np.any(lp[~want_mask] != 0):
         problems.append("logprob")
-    v = batch.weight_versions_BT[b][want_mask]
+    v = batch.weight_versions_BT[b][resp]
     if v.size and (v.min() < 0 or v.max() > version):
         problems.append("version")
     tok = batch.tokens_BT[b][seg]
