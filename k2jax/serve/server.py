@@ -14,9 +14,16 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import jax
+import numpy as np
+from flax import nnx
+
 import k2jax
+from k2jax.api import model_from_state
+from k2jax.convert import overlay
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, Tokenizer, load_tokenizer
 from k2jax.model.config import K2Config
+from k2jax.model.transformer import K2Model
 from k2jax.serve import openai_api, protocol
 from k2jax.serve.engine import EngineConfig, InferenceEngine, InvalidRequest, Request, SamplingOptions
 
@@ -31,6 +38,7 @@ class Server:
     self.model_path = model_path
     model = k2jax.load(model_path)
     self.cfg: K2Config = model.cfg
+    self._served_state = jax.tree.map(np.asarray, nnx.state(model).to_pure_dict())  # host copy, for deltas
     self.tokenizer = resolve_tokenizer(model_path, tokenizer_path, self.cfg.vocab_size)
     self.model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
     self.engine = InferenceEngine(model, engine_config, eos_token_ids=eos_ids(self.cfg, self.tokenizer),
@@ -112,7 +120,7 @@ class Server:
     if protocol.get_bool(body, "abort_all_requests", False):
       self.engine.abort(abort_all=True)
     try:
-      model = k2jax.load(path, param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype)
+      model = self._load_weights(path)
       new = self.engine.update_weights(model, None if version is None else int(version),
                                        flush_cache=protocol.get_bool(body, "flush_cache", True))
     except (OSError, ValueError, KeyError) as e:   # missing files, bad config, shape mismatch
@@ -120,6 +128,19 @@ class Server:
     self.model_path = path
     return 200, {"success": True, "message": f"loaded {path} as weight version {new}",
                  "num_paused_requests": 0, "weight_version": str(new)}
+
+  def _load_weights(self, path: str) -> K2Model:
+    """A full model (HF dir or workdir), or a weight-sync delta overlaid on the served weights."""
+    if overlay.is_partial_hf_dir(path):
+      state = overlay.overlay_hf_tensors(self.cfg, self._served_state, path)
+      model = model_from_state(self.cfg, state)
+    else:
+      model = k2jax.load(path, param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype)
+      if model.cfg.replace(extra=()) != self.cfg.replace(extra=()):
+        raise ValueError("its config.json describes a different architecture than the served model")
+      state = nnx.state(model).to_pure_dict()
+    self._served_state = jax.tree.map(np.asarray, state)
+    return model
 
   def flush_cache(self, body: Any) -> tuple[int, Any]:
     self.engine.flush_cache()

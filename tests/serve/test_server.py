@@ -215,3 +215,32 @@ def test_k2jax_rl_http_client_accepts_our_answers(served):
   again = client.generate(GenerateRequest("rl-1", (7, 8, 9), SamplingParams(max_new_tokens=5, seed=3)))
   assert again.weight_versions == (41,) * 5 and again.output_ids == res.output_ids  # same weights, same seed
   client.flush_cache()
+
+
+def test_update_weights_from_a_weight_sync_delta(served, tmp_path):
+  """RL weight sync writes only changed tensors (no config.json): the server overlays them."""
+  from safetensors.numpy import save_file
+  before = _greedy(served, [3, 1, 4, 1, 5])
+  delta = tmp_path / "delta"
+  delta.mkdir()
+  lm = np.asarray(served.model.lm_head.w[...]).T.copy()     # HF [S, D]
+  lm[:, :] = 0.0
+  lm[7] = 1.0                                                 # every hidden state now prefers token 7 or -7
+  save_file({"lm_head.weight": lm}, str(delta / "model-00001-of-00001.safetensors"))
+  (delta / "model.safetensors.index.json").write_text(
+      json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors"}}))
+  try:
+    res = _post(served, "update_weights_from_disk", {"model_path": str(delta), "weight_version": "11"})
+    assert res["success"] is True and res["weight_version"] == "11"
+    after = _greedy(served, [3, 1, 4, 1, 5])
+    assert after["output_ids"] != before["output_ids"] and after["meta_info"]["weight_version"] == "11"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file({"lm_head.weight": lm[:, :3].copy()}, str(bad / "m.safetensors"))
+    (bad / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "m.safetensors"}}))
+    err = _post(served, "update_weights_from_disk", {"model_path": str(bad)}, status=400)
+    assert "lm_head.weight" in err["message"] and "shape" in err["message"]
+    assert _greedy(served, [3, 1, 4, 1, 5])["output_ids"] == after["output_ids"]   # failed update changed nothing
+  finally:
+    res = _post(served, "update_weights_from_disk", {"model_path": served.hf_dir})
+  assert _greedy(served, [3, 1, 4, 1, 5])["output_ids"] == before["output_ids"]
