@@ -67,7 +67,10 @@ class K2Config:
   bos_token_id: int | None = 163584
   eos_token_id: int | None = 163585
   num_nextn_predict_layers: int = 0
-  model_type: str = "kimi_k2"
+  # Moonshot's own config.json says "kimi_k2" (for its remote code); the architecture is DeepSeek-V3's,
+  # and "deepseek_v3" lets transformers load exports natively (SGLang/vLLM dispatch on `architectures`).
+  # A loaded config keeps whatever it declared, so round trips stay exact.
+  model_type: str = "deepseek_v3"
   architectures: tuple[str, ...] = ("DeepseekV3ForCausalLM",)
   # --- k2jax execution knobs (not part of config.json) ---
   param_dtype: str = "float32"

@@ -125,3 +125,18 @@ def test_workdir_roundtrip(hf_dir, tmp_path):
   import jax
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.skipif(not _have_torch(), reason="torch/transformers not installed")
+def test_native_k2jax_model_exports_to_automodel(tmp_path):
+  """A model created in k2jax (default config fields) loads with AutoModelForCausalLM, experts included."""
+  import jax
+  from k2jax.model import K2Model, presets
+  cfg = presets.get("tiny", vocab_size=128, num_hidden_layers=2)
+  model = K2Model(cfg, rngs=nnx.Rngs(3))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  model = nnx.merge(graphdef, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, params), rest)
+  k2jax.save_hf(model, str(tmp_path / "hf"))
+  ids = np.arange(40, dtype=np.int32).reshape(2, 20) % 128
+  hf = hf_golden.hf_logits(str(tmp_path / "hf"), ids)
+  assert np.abs(hf - np.asarray(model(ids).logits)).max() < 1e-4
