@@ -72,7 +72,7 @@ def rephrase_corpus(cfg: RephraseConfig, input_path: str, output_path: str) -> d
                      f"{cfg.max_rephrasings}] (the per-corpus cap)")
   source = JsonlSource(_existing(input_path))
   done = _finished_ids(output_path)
-  report, todo = DataReport(), []
+  report, pending = DataReport(), []
   for i in range(len(source)):
     obj, issue = decode_record(source[i])
     text = obj.get(cfg.text_field) if obj else None
@@ -84,14 +84,14 @@ def rephrase_corpus(cfg: RephraseConfig, input_path: str, output_path: str) -> d
     if issue == Issue.OK:
       doc_id = str(obj.get(cfg.id_field, f"line{i}"))
       if doc_id not in done:
-        todo.append((doc_id, text))
-  stats = {"documents": report.documents, "skipped_finished": report[Issue.OK] - len(todo),
+        pending.append((doc_id, text))
+  stats = {"documents": report.documents, "skipped_finished": report[Issue.OK] - len(pending),
            "written": 0, "accepted": 0, "rejected": 0, **report.as_dict()}
   rephraser = Rephraser(cfg)
   _end_torn_line(output_path)
   with open(output_path, "a", encoding="utf-8") as out, \
        concurrent.futures.ThreadPoolExecutor(cfg.concurrency) as pool:
-    futures = [pool.submit(rephraser.rephrase_document, d, t) for d, t in todo]
+    futures = [pool.submit(rephraser.rephrase_document, d, t) for d, t in pending]
     for fut in concurrent.futures.as_completed(futures):
       record = fut.result()
       out.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -6,12 +6,11 @@ time. Errors in a request's content answer 400 with `{"error": {"message", "para
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import jax
@@ -19,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 import k2jax
+from k2jax import jsonhttp
 from k2jax.api import model_from_state
 from k2jax.convert import overlay
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, Tokenizer, load_tokenizer
@@ -196,38 +196,7 @@ def eos_ids(cfg: K2Config, tok: Tokenizer | None) -> tuple[int, ...]:
 
 
 def _make_handler(server: Server):
-  class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"   # keep-alive, as the openai client (httpx) expects
-
-    def log_message(self, fmt, *args):
-      log.debug("%s " + fmt, self.address_string(), *args)
-
-    def do_GET(self):
-      self._handle("GET")
-
-    def do_POST(self):
-      self._handle("POST")
-
-    def _handle(self, method: str):
-      path = self.path.split("?", 1)[0].strip("/")
-      try:
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        try:
-          body = json.loads(raw) if raw.strip() else None
-        except ValueError as e:
-          raise InvalidRequest("body", f"not valid JSON: {e}") from e
-        status, payload = server.route(method, path, body)
-      except InvalidRequest as e:
-        status, payload = 400, {"error": {"message": str(e), "type": "BadRequestError", "param": e.field,
-                                          "code": 400}}
-      except Exception as e:  # report, never drop the connection silently
-        log.exception("/%s failed", path)
-        status, payload = 500, {"error": {"message": f"{type(e).__name__}: {e}", "code": 500}}
-      data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-      self.send_response(status)
-      self.send_header("Content-Type", "text/plain" if isinstance(payload, str) else "application/json")
-      self.send_header("Content-Length", str(len(data)))
-      self.end_headers()
-      self.wfile.write(data)
-
-  return Handler
+  return jsonhttp.make_handler(
+      server.route, bad_request=InvalidRequest, log=log,
+      bad_request_body=lambda e: {"error": {"message": str(e), "type": "BadRequestError", "param": e.field,
+                                            "code": 400}})

@@ -46,9 +46,9 @@ class StageStore:
 def run_units(units: Sequence[tuple[str, Callable[[], dict]]], store: StageStore, pool, stats: dict) -> None:
   """Runs not-yet-done (unit id, fn) pairs on `pool`; fn returns the record or raises InvalidOutput."""
   done = store.done_ids()
-  todo = [(uid, fn) for uid, fn in units if uid not in done]
-  stats["skipped_done"] = stats.get("skipped_done", 0) + len(units) - len(todo)
-  futures = {pool.submit(fn): uid for uid, fn in todo}
+  pending = [(uid, fn) for uid, fn in units if uid not in done]
+  stats["skipped_done"] = stats.get("skipped_done", 0) + len(units) - len(pending)
+  futures = {pool.submit(fn): uid for uid, fn in pending}
   for fut, uid in futures.items():
     try:
       store.accept({"id": uid, **fut.result()})

@@ -16,14 +16,14 @@ outbound network at all (`install_egress_hook`).
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any, Callable
 
+from k2jax import jsonhttp
 from k2jax.agentic.guards import Guard, GuardConfig
 from k2jax.rl.envs.base import Environment
 
@@ -142,37 +142,7 @@ class EnvService:
 
 
 def _handler(service: EnvService):
-  class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, fmt, *args):
-      log.debug(fmt, *args)
-
-    def do_GET(self):
-      self._handle("GET")
-
-    def do_POST(self):
-      self._handle("POST")
-
-    def _handle(self, method: str):
-      path = self.path.split("?", 1)[0].strip("/")
-      try:
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        try:
-          body = json.loads(raw) if raw.strip() else None
-        except ValueError as e:
-          raise BadRequest("body", f"not valid JSON: {e}") from None
-        status, payload = 200, service.route(method, path, body)
-      except BadRequest as e:
-        status, payload = 400, {"error": {"message": str(e), "param": e.field}}
-      except Exception as e:  # an environment bug answers 500 (the pool may restart us), never hangs
-        log.exception("/%s failed", path)
-        status, payload = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
-      data = json.dumps(payload).encode()
-      self.send_response(status)
-      self.send_header("Content-Type", "application/json")
-      self.send_header("Content-Length", str(len(data)))
-      self.end_headers()
-      self.wfile.write(data)
-
-  return Handler
+  def route(method, path, body):
+    return 200, service.route(method, path, body)
+  return jsonhttp.make_handler(route, bad_request=BadRequest, log=log,
+                               bad_request_body=lambda e: {"error": {"message": str(e), "param": e.field}})
