@@ -38,7 +38,7 @@ from k2jax.optim import OwnerSharding, QKClipSpec, label_params, muonclip  # noq
 def param_tree(cfg, seed=0):
   """Random float32 params with the model's exact paths and shapes (no model init cost)."""
   shapes = jax.eval_shape(lambda: nnx.state(K2Model(cfg, rngs=nnx.Rngs(0)), nnx.Param))
-  shapes = shapes.to_pure_dict()
+  shapes = nnx.to_pure_dict(shapes)
   keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(shapes))))
   return jax.tree.map(lambda s: 0.02 * jax.random.normal(next(keys), s.shape, jnp.float32), shapes)
 

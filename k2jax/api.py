@@ -16,7 +16,7 @@ def model_from_state(cfg: K2Config, state: dict) -> K2Model:
   """Build a model from a pure state dict without random-initialising it first."""
   abstract = nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0)))
   graphdef, abs_state = nnx.split(abstract)
-  abs_state.replace_by_pure_dict(jax_tree_asarray(state))
+  nnx.replace_by_pure_dict(abs_state, jax_tree_asarray(state))
   return nnx.merge(graphdef, abs_state)
 
 
@@ -42,4 +42,4 @@ def load(path: str, **k2jax_fields) -> K2Model:
 
 def save_hf(model: K2Model, dst: str, *, dtype: str | None = None, max_shard_bytes: int = 4 << 30) -> None:
   """Write `model` to `dst` in the published Kimi-K2 HF layout (float32 or bfloat16)."""
-  hf_io.save_hf(model.cfg, nnx.state(model).to_pure_dict(), dst, dtype=dtype, max_shard_bytes=max_shard_bytes)
+  hf_io.save_hf(model.cfg, nnx.to_pure_dict(nnx.state(model)), dst, dtype=dtype, max_shard_bytes=max_shard_bytes)

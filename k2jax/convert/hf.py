@@ -36,7 +36,7 @@ class CheckpointError(ValueError):
 def abstract_state(cfg: K2Config) -> dict:
   """Pure dict of jax.ShapeDtypeStruct for every model variable, allocating nothing."""
   model = nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0)))
-  return nnx.state(model).to_pure_dict()
+  return nnx.to_pure_dict(nnx.state(model))
 
 
 def _get(tree: Mapping, path: tuple[str, ...]):

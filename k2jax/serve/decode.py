@@ -55,7 +55,7 @@ def forward_cached(model: K2Model, cache: dict, tokens_BT, positions_BT, last_in
   """
   cfg = model.cfg
   cdt = jnp.dtype(cfg.compute_dtype)
-  x_BTD = jnp.take(model.embed.embedding.value, tokens_BT, axis=0).astype(cdt)
+  x_BTD = jnp.take(model.embed.embedding[...], tokens_BT, axis=0).astype(cdt)
   cos_BTk, sin_BTk = rope_lib.rope_cos_sin(cfg, positions_BT)
   max_len = next(iter(cache.values()))["latent"].shape[2]
   valid_BTS = jnp.arange(max_len)[None, None, :] <= positions_BT[:, :, None]
@@ -67,7 +67,7 @@ def forward_cached(model: K2Model, cache: dict, tokens_BT, positions_BT, last_in
       x_BTD, new_cache[name] = _run_stack(getattr(model, name), x_BTD, cache[name], side)
   x_BD = jnp.take_along_axis(x_BTD, last_index_B[:, None, None], axis=1)[:, 0]
   x_BD = model.final_norm(x_BD)
-  logits_BS = jnp.dot(x_BD, model.lm_head.w.value.astype(cdt), preferred_element_type=jnp.float32)
+  logits_BS = jnp.dot(x_BD, model.lm_head.w[...].astype(cdt), preferred_element_type=jnp.float32)
   return logits_BS.astype(jnp.float32), new_cache
 
 
@@ -104,17 +104,17 @@ def mla_cached(attn: MLA, x_BTD, latent_BSR, rope_BSK, cos_BTk, sin_BTk, positio
   H, Kn, Kr, V, Rkv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                        cfg.v_head_dim, cfg.kv_lora_rank)
   # Projections exactly as MLA.__call__ computes them.
-  q_BTR = attn.q_norm(x_BTD @ attn.w_q_a.value.astype(dt))
-  q_BTHK = (q_BTR @ attn.w_q_b.value.astype(dt)).reshape(B, T, H, Kn + Kr)
+  q_BTR = attn.q_norm(x_BTD @ attn.w_q_a[...].astype(dt))
+  q_BTHK = (q_BTR @ attn.w_q_b[...].astype(dt)).reshape(B, T, H, Kn + Kr)
   q_nope_BTHK = q_BTHK[..., :Kn]
   q_rope_BTHK = rope_lib.apply_rope(q_BTHK[..., Kn:], cos_BTk, sin_BTk, cfg.rope_interleave)
-  kv_a_BTR = x_BTD @ attn.w_kv_a.value.astype(dt)
+  kv_a_BTR = x_BTD @ attn.w_kv_a[...].astype(dt)
   latent_new_BTR = attn.kv_norm(kv_a_BTR[..., :Rkv])
   rope_new_BTK = rope_lib.apply_rope(kv_a_BTR[:, :, None, Rkv:], cos_BTk, sin_BTk, cfg.rope_interleave)[:, :, 0]
   latent_BSR = _write_rows(latent_BSR, latent_new_BTR.astype(latent_BSR.dtype), positions_BT)
   rope_BSK = _write_rows(rope_BSK, rope_new_BTK.astype(rope_BSK.dtype), positions_BT)
   # Absorb W_kv_b: per head h, columns h*(Kn+V)+[0,Kn) make k_nope and the rest v (mla.py layout).
-  w_kv_b_RHK = attn.w_kv_b.value.astype(dt).reshape(Rkv, H, Kn + V)
+  w_kv_b_RHK = attn.w_kv_b[...].astype(dt).reshape(Rkv, H, Kn + V)
   w_uk_RHK, w_uv_RHV = w_kv_b_RHK[..., :Kn], w_kv_b_RHK[..., Kn:]
   q_lat_BTHR = jnp.einsum("bthk,rhk->bthr", q_nope_BTHK, w_uk_RHK)
   logits_BHTS = (jnp.einsum("bthr,bsr->bhts", q_lat_BTHR, latent_BSR.astype(dt),
@@ -124,7 +124,7 @@ def mla_cached(attn: MLA, x_BTD, latent_BSR, rope_BSK, cos_BTk, sin_BTk, positio
   probs_BHTS = jax.nn.softmax(jnp.where(valid_BTS[:, None], logits_BHTS, _NEG), axis=-1)
   o_lat_BTHR = jnp.einsum("bhts,bsr->bthr", probs_BHTS.astype(dt), latent_BSR.astype(dt))
   out_BTHV = jnp.einsum("bthr,rhv->bthv", o_lat_BTHR, w_uv_RHV)
-  return out_BTHV.reshape(B, T, H * V) @ attn.w_o.value.astype(dt), latent_BSR, rope_BSK
+  return out_BTHV.reshape(B, T, H * V) @ attn.w_o[...].astype(dt), latent_BSR, rope_BSK
 
 
 def _write_rows(cache_BSX, new_BTX, positions_BT):

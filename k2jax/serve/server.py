@@ -38,7 +38,7 @@ class Server:
     self.model_path = model_path
     model = k2jax.load(model_path)
     self.cfg: K2Config = model.cfg
-    self._served_state = jax.tree.map(np.asarray, nnx.state(model).to_pure_dict())  # host copy, for deltas
+    self._served_state = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))  # host copy, for deltas
     self.tokenizer = resolve_tokenizer(model_path, tokenizer_path, self.cfg.vocab_size)
     self.model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
     self.engine = InferenceEngine(model, engine_config, eos_token_ids=eos_ids(self.cfg, self.tokenizer),
@@ -138,7 +138,7 @@ class Server:
       model = k2jax.load(path, param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype)
       if model.cfg.replace(extra=()) != self.cfg.replace(extra=()):
         raise ValueError("its config.json describes a different architecture than the served model")
-      state = nnx.state(model).to_pure_dict()
+      state = nnx.to_pure_dict(nnx.state(model))
     self._served_state = jax.tree.map(np.asarray, state)
     return model
 

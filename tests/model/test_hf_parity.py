@@ -119,9 +119,9 @@ def test_workdir_roundtrip(hf_dir, tmp_path):
     pytest.skip("one config is enough")
   model = k2jax.load(path)
   from k2jax.convert import save_model_only
-  save_model_only(model.cfg, nnx.state(model).to_pure_dict(), str(tmp_path / "w"))
+  save_model_only(model.cfg, nnx.to_pure_dict(nnx.state(model)), str(tmp_path / "w"))
   again = k2jax.load(str(tmp_path / "w"))
-  a, b = nnx.state(model).to_pure_dict(), nnx.state(again).to_pure_dict()
+  a, b = nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(again))
   import jax
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

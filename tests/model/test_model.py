@@ -79,7 +79,7 @@ def test_max_logits_are_max_over_valid_positions():
   # Recompute layer 0's logits by hand from its parameters.
   from k2jax.model import rope as rope_lib
   attn = model.dense_layers
-  p = jax.tree.map(lambda a: a[0], nnx.state(attn).to_pure_dict())
+  p = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(nnx.state(attn)))
   x = jnp.take(model.embed.embedding[...], ids, axis=0)
   def rms(v, g, eps):
     return g * v * jax.lax.rsqrt(jnp.mean(v * v, -1, keepdims=True) + eps)

@@ -181,7 +181,7 @@ def bigram_dir(served, bigram_args, tmp_path_factory):
   and the LM head maps e_i to chain token i+1 with a large logit, ending in <|im_end|>.
   """
   cfg = served.model.cfg
-  state = nnx.state(K2Model(cfg, rngs=nnx.Rngs(1))).to_pure_dict()
+  state = nnx.to_pure_dict(nnx.state(K2Model(cfg, rngs=nnx.Rngs(1))))
   state = __import__("jax").tree.map(np.array, state)
   for stack, paths in (("dense_layers", (("attn", "w_o"), ("mlp", "w_down"))),
                        ("moe_layers", (("attn", "w_o"), ("moe", "experts", "w_down"), ("moe", "shared", "w_down")))):

@@ -27,7 +27,7 @@ class EmbeddedEngine(Engine):
     def __init__(self, model: K2Model, config: EngineConfig = EngineConfig(), *,
                  eos_token_ids: Sequence[int] = (), decode: Callable[[list[int]], str] | None = None):
         self.cfg = model.cfg
-        self._state = jax.tree.map(np.array, nnx.state(model).to_pure_dict())  # host copy: what is served
+        self._state = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model)))  # host copy: what is served
         self._decode = decode
         self.engine = InferenceEngine(model, config, eos_token_ids=eos_token_ids)
 
