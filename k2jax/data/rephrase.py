@@ -26,7 +26,7 @@ import random
 import re
 
 from k2jax.data.report import DataReport, Issue
-from k2jax.data.sources import JsonlSource, decode_record
+from k2jax.data.sources import JsonlSource, decode_record, end_torn_line
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 
 STYLES = ("an encyclopedia entry", "a textbook section for university students",
@@ -88,7 +88,7 @@ def rephrase_corpus(cfg: RephraseConfig, input_path: str, output_path: str) -> d
   stats = {"documents": report.documents, "skipped_finished": report[Issue.OK] - len(pending),
            "written": 0, "accepted": 0, "rejected": 0, **report.as_dict()}
   rephraser = Rephraser(cfg)
-  _end_torn_line(output_path)
+  end_torn_line(output_path)
   with open(output_path, "a", encoding="utf-8") as out, \
        concurrent.futures.ThreadPoolExecutor(cfg.concurrency) as pool:
     futures = [pool.submit(rephraser.rephrase_document, d, t) for d, t in pending]
@@ -218,15 +218,6 @@ def _finished_ids(output_path: str) -> set[str]:
       if issue == Issue.OK and "id" in obj:
         done.add(str(obj["id"]))
   return done
-
-
-def _end_torn_line(path: str) -> None:
-  """Terminates a torn last line so the next appended record starts on its own line."""
-  if os.path.exists(path) and os.path.getsize(path) > 0:
-    with open(path, "rb+") as f:
-      f.seek(-1, os.SEEK_END)
-      if f.read(1) != b"\n":
-        f.write(b"\n")
 
 
 def _existing(path: str) -> str:

@@ -143,3 +143,13 @@ def decode_record(raw: Any) -> tuple[dict | None, Issue]:
   if not isinstance(obj, dict):
     return None, Issue.MALFORMED_JSON
   return obj, Issue.OK
+
+
+def end_torn_line(path: str) -> None:
+  """Terminate a torn last line of an append-only jsonl output (a crash mid-write), so the next
+  appended record starts on its own line; readers skip the torn record and its unit is redone."""
+  if os.path.exists(path) and os.path.getsize(path) > 0:
+    with open(path, "rb+") as f:
+      f.seek(-1, os.SEEK_END)
+      if f.read(1) != b"\n":
+        f.write(b"\n")

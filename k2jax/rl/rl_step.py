@@ -92,7 +92,7 @@ def apply_update(state: TrainState, grads, loss, aux, optimizer, schedule, *, bi
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params, max_logits=aux["max_logits"])
     params = optax.apply_updates(state.params, updates)
     bias = update_bias(state.bias, aux["expert_counts"], bias_update_rate)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     new = TrainState(step=state.step + 1, params=keep(params, state.params), bias=keep(bias, state.bias),

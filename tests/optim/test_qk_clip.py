@@ -100,5 +100,8 @@ def _assert_untouched_bitwise(old, new, clipped_LH, cfg):
 
 def _get(tree, path):
   for key in path:
-    tree = tree[key.key] if hasattr(key, "key") else getattr(tree, key.name)
+    if hasattr(key, "key"):
+      tree = tree[key.key]
+    else:  # an nnx Variable's `.value` key
+      tree = tree[...] if key.name == "value" else getattr(tree, key.name)
   return tree

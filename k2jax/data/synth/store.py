@@ -8,6 +8,7 @@ import os
 import threading
 from typing import Callable, Sequence
 
+from k2jax.data.sources import end_torn_line
 from k2jax.data.synth.llm import InvalidOutput
 
 
@@ -19,7 +20,7 @@ class StageStore:
     self.rejected_path = os.path.join(out_dir, f"{stage}.rejected.jsonl")
     self._lock = threading.Lock()
     for p in (self.path, self.rejected_path):
-      _end_torn_line(p)
+      end_torn_line(p)
 
   def records(self) -> list[dict]:
     return _read(self.path)
@@ -74,11 +75,3 @@ def _read(path: str) -> list[dict]:
       if isinstance(obj, dict):
         out.append(obj)
   return out
-
-
-def _end_torn_line(path: str) -> None:
-  if os.path.exists(path) and os.path.getsize(path) > 0:
-    with open(path, "rb+") as f:
-      f.seek(-1, os.SEEK_END)
-      if f.read(1) != b"\n":
-        f.write(b"\n")
