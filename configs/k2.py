@@ -44,10 +44,11 @@ def _base() -> config_dict.ConfigDict:
 
   c.model = config_dict.ConfigDict()
   c.model.preset = "tiny"             # k2jax.model.presets name: tiny | small | 1t
-  for name in MODEL_INT_FIELDS:       # None = keep the preset's value
-    c.model[name] = config_dict.placeholder(int)
+  # Typed, unset overrides (None = keep the preset's value), so `--config.model.hidden_size=256` parses.
+  for name in MODEL_INT_FIELDS:
+    c.model[name] = config_dict.FieldReference(None, field_type=int)
   for name in MODEL_FLOAT_FIELDS:
-    c.model[name] = config_dict.placeholder(float)
+    c.model[name] = config_dict.FieldReference(None, field_type=float)
   c.model.param_dtype = "float32"     # master weights
   c.model.compute_dtype = "float32"   # activations / matmuls (bfloat16 on accelerators)
   c.model.scan_layers = True          # lax.scan over stacked layers (one compiled layer body)
