@@ -47,17 +47,11 @@ class MLA(nnx.Module):
     """
     cfg, dt = self.cfg, x_BTD.dtype
     B, T, _ = x_BTD.shape
-    H, Kn, Kr, V, Rkv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                         cfg.v_head_dim, cfg.kv_lora_rank)
-    q_BTR = self.q_norm(x_BTD @ self.w_q_a[...].astype(dt))
-    q_BTHK = (q_BTR @ self.w_q_b[...].astype(dt)).reshape(B, T, H, Kn + Kr)
-    q_nope_BTHK, q_rope_BTHK = q_BTHK[..., :Kn], q_BTHK[..., Kn:]
-    kv_a_BTR = x_BTD @ self.w_kv_a[...].astype(dt)
-    c_BTR, k_rope_BTK = self.kv_norm(kv_a_BTR[..., :Rkv]), kv_a_BTR[..., Rkv:]
+    H, Kn, V = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    q_nope_BTHK, q_rope_BTHK = self.queries(x_BTD, cos_BTk, sin_BTk)
+    c_BTR, k_rope_BSK = self.latent_and_rope_key(x_BTD, cos_BTk, sin_BTk)
     kv_BTHK = (c_BTR @ self.w_kv_b[...].astype(dt)).reshape(B, T, H, Kn + V)
     k_nope_BSHK, v_BSHV = kv_BTHK[..., :Kn], kv_BTHK[..., Kn:]
-    q_rope_BTHK = rope_lib.apply_rope(q_rope_BTHK, cos_BTk, sin_BTk, cfg.rope_interleave)
-    k_rope_BSK = rope_lib.apply_rope(k_rope_BTK[:, :, None, :], cos_BTk, sin_BTk, cfg.rope_interleave)[:, :, 0]
     logits_BHTS = (jnp.einsum("bthk,bshk->bhts", q_nope_BTHK, k_nope_BSHK,
                               preferred_element_type=jnp.float32)
                    + jnp.einsum("bthk,bsk->bhts", q_rope_BTHK, k_rope_BSK,
@@ -68,6 +62,22 @@ class MLA(nnx.Module):
     out_BTHV = jnp.einsum("bhts,bshv->bthv", probs_BHTS.astype(dt), v_BSHV)
     out_BTD = out_BTHV.reshape(B, T, H * V) @ self.w_o[...].astype(dt)
     return out_BTD, max_logit_H
+
+  def queries(self, x_BTD, cos_BTk, sin_BTk):
+    """(q_nope [B,T,H,Kn], rotated q_rope [B,T,H,Kr]); shared with the KV-cached decode path."""
+    cfg, dt = self.cfg, x_BTD.dtype
+    B, T, _ = x_BTD.shape
+    Kn, Kr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    q_BTR = self.q_norm(x_BTD @ self.w_q_a[...].astype(dt))
+    q_BTHK = (q_BTR @ self.w_q_b[...].astype(dt)).reshape(B, T, cfg.num_attention_heads, Kn + Kr)
+    return q_BTHK[..., :Kn], rope_lib.apply_rope(q_BTHK[..., Kn:], cos_BTk, sin_BTk, cfg.rope_interleave)
+
+  def latent_and_rope_key(self, x_BTD, cos_BTk, sin_BTk):
+    """(normalised kv latent [B,T,Rkv], rotated shared rope key [B,T,Kr]): what a KV cache stores."""
+    cfg, Rkv = self.cfg, self.cfg.kv_lora_rank
+    kv_a_BTR = x_BTD @ self.w_kv_a[...].astype(x_BTD.dtype)
+    k_rope_BTK = rope_lib.apply_rope(kv_a_BTR[:, :, None, Rkv:], cos_BTk, sin_BTk, cfg.rope_interleave)[:, :, 0]
+    return self.kv_norm(kv_a_BTR[..., :Rkv]), k_rope_BTK
 
 
 def attention_mask(segment_ids_BT: jnp.ndarray) -> jnp.ndarray:

@@ -101,16 +101,9 @@ def mla_cached(attn: MLA, x_BTD, latent_BSR, rope_BSK, cos_BTk, sin_BTk, positio
   """MLA for new tokens x against a cache row per batch entry; returns (out, latent, rope)."""
   cfg, dt = attn.cfg, x_BTD.dtype
   B, T, _ = x_BTD.shape
-  H, Kn, Kr, V, Rkv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                       cfg.v_head_dim, cfg.kv_lora_rank)
-  # Projections exactly as MLA.__call__ computes them.
-  q_BTR = attn.q_norm(x_BTD @ attn.w_q_a[...].astype(dt))
-  q_BTHK = (q_BTR @ attn.w_q_b[...].astype(dt)).reshape(B, T, H, Kn + Kr)
-  q_nope_BTHK = q_BTHK[..., :Kn]
-  q_rope_BTHK = rope_lib.apply_rope(q_BTHK[..., Kn:], cos_BTk, sin_BTk, cfg.rope_interleave)
-  kv_a_BTR = x_BTD @ attn.w_kv_a[...].astype(dt)
-  latent_new_BTR = attn.kv_norm(kv_a_BTR[..., :Rkv])
-  rope_new_BTK = rope_lib.apply_rope(kv_a_BTR[:, :, None, Rkv:], cos_BTk, sin_BTk, cfg.rope_interleave)[:, :, 0]
+  H, Kn, V, Rkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+  q_nope_BTHK, q_rope_BTHK = attn.queries(x_BTD, cos_BTk, sin_BTk)
+  latent_new_BTR, rope_new_BTK = attn.latent_and_rope_key(x_BTD, cos_BTk, sin_BTk)
   latent_BSR = _write_rows(latent_BSR, latent_new_BTR.astype(latent_BSR.dtype), positions_BT)
   rope_BSK = _write_rows(rope_BSK, rope_new_BTK.astype(rope_BSK.dtype), positions_BT)
   # Absorb W_kv_b: per head h, columns h*(Kn+V)+[0,Kn) make k_nope and the rest v (mla.py layout).
