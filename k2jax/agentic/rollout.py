@@ -26,7 +26,7 @@ import numpy as np
 
 from k2jax.data.chat import parse_assistant, render_chat
 from k2jax.data.tokenizer import Tokenizer
-from k2jax.rl.engine import Engine, GenerateRequest, RolloutBatch, SamplingParams
+from k2jax.rl.engine import Engine, GenerateRequest, RolloutBatch, SamplingParams, pad_token_rows
 from k2jax.rl.transport import ServiceError
 
 if TYPE_CHECKING:  # k2jax.rl.envs imports k2jax.agentic: a runtime import here would be circular
@@ -175,20 +175,10 @@ def to_rollout_batch(trajectories: Sequence[Trajectory], *, group_ids: Sequence[
   if bad:
     raise ValueError(f"to_rollout_batch: failed trajectories {bad[:5]} must be dropped first")
   B = len(trajectories)
-  T = max((len(t.tokens) for t in trajectories), default=1)
-  tokens_BT = np.full((B, T), pad_id, np.int32)
-  seg_BT = np.zeros((B, T), np.int32)
-  mask_BT = np.zeros((B, T), np.float32)
-  lp_BT = np.zeros((B, T), np.float32)
-  ver_BT = np.full((B, T), -1, np.int32)
-  for b, t in enumerate(trajectories):
-    n = len(t.tokens)
-    tokens_BT[b, :n], seg_BT[b, :n], mask_BT[b, :n] = t.tokens, 1, t.loss_mask
-    lp_BT[b, :n], ver_BT[b, :n] = t.logprobs, t.versions
+  rows = [(t.tokens, t.loss_mask, t.logprobs, t.versions) for t in trajectories]
   gids = np.arange(B, dtype=np.int32) if group_ids is None else np.asarray(group_ids, np.int32)
   return RolloutBatch(
-      tokens_BT=tokens_BT, segment_ids_BT=seg_BT, loss_mask_BT=mask_BT, engine_logprobs_BT=lp_BT,
-      weight_versions_BT=ver_BT, rewards_B=np.array([t.reward for t in trajectories], np.float32),
+      **pad_token_rows(rows, pad_id=pad_id), rewards_B=np.array([t.reward for t in trajectories], np.float32),
       group_ids_B=gids, prompt_lengths_B=np.array([t.prompt_length for t in trajectories], np.int32),
       response_lengths_B=np.array([len(t.tokens) - t.prompt_length for t in trajectories], np.int32),
       truncated_B=np.array([t.truncated for t in trajectories], bool),

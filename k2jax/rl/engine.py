@@ -102,6 +102,26 @@ class Engine(abc.ABC):
         """Releases connections or threads; the default has nothing to release."""
 
 
+def pad_token_rows(rows, *, pad_id: int) -> dict[str, np.ndarray]:
+    """Right-pad per-sample token rows into RolloutBatch's [B, T] arrays.
+
+    `rows`: (tokens, loss_mask, logprobs, versions) per sample, four sequences of one length each
+    (prompt + response, with 0 / 0.0 / -1 on untrained positions). Returns tokens_BT, segment_ids_BT,
+    loss_mask_BT, engine_logprobs_BT and weight_versions_BT.
+    """
+    B = len(rows)
+    T = max((len(r[0]) for r in rows), default=1)
+    out = dict(tokens_BT=np.full((B, T), pad_id, np.int32), segment_ids_BT=np.zeros((B, T), np.int32),
+               loss_mask_BT=np.zeros((B, T), np.float32), engine_logprobs_BT=np.zeros((B, T), np.float32),
+               weight_versions_BT=np.full((B, T), -1, np.int32))
+    for b, (tokens, mask, logprobs, versions) in enumerate(rows):
+        n = len(tokens)
+        out["tokens_BT"][b, :n], out["segment_ids_BT"][b, :n] = tokens, 1
+        out["loss_mask_BT"][b, :n], out["engine_logprobs_BT"][b, :n] = mask, logprobs
+        out["weight_versions_BT"][b, :n] = versions
+    return out
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class RolloutBatch:
     """A trainer-ready batch of finished samples, right-padded to a common length T.

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from k2jax.rl.engine import RolloutBatch
+from k2jax.rl.engine import RolloutBatch, pad_token_rows
 from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
 
 
@@ -62,25 +62,15 @@ def build_batch(groups: Sequence[Group], rewards: Sequence[Sequence[RewardResult
                 truncation_penalty: float, iteration: int, temperature: float) -> RolloutBatch:
     """Right-pads prompt+response of every sample; subtracts the truncation penalty (K2 §3.2.3 budget control)."""
     samples = [s for g in groups for s in g.samples]
-    B = len(samples)
-    T = max((len(s.prompt.input_ids) + len(s.output_ids) for s in samples), default=1)
-    tokens_BT = np.full((B, T), pad_id, np.int32)
-    segment_ids_BT = np.zeros((B, T), np.int32)
-    mask_BT = np.zeros((B, T), np.float32)
-    logprobs_BT = np.zeros((B, T), np.float32)
-    versions_BT = np.full((B, T), -1, np.int32)
-    for b, s in enumerate(samples):
+    rows = []
+    for s in samples:
         P, R = len(s.prompt.input_ids), len(s.output_ids)
-        tokens_BT[b, :P + R] = list(s.prompt.input_ids) + s.output_ids
-        segment_ids_BT[b, :P + R] = 1
-        mask_BT[b, P:P + R] = 1.0
-        logprobs_BT[b, P:P + R] = s.logprobs
-        versions_BT[b, P:P + R] = s.versions
+        rows.append((list(s.prompt.input_ids) + s.output_ids, [0.0] * P + [1.0] * R,
+                     [0.0] * P + list(s.logprobs), [-1] * P + list(s.versions)))
     truncated_B = np.array([s.truncated for s in samples], bool)
     raw_B = np.array([r.reward for rs in rewards for r in rs], np.float32)
     return RolloutBatch(
-        tokens_BT=tokens_BT, segment_ids_BT=segment_ids_BT, loss_mask_BT=mask_BT,
-        engine_logprobs_BT=logprobs_BT, weight_versions_BT=versions_BT,
+        **pad_token_rows(rows, pad_id=pad_id),
         rewards_B=raw_B - truncation_penalty * truncated_B.astype(np.float32),
         group_ids_B=np.repeat(np.arange(len(groups), dtype=np.int32), [len(g.samples) for g in groups]),
         prompt_lengths_B=np.array([len(s.prompt.input_ids) for s in samples], np.int32),
