@@ -153,3 +153,16 @@ def end_torn_line(path: str) -> None:
       f.seek(-1, os.SEEK_END)
       if f.read(1) != b"\n":
         f.write(b"\n")
+
+
+def iter_jsonl_strict(path: str):
+  """(line number, record) for each non-blank line of a small curated jsonl file; a malformed line is
+  an error naming `path:line` (unlike the training sources, which count and skip bad records)."""
+  with open(path, encoding="utf-8") as f:
+    for line_no, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        yield line_no, json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{line_no}: not JSON ({e})") from e

@@ -7,12 +7,12 @@ repository's offline corpus. The first `num_samples` usable records are kept, tr
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 
 from k2jax.data.chat import render_chat
 from k2jax.data.corpus import BUNDLED_CORPUS
+from k2jax.data.sources import iter_jsonl_strict
 from k2jax.data.tokenizer import Tokenizer
 
 
@@ -60,24 +60,17 @@ class PTXSet:
 
 def _read_rows(path: str, tok: Tokenizer, config: PTXConfig):
     kept = 0
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if kept == config.num_samples:
-                return
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"PTX source {path}:{line_no}: not JSON ({e})") from e
-            if "messages" in record:
-                ids, mask = render_chat(record["messages"], record.get("tools"), tokenizer=tok)
-            elif isinstance(record.get("text"), str):
-                ids = tok.encode(record["text"])
-                mask = [1] * len(ids)
-            else:
-                raise ValueError(f"PTX source {path}:{line_no}: record has neither 'messages' nor 'text'")
-            ids, mask = ids[:config.seq_len], mask[:config.seq_len]
-            if len(ids) >= 2 and any(mask[1:]):
-                kept += 1
-                yield ids, mask
+    for line_no, record in iter_jsonl_strict(path):
+        if kept == config.num_samples:
+            return
+        if "messages" in record:
+            ids, mask = render_chat(record["messages"], record.get("tools"), tokenizer=tok)
+        elif isinstance(record.get("text"), str):
+            ids = tok.encode(record["text"])
+            mask = [1] * len(ids)
+        else:
+            raise ValueError(f"PTX source {path}:{line_no}: record has neither 'messages' nor 'text'")
+        ids, mask = ids[:config.seq_len], mask[:config.seq_len]
+        if len(ids) >= 2 and any(mask[1:]):
+            kept += 1
+            yield ids, mask

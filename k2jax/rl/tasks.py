@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from k2jax.data.chat import render_chat
+from k2jax.data.sources import iter_jsonl_strict
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
 from k2jax.rl.rewards.math import math_reward
@@ -135,17 +135,10 @@ class MathJsonlTask:
 
 def _read_math_records(path: str) -> list[dict]:
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not JSON ({e})") from e
-            if not isinstance(r, dict) or not isinstance(r.get("question"), str) or "answer" not in r:
-                raise ValueError(f"{path}:{line_no}: a math record needs a string 'question' and an 'answer'")
-            records.append(r)
+    for line_no, r in iter_jsonl_strict(path):
+        if not isinstance(r, dict) or not isinstance(r.get("question"), str) or "answer" not in r:
+            raise ValueError(f"{path}:{line_no}: a math record needs a string 'question' and an 'answer'")
+        records.append(r)
     if not records:
         raise ValueError(f"{path}: no records")
     return records
