@@ -8,6 +8,7 @@ Baseline = 1 concurrent episode, measured in the same run: `scaling_N = eps_per_
 Each episode: a user task with two scripted follow-ups (the random tiny model makes no tool calls, so
 the dialogue continues with the follow-ups), `--turns` assistant turns of up to `--max_new_tokens` each.
 """
+
 import os
 import sys
 import threading
@@ -44,6 +45,7 @@ class PrefillCounter:
         self.prompt += done.prompt_tokens
         self.cached += done.cached_tokens
       return done
+
     engine.generate = counted
 
   def take(self) -> float:
@@ -54,20 +56,31 @@ class PrefillCounter:
 
 
 def tasks(n: int, tag: str) -> list[dict]:
-  follow = ["Thanks. Anything else I should check?", "Please summarise in one line."][:max(0, _TURNS.value - 1)]
-  return [{"id": f"{tag}{i}", "instruction": f"Read notes{i % 7}.txt and tell me what it says.",
-           "state": {"files": {f"notes{i % 7}.txt": "Quarterly numbers are up."}},
-           "checks": [{"kind": "answer_contains", "text": "quarterly"}], "followups": follow,
-           "tools": ["read_file", "list_files"]} for i in range(n)]
+  follow = ["Thanks. Anything else I should check?", "Please summarise in one line."][: max(0, _TURNS.value - 1)]
+  return [
+    {
+      "id": f"{tag}{i}",
+      "instruction": f"Read notes{i % 7}.txt and tell me what it says.",
+      "state": {"files": {f"notes{i % 7}.txt": "Quarterly numbers are up."}},
+      "checks": [{"kind": "answer_contains", "text": "quarterly"}],
+      "followups": follow,
+      "tools": ["read_file", "list_files"],
+    }
+    for i in range(n)
+  ]
 
 
 def main(argv):
   del argv
   tok = load_tokenizer()
   model = K2Model(presets.get("tiny"), rngs=nnx.Rngs(0))
-  engine = EmbeddedEngine(model, EngineConfig(max_slots=_SLOTS.value, max_seq_len=1024, min_prefill_bucket=32,
-                                              prefix_cache_entries=4 * _SLOTS.value + 32),
-                          eos_token_ids=(tok.eos_id, tok.special_ids["<|im_end|>"]))
+  engine = EmbeddedEngine(
+    model,
+    EngineConfig(
+      max_slots=_SLOTS.value, max_seq_len=1024, min_prefill_bucket=32, prefix_cache_entries=4 * _SLOTS.value + 32
+    ),
+    eos_token_ids=(tok.eos_id, tok.special_ids["<|im_end|>"]),
+  )
   counter = PrefillCounter(engine.engine)
   try:
     for conc in [int(c) for c in _CONC.value]:
@@ -85,10 +98,13 @@ def main(argv):
       eps = n / dt
       if conc == int(_CONC.value[0]):
         base = eps
-      print(f"concurrency={conc} episodes={n} turns={turns} generated_tokens={gen} seconds={dt:.2f} "
-            f"episodes_per_s={eps:.3f} generated_tokens_per_s={gen / dt:.1f} scaling_vs_1={eps / base:.2f} "
-            f"prefill_tokens_saved_by_prefix_reuse={counter.take():.3f} "
-            f"failed={sum(t.failed for t in trajs)}", flush=True)
+      print(
+        f"concurrency={conc} episodes={n} turns={turns} generated_tokens={gen} seconds={dt:.2f} "
+        f"episodes_per_s={eps:.3f} generated_tokens_per_s={gen / dt:.1f} scaling_vs_1={eps / base:.2f} "
+        f"prefill_tokens_saved_by_prefix_reuse={counter.take():.3f} "
+        f"failed={sum(t.failed for t in trajs)}",
+        flush=True,
+      )
   finally:
     engine.close()
 

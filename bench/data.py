@@ -8,6 +8,7 @@ Prints key=value lines; `over_train_consumption` = best pipeline tokens/s over w
 step consumes (`--train_tokens_per_sec`; 20k/s on the 2-core CI machine unless measured otherwise).
 Tokens counted are real (non-padding) tokens delivered to the model.
 """
+
 import itertools
 import os
 import sys
@@ -49,8 +50,8 @@ def time_naive() -> tuple[float, float]:
     ids = tok.encode(obj["text"]) + [tok.eos_id]
     for s in range(0, len(ids), SEQ_LEN):
       row = np.zeros(SEQ_LEN, np.int32)
-      piece = ids[s:s + SEQ_LEN]
-      row[:len(piece)] = piece
+      piece = ids[s : s + SEQ_LEN]
+      row[: len(piece)] = piece
       rows.append(row)
       real += len(piece)
     if len(rows) >= n_rows:

@@ -11,6 +11,7 @@ Prints key=value lines:
     with the first turn's cache reused vs after a cache flush (median of 3).
 All numbers come from this process (tiny preset, max_position_embeddings raised to fit).
 """
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,8 @@ _TURN1 = flags.DEFINE_integer("turn1", 512, "first-turn prompt length for the mu
 def decode_cached(model, prompt: list[int], gen: int) -> tuple[float, list[int]]:
   runner = ModelRunner(model, num_slots=1, max_len=len(prompt) + gen, num_top=1)
   greedy = lambda step: sampling_arrays([0.0], [1.0], [0], [0], [step])  # noqa: E731
-  runner.decode(np.array([0]), np.array([len(prompt) + gen]), greedy(0))   # compile (out of range: no write)
-  out = [int(runner.prefill(0, prompt, 0, greedy(0)).tokens[0])]            # compile + prefill, not timed
+  runner.decode(np.array([0]), np.array([len(prompt) + gen]), greedy(0))  # compile (out of range: no write)
+  out = [int(runner.prefill(0, prompt, 0, greedy(0)).tokens[0])]  # compile + prefill, not timed
   t0 = time.perf_counter()
   for i in range(gen - 1):
     tok = runner.decode(np.array([out[-1]]), np.array([len(prompt) + i]), greedy(i + 1))
@@ -43,7 +44,7 @@ def decode_cached(model, prompt: list[int], gen: int) -> tuple[float, list[int]]
 
 def decode_recompute(model, prompt: list[int], gen: int) -> tuple[float, list[int]]:
   graphdef, state = nnx.split(model)
-  T = len(prompt) + gen   # one padded shape: a single compile, as a fair baseline
+  T = len(prompt) + gen  # one padded shape: a single compile, as a fair baseline
 
   @jax.jit
   def next_token(state, ids_1T, n):
@@ -52,15 +53,15 @@ def decode_recompute(model, prompt: list[int], gen: int) -> tuple[float, list[in
     return jnp.argmax(logits[0, n - 1])
 
   ids = np.zeros((1, T), np.int32)
-  ids[0, :len(prompt)] = prompt
+  ids[0, : len(prompt)] = prompt
   n = len(prompt)
-  ids[0, n] = int(next_token(state, ids, n))   # compile + first token (not timed, like prefill)
+  ids[0, n] = int(next_token(state, ids, n))  # compile + first token (not timed, like prefill)
   n += 1
   t0 = time.perf_counter()
   for _ in range(gen - 1):
     ids[0, n] = int(next_token(state, ids, n))
     n += 1
-  return (gen - 1) / (time.perf_counter() - t0), ids[0, len(prompt):].tolist()
+  return (gen - 1) / (time.perf_counter() - t0), ids[0, len(prompt) :].tolist()
 
 
 def multiturn(model, turn1: int, gen: int) -> dict[str, float]:
@@ -76,11 +77,12 @@ def multiturn(model, turn1: int, gen: int) -> dict[str, float]:
       eng.flush_cache()
     prompt = hist + tuple(first.output_ids) + tuple(rng.randint(0, 4000, 32).tolist())
     t0 = time.perf_counter()
-    done = eng.generate(Request(f"{tag}-2", prompt, SamplingOptions(max_new_tokens=new_tokens, temperature=0.0,
-                                                                     ignore_eos=True)))
+    done = eng.generate(
+      Request(f"{tag}-2", prompt, SamplingOptions(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    )
     return time.perf_counter() - t0, done.cached_tokens
 
-  turn2("warm-a", False, gen), turn2("warm-b", True, gen)   # compile both prefill buckets and decode
+  turn2("warm-a", False, gen), turn2("warm-b", True, gen)  # compile both prefill buckets and decode
   out = {}
   for name, n in (("turn", gen), ("first_token", 1)):
     reuse = [turn2(f"r{name}{i}", False, n) for i in range(3)]
@@ -111,6 +113,7 @@ def main(argv):
     print(f"multiturn_turn2_{name}_reuse_sec={m[name + '_reuse_sec']:.4f}")
     print(f"multiturn_turn2_{name}_noreuse_sec={m[name + '_noreuse_sec']:.4f}")
     print(f"multiturn_turn2_{name}_prefix_reuse_speedup={m[name + '_noreuse_sec'] / m[name + '_reuse_sec']:.2f}")
+
 
 if __name__ == "__main__":
   app.run(main)

@@ -7,6 +7,7 @@ Prints key=value lines: `<preset>_tokens_per_sec=`, and `moe_over_dense=` = time
 whose width equals the activated expert width ((top_k + n_shared) * moe_intermediate_size), both measured
 here in the same process on the same tokens.
 """
+
 from __future__ import annotations
 
 import time
@@ -46,8 +47,9 @@ def moe_over_dense(preset: str, tokens: int, iters: int) -> tuple[float, float, 
   cfg = presets.get(preset)
   moe = MoE(cfg, stack=None, rngs=nnx.Rngs(0))
   width = (cfg.num_experts_per_tok + cfg.n_shared_experts) * cfg.moe_intermediate_size
-  dense = SwiGLU(cfg.hidden_size, width, "mlp", stack=None, std=cfg.initializer_range,
-                 dtype=jnp.float32, rngs=nnx.Rngs(1))
+  dense = SwiGLU(
+    cfg.hidden_size, width, "mlp", stack=None, std=cfg.initializer_range, dtype=jnp.float32, rngs=nnx.Rngs(1)
+  )
   x = jax.random.normal(jax.random.key(0), (1, tokens, cfg.hidden_size))
   valid = jnp.ones((1, tokens), bool)
   g_moe, s_moe = nnx.split(moe)

@@ -8,6 +8,7 @@ k2jax.data, seq 64, batch 8) with Muon at an aggressive LR (0.1, no weight decay
 over layers and heads, the value QK-Clip acts on) and both loss curves, and prints key=value figures.
 A minimal loop on purpose: the real trainer is k2jax/train.
 """
+
 import argparse
 import time
 
@@ -30,13 +31,11 @@ def batches(n, seq_len, batch_size):
 def train(cfg, data, *, lr, tau, weight_decay):
   model = K2Model(cfg, rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  opt = muonclip(lr, weight_decay=weight_decay, qk_clip_tau=tau,
-                 qk_clip_spec=QKClipSpec.from_config(cfg))
+  opt = muonclip(lr, weight_decay=weight_decay, qk_clip_tau=tau, qk_clip_spec=QKClipSpec.from_config(cfg))
   opt_state = opt.init(params)
 
   def loss_fn(params, batch):
-    out = nnx.merge(graphdef, params, rest)(batch["input_ids"], batch["segment_ids"],
-                                            batch["positions"])
+    out = nnx.merge(graphdef, params, rest)(batch["input_ids"], batch["segment_ids"], batch["positions"])
     nll_BT = optax.softmax_cross_entropy_with_integer_labels(out.logits, batch["targets"])
     mask_BT = batch["loss_mask"].astype(jnp.float32)
     return jnp.sum(nll_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0), out.max_logits
@@ -59,8 +58,10 @@ def train(cfg, data, *, lr, tau, weight_decay):
 
 def plot(path, runs, tau):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   for name, (loss, logit, _) in runs.items():
     ax1.plot(logit, label=name)
@@ -94,12 +95,12 @@ def main():
   plot(args.out, runs, args.tau)
   for name, (loss, logit, clipped) in runs.items():
     tail = max(1, len(loss) // 10)
-    print(f"{name}_max_logit_peak={logit.max():.2f} {name}_max_logit_final={logit[-1]:.2f} "
-          f"{name}_loss_final={loss[-tail:].mean():.4f} {name}_clipped_steps={(clipped > 0).sum()}")
-  print(f"peak_logit_ratio_muon_over_muonclip="
-        f"{runs['muon'][1].max() / runs['muonclip'][1].max():.2f}")
-  print(f"final_loss_ratio_muonclip_over_muon="
-        f"{runs['muonclip'][0][-30:].mean() / runs['muon'][0][-30:].mean():.4f}")
+    print(
+      f"{name}_max_logit_peak={logit.max():.2f} {name}_max_logit_final={logit[-1]:.2f} "
+      f"{name}_loss_final={loss[-tail:].mean():.4f} {name}_clipped_steps={(clipped > 0).sum()}"
+    )
+  print(f"peak_logit_ratio_muon_over_muonclip={runs['muon'][1].max() / runs['muonclip'][1].max():.2f}")
+  print(f"final_loss_ratio_muonclip_over_muon={runs['muonclip'][0][-30:].mean() / runs['muon'][0][-30:].mean():.4f}")
   print(f"plot={args.out}")
 
 

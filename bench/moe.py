@@ -10,6 +10,7 @@ all-to-all padding overhead (rows sent / real token copies) and, on one device, 
 relative to the grouped-matmul kernel the CPU path uses. Last line: `moe_over_dense=<ratio>` for the
 small width on one device.
 """
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -41,8 +42,9 @@ def build(width: str):
   cfg = presets.get(width)
   dense_width = (cfg.num_experts_per_tok + cfg.n_shared_experts) * cfg.moe_intermediate_size
   moe = nnx.eval_shape(lambda: MoE(cfg, stack=None, rngs=nnx.Rngs(0)))
-  dense = nnx.eval_shape(lambda: SwiGLU(cfg.hidden_size, dense_width, "mlp", stack=None, std=0.02,
-                                        dtype=jnp.float32, rngs=nnx.Rngs(0)))
+  dense = nnx.eval_shape(
+    lambda: SwiGLU(cfg.hidden_size, dense_width, "mlp", stack=None, std=0.02, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  )
   rng = np.random.default_rng(0)
   fill = lambda x: jnp.asarray(0.05 * rng.standard_normal(x.shape), x.dtype)  # noqa: E731
   B, T = SHAPES[width]
@@ -59,7 +61,7 @@ def _loss(graphdef, state, x, cot, moe: bool):
 
 def time_fwd_bwd(graphdef, state, x, cot, moe: bool, reps: int) -> float:
   fn = jax.jit(jax.grad(functools.partial(_loss, graphdef, moe=moe), argnums=(0, 1)))
-  jax.block_until_ready(fn(state, x, cot))           # compile + warm-up
+  jax.block_until_ready(fn(state, x, cot))  # compile + warm-up
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
@@ -80,8 +82,7 @@ def run_width(width: str, reps: int) -> float:
   for preset, mesh_shape in MESHES.items():
     mesh = sharding.make_mesh(mesh_shape)
     place = lambda s: jax.device_put(s, sharding.param_shardings(s, mesh, preset))  # noqa: E731
-    xs = jax.device_put((x, cot), NamedSharding(mesh, sharding.logical_to_spec(
-        ("act_batch", None, None), preset)))
+    xs = jax.device_put((x, cot), NamedSharding(mesh, sharding.logical_to_spec(("act_batch", None, None), preset)))
     with sharding.use(mesh, preset):
       t_moe = time_fwd_bwd(moe_g, place(moe_s), *xs, True, reps)
       t_dense = time_fwd_bwd(dense_g, place(dense_s), *xs, False, reps)
@@ -103,8 +104,10 @@ def ragged_dot_over_kernel(reps: int) -> float:
   sizes = jnp.asarray(np.bincount(rng.integers(0, E, M), minlength=E), jnp.int32)
   tile = grouped_matmul.default_tile(M, E)
   out = {}
-  for name, mm in (("ragged_dot", jax.lax.ragged_dot),
-                   ("kernel", lambda a, b, s: grouped_matmul.grouped_matmul(a, b, s, tile))):
+  for name, mm in (
+    ("ragged_dot", jax.lax.ragged_dot),
+    ("kernel", lambda a, b, s: grouped_matmul.grouped_matmul(a, b, s, tile)),
+  ):
     fn = jax.jit(jax.grad(lambda a, b, mm=mm: jnp.sum(mm(a, b, sizes) ** 2), argnums=(0, 1)))
     jax.block_until_ready(fn(x, w))
     t0 = time.perf_counter()

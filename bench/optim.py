@@ -15,6 +15,7 @@ partitions each NS matmul over the sharded axis with collectives every iteration
 include the zero matrices that pad each same-shape group to a multiple of the device count.
 Prints owner_over_gspmd_flops=<ratio> and owner_over_gspmd_time=<ratio>.
 """
+
 import argparse
 import os
 import sys
@@ -44,10 +45,12 @@ def param_tree(cfg, seed=0):
 
 
 def optax_muon(lr, params):
-  dims = jax.tree.map(lambda lab: None if lab == "adamw" else
-                      optax.contrib.MuonDimensionNumbers(-2, -1), label_params(params))
-  return optax.contrib.muon(lr, consistent_rms=0.2, weight_decay=0.1, adam_weight_decay=0.1,
-                            adam_b2=0.95, muon_weight_dimension_numbers=dims)
+  dims = jax.tree.map(
+    lambda lab: None if lab == "adamw" else optax.contrib.MuonDimensionNumbers(-2, -1), label_params(params)
+  )
+  return optax.contrib.muon(
+    lr, consistent_rms=0.2, weight_decay=0.1, adam_weight_decay=0.1, adam_b2=0.95, muon_weight_dimension_numbers=dims
+  )
 
 
 def time_update(opt, params, grads, iters, **extra):
@@ -59,7 +62,7 @@ def time_update(opt, params, grads, iters, **extra):
     updates, state = opt.update(grads, state, params, **extra)
     return optax.apply_updates(params, updates), state
 
-  params, state = jax.block_until_ready(step(params, state, grads, extra))   # compile + warm up
+  params, state = jax.block_until_ready(step(params, state, grads, extra))  # compile + warm up
   times = []
   for _ in range(iters):
     t0 = time.perf_counter()
@@ -73,7 +76,8 @@ def single_device(cfg, iters):
   grads = param_tree(cfg, seed=1)
   spec = QKClipSpec.from_config(cfg)
   ml = jnp.linspace(50.0, 150.0, cfg.num_hidden_layers * cfg.num_attention_heads).reshape(
-      cfg.num_hidden_layers, cfg.num_attention_heads)
+    cfg.num_hidden_layers, cfg.num_attention_heads
+  )
   t_ours, _ = time_update(muonclip(2e-4, qk_clip_spec=spec), params, grads, iters, max_logits=ml)
   t_muon, _ = time_update(optax_muon(2e-4, params), params, grads, iters)
   t_adam, _ = time_update(optax.adamw(2e-4, b2=0.95, weight_decay=0.1), params, grads, iters)
@@ -88,7 +92,7 @@ def sharded(cfg, iters):
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
   host = param_tree(cfg)
 
-  def spec(x):   # FSDP: shard the first axis divisible by 8 (leading stack axes excluded)
+  def spec(x):  # FSDP: shard the first axis divisible by 8 (leading stack axes excluded)
     for ax in range(max(x.ndim - 2, 0), x.ndim):
       if x.shape[ax] % 8 == 0:
         return P(*[("fsdp" if i == ax else None) for i in range(x.ndim)])

@@ -11,6 +11,7 @@ MoE layer of the preset's exact width) and fewer still if the memory planner (x1
 temporaries, measured) says they would not fit a quarter of the free RAM; the layer count is printed,
 so a comparison (e.g. with MaxText) uses the same shape.
 """
+
 import argparse
 import os
 import sys
@@ -31,7 +32,7 @@ from k2jax.train.counting import count_params, flops_per_token  # noqa: E402
 from k2jax.train.metrics import measure_peak_flops  # noqa: E402
 from k2jax.train.step import ModelDef, init_state, make_train_step  # noqa: E402
 
-SHAPES = {"tiny": (16, 64), "small": (2, 256)}   # (rows, seq_len) per step on a CPU
+SHAPES = {"tiny": (16, 64), "small": (2, 256)}  # (rows, seq_len) per step on a CPU
 
 
 def available_bytes() -> int:
@@ -56,10 +57,18 @@ def bench(name, steps, peak, layers):
   cfg, need = fit_layers(cfg, rows * seq_len, seq_len)
   build = lambda: K2Model(cfg, rngs=nnx.Rngs(0))
   opt = muonclip(optax.constant_schedule(1e-3), qk_clip_spec=QKClipSpec.from_config(cfg))
-  step = jax.jit(make_train_step(ModelDef.from_model(nnx.eval_shape(build)), opt, optax.constant_schedule(1e-3),
-                                 num_microbatches=1, bias_update_rate=1e-3, qk_clip_tau=100.0),
-                 donate_argnums=0)
-  state = jax.jit(lambda: init_state(build(), opt))()   # jit: distinct buffers, donatable
+  step = jax.jit(
+    make_train_step(
+      ModelDef.from_model(nnx.eval_shape(build)),
+      opt,
+      optax.constant_schedule(1e-3),
+      num_microbatches=1,
+      bias_update_rate=1e-3,
+      qk_clip_tau=100.0,
+    ),
+    donate_argnums=0,
+  )
+  state = jax.jit(lambda: init_state(build(), opt))()  # jit: distinct buffers, donatable
   it = make_pretrain_iter(PretrainDataConfig(seq_len=seq_len, batch_size=rows))
   batches = [{k: jnp.asarray(v) for k, v in next(it).items()} for _ in range(steps + 1)]
   t = time.perf_counter()
@@ -76,11 +85,15 @@ def bench(name, steps, peak, layers):
   tps = rows * seq_len / sec
   mfu = tps * flops_per_token(cfg, seq_len) / peak
   counts = count_params(cfg)
-  print(f"{name}_layers={cfg.num_hidden_layers} {name}_params_total={counts.total} "
-        f"{name}_params_activated={counts.activated} {name}_tokens_per_step={rows * seq_len} "
-        f"{name}_planned_bytes={need}")
-  print(f"{name}_compile_s={compile_s:.1f} {name}_step_ms={1e3 * sec:.1f} "
-        f"{name}_tokens_per_sec={tps:.1f} {name}_mfu={mfu:.4f} {name}_loss={float(m['loss']):.4f}")
+  print(
+    f"{name}_layers={cfg.num_hidden_layers} {name}_params_total={counts.total} "
+    f"{name}_params_activated={counts.activated} {name}_tokens_per_step={rows * seq_len} "
+    f"{name}_planned_bytes={need}"
+  )
+  print(
+    f"{name}_compile_s={compile_s:.1f} {name}_step_ms={1e3 * sec:.1f} "
+    f"{name}_tokens_per_sec={tps:.1f} {name}_mfu={mfu:.4f} {name}_loss={float(m['loss']):.4f}"
+  )
 
 
 def main():

@@ -1,4 +1,5 @@
 """Top-level entry points: `k2jax.load(path)` and `k2jax.save_hf(model, dir)`."""
+
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ def model_from_state(cfg: K2Config, state: dict) -> K2Model:
 
 def jax_tree_asarray(state: dict) -> dict:
   import jax
+
   return jax.tree.map(jnp.asarray, state)
 
 

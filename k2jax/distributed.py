@@ -8,6 +8,7 @@ K2JAX_PROCESS_ID. With none of them set and no cluster detected the run stays si
 Each process then loads only its own rows (`process_rows`) and assembles the global batch with
 `global_batch` (jax.make_array_from_process_local_data): no process ever holds the whole batch.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,13 +23,24 @@ ENV_NUM_PROCESSES = "K2JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "K2JAX_PROCESS_ID"
 
 # Environment variables by which jax's own cluster detection recognises a managed cluster.
-_CLUSTER_ENV = ("TPU_WORKER_HOSTNAMES", "CLOUD_TPU_TASK_ID", "MEGASCALE_COORDINATOR_ADDRESS",
-                "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "PMIX_NAMESPACE")
+_CLUSTER_ENV = (
+  "TPU_WORKER_HOSTNAMES",
+  "CLOUD_TPU_TASK_ID",
+  "MEGASCALE_COORDINATOR_ADDRESS",
+  "SLURM_JOB_ID",
+  "OMPI_MCA_orte_hnp_uri",
+  "PMIX_NAMESPACE",
+)
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, env: Mapping[str, str] | None = None,
-               cpu_collectives: str = "gloo") -> bool:
+def initialize(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  *,
+  env: Mapping[str, str] | None = None,
+  cpu_collectives: str = "gloo",
+) -> bool:
   """Join (or form) the multi-process JAX runtime. Returns True when running multi-process.
 
   Must run before anything touches a JAX device. `cpu_collectives` picks the CPU cross-process
@@ -39,25 +51,26 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   coordinator_address = coordinator_address or env.get(ENV_COORDINATOR) or None
   num_processes = num_processes if num_processes is not None else _int_env(env, ENV_NUM_PROCESSES)
   process_id = process_id if process_id is not None else _int_env(env, ENV_PROCESS_ID)
-  given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
-           "process_id": process_id}
+  given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
   if all(v is None for v in given.values()):
     if not any(k in env for k in _CLUSTER_ENV):
-      return False                      # a plain single-process run
-    jax.distributed.initialize()        # TPU pods, SLURM, Open MPI: jax reads the cluster itself
+      return False  # a plain single-process run
+    jax.distributed.initialize()  # TPU pods, SLURM, Open MPI: jax reads the cluster itself
     return jax.process_count() > 1
   missing = [k for k, v in given.items() if v is None]
   if missing:
-    raise ValueError(f"distributed.initialize: {', '.join(missing)} missing (set the arguments or "
-                     f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}); got {given}")
+    raise ValueError(
+      f"distributed.initialize: {', '.join(missing)} missing (set the arguments or "
+      f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}); got {given}"
+    )
   if not 0 <= process_id < num_processes:
     raise ValueError(f"distributed.initialize: process_id={process_id} is not in [0, {num_processes})")
   if ":" not in coordinator_address:
-    raise ValueError(f"distributed.initialize: coordinator_address={coordinator_address!r} needs "
-                     "host:port")
+    raise ValueError(f"distributed.initialize: coordinator_address={coordinator_address!r} needs host:port")
   jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                             process_id=process_id)
+  jax.distributed.initialize(
+    coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+  )
   return num_processes > 1
 
 
@@ -70,21 +83,24 @@ def process_rows(global_batch_size: int, sharding: NamedSharding) -> slice:
   shape = (global_batch_size,)
   index_map = sharding.addressable_devices_indices_map(shape)
   starts = sorted({(idx[0].start or 0) for idx in index_map.values()})
-  stops = sorted({(idx[0].stop if idx[0].stop is not None else global_batch_size)
-                  for idx in index_map.values()})
+  stops = sorted({(idx[0].stop if idx[0].stop is not None else global_batch_size) for idx in index_map.values()})
   lo, hi = starts[0], stops[-1]
   covered = sum(b - a for a, b in zip(starts, stops))
   if covered != hi - lo:
-    raise ValueError(f"process {jax.process_index()}: its batch rows {list(zip(starts, stops))} "
-                     "are not one contiguous block; build the mesh with k2jax.sharding.make_mesh")
+    raise ValueError(
+      f"process {jax.process_index()}: its batch rows {list(zip(starts, stops))} "
+      "are not one contiguous block; build the mesh with k2jax.sharding.make_mesh"
+    )
   return slice(lo, hi)
 
 
 def global_batch(local_tree, sharding: NamedSharding, global_batch_size: int):
   """Global jax.Arrays from this process's rows (each leaf [local_rows, ...])."""
+
   def one(x):
     x = np.asarray(x)
     return jax.make_array_from_process_local_data(sharding, x, (global_batch_size, *x.shape[1:]))
+
   return jax.tree.map(one, local_tree)
 
 

@@ -6,6 +6,7 @@ body)` returns `(status, payload)`; a dict/list payload is sent as JSON, a str a
 `bad_request` exception becomes a 400 with `bad_request_body(e)`; any other exception becomes a 500 that
 names it (logged), so a bug never drops a connection silently.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,13 @@ from typing import Any
 Route = Callable[[str, str, Any], tuple[int, Any]]
 
 
-def make_handler(route: Route, *, bad_request: type[Exception],
-                 bad_request_body: Callable[[Exception], dict], log: logging.Logger) -> type:
+def make_handler(
+  route: Route, *, bad_request: type[Exception], bad_request_body: Callable[[Exception], dict], log: logging.Logger
+) -> type:
   """A BaseHTTPRequestHandler class answering GET/POST through `route`."""
 
   class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"   # keep-alive, as the openai client (httpx) expects
+    protocol_version = "HTTP/1.1"  # keep-alive, as the openai client (httpx) expects
 
     def log_message(self, fmt, *args):
       log.debug("%s " + fmt, self.address_string(), *args)

@@ -9,6 +9,7 @@ so a 512-chip plan runs on a laptop. Activations are an estimate (formula in `ac
            seq_len=4096, topology="v5p-1024")
   print(format_plan(p))      # key=value lines, ending in fits=True|False
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +28,7 @@ from k2jax.optim import QKClipSpec, muonclip, path_name
 @dataclasses.dataclass(frozen=True)
 class Topology:
   """A machine: JAX devices, memory per device, and a default mesh and rules preset for `1t`."""
+
   num_devices: int
   device_memory_bytes: int
   mesh: Mapping[str, int]
@@ -35,13 +37,13 @@ class Topology:
 
 
 TOPOLOGIES: dict[str, Topology] = {
-    # v5p: 95 GiB HBM per chip, one JAX device per chip; v5p-1024 = 1024 TensorCores = 512 chips.
-    # EP 8 x FSDP 64 follows MaxText's Kimi recipe (reference §7: ici_fsdp 64, ici_expert 8).
-    "v5p-1024": Topology(512, 95 * 2**30, {"fsdp": 64, "expert": 8}, "fsdp_ep",
-                         "TPU v5p-1024: 512 chips x 95 GiB HBM"),
-    # 32 nodes x 8 H200 (141 GB HBM3e each); EP within a node keeps the all-to-all on NVLink.
-    "h200-32x8": Topology(256, 141 * 10**9, {"fsdp": 32, "expert": 8}, "fsdp_ep",
-                          "32 nodes x 8 NVIDIA H200: 256 GPUs x 141 GB HBM"),
+  # v5p: 95 GiB HBM per chip, one JAX device per chip; v5p-1024 = 1024 TensorCores = 512 chips.
+  # EP 8 x FSDP 64 follows MaxText's Kimi recipe (reference §7: ici_fsdp 64, ici_expert 8).
+  "v5p-1024": Topology(512, 95 * 2**30, {"fsdp": 64, "expert": 8}, "fsdp_ep", "TPU v5p-1024: 512 chips x 95 GiB HBM"),
+  # 32 nodes x 8 H200 (141 GB HBM3e each); EP within a node keeps the all-to-all on NVLink.
+  "h200-32x8": Topology(
+    256, 141 * 10**9, {"fsdp": 32, "expert": 8}, "fsdp_ep", "32 nodes x 8 NVIDIA H200: 256 GPUs x 141 GB HBM"
+  ),
 }
 
 
@@ -51,9 +53,18 @@ def topology(name: str) -> Topology:
   return TOPOLOGIES[name]
 
 
-def plan(model_cfg: K2Config, mesh_shape, rules_preset: str, batch_per_device_tokens: int, *,
-         seq_len: int, topology: str | None = None, device_memory_bytes: int | None = None,
-         num_devices: int | None = None, mu_dtype=None) -> dict:
+def plan(
+  model_cfg: K2Config,
+  mesh_shape,
+  rules_preset: str,
+  batch_per_device_tokens: int,
+  *,
+  seq_len: int,
+  topology: str | None = None,
+  device_memory_bytes: int | None = None,
+  num_devices: int | None = None,
+  mu_dtype=None,
+) -> dict:
   """Per-device memory of training `model_cfg` under `rules_preset` on a mesh of `mesh_shape`.
 
   Args:
@@ -73,7 +84,8 @@ def plan(model_cfg: K2Config, mesh_shape, rules_preset: str, batch_per_device_to
   state = nnx.state(abstract)
   specs = {}  # param path name -> (shape, spec)
   for path, var in jax.tree_util.tree_flatten_with_path(
-      sharding_lib.param_specs(state, rules_preset), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+    sharding_lib.param_specs(state, rules_preset), is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )[0]:
     specs[path_name(path)] = var.get_value()
   shapes = {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
   params_bytes = sum(_shard_bytes(x, specs[n], sizes, n) for n, x in shapes.items())
@@ -82,18 +94,30 @@ def plan(model_cfg: K2Config, mesh_shape, rules_preset: str, batch_per_device_to
   opt_state = jax.eval_shape(opt.init, trained)
   mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
   opt_shardings = sharding_lib.opt_state_shardings(opt_state, trained, mesh, rules_preset)
-  opt_bytes = sum(_shard_bytes(x, s.spec, sizes, path_name(p)) for (p, x), s in zip(
-      jax.tree_util.tree_flatten_with_path(opt_state)[0], jax.tree.leaves(opt_shardings)))
-  grads_bytes = sum(_shard_bytes(x, specs[path_name(p)], sizes, path_name(p))
-                    for p, x in jax.tree_util.tree_flatten_with_path(trained)[0])
+  opt_bytes = sum(
+    _shard_bytes(x, s.spec, sizes, path_name(p))
+    for (p, x), s in zip(jax.tree_util.tree_flatten_with_path(opt_state)[0], jax.tree.leaves(opt_shardings))
+  )
+  grads_bytes = sum(
+    _shard_bytes(x, specs[path_name(p)], sizes, path_name(p))
+    for p, x in jax.tree_util.tree_flatten_with_path(trained)[0]
+  )
   act = activation_bytes(model_cfg, sizes, rules_preset, batch_per_device_tokens, seq_len)
   total = params_bytes + grads_bytes + opt_bytes + act
-  return dict(num_devices=n_dev, mesh=",".join(f"{a}={s}" for a, s in sizes.items()),
-              rules_preset=rules_preset, batch_per_device_tokens=batch_per_device_tokens,
-              seq_len=seq_len, params_bytes_per_device=params_bytes,
-              grads_bytes_per_device=grads_bytes, opt_bytes_per_device=opt_bytes,
-              act_bytes_per_device=act, total_bytes_per_device=total,
-              device_memory_bytes=mem, fits=None if mem is None else total <= mem)
+  return dict(
+    num_devices=n_dev,
+    mesh=",".join(f"{a}={s}" for a, s in sizes.items()),
+    rules_preset=rules_preset,
+    batch_per_device_tokens=batch_per_device_tokens,
+    seq_len=seq_len,
+    params_bytes_per_device=params_bytes,
+    grads_bytes_per_device=grads_bytes,
+    opt_bytes_per_device=opt_bytes,
+    act_bytes_per_device=act,
+    total_bytes_per_device=total,
+    device_memory_bytes=mem,
+    fits=None if mem is None else total <= mem,
+  )
 
 
 def format_plan(p: dict) -> str:
@@ -103,8 +127,7 @@ def format_plan(p: dict) -> str:
   return "\n".join(lines)
 
 
-def activation_bytes(cfg: K2Config, sizes: Mapping[str, int], preset: str, tokens: int,
-                     seq_len: int) -> int:
+def activation_bytes(cfg: K2Config, sizes: Mapping[str, int], preset: str, tokens: int, seq_len: int) -> int:
   """Estimated activation bytes held for the backward pass, per device.
 
   Per token and layer (c = compute dtype bytes; widths divided by their `tensor` sharding):
@@ -118,19 +141,21 @@ def activation_bytes(cfg: K2Config, sizes: Mapping[str, int], preset: str, token
   """
   c = jnp.dtype(cfg.compute_dtype).itemsize
   tp = lambda logical: math.prod(  # noqa: E731
-      sizes[a] for a in (sharding_lib.rules(preset)[logical] or ()))
+    sizes[a] for a in (sharding_lib.rules(preset)[logical] or ())
+  )
   D, H, S = cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size
-  Kn, Kr, V, Rq, Rkv = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.q_lora_rank,
-                        cfg.kv_lora_rank)
+  Kn, Kr, V, Rq, Rkv = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank)
   ht = tp("q_heads")
   scores = (4 + c) * H * seq_len / ht
   attn = c * (2 * D + 2 * Rq + 2 * H * (Kn + Kr) / ht + 2 * (Rkv + Kr) + H * (Kn + V + V) / ht)
   ep = tp("experts")
-  o = expert_parallel.padding_overhead(max(tokens, 1), cfg.num_experts_per_tok,
-                                       cfg.n_routed_experts // ep, ep) if ep > 1 else 1.0
+  o = (
+    expert_parallel.padding_overhead(max(tokens, 1), cfg.num_experts_per_tok, cfg.n_routed_experts // ep, ep)
+    if ep > 1
+    else 1.0
+  )
   F, Fs = cfg.moe_intermediate_size / tp("expert_mlp"), cfg.moe_intermediate_size * cfg.n_shared_experts
-  moe = c * (D + o * cfg.num_experts_per_tok * (2 * D + 3 * F) + 3 * Fs / tp("shared_mlp")) \
-      + 4 * cfg.n_routed_experts
+  moe = c * (D + o * cfg.num_experts_per_tok * (2 * D + 3 * F) + 3 * Fs / tp("shared_mlp")) + 4 * cfg.n_routed_experts
   dense = c * (D + 3 * cfg.intermediate_size / tp("mlp"))
   per_layer = {"dense": attn + scores + dense, "moe": attn + scores + moe}
   if cfg.remat_policy == "dots_no_batch":
@@ -146,7 +171,8 @@ def activation_bytes(cfg: K2Config, sizes: Mapping[str, int], preset: str, token
 
 def _shard_bytes(x, spec, sizes, name) -> int:
   sharding_lib.check_divisible(x.shape, spec, sizes, name)
-  shard = [d // math.prod(sizes[a] for a in sharding_lib.spec_mesh_axes(e))
-           for d, e in zip(x.shape, tuple(spec) + (None,) * len(x.shape))]
+  shard = [
+    d // math.prod(sizes[a] for a in sharding_lib.spec_mesh_axes(e))
+    for d, e in zip(x.shape, tuple(spec) + (None,) * len(x.shape))
+  ]
   return math.prod(shard) * jnp.dtype(x.dtype).itemsize
-

@@ -17,6 +17,7 @@ Usage:
 The active (mesh, preset) is read at trace time. jax puts the mesh of `jax.set_mesh` in jit's cache
 key but not the preset, so trace a jitted function once per preset (a fresh `jax.jit` per preset).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
-PARAM_AXES = ("layers", "vocab", "embed", "q_lora", "q_heads", "kv_lora_rope", "kv_lora", "kv_heads",
-              "o_heads", "mlp", "shared_mlp", "experts", "experts_router", "expert_mlp")
+PARAM_AXES = (
+  "layers",
+  "vocab",
+  "embed",
+  "q_lora",
+  "q_heads",
+  "kv_lora_rope",
+  "kv_lora",
+  "kv_heads",
+  "o_heads",
+  "mlp",
+  "shared_mlp",
+  "experts",
+  "experts_router",
+  "expert_mlp",
+)
 # Activations: act_batch is the (flattened) token/batch dim, the rest are feature dims.
 ACT_AXES = ("act_batch", "act_length", "act_embed", "act_heads", "act_mlp", "act_vocab")
 LOGICAL_AXES = PARAM_AXES + ACT_AXES
@@ -43,13 +58,23 @@ LOGICAL_AXES = PARAM_AXES + ACT_AXES
 _BASE = {name: None for name in LOGICAL_AXES}
 _FSDP = {**_BASE, "embed": ("fsdp",), "q_lora": ("fsdp",), "kv_lora": ("fsdp",)}
 RULES: dict[str, dict[str, tuple[str, ...] | None]] = {
-    "fsdp": {**_FSDP, "act_batch": ("data", "fsdp", "expert", "tensor")},
-    "fsdp_ep": {**_FSDP, "experts": ("expert",), "act_batch": ("data", "fsdp", "expert", "tensor")},
-    "fsdp_ep_tp": {**_FSDP, "experts": ("expert",),
-                   "vocab": ("tensor",), "q_heads": ("tensor",), "kv_heads": ("tensor",),
-                   "o_heads": ("tensor",), "mlp": ("tensor",), "shared_mlp": ("tensor",),
-                   "expert_mlp": ("tensor",), "act_heads": ("tensor",), "act_mlp": ("tensor",),
-                   "act_vocab": ("tensor",), "act_batch": ("data", "fsdp", "expert")},
+  "fsdp": {**_FSDP, "act_batch": ("data", "fsdp", "expert", "tensor")},
+  "fsdp_ep": {**_FSDP, "experts": ("expert",), "act_batch": ("data", "fsdp", "expert", "tensor")},
+  "fsdp_ep_tp": {
+    **_FSDP,
+    "experts": ("expert",),
+    "vocab": ("tensor",),
+    "q_heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "o_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "shared_mlp": ("tensor",),
+    "expert_mlp": ("tensor",),
+    "act_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+    "act_batch": ("data", "fsdp", "expert"),
+  },
 }
 
 
@@ -95,8 +120,10 @@ def resolve_mesh_shape(mesh_shape: Mapping[str, int] | Sequence[int], num_device
   known = math.prod(s for s in shape.values() if s != -1)
   if rest:
     if num_devices % known:
-      raise ShardingError(f"mesh_shape {shape}: {num_devices} devices are not divisible by {known}, "
-                          f"so '{rest[0]}': -1 has no integer size")
+      raise ShardingError(
+        f"mesh_shape {shape}: {num_devices} devices are not divisible by {known}, "
+        f"so '{rest[0]}': -1 has no integer size"
+      )
     shape[rest[0]] = num_devices // known
   if math.prod(shape.values()) != num_devices:
     raise ShardingError(f"mesh_shape {shape}: product {math.prod(shape.values())} != {num_devices} devices")
@@ -108,8 +135,7 @@ def make_mesh(mesh_shape: Mapping[str, int] | Sequence[int], devices=None) -> Me
   devices = jax.devices() if devices is None else list(devices)
   shape = resolve_mesh_shape(mesh_shape, len(devices))
   axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-  return jax.make_mesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES, axis_types=axis_types,
-                       devices=devices)
+  return jax.make_mesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES, axis_types=axis_types, devices=devices)
 
 
 # ------------------------------------------------------------------------------ logical -> spec
@@ -125,8 +151,7 @@ def logical_to_spec(names: Sequence[str | None], preset: str) -> P:
       out.append(None)
       continue
     if name not in table:
-      raise ShardingError(f"logical axis {name!r} has no rule in preset {preset!r}; "
-                          f"known: {sorted(table)}")
+      raise ShardingError(f"logical axis {name!r} has no rule in preset {preset!r}; known: {sorted(table)}")
     axes = tuple(a for a in (table[name] or ()) if a not in used)
     used.update(axes)
     out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
@@ -142,8 +167,10 @@ def check_divisible(shape, spec: P, mesh_sizes: Mapping[str, int], what: str) ->
   for dim, (size, entry) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
     n = math.prod(mesh_sizes[a] for a in spec_mesh_axes(entry))
     if size % n:
-      raise ShardingError(f"{what}: dim {dim} of shape {tuple(shape)} (size {size}) is not divisible "
-                          f"by mesh axes {spec_mesh_axes(entry)} of total size {n}")
+      raise ShardingError(
+        f"{what}: dim {dim} of shape {tuple(shape)} (size {size}) is not divisible "
+        f"by mesh axes {spec_mesh_axes(entry)} of total size {n}"
+      )
 
 
 def _path_name(path) -> str:
@@ -158,6 +185,7 @@ def _is_var(x) -> bool:
 
 def param_specs(state, preset: str):
   """`state` (nnx.State, abstract or concrete) with each Variable's value replaced by its PartitionSpec."""
+
   def spec(path, var):
     axes = var.get_metadata().get("axes")
     if axes is None:
@@ -165,6 +193,7 @@ def param_specs(state, preset: str):
     if len(axes) != len(var.get_value().shape):
       raise ShardingError(f"{_path_name(path)}: axes {axes} do not match shape {var.get_value().shape}")
     return var.replace(logical_to_spec(axes, preset))
+
   return jax.tree_util.tree_map_with_path(spec, state, is_leaf=_is_var)
 
 
@@ -176,6 +205,7 @@ def param_shardings(abstract_state, mesh: Mesh, preset: str):
     spec = logical_to_spec(var.get_metadata()["axes"], preset)
     check_divisible(var.get_value().shape, spec, sizes, _path_name(path))
     return var.replace(NamedSharding(mesh, spec))
+
   param_specs(abstract_state, preset)  # validates metadata first, with clear errors
   return jax.tree_util.tree_map_with_path(sharding, abstract_state, is_leaf=_is_var)
 
@@ -189,7 +219,8 @@ def shard_model(model: nnx.Module, mesh: Mesh, preset: str) -> nnx.Module:
     return model
   # Multi-process: every process holds the same full values; each places only its own shards.
   place = lambda x, s: jax.make_array_from_callback(  # noqa: E731
-      x.shape, s, lambda idx, x=np.asarray(x): x[idx])
+    x.shape, s, lambda idx, x=np.asarray(x): x[idx]
+  )
   nnx.update(model, jax.tree.map(place, state, shardings))
   return model
 
@@ -198,8 +229,10 @@ def dump_partition_specs(abstract_state, preset: str) -> str:
   """`path shape spec` lines for every variable: the reviewable golden of a preset's layout."""
   lines = []
   leaves = jax.tree_util.tree_flatten_with_path(param_specs(abstract_state, preset), is_leaf=_is_var)[0]
-  shapes = dict((_path_name(p), v.get_value().shape)
-                for p, v in jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=_is_var)[0])
+  shapes = dict(
+    (_path_name(p), v.get_value().shape)
+    for p, v in jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=_is_var)[0]
+  )
   for path, var in leaves:
     name = _path_name(path)
     lines.append(f"{name} {tuple(shapes[name])} {var.get_value()}")
@@ -215,7 +248,8 @@ def opt_state_shardings(abstract_opt_state, abstract_params, mesh: Mesh, preset:
   """
   by_name = {}
   for path, var in jax.tree_util.tree_flatten_with_path(
-      param_shardings(abstract_params, mesh, preset), is_leaf=_is_var)[0]:
+    param_shardings(abstract_params, mesh, preset), is_leaf=_is_var
+  )[0]:
     by_name[_path_name(path)] = var.get_value()
   shapes = {_path_name(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
 
@@ -225,6 +259,7 @@ def opt_state_shardings(abstract_opt_state, abstract_params, mesh: Mesh, preset:
       if (name == pname or name.endswith("." + pname)) and tuple(shapes[pname]) == tuple(x.shape):
         return sharding
     return NamedSharding(mesh, P())
+
   return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
 
 

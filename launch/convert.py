@@ -7,6 +7,7 @@ The HF side is the published layout (DeepseekV3ForCausalLM, per-expert keys, sha
 with model.safetensors.index.json), loadable by transformers, SGLang and vLLM. A workdir converts
 from its latest checkpoint.
 """
+
 import os
 import sys
 
@@ -26,6 +27,7 @@ def main(argv):
   import k2jax
   from k2jax.convert import hf as hf_io
   from k2jax.convert import workdir as wd
+
   src, dst = FLAGS.src, FLAGS.dst
   if os.path.abspath(src) == os.path.abspath(dst):
     raise app.UsageError(f"--src and --dst are the same directory: {src}")
@@ -38,8 +40,7 @@ def main(argv):
     wd.save_model_only(cfg, state, dst)
     print(f"wrote k2jax workdir {dst}")
   else:
-    raise app.UsageError(f"--src={src}: neither a k2jax workdir ({wd.MODEL_CONFIG}) nor an HF "
-                         "directory (config.json)")
+    raise app.UsageError(f"--src={src}: neither a k2jax workdir ({wd.MODEL_CONFIG}) nor an HF directory (config.json)")
 
 
 if __name__ == "__main__":

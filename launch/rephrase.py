@@ -3,6 +3,7 @@
   python launch/rephrase.py --config=configs/data/rephrase.py --input=docs.jsonl \
       --output=rephrased.jsonl [--config.llm_url=URL --config.num_rephrasings=2 ...]
 """
+
 import os
 import sys
 

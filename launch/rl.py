@@ -4,6 +4,7 @@ With no `--config.rollout.engine_url` the embedded k2jax engine runs in-process;
 come from that SGLang-compatible server (see launch/sglang_server.sh and BUILD.md "RL with SGLang").
 Resumes from the latest checkpoint in W; writes W/metrics.jsonl and W/checkpoints/<iteration>/.
 """
+
 import json
 import os
 import sys
@@ -16,8 +17,7 @@ from ml_collections import config_flags  # noqa: E402
 from k2jax.rl import learner  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:tiny", "RL config file and variant.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, weight pushes).",
-                               required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, weight pushes).", required=True)
 
 
 def main(argv):

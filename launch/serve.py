@@ -5,6 +5,7 @@
 Routes: /generate, /update_weights_from_disk, /flush_cache, /abort_request, /health, /get_model_info,
 /v1/completions, /v1/chat/completions, /v1/models.
 """
+
 import logging
 import os
 import sys
@@ -15,26 +16,33 @@ from absl import app, flags  # noqa: E402
 
 from k2jax.serve import EngineConfig, Server  # noqa: E402
 
-_MODEL = flags.DEFINE_string("model", None, "k2jax workdir or HF directory (config.json + safetensors).",
-                             required=True)
+_MODEL = flags.DEFINE_string("model", None, "k2jax workdir or HF directory (config.json + safetensors).", required=True)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
 _PORT = flags.DEFINE_integer("port", 30000, "Port to bind.")
 _SLOTS = flags.DEFINE_integer("max_running_requests", 8, "Requests decoded together (cache slots).")
 _MAX_LEN = flags.DEFINE_integer("max_seq_len", 2048, "Prompt + generated tokens per request.")
 _PREFIX = flags.DEFINE_integer("prefix_cache_entries", 16, "Finished sequences kept for prefix reuse.")
-_TOKENIZER = flags.DEFINE_string("tokenizer", "auto",
-                                 "tiktoken rank file; 'auto' = <model>/tiktoken.model or the bundled BPE "
-                                 "when the vocab matches; 'none' = token ids only.")
+_TOKENIZER = flags.DEFINE_string(
+  "tokenizer",
+  "auto",
+  "tiktoken rank file; 'auto' = <model>/tiktoken.model or the bundled BPE "
+  "when the vocab matches; 'none' = token ids only.",
+)
 _NAME = flags.DEFINE_string("served_model_name", None, "Model name in OpenAI responses (default: dir name).")
 
 
 def main(argv):
   del argv
   logging.basicConfig(level=logging.INFO)
-  config = EngineConfig(max_slots=_SLOTS.value, max_seq_len=_MAX_LEN.value,
-                        prefix_cache_entries=_PREFIX.value)
-  server = Server(_MODEL.value, engine_config=config, host=_HOST.value, port=_PORT.value,
-                  tokenizer_path=_TOKENIZER.value, served_model_name=_NAME.value)
+  config = EngineConfig(max_slots=_SLOTS.value, max_seq_len=_MAX_LEN.value, prefix_cache_entries=_PREFIX.value)
+  server = Server(
+    _MODEL.value,
+    engine_config=config,
+    host=_HOST.value,
+    port=_PORT.value,
+    tokenizer_path=_TOKENIZER.value,
+    served_model_name=_NAME.value,
+  )
   print(f"serving {_MODEL.value} at {server.url}", flush=True)
   try:
     server.serve_forever()

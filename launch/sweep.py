@@ -2,6 +2,7 @@
 --workdir=/tmp/sweeps` runs each setting one after another; `--mode=pod --tpu=NAME --zone=ZONE` prints
 one TPU-pod launch command per run instead.
 """
+
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   from k2jax.train import sweep
+
   runs = sweep.load_sweep(FLAGS.config, FLAGS.sweep)
   if FLAGS.mode == "pod" and not (FLAGS.tpu and FLAGS.zone):
     raise app.UsageError("--mode=pod needs --tpu and --zone")

@@ -5,6 +5,7 @@
 Without --config.llm_url the embedded k2jax engine serves --config.serve_model on a free local port.
 Rerunning the same command resumes; per-stage counts print as key=value lines and go to OUT/stats.json.
 """
+
 import os
 import sys
 
@@ -25,6 +26,7 @@ def serve_locally(c, out: str):
   from flax import nnx
   from k2jax.model import K2Model, presets
   from k2jax.serve import EngineConfig, Server
+
   path = c.serve_model
   if path == "tiny-random":
     path = os.path.join(out, "tiny_random_model")
@@ -44,7 +46,7 @@ def main(argv):
     if server is not None:
       server.close()
   for stage, counts in stats.items():
-    for key, value in (counts.items() if isinstance(counts, dict) else [("", counts)]):
+    for key, value in counts.items() if isinstance(counts, dict) else [("", counts)]:
       print(f"{stage}{'.' + key if key else ''}={value}")
 
 

@@ -4,6 +4,7 @@ Resumes from W's latest checkpoint. `--dry_run` prints parameter counts (and the
 `config.topology`) from shapes alone, allocating nothing. Multi-host: set the coordinator flags (or
 let the cluster's environment do it, see BUILD.md) and run the same command on every host.
 """
+
 import os
 import sys
 
@@ -24,12 +25,14 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   from k2jax.train import dryrun, loop
+
   if FLAGS.dry_run:
     print(dryrun.report(FLAGS.config))
     return
   if not FLAGS.workdir:
     raise app.UsageError("--workdir is required (unless --dry_run)")
   from k2jax import distributed
+
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; the loop prints status
   final = loop.run(FLAGS.config, FLAGS.workdir)

@@ -4,6 +4,7 @@
 
 Writes data/corpus/pydocs.jsonl and data/corpus/pydocs.array_record (same records).
 """
+
 import os
 import sys
 

@@ -3,6 +3,7 @@ and greedy-generate (the demo's last step).
 
   python scripts/hf_generate.py W/hf "The Python language"
 """
+
 import os
 import sys
 
@@ -23,7 +24,8 @@ def load_hf_model(hf_dir: str) -> DeepseekV3ForCausalLM:
   """
   if conversion_mapping.get_checkpoint_conversion_mapping("kimi_k2") is None:
     conversion_mapping.register_checkpoint_conversion_mapping(
-        "kimi_k2", conversion_mapping.get_checkpoint_conversion_mapping("deepseek_v3"))
+      "kimi_k2", conversion_mapping.get_checkpoint_conversion_mapping("deepseek_v3")
+    )
   config = DeepseekV3Config.from_pretrained(hf_dir)
   return DeepseekV3ForCausalLM.from_pretrained(hf_dir, config=config, dtype=torch.float32).eval()
 
@@ -31,6 +33,7 @@ def load_hf_model(hf_dir: str) -> DeepseekV3ForCausalLM:
 def main(hf_dir: str, prompt: str, max_new_tokens: int = 40) -> None:
   import k2jax
   from k2jax.data.tokenizer import load_tokenizer
+
   tok = load_tokenizer()
   model = load_hf_model(hf_dir)
   ids = tok.encode(prompt)
@@ -38,10 +41,12 @@ def main(hf_dir: str, prompt: str, max_new_tokens: int = 40) -> None:
     hf_logits = model(torch.tensor([ids])).logits.numpy()
     out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
   ours = np.asarray(k2jax.load(hf_dir)(np.asarray([ids], np.int32)).logits)
-  print(f"transformers loaded {type(model).__name__} from {hf_dir}; "
-        f"max |logits - k2jax logits| = {np.max(np.abs(hf_logits - ours)):.2e}")
+  print(
+    f"transformers loaded {type(model).__name__} from {hf_dir}; "
+    f"max |logits - k2jax logits| = {np.max(np.abs(hf_logits - ours)):.2e}"
+  )
   print("prompt:    ", prompt)
-  print("generated: ", tok.decode(out[0, len(ids):].tolist()))
+  print("generated: ", tok.decode(out[0, len(ids) :].tolist()))
 
 
 if __name__ == "__main__":

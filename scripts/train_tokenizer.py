@@ -7,6 +7,7 @@ encoding split text the same way. The result is saved exactly like K2's `tiktoke
 single bytes get ranks 0..255, then every merged token in merge order, so tiktoken's "lowest rank
 first" merging replays the trained merge priority. 256 + 3584 ranks + 256 K2 specials = 4096 ids.
 """
+
 import json
 import os
 import sys
@@ -27,14 +28,19 @@ _CORPUS = flags.DEFINE_string("corpus", corpus.BUNDLED_CORPUS, "jsonl corpus wit
 def train_ranks(texts, num_merges: int) -> dict[bytes, int]:
   """Byte-level BPE ranks: bytes 0..255 first, then merged tokens in merge order."""
   bpe = Tokenizer(models.BPE())
-  bpe.pre_tokenizer = pre_tokenizers.Sequence([
+  bpe.pre_tokenizer = pre_tokenizers.Sequence(
+    [
       pre_tokenizers.Split(Regex(tokenizer.PAT_STR), behavior="isolated"),
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-  ])
+    ]
+  )
   bpe.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
-      vocab_size=256 + num_merges, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-      show_progress=False, min_frequency=2)
+    vocab_size=256 + num_merges,
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+    min_frequency=2,
+  )
   bpe.train_from_iterator(texts, trainer=trainer)
   merges = json.loads(bpe.to_str())["model"]["merges"]
   byte_of = _unicode_to_byte()
@@ -59,8 +65,7 @@ def write_tiktoken_file(ranks: dict[bytes, int], path: str) -> None:
 
 def _unicode_to_byte() -> dict[str, int]:
   """Inverse of GPT-2's bytes_to_unicode table used by ByteLevel (printable char per byte)."""
-  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-      range(ord("®"), ord("ÿ") + 1))
+  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
   cs = bs[:]
   n = 0
   for b in range(256):

@@ -1,4 +1,5 @@
 """Test setup: 8 fake CPU devices so every mesh test runs on CI, float32 matmuls everywhere."""
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

@@ -3,6 +3,7 @@
   python launch/rephrase.py --config=configs/data/rephrase.py --input=docs.jsonl \
       --output=rephrased.jsonl --config.llm_url=http://localhost:30000/v1
 """
+
 import ml_collections
 
 

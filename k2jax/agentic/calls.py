@@ -5,6 +5,7 @@ tool, or arguments the tool's schema rejects each become a `ToolError` that is r
 as the call's result (MCP's `isError` result, reference §5.1), so the model can see and correct it.
 Nothing here raises on model output; `tests/agentic/test_calls.py` fuzzes that with hypothesis.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,14 +18,23 @@ from k2jax.agentic.tools import ToolRegistry
 from k2jax.data.chat import parse_assistant
 from k2jax.data.tokenizer import Tokenizer
 
-ERROR_KINDS = ("malformed_call", "malformed_json", "unknown_tool", "bad_arguments", "denied",
-               "rate_limited", "timeout", "tool_failed", "no_network")
-NO_CALL_ID = "functions.invalid:0"   # answers a call whose id could not be read
+ERROR_KINDS = (
+  "malformed_call",
+  "malformed_json",
+  "unknown_tool",
+  "bad_arguments",
+  "denied",
+  "rate_limited",
+  "timeout",
+  "tool_failed",
+  "no_network",
+)
+NO_CALL_ID = "functions.invalid:0"  # answers a call whose id could not be read
 
 
 @dataclasses.dataclass(frozen=True)
 class ToolError:
-  kind: str                      # one of ERROR_KINDS
+  kind: str  # one of ERROR_KINDS
   message: str
   call_id: str = NO_CALL_ID
   tool: str | None = None
@@ -40,7 +50,7 @@ class ToolError:
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-  call_id: str                   # K2 id functions.{name}:{idx}
+  call_id: str  # K2 id functions.{name}:{idx}
   name: str
   arguments: dict
 
@@ -48,10 +58,11 @@ class ToolCall:
 @dataclasses.dataclass(frozen=True)
 class ParsedTurn:
   """One assistant turn: its text, its valid calls and one error per bad call (in order)."""
+
   content: str
   calls: tuple[ToolCall, ...]
   errors: tuple[ToolError, ...]
-  message: dict                  # the OpenAI-style assistant message (raw arguments strings)
+  message: dict  # the OpenAI-style assistant message (raw arguments strings)
 
   @property
   def has_calls(self) -> bool:
@@ -62,7 +73,7 @@ def parse_turn(ids: Sequence[int], registry: ToolRegistry, tokenizer: Tokenizer)
   """Parses one assistant generation (token ids) into validated calls and structured errors."""
   try:
     msg = parse_assistant(list(ids), tokenizer=tokenizer)
-  except (ValueError, TypeError, OverflowError) as e:   # e.g. ids outside the vocabulary
+  except (ValueError, TypeError, OverflowError) as e:  # e.g. ids outside the vocabulary
     err = ToolError("malformed_call", f"cannot decode the turn: {e}")
     return ParsedTurn("", (), (err,), {"role": "assistant", "content": ""})
   calls, errors = [], []
@@ -87,8 +98,7 @@ def parse_openai_calls(tool_calls: Any, registry: ToolRegistry) -> tuple[list[To
     fn = raw.get("function") if isinstance(raw, dict) else None
     call_id = raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-      errors.append(ToolError("malformed_call", f"tool_calls[{i}] has no function.name",
-                              call_id or NO_CALL_ID))
+      errors.append(ToolError("malformed_call", f"tool_calls[{i}] has no function.name", call_id or NO_CALL_ID))
       continue
     args = fn.get("arguments", "{}")
     if not isinstance(args, str):
@@ -108,8 +118,7 @@ def validate_call(call_id: str, name: str, arguments: str, registry: ToolRegistr
   except (ValueError, RecursionError) as e:
     return ToolError("malformed_json", f"arguments are not valid JSON: {e}"[:300], call_id, name)
   if not isinstance(args, dict):
-    return ToolError("bad_arguments", f"arguments must be a JSON object, got {type(args).__name__}",
-                     call_id, name)
+    return ToolError("bad_arguments", f"arguments must be a JSON object, got {type(args).__name__}", call_id, name)
   try:
     error = jsonschema.exceptions.best_match(registry.validator(name).iter_errors(args))
   except RecursionError:

@@ -17,6 +17,7 @@ The limiter is per process: with R service replicas give each `rate / R` (see BU
 any address outside an allowlist (environment services call it at start-up; the Kubernetes
 NetworkPolicy in deploy/ is the boundary, this hook the in-process guard rail).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,11 +58,11 @@ class RateLimit:
 class GuardConfig:
   max_unconfirmed_impact: Impact = Impact.REVERSIBLE_WRITE
   default_rate: RateLimit = RateLimit(rate_per_s=10.0, burst=5)
-  target_rates: tuple[tuple[str, RateLimit], ...] = ()   # per "host:port" overrides
-  max_concurrency: int = 64          # external requests in flight at once, all targets together
-  max_wait_s: float = 30.0           # longest a request may queue for its rate slot / concurrency
+  target_rates: tuple[tuple[str, RateLimit], ...] = ()  # per "host:port" overrides
+  max_concurrency: int = 64  # external requests in flight at once, all targets together
+  max_wait_s: float = 30.0  # longest a request may queue for its rate slot / concurrency
   request_timeout_s: float = 10.0
-  audit_path: str | None = None      # jsonl audit log (also kept in memory)
+  audit_path: str | None = None  # jsonl audit log (also kept in memory)
 
 
 class RateLimiter:
@@ -70,7 +71,7 @@ class RateLimiter:
   def __init__(self, limit: RateLimit):
     self.interval = 1.0 / limit.rate_per_s
     self.tolerance = (limit.burst - 1) * self.interval
-    self._tat = 0.0    # theoretical arrival time of the next request
+    self._tat = 0.0  # theoretical arrival time of the next request
     self._lock = threading.Lock()
 
   def reserve(self, max_wait_s: float) -> float | None:
@@ -95,8 +96,9 @@ class Net:
     g, cfg = self._guard, self._guard.config
     if target not in self._tool.targets:
       g.audit("no_network", self._tool.name, {"target": target})
-      raise ToolFailure("no_network", f"tool {self._tool.name!r} may not reach {target!r} "
-                                      f"(allowed: {list(self._tool.targets)})")
+      raise ToolFailure(
+        "no_network", f"tool {self._tool.name!r} may not reach {target!r} (allowed: {list(self._tool.targets)})"
+      )
     start = g.limiter(target).reserve(cfg.max_wait_s)
     if start is None:
       g.audit("rate_limited", self._tool.name, {"target": target})
@@ -106,8 +108,7 @@ class Net:
       raise ToolFailure("rate_limited", f"{cfg.max_concurrency} external requests already in flight")
     try:
       data = None if payload is None else json.dumps(payload).encode()
-      req = urllib.request.Request(f"http://{target}{path}", data=data,
-                                   headers={"Content-Type": "application/json"})
+      req = urllib.request.Request(f"http://{target}{path}", data=data, headers={"Content-Type": "application/json"})
       with urllib.request.urlopen(req, timeout=cfg.request_timeout_s) as resp:
         body = resp.read()
       return json.loads(body) if body else None
@@ -153,11 +154,18 @@ class Guard:
       except Exception as e:  # a broken confirmation hook must deny, not crash the episode
         log.warning("confirm callback failed for %s: %s", tool.name, e)
         ok = False
-      self.audit("confirmed" if ok else "denied", tool.name,
-                 {"impact": tool.impact.name, "arguments": call.arguments, "call_id": call.call_id})
+      self.audit(
+        "confirmed" if ok else "denied",
+        tool.name,
+        {"impact": tool.impact.name, "arguments": call.arguments, "call_id": call.call_id},
+      )
       if not ok:
-        return ToolError("denied", f"{tool.name} has impact {tool.impact.name.lower()} and needs "
-                                   "confirmation, which was refused", call.call_id, tool.name)
+        return ToolError(
+          "denied",
+          f"{tool.name} has impact {tool.impact.name.lower()} and needs confirmation, which was refused",
+          call.call_id,
+          tool.name,
+        )
     try:
       return fn(call.arguments, Net(self, tool))
     except ToolFailure as e:

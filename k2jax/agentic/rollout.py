@@ -14,6 +14,7 @@ concurrently on a thread pool (the engine clients are blocking and thread-safe);
 environment's at the end (task rubric or verifier). `to_rollout_batch` turns trajectories into the
 RL learner's `RolloutBatch` (loss mask = generated tokens only).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -37,19 +38,19 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class MultiTurnConfig:
-  max_turns: int = 8                  # assistant turns per episode
+  max_turns: int = 8  # assistant turns per episode
   max_new_tokens_per_turn: int = 256
-  max_total_tokens: int = 4096        # prompt + every turn; the episode is truncated beyond it
+  max_total_tokens: int = 4096  # prompt + every turn; the episode is truncated beyond it
   temperature: float = 1.0
   top_p: float = 1.0
-  concurrency: int = 64               # episodes in flight
+  concurrency: int = 64  # episodes in flight
   seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
-  start: int                          # index of the turn's first generated token in Trajectory.tokens
-  output_ids: tuple[int, ...]         # exactly what the engine returned
+  start: int  # index of the turn's first generated token in Trajectory.tokens
+  output_ids: tuple[int, ...]  # exactly what the engine returned
   finish_reason: str
 
 
@@ -64,7 +65,7 @@ class Trajectory:
   prompt_length: int
   turns: list[Turn] = dataclasses.field(default_factory=list)
   reward: float = 0.0
-  end: str = ""                       # env_done | max_turns | budget | abort | env_error | engine_error
+  end: str = ""  # env_done | max_turns | budget | abort | env_error | engine_error
   info: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -79,8 +80,13 @@ class Trajectory:
 class MultiTurnRunner:
   """Runs episodes of `env_factory()` environments against `engine`."""
 
-  def __init__(self, engine: Engine, tokenizer: Tokenizer, env_factory: Callable[[], Environment],
-               config: MultiTurnConfig = MultiTurnConfig()):
+  def __init__(
+    self,
+    engine: Engine,
+    tokenizer: Tokenizer,
+    env_factory: Callable[[], Environment],
+    config: MultiTurnConfig = MultiTurnConfig(),
+  ):
     self.engine, self.tok, self.env_factory, self.config = engine, tokenizer, env_factory, config
     sp = tokenizer.special_ids
     self.im_end = sp["<|im_end|>"]
@@ -98,12 +104,28 @@ class MultiTurnRunner:
     try:
       try:
         obs = env.reset(task)
-      except ServiceError as e:   # the environment service failed (a pool restarts it): skip this episode
-        return Trajectory(str(task.get("id", rid)), str(task.get("task", "agentic")), [], [], [], [], 0,
-                          end="env_error", info={"error": str(e)[:500]})
+      except ServiceError as e:  # the environment service failed (a pool restarts it): skip this episode
+        return Trajectory(
+          str(task.get("id", rid)),
+          str(task.get("task", "agentic")),
+          [],
+          [],
+          [],
+          [],
+          0,
+          end="env_error",
+          info={"error": str(e)[:500]},
+        )
       ids, _ = render_chat(obs["messages"], obs.get("tools"), tokenizer=self.tok, add_generation_prompt=True)
-      traj = Trajectory(str(task.get("id", rid)), str(task.get("task", "agentic")), list(ids), [0] * len(ids),
-                        [0.0] * len(ids), [-1] * len(ids), len(ids))
+      traj = Trajectory(
+        str(task.get("id", rid)),
+        str(task.get("task", "agentic")),
+        list(ids),
+        [0] * len(ids),
+        [0.0] * len(ids),
+        [-1] * len(ids),
+        len(ids),
+      )
       self._loop(env, traj, rid)
       return traj
     finally:
@@ -112,13 +134,17 @@ class MultiTurnRunner:
   def _loop(self, env: Environment, traj: Trajectory, rid: str) -> None:
     cfg = self.config
     for turn in range(cfg.max_turns):
-      budget = cfg.max_total_tokens - len(traj.tokens) - 1   # keep room for a closing <|im_end|>
+      budget = cfg.max_total_tokens - len(traj.tokens) - 1  # keep room for a closing <|im_end|>
       if budget <= 0:
         traj.end = "budget"
         return
-      sampling = SamplingParams(max_new_tokens=min(cfg.max_new_tokens_per_turn, budget),
-                                temperature=cfg.temperature, top_p=cfg.top_p, stop_token_ids=self.stop_ids,
-                                seed=(cfg.seed * 1_000_003 + zlib.crc32(rid.encode()) + turn) % 2**31)
+      sampling = SamplingParams(
+        max_new_tokens=min(cfg.max_new_tokens_per_turn, budget),
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        stop_token_ids=self.stop_ids,
+        seed=(cfg.seed * 1_000_003 + zlib.crc32(rid.encode()) + turn) % 2**31,
+      )
       try:
         res = self.engine.generate(GenerateRequest(f"{rid}-t{turn}", tuple(traj.tokens), sampling))
       except (ServiceError, RuntimeError, ValueError) as e:
@@ -133,7 +159,7 @@ class MultiTurnRunner:
       if res.finish_reason == "abort":
         traj.end = "abort"
         return
-      if not out or out[-1] != self.im_end:                     # close the turn: not generated, not trained
+      if not out or out[-1] != self.im_end:  # close the turn: not generated, not trained
         traj.tokens, traj.loss_mask = traj.tokens + [self.im_end], traj.loss_mask + [0]
         traj.logprobs, traj.versions = traj.logprobs + [0.0], traj.versions + [-1]
       step = env.step(self._action(out))
@@ -154,7 +180,7 @@ class MultiTurnRunner:
     body = out[:-1] if out and out[-1] in self.stop_ids else out
     try:
       return parse_assistant(body, tokenizer=self.tok)
-    except (ValueError, TypeError) as e:   # ids the tokenizer cannot decode: the env reports it
+    except (ValueError, TypeError) as e:  # ids the tokenizer cannot decode: the env reports it
       return {"role": "assistant", "content": "", "tool_call_error": f"undecodable turn: {e}"}
 
   def _observation_ids(self, messages: list[dict]) -> list[int]:
@@ -164,8 +190,14 @@ class MultiTurnRunner:
     return ids
 
 
-def to_rollout_batch(trajectories: Sequence[Trajectory], *, group_ids: Sequence[int] | None = None,
-                     pad_id: int = 0, iteration: int = 0, temperature: float = 1.0) -> RolloutBatch:
+def to_rollout_batch(
+  trajectories: Sequence[Trajectory],
+  *,
+  group_ids: Sequence[int] | None = None,
+  pad_id: int = 0,
+  iteration: int = 0,
+  temperature: float = 1.0,
+) -> RolloutBatch:
   """Right-padded `RolloutBatch`; loss mask 1 only on generated tokens (tool results and user turns 0).
 
   Failed trajectories (engine or environment errors) must be filtered out by the caller first: their
@@ -178,8 +210,13 @@ def to_rollout_batch(trajectories: Sequence[Trajectory], *, group_ids: Sequence[
   rows = [(t.tokens, t.loss_mask, t.logprobs, t.versions) for t in trajectories]
   gids = np.arange(B, dtype=np.int32) if group_ids is None else np.asarray(group_ids, np.int32)
   return RolloutBatch(
-      **pad_token_rows(rows, pad_id=pad_id), rewards_B=np.array([t.reward for t in trajectories], np.float32),
-      group_ids_B=gids, prompt_lengths_B=np.array([t.prompt_length for t in trajectories], np.int32),
-      response_lengths_B=np.array([len(t.tokens) - t.prompt_length for t in trajectories], np.int32),
-      truncated_B=np.array([t.truncated for t in trajectories], bool),
-      tasks=tuple(t.task for t in trajectories), iteration=iteration, temperature=temperature)
+    **pad_token_rows(rows, pad_id=pad_id),
+    rewards_B=np.array([t.reward for t in trajectories], np.float32),
+    group_ids_B=gids,
+    prompt_lengths_B=np.array([t.prompt_length for t in trajectories], np.int32),
+    response_lengths_B=np.array([len(t.tokens) - t.prompt_length for t in trajectories], np.int32),
+    truncated_B=np.array([t.truncated for t in trajectories], bool),
+    tasks=tuple(t.task for t in trajectories),
+    iteration=iteration,
+    temperature=temperature,
+  )

@@ -17,6 +17,7 @@ tool is registered, so a bad schema fails at load time naming the tool, never du
 Names must match OpenAI's `^[A-Za-z0-9_-]{1,64}$`, which also keeps K2 call ids
 (`functions.{name}:{idx}`) unambiguous; `sanitize_name` maps other MCP names onto it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,9 +35,10 @@ _TARGET = re.compile(r"^[A-Za-z0-9.-]+:\d{1,5}$")
 
 class Impact(enum.IntEnum):
   """What a call can do to the world; guards compare these levels."""
+
   READ_ONLY = 0
   REVERSIBLE_WRITE = 1
-  IRREVERSIBLE = 2        # irreversible, or a side effect outside the environment
+  IRREVERSIBLE = 2  # irreversible, or a side effect outside the environment
 
 
 class ToolSpecError(ValueError):
@@ -49,7 +51,7 @@ class ToolSpec:
   description: str
   input_schema: Mapping[str, Any]
   impact: Impact = Impact.IRREVERSIBLE
-  targets: tuple[str, ...] = ()     # network targets ("host:port") this tool may reach; none = no network
+  targets: tuple[str, ...] = ()  # network targets ("host:port") this tool may reach; none = no network
   title: str | None = None
 
   def __post_init__(self):
@@ -70,15 +72,24 @@ class ToolSpec:
 
   def to_openai(self) -> dict:
     """The OpenAI `tools[]` entry (the JSON K2's chat template declares)."""
-    return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                             "parameters": dict(self.input_schema)}}
+    return {
+      "type": "function",
+      "function": {"name": self.name, "description": self.description, "parameters": dict(self.input_schema)},
+    }
 
   def to_mcp(self) -> dict:
-    hints = {Impact.READ_ONLY: {"readOnlyHint": True, "destructiveHint": False},
-             Impact.REVERSIBLE_WRITE: {"readOnlyHint": False, "destructiveHint": False},
-             Impact.IRREVERSIBLE: {"readOnlyHint": False, "destructiveHint": True}}[self.impact]
-    out = {"name": self.name, "description": self.description, "inputSchema": dict(self.input_schema),
-           "annotations": hints, "impact": self.impact.name.lower()}
+    hints = {
+      Impact.READ_ONLY: {"readOnlyHint": True, "destructiveHint": False},
+      Impact.REVERSIBLE_WRITE: {"readOnlyHint": False, "destructiveHint": False},
+      Impact.IRREVERSIBLE: {"readOnlyHint": False, "destructiveHint": True},
+    }[self.impact]
+    out = {
+      "name": self.name,
+      "description": self.description,
+      "inputSchema": dict(self.input_schema),
+      "annotations": hints,
+      "impact": self.impact.name.lower(),
+    }
     if self.targets:
       out["targets"] = list(self.targets)
     if self.title is not None:
@@ -110,8 +121,9 @@ def tool_from_dict(d: Any, where: str = "tool") -> ToolSpec:
   if not isinstance(targets, (list, tuple)):
     raise ToolSpecError(f"{where}: targets must be a list of 'host:port'")
   try:
-    return ToolSpec(name=name, description=desc or "", input_schema=schema, impact=impact,
-                    targets=tuple(targets), title=title)
+    return ToolSpec(
+      name=name, description=desc or "", input_schema=schema, impact=impact, targets=tuple(targets), title=title
+    )
   except ToolSpecError as e:
     raise ToolSpecError(f"{where}: {e}") from None
 
@@ -181,8 +193,7 @@ def load_tool_dicts(path: str) -> list:
   with open(path, encoding="utf-8") as f:
     text = f.read()
   try:
-    data = json.loads(text) if not path.endswith(".jsonl") else [
-        json.loads(l) for l in text.splitlines() if l.strip()]
+    data = json.loads(text) if not path.endswith(".jsonl") else [json.loads(l) for l in text.splitlines() if l.strip()]
   except ValueError as e:
     raise ToolSpecError(f"{path}: not valid JSON: {e}") from None
   if isinstance(data, Mapping) and isinstance(data.get("tools"), list):
@@ -197,8 +208,7 @@ def _impact(explicit: Any, annotations: Any, where: str) -> Impact:
     try:
       return Impact[str(explicit).upper()]
     except KeyError:
-      raise ToolSpecError(f"{where}: impact {explicit!r} is not one of "
-                          f"{[i.name.lower() for i in Impact]}") from None
+      raise ToolSpecError(f"{where}: impact {explicit!r} is not one of {[i.name.lower() for i in Impact]}") from None
   ann = annotations if isinstance(annotations, Mapping) else {}
   if ann.get("readOnlyHint") is True:
     return Impact.READ_ONLY

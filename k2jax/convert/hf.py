@@ -5,6 +5,7 @@ Neither ever holds two full copies of the model in host memory. Export writes in
 directory next to the destination and renames it at the end, so a crash never leaves a directory that
 looks complete.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,6 +53,7 @@ def _set(tree: dict, path: tuple[str, ...], value):
 
 
 # ---------------------------------------------------------------------------------------------- import
+
 
 def read_config(path: str, **k2jax_fields) -> K2Config:
   cfg_path = os.path.join(path, "config.json")
@@ -117,11 +119,12 @@ def _read_into(f, file, cfg, entry: Entry, idx, key, dest: np.ndarray, leaf):
   want = hf_shape(leaf.shape, entry)
   got = tuple(sl.get_shape())
   if got != want:
-    raise CheckpointError(f"{file}: tensor {key!r} has shape {list(got)}, expected {list(want)} "
-                          f"for this config.json")
+    raise CheckpointError(f"{file}: tensor {key!r} has shape {list(got)}, expected {list(want)} for this config.json")
   if sl.get_dtype().startswith("F8"):
-    raise CheckpointError(f"{file}: tensor {key!r} is {sl.get_dtype()}; dequantize FP8 checkpoints to "
-                          "bfloat16 first (the released Kimi-K2 weights are FP8 with block scales)")
+    raise CheckpointError(
+      f"{file}: tensor {key!r} is {sl.get_dtype()}; dequantize FP8 checkpoints to "
+      "bfloat16 first (the released Kimi-K2 weights are FP8 with block scales)"
+    )
   t = f.get_tensor(key)
   dest[idx] = (t.T if entry.transpose else t).astype(dest.dtype)
 
@@ -132,13 +135,18 @@ def _check_unexpected(path: str, cfg: K2Config, wmap: Mapping[str, str]):
     if key in known or key.endswith("rotary_emb.inv_freq"):
       continue
     parts = key.split(".")
-    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() \
-        and int(parts[2]) >= cfg.num_hidden_layers:
+    if (
+      len(parts) > 2
+      and parts[:2] == ["model", "layers"]
+      and parts[2].isdigit()
+      and int(parts[2]) >= cfg.num_hidden_layers
+    ):
       continue  # multi-token-prediction layers (num_nextn_predict_layers): not used by k2jax
     raise CheckpointError(f"{path}: unexpected tensor {key!r} in {wmap[key]} (does config.json match?)")
 
 
 # ---------------------------------------------------------------------------------------------- export
+
 
 def iter_hf_tensors(cfg: K2Config, state: Mapping, dtype: str | None) -> Iterator[tuple[str, np.ndarray]]:
   """(HF key, numpy tensor) in HF order; copies one tensor at a time off the device."""
@@ -153,8 +161,9 @@ def iter_hf_tensors(cfg: K2Config, state: Mapping, dtype: str | None) -> Iterato
       yield key, np.ascontiguousarray(t)
 
 
-def save_hf(cfg: K2Config, state: Mapping, dst: str, *, dtype: str | None = None,
-            max_shard_bytes: int = 4 << 30) -> None:
+def save_hf(
+  cfg: K2Config, state: Mapping, dst: str, *, dtype: str | None = None, max_shard_bytes: int = 4 << 30
+) -> None:
   """Write `state` as an HF directory at `dst` (sharded safetensors + index + config.json)."""
   if dtype is not None and dtype not in _DTYPES:
     raise ConfigError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -191,8 +200,9 @@ def _plan_shards(cfg, state, dtype, max_shard_bytes) -> list[list[str]]:
   shards, cur, size = [], [], 0
   for entry in entries(cfg):
     leaf = _get(state, entry.path)
-    itemsize = (np.dtype(_DTYPES[dtype]).itemsize if dtype and entry.path[-1] != "bias"
-                else np.dtype(leaf.dtype).itemsize)
+    itemsize = (
+      np.dtype(_DTYPES[dtype]).itemsize if dtype and entry.path[-1] != "bias" else np.dtype(leaf.dtype).itemsize
+    )
     nbytes = int(np.prod(hf_shape(leaf.shape, entry))) * itemsize
     for _, key in entry.keys(cfg):
       if cur and size + nbytes > max_shard_bytes:

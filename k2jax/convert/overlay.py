@@ -4,6 +4,7 @@ RL weight sync (`k2jax.rl.weight_sync`) writes just the changed tensors plus an 
 config.json; engines overlay them on the weights they serve. Copy-on-write: leaves that no tensor
 touches are shared with the old state, and the old state is never modified (an error leaves it intact).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,10 @@ def overlay_hf_tensors(cfg: K2Config, state: dict, path: str) -> dict:
     value = tensor.T if entry.transpose else tensor
     want = leaf[idx].shape
     if value.shape != want:
-      raise CheckpointError(f"{file}: tensor {key!r} has shape {list(tensor.shape)}, the served model needs "
-                            f"{list(want[::-1] if entry.transpose else want)}")
+      raise CheckpointError(
+        f"{file}: tensor {key!r} has shape {list(tensor.shape)}, the served model needs "
+        f"{list(want[::-1] if entry.transpose else want)}"
+      )
     leaf[idx] = value.astype(leaf.dtype)
   return new
 

@@ -3,6 +3,7 @@
 The model lives in the checkpoint item `model` (the model's pure state dict, balancing bias included);
 the training loop adds `opt` and `data` items beside it. Restoring only `model` works on any of them.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,12 @@ def read_model_config(workdir: str, **k2jax_fields) -> K2Config:
   return K2Config.from_json_file(os.path.join(workdir, MODEL_CONFIG), **k2jax_fields)
 
 
-def checkpoint_manager(workdir: str, *, max_to_keep: int | None = None,
-                       save_interval_steps: int = 1, async_save: bool = False) -> ocp.CheckpointManager:
-  opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
-                                      enable_async_checkpointing=async_save, create=True)
+def checkpoint_manager(
+  workdir: str, *, max_to_keep: int | None = None, save_interval_steps: int = 1, async_save: bool = False
+) -> ocp.CheckpointManager:
+  opts = ocp.CheckpointManagerOptions(
+    max_to_keep=max_to_keep, save_interval_steps=save_interval_steps, enable_async_checkpointing=async_save, create=True
+  )
   return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, CHECKPOINTS)), options=opts)
 
 

@@ -19,6 +19,7 @@ opaque `call_...`) are rewritten to K2 ids with a counter over the whole dialogu
 and tool results that cite them are rewritten to match. Tool names containing `.` or `:` are
 rejected: the id cannot carry them unambiguously.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,12 @@ from k2jax.data.tokenizer import Tokenizer, load_tokenizer
 ROLES = ("system", "user", "assistant", "tool")
 K2_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 _K2_ID = re.compile(r"^functions\.([^.:]+):(\d+)$")
-_ROLE_TOKEN = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>",
-               "tool": "<|im_system|>"}
+_ROLE_TOKEN = {
+  "system": "<|im_system|>",
+  "user": "<|im_user|>",
+  "assistant": "<|im_assistant|>",
+  "tool": "<|im_system|>",
+}
 
 
 class ChatFormatError(ValueError):
@@ -46,8 +51,9 @@ class UnknownRoleError(ChatFormatError):
   pass
 
 
-def normalize_messages(messages: Sequence[dict], tools: Sequence[dict] | None = None
-                       ) -> tuple[list[dict], list[dict] | None]:
+def normalize_messages(
+  messages: Sequence[dict], tools: Sequence[dict] | None = None
+) -> tuple[list[dict], list[dict] | None]:
   """Validates OpenAI-style messages/tools and returns the canonical form `render_chat` renders
   (and `parse_chat` returns): string contents, K2 tool-call ids, JSON-string arguments."""
   if not isinstance(messages, (list, tuple)) or not messages:
@@ -78,9 +84,14 @@ def normalize_messages(messages: Sequence[dict], tools: Sequence[dict] | None = 
   return out, _tools(tools)
 
 
-def render_chat(messages: Sequence[dict], tools: Sequence[dict] | None = None, *,
-                tokenizer: Tokenizer | None = None, add_generation_prompt: bool = False,
-                default_system: str | None = None) -> tuple[list[int], list[int]]:
+def render_chat(
+  messages: Sequence[dict],
+  tools: Sequence[dict] | None = None,
+  *,
+  tokenizer: Tokenizer | None = None,
+  add_generation_prompt: bool = False,
+  default_system: str | None = None,
+) -> tuple[list[int], list[int]]:
   """Renders a conversation to (token ids, loss mask) in K2's format (see module docstring).
 
   Args:
@@ -103,11 +114,17 @@ def render_chat(messages: Sequence[dict], tools: Sequence[dict] | None = None, *
   return ids, mask
 
 
-def render_chat_text(messages: Sequence[dict], tools: Sequence[dict] | None = None, *,
-                     add_generation_prompt: bool = False, default_system: str | None = None) -> str:
+def render_chat_text(
+  messages: Sequence[dict],
+  tools: Sequence[dict] | None = None,
+  *,
+  add_generation_prompt: bool = False,
+  default_system: str | None = None,
+) -> str:
   """The same rendering as text (special tokens by name), e.g. for an HTTP completion prompt."""
-  return "".join(p[1] if isinstance(p, tuple) else p
-                 for p, _ in _pieces(messages, tools, add_generation_prompt, default_system))
+  return "".join(
+    p[1] if isinstance(p, tuple) else p for p, _ in _pieces(messages, tools, add_generation_prompt, default_system)
+  )
 
 
 def parse_assistant(text_or_ids: str | Sequence[int], *, tokenizer: Tokenizer | None = None) -> dict:
@@ -122,25 +139,25 @@ def parse_assistant(text_or_ids: str | Sequence[int], *, tokenizer: Tokenizer | 
   ids = tok.encode_with_specials(text_or_ids) if isinstance(text_or_ids, str) else list(text_or_ids)
   end = tok.special_ids["<|im_end|>"]
   if end in ids:
-    ids = ids[:ids.index(end)]
+    ids = ids[: ids.index(end)]
   return _parse_assistant_body(ids, tok)
 
 
-def parse_chat(text_or_ids: str | Sequence[int], *, tokenizer: Tokenizer | None = None
-               ) -> tuple[list[dict], list[dict] | None]:
+def parse_chat(
+  text_or_ids: str | Sequence[int], *, tokenizer: Tokenizer | None = None
+) -> tuple[list[dict], list[dict] | None]:
   """Inverse of `render_chat`: returns (messages, tools) in `normalize_messages` form."""
   tok = tokenizer or load_tokenizer()
   ids = tok.encode_with_specials(text_or_ids) if isinstance(text_or_ids, str) else list(text_or_ids)
   sp = tok.special_ids
-  starts = {sp["<|im_system|>"]: "system", sp["<|im_user|>"]: "user",
-            sp["<|im_assistant|>"]: "assistant"}
+  starts = {sp["<|im_system|>"]: "system", sp["<|im_user|>"]: "user", sp["<|im_assistant|>"]: "assistant"}
   messages, tools, pos = [], None, 0
   while pos < len(ids):
     if ids[pos] not in starts:
       raise ValueError(f"token {pos} ({tok.token_name(ids[pos])!r}) does not start a turn")
     mid, end = _find(ids, sp["<|im_middle|>"], pos), _find(ids, sp["<|im_end|>"], pos)
-    role, name = starts[ids[pos]], tok.decode(ids[pos + 1:mid])
-    body = ids[mid + 1:end]
+    role, name = starts[ids[pos]], tok.decode(ids[pos + 1 : mid])
+    body = ids[mid + 1 : end]
     if role == "assistant":
       msg = _parse_assistant_body(body, tok)
     else:
@@ -149,7 +166,7 @@ def parse_chat(text_or_ids: str | Sequence[int], *, tokenizer: Tokenizer | None 
         tools, msg = json.loads(text), None
       elif role == "system" and text.startswith("## Return of "):
         header, _, content = text.partition("\n")
-        msg = {"role": "tool", "content": content, "tool_call_id": header[len("## Return of "):]}
+        msg = {"role": "tool", "content": content, "tool_call_id": header[len("## Return of ") :]}
         if name != "tool":
           msg["name"] = name
       else:
@@ -167,9 +184,13 @@ def _pieces(messages, tools, add_generation_prompt, default_system):
   messages, tools = normalize_messages(messages, tools)
   S = lambda name: ("special", name)  # noqa: E731
   if tools:
-    yield from ((S("<|im_system|>"), 0), ("tool_declare", 0), (S("<|im_middle|>"), 0),
-                (json.dumps(tools, separators=(",", ":"), ensure_ascii=False), 0),
-                (S("<|im_end|>"), 0))
+    yield from (
+      (S("<|im_system|>"), 0),
+      ("tool_declare", 0),
+      (S("<|im_middle|>"), 0),
+      (json.dumps(tools, separators=(",", ":"), ensure_ascii=False), 0),
+      (S("<|im_end|>"), 0),
+    )
   if default_system is not None and messages[0]["role"] != "system":
     messages = [{"role": "system", "content": default_system}] + messages
   for m in messages:
@@ -183,9 +204,13 @@ def _pieces(messages, tools, add_generation_prompt, default_system):
     if m.get("tool_calls"):
       yield S("<|tool_calls_section_begin|>"), 1
       for call in m["tool_calls"]:
-        yield from ((S("<|tool_call_begin|>"), 1), (call["id"], 1),
-                    (S("<|tool_call_argument_begin|>"), 1), (call["function"]["arguments"], 1),
-                    (S("<|tool_call_end|>"), 1))
+        yield from (
+          (S("<|tool_call_begin|>"), 1),
+          (call["id"], 1),
+          (S("<|tool_call_argument_begin|>"), 1),
+          (call["function"]["arguments"], 1),
+          (S("<|tool_call_end|>"), 1),
+        )
       yield S("<|tool_calls_section_end|>"), 1
     yield S("<|im_end|>"), train
   if add_generation_prompt:
@@ -197,7 +222,7 @@ def _parse_assistant_body(ids: list[int], tok: Tokenizer) -> dict:
   begin = sp["<|tool_calls_section_begin|>"]
   cut = ids.index(begin) if begin in ids else len(ids)
   msg: dict[str, Any] = {"role": "assistant", "content": tok.decode(ids[:cut]), "tool_calls": []}
-  rest, errors = ids[cut + 1:], []
+  rest, errors = ids[cut + 1 :], []
   if cut < len(ids) and sp["<|tool_calls_section_end|>"] not in rest:
     errors.append("tool-call section not closed")
   pos = 0
@@ -209,13 +234,14 @@ def _parse_assistant_body(ids: list[int], tok: Tokenizer) -> dict:
     except ValueError:
       errors.append(f"tool call {len(msg['tool_calls'])} not terminated")
       break
-    call_id, args = tok.decode(rest[start + 1:arg]).strip(), tok.decode(rest[arg + 1:stop])
+    call_id, args = tok.decode(rest[start + 1 : arg]).strip(), tok.decode(rest[arg + 1 : stop])
     match = _K2_ID.match(call_id)
     if match is None:
       errors.append(f"tool call id {call_id!r} is not functions.NAME:IDX")
     else:
-      msg["tool_calls"].append({"id": call_id, "type": "function",
-                                "function": {"name": match.group(1), "arguments": args}})
+      msg["tool_calls"].append(
+        {"id": call_id, "type": "function", "function": {"name": match.group(1), "arguments": args}}
+      )
     pos = stop + 1
   if not msg["tool_calls"]:
     del msg["tool_calls"]
@@ -230,8 +256,7 @@ def _content(content, field: str) -> str:
   if isinstance(content, str):
     return content
   if isinstance(content, list):  # OpenAI content parts: only text parts carry training text.
-    if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-           for p in content):
+    if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
       return "".join(p["text"] for p in content)
   raise ChatFormatError(field, f"must be a string or a list of text parts, got {type(content).__name__}")
 

@@ -9,6 +9,7 @@ exactly. With an orbax `CheckpointManager`, put the iterator in the composite as
 
 grain's `CheckpointHandler` writes one `process_{i}-of-{n}.json` per JAX process.
 """
+
 from __future__ import annotations
 
 import json

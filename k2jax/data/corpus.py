@@ -6,6 +6,7 @@ library's modules, classes and functions (read with `ast`, never imported). `scr
 writes them once into `data/corpus/` as jsonl and ArrayRecord (same records, one JSON object
 `{"id", "source", "text"}` each); the committed files are what tests and demos read.
 """
+
 from __future__ import annotations
 
 import ast
@@ -21,13 +22,24 @@ BUNDLED_CORPUS = str(CORPUS_DIR / "pydocs.jsonl")
 BUNDLED_CORPUS_ARRAY_RECORD = str(CORPUS_DIR / "pydocs.array_record")
 
 # Stdlib folders that are tests, GUIs or vendored code rather than documentation prose.
-_SKIP_DIRS = {"test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__", "turtledemo",
-              "tkinter", "ensurepip", "dist-packages"}
+_SKIP_DIRS = {
+  "test",
+  "tests",
+  "site-packages",
+  "idlelib",
+  "lib2to3",
+  "__pycache__",
+  "turtledemo",
+  "tkinter",
+  "ensurepip",
+  "dist-packages",
+}
 
 
 def iter_corpus_records(max_docstring_chars: int, min_docstring_chars: int = 300) -> Iterator[dict]:
   """Yields `{"id", "source", "text"}` records in a fixed order (help topics, then docstrings)."""
   from pydoc_data import topics  # Stdlib; data only.
+
   for name in sorted(topics.topics):
     text = topics.topics[name].strip()
     if text:
@@ -46,6 +58,7 @@ def iter_corpus_records(max_docstring_chars: int, min_docstring_chars: int = 300
 def write_corpus(records: list[dict], jsonl_path: str, array_record_path: str) -> None:
   """Writes the same records as jsonl lines and as ArrayRecord records (UTF-8 JSON bytes)."""
   from array_record.python.array_record_module import ArrayRecordWriter
+
   lines = [json.dumps(r, ensure_ascii=False) for r in records]
   with open(jsonl_path, "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")

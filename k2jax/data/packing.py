@@ -8,6 +8,7 @@ contract, every array int32 [B, T]:
   same segment and that target token is trainable: all tokens in pretraining, assistant tokens in
   SFT); plus `issue_counts` [B, NUM_ISSUES], removed by report.ReportingIterDataset.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,31 +38,47 @@ class SplitLongDocuments(grain.experimental.FlatMapTransform):
     pieces = []
     for start in range(0, n, self.seq_len):
       issue = Issue.OVERLONG_SPLIT if start == 0 else Issue.CONTINUATION
-      pieces.append({"input_ids": element["input_ids"][start:start + self.seq_len],
-                     "token_mask": element["token_mask"][start:start + self.seq_len],
-                     "issue": np.int32(issue)})
+      pieces.append(
+        {
+          "input_ids": element["input_ids"][start : start + self.seq_len],
+          "token_mask": element["token_mask"][start : start + self.seq_len],
+          "issue": np.int32(issue),
+        }
+      )
     return pieces
 
 
-def pack_and_batch(ds: grain.IterDataset, *, seq_len: int, batch_size: int, num_packing_bins: int,
-                   seed: int, num_workers: int, worker_buffer_size: int) -> grain.IterDataset:
+def pack_and_batch(
+  ds: grain.IterDataset,
+  *,
+  seq_len: int,
+  batch_size: int,
+  num_packing_bins: int,
+  seed: int,
+  num_workers: int,
+  worker_buffer_size: int,
+) -> grain.IterDataset:
   """Variable-length elements -> packed, batched model batches (see module docstring)."""
   ds = grain.experimental.FlatMapIterDataset(ds, SplitLongDocuments(seq_len))
   ds = grain.experimental.BestFitPackIterDataset(
-      ds, length_struct={"input_ids": seq_len, "token_mask": seq_len},
-      num_packing_bins=num_packing_bins, seed=seed, meta_features=("issue",))
+    ds,
+    length_struct={"input_ids": seq_len, "token_mask": seq_len},
+    num_packing_bins=num_packing_bins,
+    seed=seed,
+    meta_features=("issue",),
+  )
   ds = ds.map(issue_counts)
   # batch_and_pad pads the last partial batch with all-padding rows instead of dropping its data.
-  ds = ds.batch(batch_size, batch_fn=functools.partial(
-      grain.experimental.batch_and_pad, batch_size=batch_size))
+  ds = ds.batch(batch_size, batch_fn=functools.partial(grain.experimental.batch_and_pad, batch_size=batch_size))
   ds = ds.map(to_model_batch)
   if num_workers > 0:
     if not flags.FLAGS.is_parsed():
       # grain's worker processes read absl flags; outside an absl app (tests, notebooks) nothing
       # parsed them, so take their defaults instead of failing in the first worker.
       flags.FLAGS.mark_as_parsed()
-    ds = ds.mp_prefetch(grain.MultiprocessingOptions(
-        num_workers=num_workers, per_worker_buffer_size=worker_buffer_size))
+    ds = ds.mp_prefetch(
+      grain.MultiprocessingOptions(num_workers=num_workers, per_worker_buffer_size=worker_buffer_size)
+    )
   return ReportingIterDataset(ds)
 
 
@@ -76,9 +93,14 @@ def to_model_batch(packed: dict) -> dict:
   targets_BT[:, :-1] = np.where(same_next_BT[:, :-1], ids_BT[:, 1:], 0)
   loss_BT = np.zeros_like(ids_BT)
   loss_BT[:, :-1] = same_next_BT[:, :-1] & trainable_BT[:, 1:]
-  return {"input_ids": ids_BT, "targets": targets_BT, "segment_ids": seg_BT,
-          "positions": packed["input_ids_positions"].astype(np.int32), "loss_mask": loss_BT,
-          "issue_counts": packed["issue_counts"]}
+  return {
+    "input_ids": ids_BT,
+    "targets": targets_BT,
+    "segment_ids": seg_BT,
+    "positions": packed["input_ids_positions"].astype(np.int32),
+    "loss_mask": loss_BT,
+    "issue_counts": packed["issue_counts"],
+  }
 
 
 def _renumber_segments(seg_BT: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ Each JAX process reads a disjoint slice of every source (documents i with i % pr
 process_index), shuffled with `seed` and reshuffled every epoch; mixtures interleave sources by
 weight deterministically (grain's mix). Documents get EOS appended (and BOS prepended if asked).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,28 +29,29 @@ from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 class PretrainDataConfig:
   """Pretraining data. `batch_size` is per JAX process; `num_epochs=None` repeats forever
   (a mixture's length is its shortest component's, so mix only infinite streams)."""
+
   sources: tuple[SourceSpec, ...] = (SourceSpec(BUNDLED_CORPUS),)
   seq_len: int = 1024
   batch_size: int = 8
   seed: int = 0
   tokenizer_path: str = BUNDLED_TOKENIZER
   num_epochs: int | None = None
-  num_workers: int = 0           # grain mp_prefetch worker processes (0 = in-process).
-  worker_buffer_size: int = 2    # Batches each worker keeps ready.
-  read_threads: int = 0          # Threads reading + tokenizing ahead (per process or worker).
-  num_packing_bins: int = 256    # Open best-fit bins; more bins = less padding (98.4% at 1024).
+  num_workers: int = 0  # grain mp_prefetch worker processes (0 = in-process).
+  worker_buffer_size: int = 2  # Batches each worker keeps ready.
+  read_threads: int = 0  # Threads reading + tokenizing ahead (per process or worker).
+  num_packing_bins: int = 256  # Open best-fit bins; more bins = less padding (98.4% at 1024).
   add_bos: bool = False
   append_eos: bool = True
 
 
-def make_pretrain_iter(cfg: PretrainDataConfig, *, process_index: int = 0,
-                       process_count: int = 1) -> grain.DatasetIterator:
+def make_pretrain_iter(
+  cfg: PretrainDataConfig, *, process_index: int = 0, process_count: int = 1
+) -> grain.DatasetIterator:
   """The pretraining batch iterator for one JAX process (supports get_state/set_state)."""
   return iter(build_pretrain_dataset(cfg, process_index=process_index, process_count=process_count))
 
 
-def build_pretrain_dataset(cfg: PretrainDataConfig, *, process_index: int,
-                           process_count: int) -> grain.IterDataset:
+def build_pretrain_dataset(cfg: PretrainDataConfig, *, process_index: int, process_count: int) -> grain.IterDataset:
   """The grain IterDataset behind `make_pretrain_iter` (for benchmarks and custom iteration)."""
   if not cfg.sources:
     raise ValueError("PretrainDataConfig.sources is empty")
@@ -60,22 +62,29 @@ def build_pretrain_dataset(cfg: PretrainDataConfig, *, process_index: int,
   for i, spec in enumerate(cfg.sources):
     ds = open_source(spec)[process_index::process_count]
     ds = ds.shuffle(seed=cfg.seed + 7919 * i).repeat(cfg.num_epochs)
-    parts.append(ds.map(TokenizeDocument(cfg.tokenizer_path, spec.text_field, tok.vocab_size,
-                                         cfg.add_bos, cfg.append_eos)))
+    parts.append(
+      ds.map(TokenizeDocument(cfg.tokenizer_path, spec.text_field, tok.vocab_size, cfg.add_bos, cfg.append_eos))
+    )
   weights = [s.weight for s in cfg.sources]
   ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
-  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads,
-                                            prefetch_buffer_size=max(64, 4 * cfg.batch_size)))
-  return pack_and_batch(it, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                        num_packing_bins=cfg.num_packing_bins, seed=cfg.seed,
-                        num_workers=cfg.num_workers, worker_buffer_size=cfg.worker_buffer_size)
+  it = ds.to_iter_dataset(
+    grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=max(64, 4 * cfg.batch_size))
+  )
+  return pack_and_batch(
+    it,
+    seq_len=cfg.seq_len,
+    batch_size=cfg.batch_size,
+    num_packing_bins=cfg.num_packing_bins,
+    seed=cfg.seed,
+    num_workers=cfg.num_workers,
+    worker_buffer_size=cfg.worker_buffer_size,
+  )
 
 
 class TokenizeDocument(grain.transforms.Map):
   """Raw record -> `{"input_ids", "token_mask", "issue"}`; unusable records become empty + issue."""
 
-  def __init__(self, tokenizer_path: str, text_field: str, vocab_size: int, add_bos: bool,
-               append_eos: bool):
+  def __init__(self, tokenizer_path: str, text_field: str, vocab_size: int, add_bos: bool, append_eos: bool):
     self.tokenizer_path, self.text_field, self.vocab_size = tokenizer_path, text_field, vocab_size
     self.add_bos, self.append_eos = add_bos, append_eos
 

@@ -14,6 +14,7 @@ across restarts. Any OpenAI-compatible chat endpoint works (`llm_url`); requests
 (one thread per document in flight) and the `openai` client retries with exponential backoff.
 Output is one jsonl line per finished document, appended as each finishes; a restart skips them.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -29,33 +30,46 @@ from k2jax.data.report import DataReport, Issue
 from k2jax.data.sources import JsonlSource, decode_record, end_torn_line
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 
-STYLES = ("an encyclopedia entry", "a textbook section for university students",
-          "a question-and-answer dialogue", "plain language for a curious general reader",
-          "a lecture transcript", "concise study notes", "a technical explanation for practitioners")
-PERSPECTIVES = ("a neutral third-person narrator", "a teacher explaining to a student",
-                "an expert reviewing the topic", "a journalist reporting the facts")
-_STOP = frozenset("this that with from have been were which their there these those what when "
-                  "where will would should could into than then them they your about also such "
-                  "only other some more most very each does done".split())
+STYLES = (
+  "an encyclopedia entry",
+  "a textbook section for university students",
+  "a question-and-answer dialogue",
+  "plain language for a curious general reader",
+  "a lecture transcript",
+  "concise study notes",
+  "a technical explanation for practitioners",
+)
+PERSPECTIVES = (
+  "a neutral third-person narrator",
+  "a teacher explaining to a student",
+  "an expert reviewing the topic",
+  "a journalist reporting the facts",
+)
+_STOP = frozenset(
+  "this that with from have been were which their there these those what when "
+  "where will would should could into than then them they your about also such "
+  "only other some more most very each does done".split()
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class RephraseConfig:
   """Rephrasing run settings (`llm_url` is the OpenAI-compatible base URL, e.g. .../v1)."""
+
   llm_url: str
   model: str = "default"
   api_key: str = "EMPTY"
   num_rephrasings: int = 2
-  max_rephrasings: int = 2          # Per-corpus cap (K2: each corpus rephrased at most twice).
+  max_rephrasings: int = 2  # Per-corpus cap (K2: each corpus rephrased at most twice).
   chunk_tokens: int = 256
   max_output_tokens: int = 1024
   temperature: float = 0.7
   concurrency: int = 8
-  max_retries: int = 4              # openai client retries (exponential backoff) per request.
+  max_retries: int = 4  # openai client retries (exponential backoff) per request.
   timeout_s: float = 120.0
-  min_word_recall: float = 0.5      # Fidelity: share of source content words kept.
+  min_word_recall: float = 0.5  # Fidelity: share of source content words kept.
   length_ratio: tuple[float, float] = (0.5, 2.5)
-  llm_judge: bool = False           # Also ask the endpoint whether the rewrite is faithful.
+  llm_judge: bool = False  # Also ask the endpoint whether the rewrite is faithful.
   seed: int = 0
   tokenizer_path: str = BUNDLED_TOKENIZER
   text_field: str = "text"
@@ -68,8 +82,10 @@ def rephrase_corpus(cfg: RephraseConfig, input_path: str, output_path: str) -> d
   Returns counts: documents, skipped_finished, written, accepted, rejected, plus bad-input counts.
   """
   if not 1 <= cfg.num_rephrasings <= cfg.max_rephrasings:
-    raise ValueError(f"num_rephrasings={cfg.num_rephrasings} must be in [1, max_rephrasings="
-                     f"{cfg.max_rephrasings}] (the per-corpus cap)")
+    raise ValueError(
+      f"num_rephrasings={cfg.num_rephrasings} must be in [1, max_rephrasings="
+      f"{cfg.max_rephrasings}] (the per-corpus cap)"
+    )
   source = JsonlSource(_existing(input_path))
   done = _finished_ids(output_path)
   report, pending = DataReport(), []
@@ -85,12 +101,17 @@ def rephrase_corpus(cfg: RephraseConfig, input_path: str, output_path: str) -> d
       doc_id = str(obj.get(cfg.id_field, f"line{i}"))
       if doc_id not in done:
         pending.append((doc_id, text))
-  stats = {"documents": report.documents, "skipped_finished": report[Issue.OK] - len(pending),
-           "written": 0, "accepted": 0, "rejected": 0, **report.as_dict()}
+  stats = {
+    "documents": report.documents,
+    "skipped_finished": report[Issue.OK] - len(pending),
+    "written": 0,
+    "accepted": 0,
+    "rejected": 0,
+    **report.as_dict(),
+  }
   rephraser = Rephraser(cfg)
   end_torn_line(output_path)
-  with open(output_path, "a", encoding="utf-8") as out, \
-       concurrent.futures.ThreadPoolExecutor(cfg.concurrency) as pool:
+  with open(output_path, "a", encoding="utf-8") as out, concurrent.futures.ThreadPoolExecutor(cfg.concurrency) as pool:
     futures = [pool.submit(rephraser.rephrase_document, d, t) for d, t in pending]
     for fut in concurrent.futures.as_completed(futures):
       record = fut.result()
@@ -108,10 +129,12 @@ class Rephraser:
 
   def __init__(self, cfg: RephraseConfig):
     import openai
+
     self.cfg = cfg
     self.tok = load_tokenizer(cfg.tokenizer_path)
-    self.client = openai.OpenAI(base_url=cfg.llm_url, api_key=cfg.api_key,
-                                max_retries=cfg.max_retries, timeout=cfg.timeout_s)
+    self.client = openai.OpenAI(
+      base_url=cfg.llm_url, api_key=cfg.api_key, max_retries=cfg.max_retries, timeout=cfg.timeout_s
+    )
 
   def rephrase_document(self, doc_id: str, text: str) -> dict:
     chunks = split_into_chunks(text, self.cfg.chunk_tokens, self.tok.encode)
@@ -133,8 +156,8 @@ class Rephraser:
 
   def _complete(self, messages: list[dict]) -> str:
     resp = self.client.chat.completions.create(
-        model=self.cfg.model, messages=messages, temperature=self.cfg.temperature,
-        max_tokens=self.cfg.max_output_tokens)
+      model=self.cfg.model, messages=messages, temperature=self.cfg.temperature, max_tokens=self.cfg.max_output_tokens
+    )
     content = resp.choices[0].message.content
     if content is None:
       raise RuntimeError(f"{self.cfg.llm_url}: completion without content: {resp}")
@@ -173,22 +196,39 @@ def split_into_chunks(text: str, chunk_tokens: int, encode) -> list[str]:
 
 
 def rewrite_prompt(chunk: str, previous_rewrite: str, style: str, perspective: str) -> list[dict]:
-  context = (f"Your rewrite of the preceding part (continue from it; do not repeat it):\n"
-             f"{previous_rewrite}\n\n" if previous_rewrite else "")
-  return [{"role": "system", "content": "You rewrite text faithfully: keep every fact, number and "
-                                        "name, add nothing, and output only the rewritten text."},
-          {"role": "user", "content": f"Rewrite the passage below as {style}, written from the "
-                                      f"perspective of {perspective}.\n\n{context}Passage:\n{chunk}"}]
+  context = (
+    f"Your rewrite of the preceding part (continue from it; do not repeat it):\n{previous_rewrite}\n\n"
+    if previous_rewrite
+    else ""
+  )
+  return [
+    {
+      "role": "system",
+      "content": "You rewrite text faithfully: keep every fact, number and "
+      "name, add nothing, and output only the rewritten text.",
+    },
+    {
+      "role": "user",
+      "content": f"Rewrite the passage below as {style}, written from the "
+      f"perspective of {perspective}.\n\n{context}Passage:\n{chunk}",
+    },
+  ]
 
 
 def judge_prompt(source: str, rewrite: str) -> list[dict]:
-  return [{"role": "user", "content": "Does the REWRITE state the same facts as the SOURCE, with "
-           "nothing added or lost? Answer YES or NO first.\n\n"
-           f"SOURCE:\n{source}\n\nREWRITE:\n{rewrite}"}]
+  return [
+    {
+      "role": "user",
+      "content": "Does the REWRITE state the same facts as the SOURCE, with "
+      "nothing added or lost? Answer YES or NO first.\n\n"
+      f"SOURCE:\n{source}\n\nREWRITE:\n{rewrite}",
+    }
+  ]
 
 
-def fidelity_problem(source: str, rewrite: str, min_word_recall: float,
-                     length_ratio: tuple[float, float]) -> str | None:
+def fidelity_problem(
+  source: str, rewrite: str, min_word_recall: float, length_ratio: tuple[float, float]
+) -> str | None:
   """Why `rewrite` is not a faithful rewrite of `source`, or None if it passes."""
   missing = sorted(set(re.findall(r"\d+(?:\.\d+)?", source)) - set(re.findall(r"\d+(?:\.\d+)?", rewrite)))
   if missing:

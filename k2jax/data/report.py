@@ -5,6 +5,7 @@ when it is dropped (as a zero-length element), so the counts survive multiproces
 travel inside each batch as `issue_counts` [B, NUM_ISSUES] and `ReportingIterDataset` sums them in
 the main process and keeps the totals in its checkpointable state.
 """
+
 from __future__ import annotations
 
 import enum
@@ -17,17 +18,18 @@ import numpy as np
 
 class Issue(enum.IntEnum):
   """Per-record outcome codes."""
-  OK = 0                  # A document used whole.
-  CONTINUATION = 1        # A later piece of an over-long document (not a new document).
-  OVERLONG_SPLIT = 2      # First piece of a document longer than seq_len, split into pieces.
-  MALFORMED_JSON = 3      # Not valid JSON, or not a JSON object (dropped).
-  NOT_UTF8 = 4            # Bytes that are not UTF-8 (dropped).
-  EMPTY = 5               # Empty or whitespace-only text / empty ids / blank line (dropped).
-  MISSING_FIELD = 6       # No text/input_ids/messages field of the right type (dropped).
-  BAD_TOKEN_IDS = 7       # Pre-tokenized ids outside [0, vocab_size) (dropped).
-  UNKNOWN_ROLE = 8        # SFT: a message role outside system/user/assistant/tool (dropped).
-  BAD_MESSAGES = 9        # SFT: malformed messages/tools/tool_calls (dropped).
-  NO_ASSISTANT = 10       # SFT: no assistant tokens, nothing to learn (dropped).
+
+  OK = 0  # A document used whole.
+  CONTINUATION = 1  # A later piece of an over-long document (not a new document).
+  OVERLONG_SPLIT = 2  # First piece of a document longer than seq_len, split into pieces.
+  MALFORMED_JSON = 3  # Not valid JSON, or not a JSON object (dropped).
+  NOT_UTF8 = 4  # Bytes that are not UTF-8 (dropped).
+  EMPTY = 5  # Empty or whitespace-only text / empty ids / blank line (dropped).
+  MISSING_FIELD = 6  # No text/input_ids/messages field of the right type (dropped).
+  BAD_TOKEN_IDS = 7  # Pre-tokenized ids outside [0, vocab_size) (dropped).
+  UNKNOWN_ROLE = 8  # SFT: a message role outside system/user/assistant/tool (dropped).
+  BAD_MESSAGES = 9  # SFT: malformed messages/tools/tool_calls (dropped).
+  NO_ASSISTANT = 10  # SFT: no assistant tokens, nothing to learn (dropped).
 
 
 NUM_ISSUES = len(Issue)
@@ -59,11 +61,16 @@ class DataReport:
     return {i.name.lower(): int(self.counts[i]) for i in Issue}
 
   def summary(self) -> str:
-    bad = ", ".join(f"{i.name.lower()}={int(self.counts[i])}" for i in Issue
-                    if i not in (Issue.OK, Issue.CONTINUATION) and self.counts[i])
-    return (f"data report: documents={self.documents} used={self.documents - self.dropped} "
-            f"dropped={self.dropped} split_overlong={self[Issue.OVERLONG_SPLIT]}"
-            + (f" ({bad})" if bad else " (no bad input)"))
+    bad = ", ".join(
+      f"{i.name.lower()}={int(self.counts[i])}"
+      for i in Issue
+      if i not in (Issue.OK, Issue.CONTINUATION) and self.counts[i]
+    )
+    return (
+      f"data report: documents={self.documents} used={self.documents - self.dropped} "
+      f"dropped={self.dropped} split_overlong={self[Issue.OVERLONG_SPLIT]}"
+      + (f" ({bad})" if bad else " (no bad input)")
+    )
 
 
 def issue_counts(packed: dict) -> dict:

@@ -4,6 +4,7 @@ All three give grain a `Sequence` of raw records, so shuffling, sharding and mix
 `MapDataset` indices. A missing or unreadable file fails here, at pipeline construction, with the
 path in the message; bad individual records are not errors but `Issue` codes (see report.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,7 @@ class SourceSpec:
   Records are JSON objects (a jsonl line, an ArrayRecord record of UTF-8 JSON, a parquet row) with
   either a text field (`text_field`) or pre-tokenized `input_ids`.
   """
+
   path: str
   weight: float = 1.0
   text_field: str = "text"
@@ -98,6 +100,7 @@ class ParquetSource:
 
   def __init__(self, path: str, field: str):
     import pyarrow.parquet as pq
+
     self.path = path
     try:
       meta = pq.ParquetFile(path)
@@ -116,6 +119,7 @@ class ParquetSource:
   def __getitem__(self, index: int) -> dict:
     if self._column is None:
       import pyarrow.parquet as pq
+
       self._column = pq.read_table(self.path, columns=[self.field], memory_map=True)[self.field]
     return {self.field: self._column[int(index)].as_py()}
 

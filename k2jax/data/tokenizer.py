@@ -11,6 +11,7 @@ Moonshot's `tokenization_kimi.py`.
 The repo ships a small BPE (`BUNDLED_TOKENIZER`, trained by `scripts/train_tokenizer.py` on the
 bundled corpus) in the same format, so tests and demos use the real loading path.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,7 +32,8 @@ NUM_RESERVED_SPECIAL_TOKENS = 256
 # K2's pre-tokenisation regex (tokenization_kimi.py): Han runs first, case-aware Latin words with
 # English contractions, digits in groups of 1-3, punctuation runs, newline and whitespace rules.
 # `&&` is class intersection, supported by tiktoken's fancy-regex (and by Oniguruma for training).
-PAT_STR = "|".join([
+PAT_STR = "|".join(
+  [
     r"""[\p{Han}]+""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
@@ -40,15 +42,26 @@ PAT_STR = "|".join([
     r"""\s*[\r\n]+""",
     r"""\s+(?!\S)""",
     r"""\s+""",
-])
+  ]
+)
 
 # Offsets from the first special id (163584 in K2), from moonshotai/Kimi-K2 tokenizer_config.json.
 K2_SPECIAL_OFFSETS = {
-    "[BOS]": 0, "[EOS]": 1, "<|im_end|>": 2, "<|im_user|>": 3, "<|im_assistant|>": 4,
-    "<|start_header_id|>": 6, "<|end_header_id|>": 7, "[EOT]": 9, "<|im_system|>": 10,
-    "<|tool_calls_section_begin|>": 11, "<|tool_calls_section_end|>": 12,
-    "<|tool_call_begin|>": 13, "<|tool_call_argument_begin|>": 14, "<|tool_call_end|>": 15,
-    "<|im_middle|>": 17,
+  "[BOS]": 0,
+  "[EOS]": 1,
+  "<|im_end|>": 2,
+  "<|im_user|>": 3,
+  "<|im_assistant|>": 4,
+  "<|start_header_id|>": 6,
+  "<|end_header_id|>": 7,
+  "[EOT]": 9,
+  "<|im_system|>": 10,
+  "<|tool_calls_section_begin|>": 11,
+  "<|tool_calls_section_end|>": 12,
+  "<|tool_call_begin|>": 13,
+  "<|tool_call_argument_begin|>": 14,
+  "<|tool_call_end|>": 15,
+  "<|im_middle|>": 17,
 }
 
 # tiktoken can be very slow (quadratic) on huge runs without a pre-tokenisation split point
@@ -71,8 +84,8 @@ class Tokenizer:
     for i in range(num_base, num_base + NUM_RESERVED_SPECIAL_TOKENS):
       specials[special_names.get(i, f"<|reserved_token_{i}|>")] = i
     self._enc = tiktoken.Encoding(
-        name=Path(path).name, pat_str=PAT_STR, mergeable_ranks=mergeable_ranks,
-        special_tokens=specials)
+      name=Path(path).name, pat_str=PAT_STR, mergeable_ranks=mergeable_ranks, special_tokens=specials
+    )
     self.num_base_tokens = num_base
     self.special_ids: dict[str, int] = specials
     self.vocab_size: int = num_base + NUM_RESERVED_SPECIAL_TOKENS
@@ -162,7 +175,7 @@ def _split_for_tiktoken(text: str):
 
 def _fixed_pieces(text: str):
   for i in range(0, max(len(text), 1), _MAX_ENCODE_CHARS):
-    yield text[i:i + _MAX_ENCODE_CHARS]
+    yield text[i : i + _MAX_ENCODE_CHARS]
 
 
 _LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (_MAX_RUN_CHARS + 1, _MAX_RUN_CHARS + 1))

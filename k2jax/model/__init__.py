@@ -1,4 +1,5 @@
 """The Kimi K2 model in Flax NNX."""
+
 from k2jax.model import presets
 from k2jax.model.config import ConfigError, K2Config
 from k2jax.model.layers import RouterBias

@@ -1,4 +1,5 @@
 """One decoder layer: pre-norm MLA then pre-norm FFN (dense SwiGLU or MoE), both residual."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -18,9 +19,19 @@ class MoE(nnx.Module):
   def __init__(self, cfg: K2Config, *, stack: int | None, rngs: nnx.Rngs):
     self.router = Router(cfg, stack=stack, rngs=rngs)
     self.experts = Experts(cfg, stack=stack, rngs=rngs)
-    self.shared = (SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, "shared_mlp",
-                          stack=stack, std=cfg.initializer_range, dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
-                   if cfg.n_shared_experts > 0 else None)
+    self.shared = (
+      SwiGLU(
+        cfg.hidden_size,
+        cfg.moe_intermediate_size * cfg.n_shared_experts,
+        "shared_mlp",
+        stack=stack,
+        std=cfg.initializer_range,
+        dtype=jnp.dtype(cfg.param_dtype),
+        rngs=rngs,
+      )
+      if cfg.n_shared_experts > 0
+      else None
+    )
 
   def __call__(self, x_BTD, token_valid_BT):
     """Returns (out [B,T,D], expert token counts [E] int32 over valid tokens)."""
@@ -39,7 +50,6 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-
   def __init__(self, cfg: K2Config, *, moe: bool, stack: int | None, rngs: nnx.Rngs):
     dt = jnp.dtype(cfg.param_dtype)
     self.attn_norm = RMSNorm(cfg.hidden_size, "embed", eps=cfg.rms_norm_eps, stack=stack, rngs=rngs, dtype=dt)
@@ -48,8 +58,9 @@ class Block(nnx.Module):
     if moe:
       self.moe = MoE(cfg, stack=stack, rngs=rngs)
     else:
-      self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, "mlp", stack=stack,
-                        std=cfg.initializer_range, dtype=dt, rngs=rngs)
+      self.mlp = SwiGLU(
+        cfg.hidden_size, cfg.intermediate_size, "mlp", stack=stack, std=cfg.initializer_range, dtype=dt, rngs=rngs
+      )
 
   def __call__(self, x_BTD, cos_BTk, sin_BTk, valid_BTS, token_valid_BT):
     """Returns (x [B,T,D], max_logit [H], expert counts [E] or None for a dense layer)."""

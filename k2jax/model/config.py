@@ -5,6 +5,7 @@ without a translation table. Fields that k2jax adds (dtypes, layer scanning, rem
 `config.json`. Unknown HF keys (e.g. `quantization_config`, `transformers_version`) are kept verbatim in
 `extra` so a load -> save cycle loses nothing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,16 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # k2jax-only fields: never written to config.json.
 _K2JAX_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy", "extra")
 # HF keys derived from others or meaningless here; accepted on input, not kept in `extra`.
-_IGNORED_HF_KEYS = ("rope_parameters", "rope_scaling", "auto_map", "qk_head_dim", "head_dim",
-                    "num_mtp_layers", "output_router_logits", "_name_or_path")
+_IGNORED_HF_KEYS = (
+  "rope_parameters",
+  "rope_scaling",
+  "auto_map",
+  "qk_head_dim",
+  "head_dim",
+  "num_mtp_layers",
+  "output_router_logits",
+  "_name_or_path",
+)
 
 
 class ConfigError(ValueError):
@@ -29,13 +38,14 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class K2Config:
   """Kimi K2 / DeepSeek-V3 architecture (HF field names) plus k2jax execution knobs."""
+
   vocab_size: int = 163840
   hidden_size: int = 7168
-  intermediate_size: int = 18432          # dense-layer SwiGLU width
-  moe_intermediate_size: int = 2048       # per routed expert (and per shared expert)
+  intermediate_size: int = 18432  # dense-layer SwiGLU width
+  moe_intermediate_size: int = 2048  # per routed expert (and per shared expert)
   num_hidden_layers: int = 61
   num_attention_heads: int = 64
-  num_key_value_heads: int = 64           # MLA: must equal num_attention_heads
+  num_key_value_heads: int = 64  # MLA: must equal num_attention_heads
   q_lora_rank: int = 1536
   kv_lora_rank: int = 512
   qk_nope_head_dim: int = 128
@@ -57,8 +67,14 @@ class K2Config:
   rope_theta: float = 50000.0
   # YaRN etc. as a sorted tuple of (key, value) so the dataclass stays hashable; None = plain RoPE.
   rope_scaling: tuple[tuple[str, Any], ...] | None = (
-      ("beta_fast", 1.0), ("beta_slow", 1.0), ("factor", 32.0), ("mscale", 1.0),
-      ("mscale_all_dim", 1.0), ("original_max_position_embeddings", 4096), ("type", "yarn"))
+    ("beta_fast", 1.0),
+    ("beta_slow", 1.0),
+    ("factor", 32.0),
+    ("mscale", 1.0),
+    ("mscale_all_dim", 1.0),
+    ("original_max_position_embeddings", 4096),
+    ("type", "yarn"),
+  )
   rope_interleave: bool = True
   max_position_embeddings: int = 131072
   tie_word_embeddings: bool = False
@@ -77,7 +93,7 @@ class K2Config:
   compute_dtype: str = "float32"
   scan_layers: bool = True
   remat_policy: str = "none"
-  extra: tuple[tuple[str, str], ...] = ()   # unknown HF keys -> JSON-encoded values
+  extra: tuple[tuple[str, str], ...] = ()  # unknown HF keys -> JSON-encoded values
 
   def __post_init__(self):
     validate(self)
@@ -175,32 +191,57 @@ def _need(cond: bool, field: str, msg: str):
 
 def validate(c: K2Config) -> None:
   """Raise ConfigError naming the first unsupported or inconsistent field."""
-  for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-               "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-               "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok"):
+  for name in (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_experts_per_tok",
+  ):
     v = getattr(c, name)
     _need(isinstance(v, int) and v > 0, name, f"must be a positive int, got {v!r}")
-  _need(not any(a not in SUPPORTED_ARCHITECTURES for a in c.architectures), "architectures",
-        f"unsupported {list(c.architectures)}; k2jax supports {list(SUPPORTED_ARCHITECTURES)}")
-  _need(c.q_lora_rank is not None and c.q_lora_rank > 0, "q_lora_rank",
-        "k2jax implements MLA with a q LoRA (Kimi K2 / DeepSeek-V3); got q_lora_rank="
-        f"{c.q_lora_rank!r}")
-  _need(c.num_key_value_heads in (None, c.num_attention_heads), "num_key_value_heads",
-        f"MLA needs num_key_value_heads == num_attention_heads ({c.num_attention_heads}), "
-        f"got {c.num_key_value_heads}")
+  _need(
+    not any(a not in SUPPORTED_ARCHITECTURES for a in c.architectures),
+    "architectures",
+    f"unsupported {list(c.architectures)}; k2jax supports {list(SUPPORTED_ARCHITECTURES)}",
+  )
+  _need(
+    c.q_lora_rank is not None and c.q_lora_rank > 0,
+    "q_lora_rank",
+    f"k2jax implements MLA with a q LoRA (Kimi K2 / DeepSeek-V3); got q_lora_rank={c.q_lora_rank!r}",
+  )
+  _need(
+    c.num_key_value_heads in (None, c.num_attention_heads),
+    "num_key_value_heads",
+    f"MLA needs num_key_value_heads == num_attention_heads ({c.num_attention_heads}), got {c.num_key_value_heads}",
+  )
   _need(c.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", f"must be even, got {c.qk_rope_head_dim}")
-  _need(c.num_experts_per_tok <= c.n_routed_experts, "num_experts_per_tok",
-        f"{c.num_experts_per_tok} > n_routed_experts {c.n_routed_experts}")
-  _need(c.n_group >= 1 and c.n_routed_experts % c.n_group == 0, "n_group",
-        f"n_routed_experts {c.n_routed_experts} is not divisible by n_group {c.n_group}")
-  _need(1 <= c.topk_group <= c.n_group, "topk_group",
-        f"must be in [1, n_group={c.n_group}], got {c.topk_group}")
+  _need(
+    c.num_experts_per_tok <= c.n_routed_experts,
+    "num_experts_per_tok",
+    f"{c.num_experts_per_tok} > n_routed_experts {c.n_routed_experts}",
+  )
+  _need(
+    c.n_group >= 1 and c.n_routed_experts % c.n_group == 0,
+    "n_group",
+    f"n_routed_experts {c.n_routed_experts} is not divisible by n_group {c.n_group}",
+  )
+  _need(1 <= c.topk_group <= c.n_group, "topk_group", f"must be in [1, n_group={c.n_group}], got {c.topk_group}")
   if c.n_group > 1:
     per_group = c.n_routed_experts // c.n_group
     _need(per_group >= 2, "n_group", "group-limited routing needs >= 2 experts per group")
-    _need(c.topk_group * per_group >= c.num_experts_per_tok, "topk_group",
-          f"topk_group {c.topk_group} x {per_group} experts/group < num_experts_per_tok "
-          f"{c.num_experts_per_tok}")
+    _need(
+      c.topk_group * per_group >= c.num_experts_per_tok,
+      "topk_group",
+      f"topk_group {c.topk_group} x {per_group} experts/group < num_experts_per_tok {c.num_experts_per_tok}",
+    )
   _need(c.scoring_func == "sigmoid", "scoring_func", f"only 'sigmoid' is supported, got {c.scoring_func!r}")
   _need(c.topk_method == "noaux_tc", "topk_method", f"only 'noaux_tc' is supported, got {c.topk_method!r}")
   _need(c.hidden_act == "silu", "hidden_act", f"only 'silu' is supported, got {c.hidden_act!r}")
@@ -213,8 +254,12 @@ def validate(c: K2Config) -> None:
   for name in ("param_dtype", "compute_dtype"):
     _need(getattr(c, name) in ("float32", "bfloat16"), name, f"float32 or bfloat16, got {getattr(c, name)!r}")
   rope = c.rope
-  _need(rope["rope_type"] in SUPPORTED_ROPE_TYPES, "rope_scaling.type",
-        f"unsupported {rope['rope_type']!r}; supported {SUPPORTED_ROPE_TYPES}")
+  _need(
+    rope["rope_type"] in SUPPORTED_ROPE_TYPES,
+    "rope_scaling.type",
+    f"unsupported {rope['rope_type']!r}; supported {SUPPORTED_ROPE_TYPES}",
+  )
   if rope["rope_type"] == "yarn":
-    _need("original_max_position_embeddings" in rope, "rope_scaling.original_max_position_embeddings",
-          "required for YaRN")
+    _need(
+      "original_max_position_embeddings" in rope, "rope_scaling.original_max_position_embeddings", "required for YaRN"
+    )

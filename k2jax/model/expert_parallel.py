@@ -19,6 +19,7 @@ expert; the down-projection then yields partial sums, reduced by one psum over `
 experts are not sharded (preset `fsdp`), ep = 1 and no all-to-all is emitted: each device dispatches
 its own tokens over all (fsdp-gathered) experts.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,18 +42,21 @@ def ep_experts(ctx: sharding_lib.Context, x_ND, weights_Nk, idx_Nk, w_gate_EDF, 
   tp_axes = ctx.rules["expert_mlp"] or ()
   ep, n_shards = ctx.axis_size("experts"), ctx.axis_size("act_batch")
   if E % ep:
-    raise sharding_lib.ShardingError(f"n_routed_experts={E} is not divisible by the expert mesh "
-                                     f"axes {ep_axes} of size {ep}")
+    raise sharding_lib.ShardingError(
+      f"n_routed_experts={E} is not divisible by the expert mesh axes {ep_axes} of size {ep}"
+    )
   if N % n_shards:
     raise sharding_lib.ShardingError(
-        f"MoE tokens: batch*length={N} is not divisible by the batch mesh axes {batch_spec[0]} of "
-        f"size {n_shards}; use a global batch that is a multiple of {n_shards}")
+      f"MoE tokens: batch*length={N} is not divisible by the batch mesh axes {batch_spec[0]} of "
+      f"size {n_shards}; use a global batch that is a multiple of {n_shards}"
+    )
   tok, tp = P(batch_spec[0], None), (tp_axes[0] if len(tp_axes) == 1 else tp_axes or None)
   ep_name = ep_axes[0] if len(ep_axes) == 1 else (ep_axes or None)
   w_in, w_out = P(ep_name, None, tp), P(ep_name, tp, None)
   fn = functools.partial(_local_moe, ep_axis=ep_name, ep=ep, tp_axis=tp)
-  return jax.shard_map(fn, mesh=ctx.mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out),
-                       out_specs=tok)(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD)
+  return jax.shard_map(fn, mesh=ctx.mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=tok)(
+    x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD
+  )
 
 
 def send_capacity(n_local: int, k: int, experts_per_device: int) -> int:
@@ -108,4 +112,3 @@ def expected_padding_overhead(cfg, ctx: sharding_lib.Context, tokens_global: int
   n_local = tokens_global // ctx.axis_size("act_batch")
   ep = ctx.axis_size("experts")
   return padding_overhead(n_local, cfg.num_experts_per_tok, cfg.n_routed_experts // ep, ep)
-

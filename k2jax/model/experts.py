@@ -5,6 +5,7 @@ stacked weights [E, D, F] / [E, F, D]; ragged_dot runs one grouped matmul over t
 Under an active multi-device mesh (`k2jax.sharding.use`) the same steps run per device inside
 `shard_map`, with token copies sent to the experts' devices by all-to-all (`expert_parallel.py`).
 """
+
 from __future__ import annotations
 
 import jax
@@ -18,7 +19,6 @@ from k2jax.model.layers import make_param
 
 
 class Experts(nnx.Module):
-
   def __init__(self, cfg: K2Config, *, stack: int | None, rngs: nnx.Rngs):
     E, D, F = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     std, dt = cfg.initializer_range, jnp.dtype(cfg.param_dtype)
@@ -33,6 +33,7 @@ class Experts(nnx.Module):
     if ctx is not None:
       # A multi-device mesh is active: per-device dispatch under shard_map, all-to-all over `expert`.
       from k2jax.model import expert_parallel  # noqa: PLC0415 (expert_parallel imports this module)
+
       return expert_parallel.ep_experts(ctx, x_ND, weights_Nk, idx_Nk, *weights)
     return dispatch_compute_combine(x_ND, weights_Nk, idx_Nk, *weights)
 
@@ -65,8 +66,9 @@ def expert_ffn(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
 def grouped_dot(x_MD, w_EDF, group_sizes_E):
   """`jax.lax.ragged_dot`, except on CPU where it costs E dense matmuls: there the tiled kernel."""
   if jax.default_backend() == "cpu":
-    return grouped_matmul.grouped_matmul(x_MD, w_EDF, group_sizes_E,
-                                         grouped_matmul.default_tile(x_MD.shape[0], w_EDF.shape[0]))
+    return grouped_matmul.grouped_matmul(
+      x_MD, w_EDF, group_sizes_E, grouped_matmul.default_tile(x_MD.shape[0], w_EDF.shape[0])
+    )
   return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
 
 

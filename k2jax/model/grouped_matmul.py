@@ -11,6 +11,7 @@ expert. GPU/TPU keep `ragged_dot` (native grouped matmul); see `experts.expert_f
 The loops have data-dependent trip counts, so the gradient is a custom VJP built from the same loops:
 dx = gmm(dy, w^T), dw[e] = x_e^T dy_e.
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,7 +54,7 @@ def _tiles(group_sizes_E, tile):
 def _gmm(x_MD, w_EDF, group_sizes_E, tile):
   M = x_MD.shape[0]
   E, _, F = w_EDF.shape
-  x_pad = jnp.pad(x_MD, ((0, tile), (0, 0)))       # slices past the end never clamp
+  x_pad = jnp.pad(x_MD, ((0, tile), (0, 0)))  # slices past the end never clamp
   starts_E, n_tiles_E = _tiles(group_sizes_E, tile)
 
   def expert(e, out):
@@ -61,12 +62,15 @@ def _gmm(x_MD, w_EDF, group_sizes_E, tile):
 
     def one_tile(t, out):
       r = start + t * tile
-      y_tF = jnp.dot(jax.lax.dynamic_slice_in_dim(x_pad, r, tile), w_DF,
-                     preferred_element_type=jnp.float32).astype(out.dtype)
+      y_tF = jnp.dot(jax.lax.dynamic_slice_in_dim(x_pad, r, tile), w_DF, preferred_element_type=jnp.float32).astype(
+        out.dtype
+      )
       keep_t = (r + jnp.arange(tile)) < end
       old_tF = jax.lax.dynamic_slice_in_dim(out, r, tile)
       return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep_t[:, None], y_tF, old_tF), r, 0)
+
     return jax.lax.fori_loop(0, n_tiles_E[e], one_tile, out)
+
   out_MF = _varying_like(jnp.zeros((M + tile, F), x_MD.dtype), x_MD, w_EDF)
   out_MF = jax.lax.fori_loop(0, E, expert, out_MF)
   return out_MF[:M]
@@ -88,8 +92,10 @@ def _gmm_weight_grad(x_MD, dy_MF, group_sizes_E, tile, E):
       x_tD = jnp.where(keep_t[:, None], jax.lax.dynamic_slice_in_dim(x_pad, r, tile), 0)
       dy_tF = jax.lax.dynamic_slice_in_dim(dy_pad, r, tile)
       return acc_DF + jnp.dot(x_tD.T, dy_tF, preferred_element_type=jnp.float32)
+
     acc_DF = _varying_like(jnp.zeros((D, F), jnp.float32), x_MD, dy_MF)
     return jax.lax.fori_loop(0, n_tiles_E[e], one_tile, acc_DF)
+
   # lax.map stacks the per-expert results: no [E, D, F] carry rewritten E times.
   return jax.lax.map(expert, jnp.arange(E))
 
@@ -102,7 +108,7 @@ def _varying_like(init, *refs):
 
 def _varying_axes(x) -> frozenset:
   aval = jax.typeof(x)
-  if hasattr(aval, "vma"):                        # jax <= 0.9 spelling
+  if hasattr(aval, "vma"):  # jax <= 0.9 spelling
     return frozenset(aval.vma)
   manual = getattr(aval, "manual_axis_type", None)
   return frozenset(manual.varying) if manual is not None else frozenset()

@@ -4,6 +4,7 @@ Every variable carries `axes` metadata (logical axis names). `k2jax.sharding` ma
 axes with one rules table per preset, so sharding is declared here once and nowhere else.
 Stacked layers carry a leading `layers` axis; matrices are always the last two axes, [in, out].
 """
+
 from __future__ import annotations
 
 import jax
@@ -15,8 +16,16 @@ class RouterBias(nnx.Variable):
   """The aux-loss-free balancing bias: selects experts, never trained, never decayed."""
 
 
-def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], *, stack: int | None,
-               std: float | None, dtype, kind=nnx.Param) -> nnx.Variable:
+def make_param(
+  rngs: nnx.Rngs,
+  shape: tuple[int, ...],
+  axes: tuple[str, ...],
+  *,
+  stack: int | None,
+  std: float | None,
+  dtype,
+  kind=nnx.Param,
+) -> nnx.Variable:
   """A variable of `shape` (with a leading `layers` axis of size `stack` when given).
 
   std=None means ones (norm gains); std=0.0 means zeros.
@@ -35,8 +44,7 @@ def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], *,
 class RMSNorm(nnx.Module):
   """RMSNorm in float32 with a learned gain (HF DeepseekV3RMSNorm)."""
 
-  def __init__(self, dim: int, axis_name: str, *, eps: float, stack: int | None, rngs: nnx.Rngs,
-               dtype=jnp.float32):
+  def __init__(self, dim: int, axis_name: str, *, eps: float, stack: int | None, rngs: nnx.Rngs, dtype=jnp.float32):
     self.eps = eps
     self.scale = make_param(rngs, (dim,), (axis_name,), stack=stack, std=None, dtype=dtype)
 
@@ -50,8 +58,7 @@ class RMSNorm(nnx.Module):
 class SwiGLU(nnx.Module):
   """down(silu(x W_gate) * (x W_up)): the dense FFN and the shared expert."""
 
-  def __init__(self, d_model: int, d_ff: int, ff_axis: str, *, stack: int | None, std: float,
-               dtype, rngs: nnx.Rngs):
+  def __init__(self, d_model: int, d_ff: int, ff_axis: str, *, stack: int | None, std: float, dtype, rngs: nnx.Rngs):
     self.w_gate = make_param(rngs, (d_model, d_ff), ("embed", ff_axis), stack=stack, std=std, dtype=dtype)
     self.w_up = make_param(rngs, (d_model, d_ff), ("embed", ff_axis), stack=stack, std=std, dtype=dtype)
     self.w_down = make_param(rngs, (d_ff, d_model), (ff_axis, "embed"), stack=stack, std=std, dtype=dtype)

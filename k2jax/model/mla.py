@@ -8,6 +8,7 @@ logits = scale · (q_nope·k_nope + rope(q_rope)·rope(k_rope))
 Besides the output, the layer returns the per-head max pre-softmax logit over valid (unmasked)
 positions: QK-Clip (K2 §2.1) rescales exactly the heads whose max exceeds tau.
 """
+
 from __future__ import annotations
 
 import jax
@@ -24,7 +25,6 @@ _NEG = -1e30  # finite "minus infinity": fully masked rows (padding) stay NaN-fr
 
 
 class MLA(nnx.Module):
-
   def __init__(self, cfg: K2Config, *, stack: int | None, rngs: nnx.Rngs):
     D, H = cfg.hidden_size, cfg.num_attention_heads
     Kn, Kr, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -52,10 +52,10 @@ class MLA(nnx.Module):
     c_BTR, k_rope_BSK = self.latent_and_rope_key(x_BTD, cos_BTk, sin_BTk)
     kv_BTHK = (c_BTR @ self.w_kv_b[...].astype(dt)).reshape(B, T, H, Kn + V)
     k_nope_BSHK, v_BSHV = kv_BTHK[..., :Kn], kv_BTHK[..., Kn:]
-    logits_BHTS = (jnp.einsum("bthk,bshk->bhts", q_nope_BTHK, k_nope_BSHK,
-                              preferred_element_type=jnp.float32)
-                   + jnp.einsum("bthk,bsk->bhts", q_rope_BTHK, k_rope_BSK,
-                                preferred_element_type=jnp.float32)) * self.scale
+    logits_BHTS = (
+      jnp.einsum("bthk,bshk->bhts", q_nope_BTHK, k_nope_BSHK, preferred_element_type=jnp.float32)
+      + jnp.einsum("bthk,bsk->bhts", q_rope_BTHK, k_rope_BSK, preferred_element_type=jnp.float32)
+    ) * self.scale
     valid_B1TS = valid_BTS[:, None]
     max_logit_H = jnp.max(jnp.where(valid_B1TS, logits_BHTS, -jnp.inf), axis=(0, 2, 3))
     probs_BHTS = jax.nn.softmax(jnp.where(valid_B1TS, logits_BHTS, _NEG), axis=-1)

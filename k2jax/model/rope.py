@@ -5,6 +5,7 @@ match to float32 rounding). `rope_interleave=True` (the published K2 layout) rot
 (x0, x1), (x2, x3), ... and, like HF, returns the rotated dims in half-split order; q and k get the same
 permutation, so their dot product is unchanged.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def softmax_scale(cfg: K2Config) -> float:
   """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 when YaRN sets mscale_all_dim (HF)."""
-  scale = cfg.qk_head_dim ** -0.5
+  scale = cfg.qk_head_dim**-0.5
   rope = cfg.rope
   if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
     m = yarn_mscale(rope["factor"], rope["mscale_all_dim"])
@@ -76,8 +77,7 @@ def rope_cos_sin(cfg: K2Config, positions_BT: jnp.ndarray) -> tuple[jnp.ndarray,
   return jnp.cos(angles) * attn_factor, jnp.sin(angles) * attn_factor
 
 
-def apply_rope(x_BTHK: jnp.ndarray, cos_BTk: jnp.ndarray, sin_BTk: jnp.ndarray,
-               interleave: bool) -> jnp.ndarray:
+def apply_rope(x_BTHK: jnp.ndarray, cos_BTk: jnp.ndarray, sin_BTk: jnp.ndarray, interleave: bool) -> jnp.ndarray:
   """Rotate the last axis of x [B, T, H, Kr] by the given angles; output in half-split order."""
   cos, sin = cos_BTk[:, :, None, :], sin_BTk[:, :, None, :]
   xf = x_BTHK.astype(jnp.float32)

@@ -6,6 +6,7 @@
 4. indices = top-k of c;
 5. weights = s[indices] / (sum + 1e-20) * routed_scaling_factor (unbiased scores, renormalised).
 """
+
 from __future__ import annotations
 
 import jax
@@ -17,20 +18,23 @@ from k2jax.model.layers import RouterBias, make_param
 
 
 class Router(nnx.Module):
-
   def __init__(self, cfg: K2Config, *, stack: int | None, rngs: nnx.Rngs):
     self.cfg = cfg
     D, E = cfg.hidden_size, cfg.n_routed_experts
-    self.w = make_param(rngs, (D, E), ("embed", "experts_router"), stack=stack,
-                        std=cfg.initializer_range, dtype=jnp.dtype(cfg.param_dtype))
-    self.bias = make_param(rngs, (E,), ("experts_router",), stack=stack, std=0.0, dtype=jnp.float32,
-                           kind=RouterBias)
+    self.w = make_param(
+      rngs,
+      (D, E),
+      ("embed", "experts_router"),
+      stack=stack,
+      std=cfg.initializer_range,
+      dtype=jnp.dtype(cfg.param_dtype),
+    )
+    self.bias = make_param(rngs, (E,), ("experts_router",), stack=stack, std=0.0, dtype=jnp.float32, kind=RouterBias)
 
   def __call__(self, x_ND: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Returns (weights [N, k] float32, expert indices [N, k] int32)."""
     cfg = self.cfg
-    logits_NE = jnp.dot(x_ND.astype(jnp.float32), self.w[...].astype(jnp.float32),
-                        preferred_element_type=jnp.float32)
+    logits_NE = jnp.dot(x_ND.astype(jnp.float32), self.w[...].astype(jnp.float32), preferred_element_type=jnp.float32)
     scores_NE = jax.nn.sigmoid(logits_NE)
     choice_NE = scores_NE + jax.lax.stop_gradient(self.bias[...].astype(jnp.float32))
     if cfg.n_group > 1:

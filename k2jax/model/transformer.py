@@ -4,6 +4,7 @@ Layers of each kind are stored stacked (leading `layers` axis) and run with `jax
 stacked state, so a 61-layer model compiles one dense and one MoE layer body. `scan_layers=False` runs
 the same stacked parameters in a Python loop (used to check the scan, and for debugging).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -19,16 +20,16 @@ from k2jax.model.layers import RMSNorm, make_param
 from k2jax.model.mla import attention_mask
 
 REMAT = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots": jax.checkpoint_policies.checkpoint_dots,
+  "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
 
 class ModelOutput(NamedTuple):
-  logits: jnp.ndarray          # [B, T, S] float32
-  max_logits: jnp.ndarray      # [num_hidden_layers, H] float32: per-head max pre-softmax logit
-  expert_counts: jnp.ndarray   # [num_moe_layers, E] int32: tokens routed to each expert
+  logits: jnp.ndarray  # [B, T, S] float32
+  max_logits: jnp.ndarray  # [num_hidden_layers, H] float32: per-head max pre-softmax logit
+  expert_counts: jnp.ndarray  # [num_moe_layers, E] int32: tokens routed to each expert
 
 
 class K2Model(nnx.Module):
@@ -38,16 +39,18 @@ class K2Model(nnx.Module):
     self.cfg = cfg
     dt = jnp.dtype(cfg.param_dtype)
     self.embed = nnx.Module()
-    self.embed.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
-                                      stack=None, std=cfg.initializer_range, dtype=dt)
+    self.embed.embedding = make_param(
+      rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), stack=None, std=cfg.initializer_range, dtype=dt
+    )
     if cfg.num_dense_layers:
       self.dense_layers = Block(cfg, moe=False, stack=cfg.num_dense_layers, rngs=rngs)
     if cfg.num_moe_layers:
       self.moe_layers = Block(cfg, moe=True, stack=cfg.num_moe_layers, rngs=rngs)
     self.final_norm = RMSNorm(cfg.hidden_size, "embed", eps=cfg.rms_norm_eps, stack=None, rngs=rngs, dtype=dt)
     self.lm_head = nnx.Module()
-    self.lm_head.w = make_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
-                                stack=None, std=cfg.initializer_range, dtype=dt)
+    self.lm_head.w = make_param(
+      rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), stack=None, std=cfg.initializer_range, dtype=dt
+    )
 
   def __call__(self, input_ids_BT, segment_ids_BT=None, positions_BT=None) -> ModelOutput:
     cfg = self.cfg

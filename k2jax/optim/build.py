@@ -11,6 +11,7 @@ Why not `optax.contrib.muon` as a whole: besides the momentum/layout differences
 its Adam branch is built with `nesterov=True` (NAdamW, not Moonlight's AdamW) and it labels by ndim
 (stacked [L, D] norm gains would go to Muon, [L, D, F] layer stacks to Adam).
 """
+
 from typing import Any, NamedTuple
 
 import jax
@@ -25,18 +26,32 @@ _NONFINITE_MODES = ("skip", "error")
 
 
 class MuonClipState(NamedTuple):
-  inner: Any                      # optax.partition state of the three branches
-  qk_clipped_heads: jax.Array     # int32 [], heads clipped at the last update
-  skipped_steps: jax.Array        # int32 [], total steps skipped for non-finite inputs
+  inner: Any  # optax.partition state of the three branches
+  qk_clipped_heads: jax.Array  # int32 [], heads clipped at the last update
+  skipped_steps: jax.Array  # int32 [], total steps skipped for non-finite inputs
 
 
-def muonclip(learning_rate: optax.ScalarOrSchedule, *, weight_decay=0.1, momentum=0.95,
-             nesterov=True, ns_steps=5, ns_coeffs=muon_lib.DEFAULT_NS_COEFFS, ns_eps=1e-7,
-             ns_dtype=None, rms_scale=0.2, rms_mode="shape", mu_dtype=None, adam_b1=0.9,
-             adam_b2=0.95, adam_eps=1e-8, qk_clip_tau: float | None = 100.0,
-             qk_clip_spec: qk_lib.QKClipSpec | None = None,
-             owners: muon_lib.OwnerSharding | None = None,
-             on_nonfinite: str = "skip") -> optax.GradientTransformationExtraArgs:
+def muonclip(
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  weight_decay=0.1,
+  momentum=0.95,
+  nesterov=True,
+  ns_steps=5,
+  ns_coeffs=muon_lib.DEFAULT_NS_COEFFS,
+  ns_eps=1e-7,
+  ns_dtype=None,
+  rms_scale=0.2,
+  rms_mode="shape",
+  mu_dtype=None,
+  adam_b1=0.9,
+  adam_b2=0.95,
+  adam_eps=1e-8,
+  qk_clip_tau: float | None = 100.0,
+  qk_clip_spec: qk_lib.QKClipSpec | None = None,
+  owners: muon_lib.OwnerSharding | None = None,
+  on_nonfinite: str = "skip",
+) -> optax.GradientTransformationExtraArgs:
   """MuonClip (K2 Algorithm 1) for a k2jax param tree (`nnx.state(model, nnx.Param)` or dicts).
 
   Args:
@@ -57,22 +72,38 @@ def muonclip(learning_rate: optax.ScalarOrSchedule, *, weight_decay=0.1, momentu
   if on_nonfinite not in _NONFINITE_MODES:
     raise ValueError(f"on_nonfinite must be one of {_NONFINITE_MODES}, got {on_nonfinite!r}")
   if qk_clip_tau is not None and qk_clip_spec is None:
-    raise ValueError("muonclip: qk_clip_tau is set but qk_clip_spec is None; pass "
-                     "QKClipSpec.from_config(cfg) or qk_clip_tau=None")
-  muon_kw = dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs,
-                 ns_eps=ns_eps, ns_dtype=ns_dtype, rms_scale=rms_scale, rms_mode=rms_mode,
-                 mu_dtype=mu_dtype)
+    raise ValueError(
+      "muonclip: qk_clip_tau is set but qk_clip_spec is None; pass QKClipSpec.from_config(cfg) or qk_clip_tau=None"
+    )
+  muon_kw = dict(
+    momentum=momentum,
+    nesterov=nesterov,
+    ns_steps=ns_steps,
+    ns_coeffs=ns_coeffs,
+    ns_eps=ns_eps,
+    ns_dtype=ns_dtype,
+    rms_scale=rms_scale,
+    rms_mode=rms_mode,
+    mu_dtype=mu_dtype,
+  )
 
   def muon_branch(branch_owners):
-    return optax.chain(muon_lib.scale_by_muon(owners=branch_owners, **muon_kw),
-                       optax.add_decayed_weights(weight_decay),
-                       optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(
+      muon_lib.scale_by_muon(owners=branch_owners, **muon_kw),
+      optax.add_decayed_weights(weight_decay),
+      optax.scale_by_learning_rate(learning_rate),
+    )
 
   inner = optax.partition(
-      {labels_lib.MUON: muon_branch(owners), labels_lib.MUON_EXPERT: muon_branch(None),
-       labels_lib.ADAMW: optax.adamw(learning_rate, b1=adam_b1, b2=adam_b2, eps=adam_eps,
-                                     weight_decay=weight_decay, mu_dtype=mu_dtype)},
-      labels_lib.label_params)
+    {
+      labels_lib.MUON: muon_branch(owners),
+      labels_lib.MUON_EXPERT: muon_branch(None),
+      labels_lib.ADAMW: optax.adamw(
+        learning_rate, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=weight_decay, mu_dtype=mu_dtype
+      ),
+    },
+    labels_lib.label_params,
+  )
 
   def init_fn(params):
     zero = jnp.zeros([], jnp.int32)
@@ -83,8 +114,10 @@ def muonclip(learning_rate: optax.ScalarOrSchedule, *, weight_decay=0.1, momentu
     if params is None:
       raise ValueError("muonclip.update needs params (weight decay and QK-Clip act on them)")
     if qk_clip_tau is not None and max_logits is None:
-      raise ValueError("muonclip.update needs max_logits=[num_hidden_layers, heads] from the "
-                       "forward pass when QK-Clip is on (qk_clip_tau is set)")
+      raise ValueError(
+        "muonclip.update needs max_logits=[num_hidden_layers, heads] from the "
+        "forward pass when QK-Clip is on (qk_clip_tau is set)"
+      )
     finite = _all_finite(grads, max_logits, on_nonfinite)
     updates, inner_state = inner.update(grads, state.inner, params)
     n_clipped = jnp.zeros([], jnp.int32)
@@ -96,8 +129,10 @@ def muonclip(learning_rate: optax.ScalarOrSchedule, *, weight_decay=0.1, momentu
     updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
     inner_state = jax.tree.map(keep, inner_state, state.inner)
     return updates, MuonClipState(
-        inner=inner_state, qk_clipped_heads=jnp.where(finite, n_clipped, 0),
-        skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
+      inner=inner_state,
+      qk_clipped_heads=jnp.where(finite, n_clipped, 0),
+      skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -121,5 +156,6 @@ def _all_finite(grads, max_logits, mode):
 def _raise_nonfinite(flags, *, names):
   bad = [n for n, ok in zip(names, flags.tolist()) if not ok]
   if bad:
-    raise FloatingPointError(f"muonclip: non-finite values in {', '.join(bad)} (on_nonfinite="
-                             "'error'; use 'skip' to drop such steps)")
+    raise FloatingPointError(
+      f"muonclip: non-finite values in {', '.join(bad)} (on_nonfinite='error'; use 'skip' to drop such steps)"
+    )

@@ -13,6 +13,7 @@ Works on any pytree keyed by the model's path names: nested dicts of arrays or `
 leaves flatten through `Variable.value`). Non-Param variables (the MoE balancing bias) must not be in
 the tree: the trainer passes `nnx.state(model, nnx.Param)`; `label_params` rejects a `router.bias`.
 """
+
 import math
 
 import jax
@@ -46,13 +47,16 @@ def label_for(name: str, shape) -> str:
   """Label of one parameter from its dotted path name and shape; raises on what must not be here."""
   if name.endswith("router.bias"):
     raise ValueError(
-        f"{name}: the MoE balancing bias is not a trained parameter and must not be in the "
-        "optimizer tree (pass nnx.state(model, nnx.Param))")
+      f"{name}: the MoE balancing bias is not a trained parameter and must not be in the "
+      "optimizer tree (pass nnx.state(model, nnx.Param))"
+    )
   if name.startswith(_ADAMW_PREFIXES) or name.endswith(".scale") or name == "scale":
     return ADAMW
   if len(shape) < 2:
-    raise ValueError(f"{name}: shape {tuple(shape)} has no matrix axes; Muon needs >= 2 dims and "
-                     "only embed.*, lm_head.* and *.scale go to AdamW")
+    raise ValueError(
+      f"{name}: shape {tuple(shape)} has no matrix axes; Muon needs >= 2 dims and "
+      "only embed.*, lm_head.* and *.scale go to AdamW"
+    )
   if ".experts." in f".{name}":
     return MUON_EXPERT
   return MUON
@@ -73,7 +77,8 @@ def describe_param_groups(params) -> str:
       rows.append((name, str(tuple(x.shape)), label, "-", "-", "-"))
       continue
     a, b = x.shape[-2:]
-    rows.append((name, str(tuple(x.shape)), label, f"{a}x{b}",
-                 str(math.prod(x.shape[:-2])), f"{0.2 * math.sqrt(max(a, b)):.2f}"))
+    rows.append(
+      (name, str(tuple(x.shape)), label, f"{a}x{b}", str(math.prod(x.shape[:-2])), f"{0.2 * math.sqrt(max(a, b)):.2f}")
+    )
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -15,6 +15,7 @@ Why not `optax.contrib.scale_by_muon` (optax 0.2.8):
   * its NS loop is unrolled (`unroll=True`, ~2.5 GB extra HBM at scale, fixed only after 0.2.8);
   * it cannot distribute whole matrices over devices (`OwnerSharding` below).
 """
+
 import dataclasses
 import math
 from typing import NamedTuple
@@ -36,6 +37,7 @@ class OwnerSharding:
   instead of every FSDP shard running the same NS on the full matrix (pitfall 7 of the reference).
   The reshard in and out is one all-to-all-like collective each way; bench/optim.py measures it.
   """
+
   mesh: Mesh
   axes: tuple[str, ...]
 
@@ -55,12 +57,13 @@ class OwnerSharding:
   def constrain(self, x_NAB, *, replicated=False):
     sharding = NamedSharding(self.mesh, P() if replicated else P(self.axes, None, None))
     if self.explicit:
-      return jax.sharding.reshard(x_NAB, sharding)   # explicit-sharding meshes (make_mesh default)
+      return jax.sharding.reshard(x_NAB, sharding)  # explicit-sharding meshes (make_mesh default)
     return jax.lax.with_sharding_constraint(x_NAB, sharding)
 
 
 class MuonState(NamedTuple):
   """Plain-sum momentum, one buffer per Muon leaf (same shape; dtype `mu_dtype` or the param's)."""
+
   mu: optax.Updates
 
 
@@ -98,8 +101,7 @@ def _explicit_gather_matrix_axes(x):
   """
   sharding = jax.typeof(x).sharding
   mesh = getattr(sharding, "mesh", None)
-  if mesh is None or not mesh.axis_names or not any(
-      t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+  if mesh is None or not mesh.axis_names or not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
     return x
   spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
   if spec[-2:] == (None, None):
@@ -112,9 +114,19 @@ def shape_scale(shape, rms_scale: float) -> float:
   return rms_scale * math.sqrt(max(shape[-2], shape[-1]))
 
 
-def scale_by_muon(*, momentum=0.95, nesterov=True, ns_steps=5, ns_coeffs=DEFAULT_NS_COEFFS,
-                  ns_eps=1e-7, ns_dtype=None, rms_scale=0.2, rms_mode="shape", mu_dtype=None,
-                  owners: OwnerSharding | None = None) -> optax.GradientTransformation:
+def scale_by_muon(
+  *,
+  momentum=0.95,
+  nesterov=True,
+  ns_steps=5,
+  ns_coeffs=DEFAULT_NS_COEFFS,
+  ns_eps=1e-7,
+  ns_dtype=None,
+  rms_scale=0.2,
+  rms_mode="shape",
+  mu_dtype=None,
+  owners: OwnerSharding | None = None,
+) -> optax.GradientTransformation:
   """Muon direction (see module docstring); leaves are [..., A, B] matrices with batch axes.
 
   Args:
@@ -138,7 +150,7 @@ def scale_by_muon(*, momentum=0.95, nesterov=True, ns_steps=5, ns_coeffs=DEFAULT
   def update_fn(updates, state, params=None):
     del params
     mu = jax.tree.map(lambda m, g: (momentum * m + g).astype(m.dtype), state.mu, updates)
-    ns_in = (jax.tree.map(lambda m, g: momentum * m + g, mu, updates) if nesterov else mu)
+    ns_in = jax.tree.map(lambda m, g: momentum * m + g, mu, updates) if nesterov else mu
     ns = dict(steps=ns_steps, coeffs=ns_coeffs, eps=ns_eps, dtype=ns_dtype)
     if owners is None:
       ortho = jax.tree.map(lambda x: newton_schulz(x, **ns), ns_in)
@@ -166,7 +178,7 @@ def _owner_newton_schulz(tree, owners: OwnerSharding, ns):
   out = list(leaves)
   for (ab, _), idx in groups.items():
     pieces = [leaves[i].reshape((-1,) + ab) for i in idx]
-    if owners.explicit:   # explicit mode concatenates only equally sharded operands
+    if owners.explicit:  # explicit mode concatenates only equally sharded operands
       pieces = [owners.constrain(x, replicated=True) for x in pieces]
     stack_NAB = jnp.concatenate(pieces, axis=0)
     n = stack_NAB.shape[0]
@@ -180,6 +192,6 @@ def _owner_newton_schulz(tree, owners: OwnerSharding, ns):
     start = 0
     for i in idx:
       count = math.prod(leaves[i].shape[:-2])
-      out[i] = ortho_NAB[start:start + count].reshape(leaves[i].shape)
+      out[i] = ortho_NAB[start : start + count].reshape(leaves[i].shape)
       start += count
   return jax.tree.unflatten(treedef, out)

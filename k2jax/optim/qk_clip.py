@@ -14,6 +14,7 @@ this step: the model's `max_logits` [num_hidden_layers, H]; take the max over mi
 Under `jit` a max over a globally sharded batch is already global (inside `shard_map` it needs pmax).
 Rows [0, n_dense_layers) belong to `dense_layers`, the rest to `moe_layers`.
 """
+
 import dataclasses
 
 import jax
@@ -25,6 +26,7 @@ from k2jax.optim.labels import path_name
 @dataclasses.dataclass(frozen=True)
 class QKClipSpec:
   """MLA geometry QK-Clip needs; build it from the model config with `from_config`."""
+
   n_heads: int
   qk_nope_head_dim: int
   qk_rope_head_dim: int
@@ -34,9 +36,14 @@ class QKClipSpec:
 
   @classmethod
   def from_config(cls, cfg) -> "QKClipSpec":
-    return cls(n_heads=cfg.num_attention_heads, qk_nope_head_dim=cfg.qk_nope_head_dim,
-               qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-               n_dense_layers=cfg.first_k_dense_replace, n_layers=cfg.num_hidden_layers)
+    return cls(
+      n_heads=cfg.num_attention_heads,
+      qk_nope_head_dim=cfg.qk_nope_head_dim,
+      qk_rope_head_dim=cfg.qk_rope_head_dim,
+      v_head_dim=cfg.v_head_dim,
+      n_dense_layers=cfg.first_k_dense_replace,
+      n_layers=cfg.num_hidden_layers,
+    )
 
 
 def clip_factors(max_logits_LH, tau: float):
@@ -55,18 +62,29 @@ def column_scales(gamma_LH, spec: QKClipSpec):
   """Per-output-column factors: ({'w_q_b': [L, H*(Kn+Kr)], 'w_kv_b': [L, H*(Kn+V)]})."""
   n_layers, n_heads = gamma_LH.shape
   root_LH1 = jnp.sqrt(gamma_LH)[..., None]
-  q_LHK = jnp.concatenate([jnp.broadcast_to(root_LH1, (n_layers, n_heads, spec.qk_nope_head_dim)),
-                           jnp.broadcast_to(gamma_LH[..., None],
-                                            (n_layers, n_heads, spec.qk_rope_head_dim))], axis=-1)
-  kv_LHK = jnp.concatenate([jnp.broadcast_to(root_LH1, (n_layers, n_heads, spec.qk_nope_head_dim)),
-                            jnp.ones((n_layers, n_heads, spec.v_head_dim), gamma_LH.dtype)], axis=-1)
+  q_LHK = jnp.concatenate(
+    [
+      jnp.broadcast_to(root_LH1, (n_layers, n_heads, spec.qk_nope_head_dim)),
+      jnp.broadcast_to(gamma_LH[..., None], (n_layers, n_heads, spec.qk_rope_head_dim)),
+    ],
+    axis=-1,
+  )
+  kv_LHK = jnp.concatenate(
+    [
+      jnp.broadcast_to(root_LH1, (n_layers, n_heads, spec.qk_nope_head_dim)),
+      jnp.ones((n_layers, n_heads, spec.v_head_dim), gamma_LH.dtype),
+    ],
+    axis=-1,
+  )
   return {"w_q_b": q_LHK.reshape(n_layers, -1), "w_kv_b": kv_LHK.reshape(n_layers, -1)}
 
 
 def _layer_rows(name: str, spec: QKClipSpec):
   """(weight kind, slice of max_logits rows) for a clipped leaf name, or None for other leaves."""
-  for group, rows in (("dense_layers", slice(0, spec.n_dense_layers)),
-                      ("moe_layers", slice(spec.n_dense_layers, spec.n_layers))):
+  for group, rows in (
+    ("dense_layers", slice(0, spec.n_dense_layers)),
+    ("moe_layers", slice(spec.n_dense_layers, spec.n_layers)),
+  ):
     for kind in ("w_q_b", "w_kv_b"):
       if name == f"{group}.attn.{kind}":
         return kind, rows
@@ -75,8 +93,10 @@ def _layer_rows(name: str, spec: QKClipSpec):
 
 def _check(max_logits_LH, spec: QKClipSpec, names):
   if max_logits_LH.shape != (spec.n_layers, spec.n_heads):
-    raise ValueError(f"max_logits has shape {max_logits_LH.shape}, expected [num_hidden_layers, "
-                     f"heads] = {(spec.n_layers, spec.n_heads)}")
+    raise ValueError(
+      f"max_logits has shape {max_logits_LH.shape}, expected [num_hidden_layers, "
+      f"heads] = {(spec.n_layers, spec.n_heads)}"
+    )
   if not any(n.endswith(".attn.w_q_b") for n in names):
     raise ValueError("QK-Clip found no '{dense_layers,moe_layers}.attn.w_q_b' in the param tree")
 
@@ -93,6 +113,7 @@ def clip_updates(updates, params, max_logits_LH, spec: QKClipSpec, *, tau: float
   add); every other column keeps u untouched, so unclipped heads, value and k_rope weights are
   bitwise what the unclipped optimizer gives.
   """
+
   def rewrite(u, p, s):
     return jnp.where(s == 1.0, u, (s * (p + u) - p).astype(u.dtype))
 
@@ -104,7 +125,7 @@ def _map_clipped(tree, max_logits_LH, spec, tau, fn, params=None):
   names = [path_name(p) for p, _ in flat]
   _check(max_logits_LH, spec, names)
   scales = column_scales(clip_factors(max_logits_LH, tau), spec)
-  param_leaves = (jax.tree.leaves(params) if params is not None else [None] * len(flat))
+  param_leaves = jax.tree.leaves(params) if params is not None else [None] * len(flat)
   out = []
   for name, (_, x), p in zip(names, flat, param_leaves):
     where = _layer_rows(name, spec)
@@ -114,7 +135,9 @@ def _map_clipped(tree, max_logits_LH, spec, tau, fn, params=None):
     kind, rows = where
     s_L1C = scales[kind][rows][:, None, :].astype(x.dtype)
     if s_L1C.shape[0] != x.shape[0] or s_L1C.shape[-1] != x.shape[-1]:
-      raise ValueError(f"{name}: shape {x.shape} does not match {s_L1C.shape[0]} layers x "
-                       f"{s_L1C.shape[-1]} head columns of the QK-Clip spec")
+      raise ValueError(
+        f"{name}: shape {x.shape} does not match {s_L1C.shape[0]} layers x "
+        f"{s_L1C.shape[-1]} head columns of the QK-Clip spec"
+      )
     out.append(fn(x, s_L1C) if p is None else fn(x, p, s_L1C))
   return jax.tree.unflatten(jax.tree.structure(tree), out)

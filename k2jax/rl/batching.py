@@ -14,6 +14,7 @@ so it contributes neither to its group's mean reward nor to the loss, when any o
   reward       the reward is not finite
   too_long     prompt + response do not fit train.seq_len
 """
+
 from __future__ import annotations
 
 import collections
@@ -26,75 +27,87 @@ CHECKS = ("span", "logprob", "version", "token", "reward", "too_long")
 
 
 def sample_problems(batch: RolloutBatch, b: int, *, vocab_size: int, seq_len: int, version: int) -> list[str]:
-    """The names (from CHECKS) of every check sample `b` fails; empty when it is fit to train on."""
-    P, R = int(batch.prompt_lengths_B[b]), int(batch.response_lengths_B[b])
-    T = batch.tokens_BT.shape[1]
-    problems = []
-    want_mask = np.zeros(T, bool)
-    want_mask[P:P + R] = True
-    seg = batch.segment_ids_BT[b] > 0
-    mask = batch.loss_mask_BT[b] > 0
-    if (P < 1 or R < 1 or P + R > T or np.any(mask & ~want_mask) or not (mask[P] and mask[P + R - 1])
-            or not np.array_equal(seg, np.arange(T) < P + R)):
-        problems.append("span")
-    lp = batch.engine_logprobs_BT[b]
-    resp = want_mask & (batch.loss_mask_BT[b] > 0)
-    if not np.all(np.isfinite(lp[resp])) or np.any(lp[resp] > 1e-4) or np.any(lp[~want_mask] != 0):
-        problems.append("logprob")
-    v = batch.weight_versions_BT[b][resp]
-    if v.size and (v.min() < 0 or v.max() > version):
-        problems.append("version")
-    tok = batch.tokens_BT[b][seg]
-    if tok.size and (tok.min() < 0 or tok.max() >= vocab_size):
-        problems.append("token")
-    if not np.isfinite(batch.rewards_B[b]):
-        problems.append("reward")
-    if P + R > seq_len:
-        problems.append("too_long")
-    return problems
+  """The names (from CHECKS) of every check sample `b` fails; empty when it is fit to train on."""
+  P, R = int(batch.prompt_lengths_B[b]), int(batch.response_lengths_B[b])
+  T = batch.tokens_BT.shape[1]
+  problems = []
+  want_mask = np.zeros(T, bool)
+  want_mask[P : P + R] = True
+  seg = batch.segment_ids_BT[b] > 0
+  mask = batch.loss_mask_BT[b] > 0
+  if (
+    P < 1
+    or R < 1
+    or P + R > T
+    or np.any(mask & ~want_mask)
+    or not (mask[P] and mask[P + R - 1])
+    or not np.array_equal(seg, np.arange(T) < P + R)
+  ):
+    problems.append("span")
+  lp = batch.engine_logprobs_BT[b]
+  resp = want_mask & (batch.loss_mask_BT[b] > 0)
+  if not np.all(np.isfinite(lp[resp])) or np.any(lp[resp] > 1e-4) or np.any(lp[~want_mask] != 0):
+    problems.append("logprob")
+  v = batch.weight_versions_BT[b][resp]
+  if v.size and (v.min() < 0 or v.max() > version):
+    problems.append("version")
+  tok = batch.tokens_BT[b][seg]
+  if tok.size and (tok.min() < 0 or tok.max() >= vocab_size):
+    problems.append("token")
+  if not np.isfinite(batch.rewards_B[b]):
+    problems.append("reward")
+  if P + R > seq_len:
+    problems.append("too_long")
+  return problems
 
 
-def to_train_arrays(batch: RolloutBatch, *, rows: int, seq_len: int, vocab_size: int, version: int,
-                    pad_id: int = 0) -> tuple[dict[str, np.ndarray], collections.Counter]:
-    """Fixed-shape arrays for the train step and a Counter of dropped samples per failed check.
+def to_train_arrays(
+  batch: RolloutBatch, *, rows: int, seq_len: int, vocab_size: int, version: int, pad_id: int = 0
+) -> tuple[dict[str, np.ndarray], collections.Counter]:
+  """Fixed-shape arrays for the train step and a Counter of dropped samples per failed check.
 
-    Keys: tokens_BT, segment_ids_BT, loss_mask_BT, engine_logprobs_BT, rewards_B, group_ids_B,
-    sample_mask_B. Bad samples keep their row (so groups stay aligned) but are zeroed and masked.
-    """
-    B = len(batch.rewards_B)
-    if B > rows:
-        raise ValueError(f"rollout batch has {B} samples but the train step takes {rows} rows "
-                         f"(target_groups * group_size)")
-    out = {"tokens_BT": np.full((rows, seq_len), pad_id, np.int32),
-           "segment_ids_BT": np.zeros((rows, seq_len), np.int32),
-           "loss_mask_BT": np.zeros((rows, seq_len), np.float32),
-           "engine_logprobs_BT": np.zeros((rows, seq_len), np.float32),
-           "rewards_B": np.zeros((rows,), np.float32), "group_ids_B": np.zeros((rows,), np.int32),
-           "sample_mask_B": np.zeros((rows,), np.float32)}
-    dropped: collections.Counter = collections.Counter()
-    for b in range(B):
-        problems = sample_problems(batch, b, vocab_size=vocab_size, seq_len=seq_len, version=version)
-        out["group_ids_B"][b] = batch.group_ids_B[b]
-        if problems:
-            dropped.update(problems)
-            dropped["samples"] += 1
-            continue
-        n = min(seq_len, batch.tokens_BT.shape[1])
-        out["tokens_BT"][b, :n] = batch.tokens_BT[b, :n]
-        out["segment_ids_BT"][b, :n] = batch.segment_ids_BT[b, :n]
-        out["loss_mask_BT"][b, :n] = batch.loss_mask_BT[b, :n]
-        out["engine_logprobs_BT"][b, :n] = batch.engine_logprobs_BT[b, :n]
-        out["rewards_B"][b] = batch.rewards_B[b]
-        out["sample_mask_B"][b] = 1.0
-    return out, dropped
+  Keys: tokens_BT, segment_ids_BT, loss_mask_BT, engine_logprobs_BT, rewards_B, group_ids_B,
+  sample_mask_B. Bad samples keep their row (so groups stay aligned) but are zeroed and masked.
+  """
+  B = len(batch.rewards_B)
+  if B > rows:
+    raise ValueError(f"rollout batch has {B} samples but the train step takes {rows} rows (target_groups * group_size)")
+  out = {
+    "tokens_BT": np.full((rows, seq_len), pad_id, np.int32),
+    "segment_ids_BT": np.zeros((rows, seq_len), np.int32),
+    "loss_mask_BT": np.zeros((rows, seq_len), np.float32),
+    "engine_logprobs_BT": np.zeros((rows, seq_len), np.float32),
+    "rewards_B": np.zeros((rows,), np.float32),
+    "group_ids_B": np.zeros((rows,), np.int32),
+    "sample_mask_B": np.zeros((rows,), np.float32),
+  }
+  dropped: collections.Counter = collections.Counter()
+  for b in range(B):
+    problems = sample_problems(batch, b, vocab_size=vocab_size, seq_len=seq_len, version=version)
+    out["group_ids_B"][b] = batch.group_ids_B[b]
+    if problems:
+      dropped.update(problems)
+      dropped["samples"] += 1
+      continue
+    n = min(seq_len, batch.tokens_BT.shape[1])
+    out["tokens_BT"][b, :n] = batch.tokens_BT[b, :n]
+    out["segment_ids_BT"][b, :n] = batch.segment_ids_BT[b, :n]
+    out["loss_mask_BT"][b, :n] = batch.loss_mask_BT[b, :n]
+    out["engine_logprobs_BT"][b, :n] = batch.engine_logprobs_BT[b, :n]
+    out["rewards_B"][b] = batch.rewards_B[b]
+    out["sample_mask_B"][b] = 1.0
+  return out, dropped
 
 
 def staleness(batch: RolloutBatch, version: int) -> dict[str, float]:
-    """How many versions behind `version` the trained tokens were sampled (partial rollouts resume)."""
-    v = batch.weight_versions_BT[batch.loss_mask_BT > 0]
-    v = v[v >= 0]
-    if not v.size:
-        return {"staleness_mean": 0.0, "staleness_max": 0.0, "stale_token_frac": 0.0}
-    lag = version - v
-    return {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max()),
-            "stale_token_frac": float(np.mean(lag > 0))}
+  """How many versions behind `version` the trained tokens were sampled (partial rollouts resume)."""
+  v = batch.weight_versions_BT[batch.loss_mask_BT > 0]
+  v = v[v >= 0]
+  if not v.size:
+    return {"staleness_mean": 0.0, "staleness_max": 0.0, "stale_token_frac": 0.0}
+  lag = version - v
+  return {
+    "staleness_mean": float(lag.mean()),
+    "staleness_max": float(lag.max()),
+    "stale_token_frac": float(np.mean(lag > 0)),
+  }

@@ -8,6 +8,7 @@ Each update feeds QK-Clip the max pre-softmax logits of every forward pass it ra
 batch), updates the MoE balancing bias from their expert counts, and drops the whole update (params,
 optimizer state, bias) when the loss or gradients are not finite, counting it in `skipped_steps`.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -21,84 +22,131 @@ from k2jax.train.step import ModelDef, TrainState, step_metrics, update_bias
 
 
 def forward_logprobs(mdef: ModelDef, params: dict, bias: dict, tokens_BT, segment_ids_BT):
-    """(log p(x_t | x_<t) [B, T] (0 at t = 0), ModelOutput) for right-padded, unpacked rows."""
-    model = mdef.bind(params, bias)
-    positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
-    out = model(tokens_BT, segment_ids_BT, positions_BT)
-    return token_logprobs(out.logits, tokens_BT), out
+  """(log p(x_t | x_<t) [B, T] (0 at t = 0), ModelOutput) for right-padded, unpacked rows."""
+  model = mdef.bind(params, bias)
+  positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+  out = model(tokens_BT, segment_ids_BT, positions_BT)
+  return token_logprobs(out.logits, tokens_BT), out
 
 
 def make_logprobs_fn(mdef: ModelDef) -> Callable:
-    def logprobs_fn(params, bias, tokens_BT, segment_ids_BT):
-        return forward_logprobs(mdef, params, bias, tokens_BT, segment_ids_BT)[0]
-    return logprobs_fn
+  def logprobs_fn(params, bias, tokens_BT, segment_ids_BT):
+    return forward_logprobs(mdef, params, bias, tokens_BT, segment_ids_BT)[0]
+
+  return logprobs_fn
 
 
-def make_rl_step(mdef: ModelDef, optimizer: optax.GradientTransformationExtraArgs, schedule: optax.Schedule,
-                 loss_config: K2LossConfig, *, num_groups: int, bias_update_rate: float,
-                 qk_clip_tau: float | None) -> Callable:
-    """rl_step(state, batch, old_logprobs_BT, ptx) with `ptx` None iff loss_config.ptx_coef == 0."""
+def make_rl_step(
+  mdef: ModelDef,
+  optimizer: optax.GradientTransformationExtraArgs,
+  schedule: optax.Schedule,
+  loss_config: K2LossConfig,
+  *,
+  num_groups: int,
+  bias_update_rate: float,
+  qk_clip_tau: float | None,
+) -> Callable:
+  """rl_step(state, batch, old_logprobs_BT, ptx) with `ptx` None iff loss_config.ptx_coef == 0."""
 
-    def loss_fn(params, bias, batch, old_BT, ptx):
-        lp_BT, out = forward_logprobs(mdef, params, bias, batch["tokens_BT"], batch["segment_ids_BT"])
-        max_logits, counts = out.max_logits, out.expert_counts
-        ptx_lp_BT = ptx_mask_BT = None
-        if ptx is not None:
-            ptx_lp_BT, ptx_out = forward_logprobs(mdef, params, bias, ptx["tokens_BT"], ptx["segment_ids_BT"])
-            max_logits = jnp.maximum(max_logits, ptx_out.max_logits)
-            counts = counts + ptx_out.expert_counts
-            ptx_mask_BT = ptx["loss_mask_BT"]
-        loss, aux = k2_objective(loss_config, lp_BT, old_BT, batch["loss_mask_BT"], batch["rewards_B"],
-                                 batch["group_ids_B"], num_groups=num_groups, sample_mask_B=batch["sample_mask_B"],
-                                 ptx_logprobs_BT=ptx_lp_BT, ptx_mask_BT=ptx_mask_BT)
-        aux.update(max_logits=max_logits, expert_counts=counts,
-                   tokens=jnp.sum(batch["loss_mask_BT"] * batch["sample_mask_B"][:, None]))
-        return loss, aux
+  def loss_fn(params, bias, batch, old_BT, ptx):
+    lp_BT, out = forward_logprobs(mdef, params, bias, batch["tokens_BT"], batch["segment_ids_BT"])
+    max_logits, counts = out.max_logits, out.expert_counts
+    ptx_lp_BT = ptx_mask_BT = None
+    if ptx is not None:
+      ptx_lp_BT, ptx_out = forward_logprobs(mdef, params, bias, ptx["tokens_BT"], ptx["segment_ids_BT"])
+      max_logits = jnp.maximum(max_logits, ptx_out.max_logits)
+      counts = counts + ptx_out.expert_counts
+      ptx_mask_BT = ptx["loss_mask_BT"]
+    loss, aux = k2_objective(
+      loss_config,
+      lp_BT,
+      old_BT,
+      batch["loss_mask_BT"],
+      batch["rewards_B"],
+      batch["group_ids_B"],
+      num_groups=num_groups,
+      sample_mask_B=batch["sample_mask_B"],
+      ptx_logprobs_BT=ptx_lp_BT,
+      ptx_mask_BT=ptx_mask_BT,
+    )
+    aux.update(
+      max_logits=max_logits,
+      expert_counts=counts,
+      tokens=jnp.sum(batch["loss_mask_BT"] * batch["sample_mask_B"][:, None]),
+    )
+    return loss, aux
 
-    def rl_step(state: TrainState, batch: dict, old_logprobs_BT, ptx: dict | None):
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, aux), grads = grad_fn(state.params, state.bias, batch, old_logprobs_BT, ptx)
-        state, metrics = apply_update(state, grads, loss, aux, optimizer, schedule,
-                                      bias_update_rate=bias_update_rate, qk_clip_tau=qk_clip_tau)
-        metrics.update({k: aux[k] for k in ("rl_loss", "log_ratio_mean", "log_ratio_abs_max",
-                                            "centred_reward_abs_mean", "ptx_loss") if k in aux})
-        metrics["samples_trained"] = jnp.sum(batch["sample_mask_B"])
-        return state, metrics
+  def rl_step(state: TrainState, batch: dict, old_logprobs_BT, ptx: dict | None):
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, aux), grads = grad_fn(state.params, state.bias, batch, old_logprobs_BT, ptx)
+    state, metrics = apply_update(
+      state, grads, loss, aux, optimizer, schedule, bias_update_rate=bias_update_rate, qk_clip_tau=qk_clip_tau
+    )
+    metrics.update(
+      {
+        k: aux[k]
+        for k in ("rl_loss", "log_ratio_mean", "log_ratio_abs_max", "centred_reward_abs_mean", "ptx_loss")
+        if k in aux
+      }
+    )
+    metrics["samples_trained"] = jnp.sum(batch["sample_mask_B"])
+    return state, metrics
 
-    return rl_step
-
-
-def make_sft_step(mdef: ModelDef, optimizer: optax.GradientTransformationExtraArgs, schedule: optax.Schedule,
-                  *, qk_clip_tau: float | None) -> Callable:
-    """Token-mean NLL over mask_BT (the warm start teaching the task's output format)."""
-
-    def loss_fn(params, bias, tokens_BT, segment_ids_BT, mask_BT):
-        lp_BT, out = forward_logprobs(mdef, params, bias, tokens_BT, segment_ids_BT)
-        return ptx_loss(lp_BT, mask_BT), {"max_logits": out.max_logits, "expert_counts": out.expert_counts,
-                                           "tokens": jnp.sum(mask_BT)}
-
-    def sft_step(state: TrainState, tokens_BT, segment_ids_BT, mask_BT):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, state.bias, tokens_BT, segment_ids_BT, mask_BT)
-        return apply_update(state, grads, loss, aux, optimizer, schedule, bias_update_rate=0.0,
-                            qk_clip_tau=qk_clip_tau)
-
-    return sft_step
+  return rl_step
 
 
-def apply_update(state: TrainState, grads, loss, aux, optimizer, schedule, *, bias_update_rate: float,
-                 qk_clip_tau: float | None) -> tuple[TrainState, dict]:
-    """One MuonClip update with this step's max logits; a non-finite loss/gradient keeps the old state."""
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params, max_logits=aux["max_logits"])
-    params = optax.apply_updates(state.params, updates)
-    bias = update_bias(state.bias, aux["expert_counts"], bias_update_rate)
-    grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    new = TrainState(step=state.step + 1, params=keep(params, state.params), bias=keep(bias, state.bias),
-                     opt_state=keep(opt_state, state.opt_state),
-                     skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32))
-    metrics = step_metrics(aux, loss=loss, grad_norm=grad_norm, updates=updates, ok=ok, params=new.params,
-                           qk_clip_tau=qk_clip_tau, lr=schedule(state.step - state.skipped_steps),
-                           skipped=new.skipped_steps)
-    return new, metrics
+def make_sft_step(
+  mdef: ModelDef,
+  optimizer: optax.GradientTransformationExtraArgs,
+  schedule: optax.Schedule,
+  *,
+  qk_clip_tau: float | None,
+) -> Callable:
+  """Token-mean NLL over mask_BT (the warm start teaching the task's output format)."""
+
+  def loss_fn(params, bias, tokens_BT, segment_ids_BT, mask_BT):
+    lp_BT, out = forward_logprobs(mdef, params, bias, tokens_BT, segment_ids_BT)
+    return ptx_loss(lp_BT, mask_BT), {
+      "max_logits": out.max_logits,
+      "expert_counts": out.expert_counts,
+      "tokens": jnp.sum(mask_BT),
+    }
+
+  def sft_step(state: TrainState, tokens_BT, segment_ids_BT, mask_BT):
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      state.params, state.bias, tokens_BT, segment_ids_BT, mask_BT
+    )
+    return apply_update(state, grads, loss, aux, optimizer, schedule, bias_update_rate=0.0, qk_clip_tau=qk_clip_tau)
+
+  return sft_step
+
+
+def apply_update(
+  state: TrainState, grads, loss, aux, optimizer, schedule, *, bias_update_rate: float, qk_clip_tau: float | None
+) -> tuple[TrainState, dict]:
+  """One MuonClip update with this step's max logits; a non-finite loss/gradient keeps the old state."""
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params, max_logits=aux["max_logits"])
+  params = optax.apply_updates(state.params, updates)
+  bias = update_bias(state.bias, aux["expert_counts"], bias_update_rate)
+  grad_norm = optax.tree.norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+  new = TrainState(
+    step=state.step + 1,
+    params=keep(params, state.params),
+    bias=keep(bias, state.bias),
+    opt_state=keep(opt_state, state.opt_state),
+    skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32),
+  )
+  metrics = step_metrics(
+    aux,
+    loss=loss,
+    grad_norm=grad_norm,
+    updates=updates,
+    ok=ok,
+    params=new.params,
+    qk_clip_tau=qk_clip_tau,
+    lr=schedule(state.step - state.skipped_steps),
+    skipped=new.skipped_steps,
+  )
+  return new, metrics

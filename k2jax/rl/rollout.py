@@ -15,6 +15,7 @@ Each iteration `collect(weight_version)`:
 Groups completed beyond M wait in the buffer for the next batch. Samples stopped by the budget are truncated
 and their reward lowered by `truncation_penalty` (K2 §3.2.3).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,201 +32,236 @@ from k2jax.rl.samples import Group, Sample, build_batch, completion_of
 
 @dataclasses.dataclass(frozen=True)
 class TemperatureSchedule:
-    """T(i) = final + (initial - final) * 0.5 ** (i / half_life): explore early, exploit later (K2 §3.2.3)."""
+  """T(i) = final + (initial - final) * 0.5 ** (i / half_life): explore early, exploit later (K2 §3.2.3)."""
 
-    initial: float = 1.0
-    final: float = 1.0
-    half_life_iterations: float = 100.0
+  initial: float = 1.0
+  final: float = 1.0
+  half_life_iterations: float = 100.0
 
-    def __call__(self, iteration: int) -> float:
-        return self.final + (self.initial - self.final) * 0.5 ** (iteration / self.half_life_iterations)
+  def __call__(self, iteration: int) -> float:
+    return self.final + (self.initial - self.final) * 0.5 ** (iteration / self.half_life_iterations)
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    group_size: int = 4                  # K responses per prompt
-    target_groups: int = 8               # M complete groups per batch
-    launch_groups: int = 16              # N >= M groups in flight (over-sampling)
-    partial_rollout: bool = True         # keep aborted samples and resume them next iteration
-    max_staleness: int = 2               # resumed tokens may be at most this many versions old
-    task_budgets: tuple[tuple[str, int], ...] = (("default", 1024),)  # total response tokens per task
-    truncation_penalty: float = 0.0
-    temperature: TemperatureSchedule = TemperatureSchedule()
-    top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
-    pad_id: int = 0
-    max_concurrency: int = 256           # worker threads = in-flight engine requests
-    reward_workers: int = 4
-    abort_poll_s: float = 0.02
+  group_size: int = 4  # K responses per prompt
+  target_groups: int = 8  # M complete groups per batch
+  launch_groups: int = 16  # N >= M groups in flight (over-sampling)
+  partial_rollout: bool = True  # keep aborted samples and resume them next iteration
+  max_staleness: int = 2  # resumed tokens may be at most this many versions old
+  task_budgets: tuple[tuple[str, int], ...] = (("default", 1024),)  # total response tokens per task
+  truncation_penalty: float = 0.0
+  temperature: TemperatureSchedule = TemperatureSchedule()
+  top_p: float = 1.0
+  stop_token_ids: tuple[int, ...] = ()
+  pad_id: int = 0
+  max_concurrency: int = 256  # worker threads = in-flight engine requests
+  reward_workers: int = 4
+  abort_poll_s: float = 0.02
 
-    def __post_init__(self):
-        if not 0 < self.target_groups <= self.launch_groups:
-            raise ValueError(f"RolloutConfig needs 0 < target_groups <= launch_groups, got "
-                             f"{self.target_groups} and {self.launch_groups}")
-        if self.group_size < 1 or self.max_staleness < 0:
-            raise ValueError(f"RolloutConfig: bad group_size={self.group_size} or max_staleness={self.max_staleness}")
+  def __post_init__(self):
+    if not 0 < self.target_groups <= self.launch_groups:
+      raise ValueError(
+        f"RolloutConfig needs 0 < target_groups <= launch_groups, got {self.target_groups} and {self.launch_groups}"
+      )
+    if self.group_size < 1 or self.max_staleness < 0:
+      raise ValueError(f"RolloutConfig: bad group_size={self.group_size} or max_staleness={self.max_staleness}")
 
-    def budget(self, task: str) -> int:
-        for name, budget in self.task_budgets:
-            if name == task:
-                return budget
-        raise KeyError(f"RolloutConfig.task_budgets has no budget for task {task!r} "
-                       f"(known: {[n for n, _ in self.task_budgets]})")
+  def budget(self, task: str) -> int:
+    for name, budget in self.task_budgets:
+      if name == task:
+        return budget
+    raise KeyError(
+      f"RolloutConfig.task_budgets has no budget for task {task!r} (known: {[n for n, _ in self.task_budgets]})"
+    )
 
 
 class RolloutManager:
-    """Produces one `RolloutBatch` of `target_groups` complete groups per `collect` call."""
+  """Produces one `RolloutBatch` of `target_groups` complete groups per `collect` call."""
 
-    def __init__(self, config: RolloutConfig, engine: Engine, prompts: Iterator[Prompt],
-                 reward_fn: GroupRewardFn, decode: Callable[[Sequence[int]], str] | None = None):
-        self.config = config
-        self.engine = engine
-        self._prompts = iter(prompts)
-        self._reward_fn = reward_fn
-        self._decode = decode
-        self._buffer: list[Group] = []     # groups carried over, oldest first
-        self._uids = itertools.count()
-        self._lock = threading.Lock()
-        self._active: set[str] = set()     # rids currently inside engine.generate
-        self._stopping = threading.Event()
-        self._rewards = ThreadPoolExecutor(config.reward_workers, thread_name_prefix="reward")
-        self.iteration = 0
+  def __init__(
+    self,
+    config: RolloutConfig,
+    engine: Engine,
+    prompts: Iterator[Prompt],
+    reward_fn: GroupRewardFn,
+    decode: Callable[[Sequence[int]], str] | None = None,
+  ):
+    self.config = config
+    self.engine = engine
+    self._prompts = iter(prompts)
+    self._reward_fn = reward_fn
+    self._decode = decode
+    self._buffer: list[Group] = []  # groups carried over, oldest first
+    self._uids = itertools.count()
+    self._lock = threading.Lock()
+    self._active: set[str] = set()  # rids currently inside engine.generate
+    self._stopping = threading.Event()
+    self._rewards = ThreadPoolExecutor(config.reward_workers, thread_name_prefix="reward")
+    self.iteration = 0
 
-    def close(self) -> None:
-        self._rewards.shutdown(wait=True)
+  def close(self) -> None:
+    self._rewards.shutdown(wait=True)
 
-    @property
-    def buffered_groups(self) -> list[Group]:
-        return list(self._buffer)
+  @property
+  def buffered_groups(self) -> list[Group]:
+    return list(self._buffer)
 
-    def collect(self, weight_version: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """Runs one rollout phase with the engine holding `weight_version`; returns the batch and metrics."""
-        t0 = time.monotonic()
-        temperature = self.config.temperature(self.iteration)
-        stats = {"stale_tokens_dropped": 0, "stale_samples_restarted": 0}
-        groups = self._gather_groups(weight_version, stats)
-        done = [g for g in groups if g.complete]
-        for g in done:
-            self._score(g)
-        self._stopping.clear()
-        pending_ids = {id(g) for g in groups if not g.complete}
-        with ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="rollout") as pool:
-            futures = {pool.submit(self._advance, s, g.uid, temperature, weight_version): g
-                       for g in groups if not g.complete for s in g.samples if not s.done}
-            try:
-                self._run_until_enough(futures, done, pending_ids)
-            except BaseException:
-                self._stopping.set()  # let the other workers return instead of generating on
-                with self._lock:
-                    self.engine.abort(sorted(self._active))
-                raise
-        batch_groups, extra = done[:self.config.target_groups], done[self.config.target_groups:]
-        unfinished = [g for g in groups if not g.complete]
-        stats.update(self._carry_over(extra, unfinished))
-        rewards = [g.rewards.result() for g in batch_groups]
-        batch = build_batch(batch_groups, rewards, pad_id=self.config.pad_id, iteration=self.iteration,
-                            truncation_penalty=self.config.truncation_penalty, temperature=temperature)
-        stats.update(rollout_wall_s=time.monotonic() - t0, temperature=temperature, iteration=self.iteration,
-                     groups_launched=len(groups), groups_complete=len(done), batch_groups=len(batch_groups))
-        self.iteration += 1
-        return batch, stats
+  def collect(self, weight_version: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """Runs one rollout phase with the engine holding `weight_version`; returns the batch and metrics."""
+    t0 = time.monotonic()
+    temperature = self.config.temperature(self.iteration)
+    stats = {"stale_tokens_dropped": 0, "stale_samples_restarted": 0}
+    groups = self._gather_groups(weight_version, stats)
+    done = [g for g in groups if g.complete]
+    for g in done:
+      self._score(g)
+    self._stopping.clear()
+    pending_ids = {id(g) for g in groups if not g.complete}
+    with ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="rollout") as pool:
+      futures = {
+        pool.submit(self._advance, s, g.uid, temperature, weight_version): g
+        for g in groups
+        if not g.complete
+        for s in g.samples
+        if not s.done
+      }
+      try:
+        self._run_until_enough(futures, done, pending_ids)
+      except BaseException:
+        self._stopping.set()  # let the other workers return instead of generating on
+        with self._lock:
+          self.engine.abort(sorted(self._active))
+        raise
+    batch_groups, extra = done[: self.config.target_groups], done[self.config.target_groups :]
+    unfinished = [g for g in groups if not g.complete]
+    stats.update(self._carry_over(extra, unfinished))
+    rewards = [g.rewards.result() for g in batch_groups]
+    batch = build_batch(
+      batch_groups,
+      rewards,
+      pad_id=self.config.pad_id,
+      iteration=self.iteration,
+      truncation_penalty=self.config.truncation_penalty,
+      temperature=temperature,
+    )
+    stats.update(
+      rollout_wall_s=time.monotonic() - t0,
+      temperature=temperature,
+      iteration=self.iteration,
+      groups_launched=len(groups),
+      groups_complete=len(done),
+      batch_groups=len(batch_groups),
+    )
+    self.iteration += 1
+    return batch, stats
 
-    def _gather_groups(self, weight_version: int, stats: dict) -> list[Group]:
-        groups, self._buffer = self._buffer, []
-        oldest_ok = weight_version - self.config.max_staleness
-        for g in groups:
-            for s in g.samples:
-                if s.versions and min(s.versions) < oldest_ok:
-                    stats["stale_tokens_dropped"] += s.reset()
-                    stats["stale_samples_restarted"] += 1
-                    if g.rewards is not None:
-                        g.rewards.cancel()
-                        g.rewards = None
-        while len(groups) < self.config.launch_groups:
-            prompt = next(self._prompts, None)
-            if prompt is None:
-                break
-            uid = next(self._uids)
-            samples = [Sample(prompt, k, seed=uid * self.config.group_size + k) for k in range(self.config.group_size)]
-            groups.append(Group(uid, prompt, samples, self.iteration))
-        if not groups:
-            raise StopIteration("RolloutManager: the prompt iterator is exhausted and nothing is buffered")
-        return groups
+  def _gather_groups(self, weight_version: int, stats: dict) -> list[Group]:
+    groups, self._buffer = self._buffer, []
+    oldest_ok = weight_version - self.config.max_staleness
+    for g in groups:
+      for s in g.samples:
+        if s.versions and min(s.versions) < oldest_ok:
+          stats["stale_tokens_dropped"] += s.reset()
+          stats["stale_samples_restarted"] += 1
+          if g.rewards is not None:
+            g.rewards.cancel()
+            g.rewards = None
+    while len(groups) < self.config.launch_groups:
+      prompt = next(self._prompts, None)
+      if prompt is None:
+        break
+      uid = next(self._uids)
+      samples = [Sample(prompt, k, seed=uid * self.config.group_size + k) for k in range(self.config.group_size)]
+      groups.append(Group(uid, prompt, samples, self.iteration))
+    if not groups:
+      raise StopIteration("RolloutManager: the prompt iterator is exhausted and nothing is buffered")
+    return groups
 
-    def _run_until_enough(self, futures: dict[Future, Group], done: list[Group], pending_ids: set[int]) -> None:
-        remaining = set(futures)
-        while remaining and len(done) < self.config.target_groups:
-            finished, remaining = wait(remaining, return_when=FIRST_COMPLETED)
-            for f in finished:
-                f.result()  # re-raise engine errors
-                g = futures[f]
-                if id(g) in pending_ids and g.complete:
-                    pending_ids.discard(id(g))
-                    self._score(g)
-                    done.append(g)
-        self._stopping.set()
-        while remaining:  # abort until every call has returned; a call may start after an earlier abort
-            with self._lock:
-                rids = sorted(self._active)
-            if rids:
-                self.engine.abort(rids)
-            finished, remaining = wait(remaining, timeout=self.config.abort_poll_s)
-            for f in finished:
-                f.result()
-                g = futures[f]
-                if id(g) in pending_ids and g.complete:  # finished naturally while we were aborting
-                    pending_ids.discard(id(g))
-                    self._score(g)
-                    done.append(g)
+  def _run_until_enough(self, futures: dict[Future, Group], done: list[Group], pending_ids: set[int]) -> None:
+    remaining = set(futures)
+    while remaining and len(done) < self.config.target_groups:
+      finished, remaining = wait(remaining, return_when=FIRST_COMPLETED)
+      for f in finished:
+        f.result()  # re-raise engine errors
+        g = futures[f]
+        if id(g) in pending_ids and g.complete:
+          pending_ids.discard(id(g))
+          self._score(g)
+          done.append(g)
+    self._stopping.set()
+    while remaining:  # abort until every call has returned; a call may start after an earlier abort
+      with self._lock:
+        rids = sorted(self._active)
+      if rids:
+        self.engine.abort(rids)
+      finished, remaining = wait(remaining, timeout=self.config.abort_poll_s)
+      for f in finished:
+        f.result()
+        g = futures[f]
+        if id(g) in pending_ids and g.complete:  # finished naturally while we were aborting
+          pending_ids.discard(id(g))
+          self._score(g)
+          done.append(g)
 
-    def _advance(self, s: Sample, uid: int, temperature: float, version: int) -> None:
-        """Generates `s` until it stops, exhausts its budget, or the manager is stopping."""
-        budget = self.config.budget(s.prompt.task)
-        while not s.done:
-            left = budget - len(s.output_ids)
-            if left <= 0:  # resumed with nothing left (slime: budget 0 -> truncated)
-                s.finish, s.truncated = "length", True
-                return
-            if self._stopping.is_set():
-                return
-            rid = f"{s.prompt.prompt_id}/g{uid}/s{s.index}/v{version}/{s.segments}"
-            request = GenerateRequest(rid, s.prompt.input_ids + tuple(s.output_ids), SamplingParams(
-                max_new_tokens=left, temperature=temperature, top_p=self.config.top_p,
-                stop_token_ids=self.config.stop_token_ids, seed=s.seed))
-            with self._lock:
-                self._active.add(rid)
-            try:
-                res = self.engine.generate(request)
-            finally:
-                with self._lock:
-                    self._active.discard(rid)
-            s.output_ids += res.output_ids
-            s.logprobs += res.output_logprobs
-            s.versions += res.weight_versions
-            s.text_parts.append(res.text or "")
-            s.segments += 1
-            if res.finish_reason != "abort":
-                s.finish = res.finish_reason
-                s.truncated = res.finish_reason == "length"
+  def _advance(self, s: Sample, uid: int, temperature: float, version: int) -> None:
+    """Generates `s` until it stops, exhausts its budget, or the manager is stopping."""
+    budget = self.config.budget(s.prompt.task)
+    while not s.done:
+      left = budget - len(s.output_ids)
+      if left <= 0:  # resumed with nothing left (slime: budget 0 -> truncated)
+        s.finish, s.truncated = "length", True
+        return
+      if self._stopping.is_set():
+        return
+      rid = f"{s.prompt.prompt_id}/g{uid}/s{s.index}/v{version}/{s.segments}"
+      request = GenerateRequest(
+        rid,
+        s.prompt.input_ids + tuple(s.output_ids),
+        SamplingParams(
+          max_new_tokens=left,
+          temperature=temperature,
+          top_p=self.config.top_p,
+          stop_token_ids=self.config.stop_token_ids,
+          seed=s.seed,
+        ),
+      )
+      with self._lock:
+        self._active.add(rid)
+      try:
+        res = self.engine.generate(request)
+      finally:
+        with self._lock:
+          self._active.discard(rid)
+      s.output_ids += res.output_ids
+      s.logprobs += res.output_logprobs
+      s.versions += res.weight_versions
+      s.text_parts.append(res.text or "")
+      s.segments += 1
+      if res.finish_reason != "abort":
+        s.finish = res.finish_reason
+        s.truncated = res.finish_reason == "length"
 
-    def _score(self, g: Group) -> None:
-        if g.rewards is None:
-            completions = [completion_of(s, self._decode) for s in g.samples]
-            g.rewards = self._rewards.submit(_checked_rewards, self._reward_fn, g.prompt, completions)
+  def _score(self, g: Group) -> None:
+    if g.rewards is None:
+      completions = [completion_of(s, self._decode) for s in g.samples]
+      g.rewards = self._rewards.submit(_checked_rewards, self._reward_fn, g.prompt, completions)
 
-    def _carry_over(self, extra: list[Group], unfinished: list[Group]) -> dict[str, int]:
-        kept = sum(len(s.output_ids) for g in unfinished for s in g.samples)
-        aborted = sum(1 for g in unfinished for s in g.samples if not s.done and s.output_ids)
-        if self.config.partial_rollout:
-            self._buffer = extra + unfinished
-            return {"partial_tokens_kept": kept, "samples_aborted": aborted, "tokens_discarded": 0}
-        self._buffer = extra
-        return {"partial_tokens_kept": 0, "samples_aborted": aborted, "tokens_discarded": kept}
+  def _carry_over(self, extra: list[Group], unfinished: list[Group]) -> dict[str, int]:
+    kept = sum(len(s.output_ids) for g in unfinished for s in g.samples)
+    aborted = sum(1 for g in unfinished for s in g.samples if not s.done and s.output_ids)
+    if self.config.partial_rollout:
+      self._buffer = extra + unfinished
+      return {"partial_tokens_kept": kept, "samples_aborted": aborted, "tokens_discarded": 0}
+    self._buffer = extra
+    return {"partial_tokens_kept": 0, "samples_aborted": aborted, "tokens_discarded": kept}
 
 
 def _checked_rewards(fn: GroupRewardFn, prompt: Prompt, completions) -> list:
-    results = list(fn(prompt, completions))
-    if len(results) != len(completions):
-        raise ValueError(f"reward for prompt {prompt.prompt_id} ({prompt.task}) returned {len(results)} "
-                         f"results for {len(completions)} completions")
-    return results
+  results = list(fn(prompt, completions))
+  if len(results) != len(completions):
+    raise ValueError(
+      f"reward for prompt {prompt.prompt_id} ({prompt.task}) returned {len(results)} "
+      f"results for {len(completions)} completions"
+    )
+  return results

@@ -19,6 +19,7 @@ Positions: token t of row b sits at `positions[b, t]`; its latent/rope key are w
 attends to cache slots s <= positions[b, t]. Padding tokens get position T (out of range): their
 writes are dropped (`mode="drop"`) and their outputs ignored, so no row is ever polluted.
 """
+
 from __future__ import annotations
 
 import jax
@@ -31,16 +32,21 @@ from k2jax.model.config import K2Config
 from k2jax.model.mla import _NEG, MLA
 from k2jax.model.transformer import K2Model
 
-STACKS = ("dense_layers", "moe_layers")   # layer order: dense first, then MoE (as the model runs them)
+STACKS = ("dense_layers", "moe_layers")  # layer order: dense first, then MoE (as the model runs them)
 
 
 def init_cache(cfg: K2Config, num_rows: int, max_len: int) -> dict:
   """Zeroed cache {stack: {"latent": [L,N,T,Rkv], "rope": [L,N,T,Kr]}} in the compute dtype."""
   dt = jnp.dtype(cfg.compute_dtype)
   sizes = {"dense_layers": cfg.num_dense_layers, "moe_layers": cfg.num_moe_layers}
-  return {name: {"latent": jnp.zeros((n, num_rows, max_len, cfg.kv_lora_rank), dt),
-                 "rope": jnp.zeros((n, num_rows, max_len, cfg.qk_rope_head_dim), dt)}
-          for name, n in sizes.items() if n}
+  return {
+    name: {
+      "latent": jnp.zeros((n, num_rows, max_len, cfg.kv_lora_rank), dt),
+      "rope": jnp.zeros((n, num_rows, max_len, cfg.qk_rope_head_dim), dt),
+    }
+    for name, n in sizes.items()
+    if n
+  }
 
 
 def forward_cached(model: K2Model, cache: dict, tokens_BT, positions_BT, last_index_B):
@@ -84,11 +90,11 @@ def _run_stack(stack: Block, x_BTD, cache_stack: dict, side):
   return x_BTD, {"latent": latent, "rope": rope}
 
 
-def _layer(layer: Block, x_BTD, latent_BSR, rope_BSK, cos_BTk, sin_BTk, positions_BT, valid_BTS,
-           token_valid_BT):
+def _layer(layer: Block, x_BTD, latent_BSR, rope_BSK, cos_BTk, sin_BTk, positions_BT, valid_BTS, token_valid_BT):
   """`Block.__call__` with the cached attention step in place of MLA's full attention."""
-  h_BTD, latent_BSR, rope_BSK = mla_cached(layer.attn, layer.attn_norm(x_BTD), latent_BSR, rope_BSK,
-                                           cos_BTk, sin_BTk, positions_BT, valid_BTS)
+  h_BTD, latent_BSR, rope_BSK = mla_cached(
+    layer.attn, layer.attn_norm(x_BTD), latent_BSR, rope_BSK, cos_BTk, sin_BTk, positions_BT, valid_BTS
+  )
   x_BTD = x_BTD + h_BTD
   if hasattr(layer, "moe"):
     h_BTD, _ = layer.moe(layer.mlp_norm(x_BTD), token_valid_BT)
@@ -110,10 +116,10 @@ def mla_cached(attn: MLA, x_BTD, latent_BSR, rope_BSK, cos_BTk, sin_BTk, positio
   w_kv_b_RHK = attn.w_kv_b[...].astype(dt).reshape(Rkv, H, Kn + V)
   w_uk_RHK, w_uv_RHV = w_kv_b_RHK[..., :Kn], w_kv_b_RHK[..., Kn:]
   q_lat_BTHR = jnp.einsum("bthk,rhk->bthr", q_nope_BTHK, w_uk_RHK)
-  logits_BHTS = (jnp.einsum("bthr,bsr->bhts", q_lat_BTHR, latent_BSR.astype(dt),
-                            preferred_element_type=jnp.float32)
-                 + jnp.einsum("bthk,bsk->bhts", q_rope_BTHK, rope_BSK.astype(dt),
-                              preferred_element_type=jnp.float32)) * attn.scale
+  logits_BHTS = (
+    jnp.einsum("bthr,bsr->bhts", q_lat_BTHR, latent_BSR.astype(dt), preferred_element_type=jnp.float32)
+    + jnp.einsum("bthk,bsk->bhts", q_rope_BTHK, rope_BSK.astype(dt), preferred_element_type=jnp.float32)
+  ) * attn.scale
   probs_BHTS = jax.nn.softmax(jnp.where(valid_BTS[:, None], logits_BHTS, _NEG), axis=-1)
   o_lat_BTHR = jnp.einsum("bhts,bsr->bthr", probs_BHTS.astype(dt), latent_BSR.astype(dt))
   out_BTHV = jnp.einsum("bthr,rhv->bthv", o_lat_BTHR, w_uv_RHV)
@@ -123,7 +129,8 @@ def mla_cached(attn: MLA, x_BTD, latent_BSR, rope_BSK, cos_BTk, sin_BTk, positio
 def _write_rows(cache_BSX, new_BTX, positions_BT):
   """cache[b, positions[b, t]] = new[b, t]; out-of-range positions (padding) are dropped."""
   return jax.vmap(lambda row_SX, new_TX, pos_T: row_SX.at[pos_T].set(new_TX, mode="drop"))(
-      cache_BSX, new_BTX, positions_BT)
+    cache_BSX, new_BTX, positions_BT
+  )
 
 
 def read_row(cache: dict, row) -> dict:
@@ -133,5 +140,6 @@ def read_row(cache: dict, row) -> dict:
 
 def write_row(cache: dict, row_value: dict, row) -> dict:
   """`cache` with row `row` replaced by `row_value` (the inverse of `read_row`)."""
-  return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), row, axis=1),
-                      cache, row_value)
+  return jax.tree.map(
+    lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), row, axis=1), cache, row_value
+  )

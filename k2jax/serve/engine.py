@@ -9,6 +9,7 @@ One scheduler thread owns the model and the cache. Callers (HTTP handler threads
   4. runs one decode step over all slots and appends one token to each running request.
 Requests therefore join and leave between decode steps, while the decode step keeps one shape.
 """
+
 from __future__ import annotations
 
 import collections
@@ -38,23 +39,23 @@ class InvalidRequest(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  max_slots: int = 8                # requests decoded together (the decode batch)
-  max_seq_len: int = 2048           # prompt + generated tokens per request (cache row length)
-  min_prefill_bucket: int = 16      # prefill lengths are padded to min_bucket * 2^i
-  prefix_cache_entries: int = 16    # finished sequences kept for prefix reuse (0 disables)
-  num_top_logprobs: int = 8         # most top logprobs a request may ask for
+  max_slots: int = 8  # requests decoded together (the decode batch)
+  max_seq_len: int = 2048  # prompt + generated tokens per request (cache row length)
+  min_prefill_bucket: int = 16  # prefill lengths are padded to min_bucket * 2^i
+  prefix_cache_entries: int = 16  # finished sequences kept for prefix reuse (0 disables)
+  num_top_logprobs: int = 8  # most top logprobs a request may ask for
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingOptions:
   max_new_tokens: int = 128
-  temperature: float = 1.0          # 0 = greedy
+  temperature: float = 1.0  # 0 = greedy
   top_p: float = 1.0
-  top_k: int = -1                   # <= 0: no limit
+  top_k: int = -1  # <= 0: no limit
   stop: tuple[str, ...] = ()
   stop_token_ids: tuple[int, ...] = ()
   ignore_eos: bool = False
-  seed: int | None = None           # None: a fresh random seed
+  seed: int | None = None  # None: a fresh random seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Request:
 @dataclasses.dataclass
 class Completion:
   """A finished request. `finish` is SGLang's finish_reason dict ({type: stop|length|abort, ...})."""
+
   rid: str
   prompt_tokens: int
   output_ids: list[int]
@@ -83,7 +85,7 @@ class _Live:
   request: Request
   seed: int
   t0: float
-  fed: list[int] = dataclasses.field(default_factory=list)   # tokens whose keys are in the slot's row
+  fed: list[int] = dataclasses.field(default_factory=list)  # tokens whose keys are in the slot's row
   out: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   tops: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
@@ -96,15 +98,26 @@ class _Live:
 class InferenceEngine:
   """Serves one K2 model. Thread-safe: `submit`/`generate`/`abort`/`update_weights` from any thread."""
 
-  def __init__(self, model: K2Model, config: EngineConfig = EngineConfig(), *,
-               eos_token_ids: Sequence[int] = (), detokenize: Callable[[list[int]], str] | None = None):
+  def __init__(
+    self,
+    model: K2Model,
+    config: EngineConfig = EngineConfig(),
+    *,
+    eos_token_ids: Sequence[int] = (),
+    detokenize: Callable[[list[int]], str] | None = None,
+  ):
     max_len = min(config.max_seq_len, model.cfg.max_position_embeddings)
     self.config = dataclasses.replace(config, max_seq_len=max_len)
     self.cfg = model.cfg
     self.eos_token_ids = tuple(eos_token_ids)
     self._detokenize = detokenize
-    self._runner = ModelRunner(model, num_slots=config.max_slots, max_len=max_len,
-                               num_top=config.num_top_logprobs, min_bucket=config.min_prefill_bucket)
+    self._runner = ModelRunner(
+      model,
+      num_slots=config.max_slots,
+      max_len=max_len,
+      num_top=config.num_top_logprobs,
+      min_bucket=config.min_prefill_bucket,
+    )
     self._prefix = PrefixCache(config.prefix_cache_entries)
     self._cv = threading.Condition()
     self._waiting: collections.deque[_Live] = collections.deque()
@@ -160,12 +173,14 @@ class InferenceEngine:
     Running requests continue on the new weights (SGLang's default; RL records versions per request).
     The prefix cache holds keys computed by the old weights, so it is flushed unless asked otherwise.
     """
+
     def swap():
       self._runner.set_model(model)
       if flush_cache:
         self._prefix.clear()
       self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
       return self.weight_version
+
     return self._run_op(swap)
 
   def flush_cache(self) -> None:
@@ -216,7 +231,7 @@ class InferenceEngine:
   def _prefill(self, slot: int, live: _Live) -> None:
     tokens = list(live.request.input_ids)
     common, row = self._prefix.lookup(tokens)
-    reuse = min(common, len(tokens) - 1)   # at least one token must run to produce logits
+    reuse = min(common, len(tokens) - 1)  # at least one token must run to produce logits
     if reuse > 0:
       self._runner.write_row(slot, row)
     live.cached, live.fed = reuse, tokens
@@ -236,10 +251,14 @@ class InferenceEngine:
         self._emit(i, live, out, i)
 
   def _sampling(self, lives: Sequence[_Live | None]):
-    params = [(l.request.sampling, l.seed, len(l.out)) if l is not None else (SamplingOptions(), 0, 0)
-              for l in lives]
-    return sampling_arrays([p[0].temperature for p in params], [p[0].top_p for p in params],
-                           [p[0].top_k for p in params], [p[1] for p in params], [p[2] for p in params])
+    params = [(l.request.sampling, l.seed, len(l.out)) if l is not None else (SamplingOptions(), 0, 0) for l in lives]
+    return sampling_arrays(
+      [p[0].temperature for p in params],
+      [p[0].top_p for p in params],
+      [p[0].top_k for p in params],
+      [p[1] for p in params],
+      [p[2] for p in params],
+    )
 
   def _emit(self, slot: int, live: _Live, out, i: int) -> None:
     """Appends row i's sampled token to `live`; finishes the request when a stop condition holds."""
@@ -281,9 +300,16 @@ class InferenceEngine:
     """Publishes the result (caller holds the lock)."""
     req = live.request
     live.completion = Completion(
-        rid=req.rid, prompt_tokens=len(req.input_ids), output_ids=list(live.out),
-        logprobs=list(live.logprobs), top_logprobs=list(live.tops), finish=finish, cached_tokens=live.cached,
-        weight_version=self.weight_version, latency_s=time.monotonic() - live.t0)
+      rid=req.rid,
+      prompt_tokens=len(req.input_ids),
+      output_ids=list(live.out),
+      logprobs=list(live.logprobs),
+      top_logprobs=list(live.tops),
+      finish=finish,
+      cached_tokens=live.cached,
+      weight_version=self.weight_version,
+      latency_s=time.monotonic() - live.t0,
+    )
     self._by_rid.pop(req.rid, None)
     live.done.set()
 
@@ -326,12 +352,16 @@ class InferenceEngine:
     if bad:
       raise InvalidRequest("input_ids", f"token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
     if len(ids) >= max_len:
-      raise InvalidRequest("input_ids", f"prompt of {len(ids)} tokens is too long: the maximum sequence "
-                           f"length is {max_len} tokens (prompt + new tokens)")
+      raise InvalidRequest(
+        "input_ids",
+        f"prompt of {len(ids)} tokens is too long: the maximum sequence "
+        f"length is {max_len} tokens (prompt + new tokens)",
+      )
     if len(ids) + s.max_new_tokens > max_len:
-      raise InvalidRequest("sampling_params.max_new_tokens",
-                           f"{len(ids)} prompt tokens + max_new_tokens {s.max_new_tokens} exceed the maximum "
-                           f"sequence length {max_len}")
+      raise InvalidRequest(
+        "sampling_params.max_new_tokens",
+        f"{len(ids)} prompt tokens + max_new_tokens {s.max_new_tokens} exceed the maximum sequence length {max_len}",
+      )
     if s.max_new_tokens < 0:
       raise InvalidRequest("sampling_params.max_new_tokens", f"must be >= 0, got {s.max_new_tokens}")
     if s.stop and self._detokenize is None:

@@ -6,6 +6,7 @@ first) and generations are parsed back with the same module's `parse_assistant`,
 "tool_calls"` (what SGLang's `kimi_k2` tool-call parser returns). SGLang's extra request fields
 `top_k`, `stop_token_ids`, `ignore_eos`, `rid` work here too.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,11 +18,35 @@ from k2jax.data.tokenizer import Tokenizer
 from k2jax.serve import protocol
 from k2jax.serve.engine import Completion, InferenceEngine, InvalidRequest, Request, SamplingOptions
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
-           "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "stop_token_ids",
-           "ignore_eos", "rid", "stream_options"}
-_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "stream": False,
-            "echo": False, "suffix": None, "best_of": 1, "stream_options": None}
+_COMMON = {
+  "model",
+  "max_tokens",
+  "temperature",
+  "top_p",
+  "n",
+  "stop",
+  "seed",
+  "stream",
+  "user",
+  "presence_penalty",
+  "frequency_penalty",
+  "logit_bias",
+  "top_k",
+  "stop_token_ids",
+  "ignore_eos",
+  "rid",
+  "stream_options",
+}
+_NEUTRAL = {
+  "presence_penalty": 0,
+  "frequency_penalty": 0,
+  "logit_bias": None,
+  "stream": False,
+  "echo": False,
+  "suffix": None,
+  "best_of": 1,
+  "stream_options": None,
+}
 
 
 def completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, model_name: str) -> dict:
@@ -32,16 +57,23 @@ def completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, model
   results = _run(engine, prompts, _sampling(body, 16, "max_tokens"), body)
   choices = []
   for i, c in enumerate(results):
-    choice = {"index": i, "text": protocol.output_text(c, opts, tok) if tok else "",
-              "logprobs": _completion_logprobs(c, nlp, tok) if nlp is not None else None,
-              "finish_reason": c.finish["type"], "matched_stop": c.finish.get("matched")}
+    choice = {
+      "index": i,
+      "text": protocol.output_text(c, opts, tok) if tok else "",
+      "logprobs": _completion_logprobs(c, nlp, tok) if nlp is not None else None,
+      "finish_reason": c.finish["type"],
+      "matched_stop": c.finish.get("matched"),
+    }
     choices.append(choice)
   return _envelope("cmpl", "text_completion", model_name, choices, results, sum(map(len, prompts)))
 
 
 def chat_completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, model_name: str) -> dict:
-  _check_keys(body, _COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls", "logprobs",
-                               "top_logprobs", "max_completion_tokens"})
+  _check_keys(
+    body,
+    _COMMON
+    | {"messages", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs", "max_completion_tokens"},
+  )
   if tok is None:
     raise InvalidRequest("messages", "chat needs a tokenizer; this server has none")
   tools = body.get("tools")
@@ -59,16 +91,22 @@ def chat_completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, 
   choices = []
   for i, c in enumerate(results):
     message, finish = _assistant_message(c, tok, parse_tools=bool(tools) and choice_mode == "auto")
-    choices.append({"index": i, "message": message, "finish_reason": finish,
-                    "matched_stop": c.finish.get("matched"),
-                    "logprobs": {"content": _chat_logprobs(c, top, tok)} if want_lp else None})
+    choices.append(
+      {
+        "index": i,
+        "message": message,
+        "finish_reason": finish,
+        "matched_stop": c.finish.get("matched"),
+        "logprobs": {"content": _chat_logprobs(c, top, tok)} if want_lp else None,
+      }
+    )
   return _envelope("chatcmpl", "chat.completion", model_name, choices, results, len(ids))
 
 
 def _assistant_message(c: Completion, tok: Tokenizer, parse_tools: bool) -> tuple[dict, str]:
   ids = list(c.output_ids)
   if isinstance(c.finish.get("matched"), int) and ids and ids[-1] == c.finish["matched"]:
-    ids = ids[:-1]   # the stop token (<|im_end|>, [EOS]) is not part of the message
+    ids = ids[:-1]  # the stop token (<|im_end|>, [EOS]) is not part of the message
   parsed = chat.parse_assistant(ids, tokenizer=tok)
   text = protocol.output_text(c, protocol.TextOptions(), tok) if not parse_tools else parsed["content"]
   message = {"role": "assistant", "content": text}
@@ -82,18 +120,18 @@ def _assistant_message(c: Completion, tok: Tokenizer, parse_tools: bool) -> tupl
 
 def _sampling(body: dict, default_max: int, max_key: str) -> SamplingOptions:
   return SamplingOptions(
-      max_new_tokens=protocol.get_int(body, max_key, default_max, lo=0),
-      temperature=protocol.get_float(body, "temperature", 1.0, lo=0.0, field="temperature"),
-      top_p=protocol.get_float(body, "top_p", 1.0, lo=0.0, lo_open=True, hi=1.0, field="top_p"),
-      top_k=protocol.get_int(body, "top_k", -1),
-      stop=tuple(protocol.str_list(body.get("stop"), "stop")),
-      stop_token_ids=tuple(protocol.int_list(body.get("stop_token_ids"), "stop_token_ids")),
-      ignore_eos=protocol.get_bool(body, "ignore_eos", False),
-      seed=protocol.get_int(body, "seed", None))
+    max_new_tokens=protocol.get_int(body, max_key, default_max, lo=0),
+    temperature=protocol.get_float(body, "temperature", 1.0, lo=0.0, field="temperature"),
+    top_p=protocol.get_float(body, "top_p", 1.0, lo=0.0, lo_open=True, hi=1.0, field="top_p"),
+    top_k=protocol.get_int(body, "top_k", -1),
+    stop=tuple(protocol.str_list(body.get("stop"), "stop")),
+    stop_token_ids=tuple(protocol.int_list(body.get("stop_token_ids"), "stop_token_ids")),
+    ignore_eos=protocol.get_bool(body, "ignore_eos", False),
+    seed=protocol.get_int(body, "seed", None),
+  )
 
 
-def _run(engine: InferenceEngine, prompts: list[list[int]], sampling: SamplingOptions, body: dict
-         ) -> list[Completion]:
+def _run(engine: InferenceEngine, prompts: list[list[int]], sampling: SamplingOptions, body: dict) -> list[Completion]:
   """Submits n samples per prompt (seeds seed, seed+1, ... when a seed is given) and waits for all."""
   n = protocol.get_int(body, "n", 1, lo=1, hi=engine.config.max_slots * 4)
   base = body.get("rid")
@@ -139,28 +177,43 @@ def _completion_logprobs(c: Completion, n: int, tok: Tokenizer | None) -> dict:
   for t in tokens:
     offsets.append(pos)
     pos += len(t)
-  return {"tokens": tokens, "token_logprobs": list(c.logprobs), "text_offset": offsets,
-          "top_logprobs": [{name(t): lp for t, lp in top[:n]} for top in c.top_logprobs]}
+  return {
+    "tokens": tokens,
+    "token_logprobs": list(c.logprobs),
+    "text_offset": offsets,
+    "top_logprobs": [{name(t): lp for t, lp in top[:n]} for top in c.top_logprobs],
+  }
 
 
 def _chat_logprobs(c: Completion, n: int, tok: Tokenizer) -> list[dict]:
   def entry(t: int, lp: float) -> dict:
     text = tok.token_name(t)
     return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": lp}
-  return [{**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tt, tlp in top[:n]]}
-          for t, lp, top in zip(c.output_ids, c.logprobs, c.top_logprobs)]
+
+  return [
+    {**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tt, tlp in top[:n]]}
+    for t, lp, top in zip(c.output_ids, c.logprobs, c.top_logprobs)
+  ]
 
 
 def _namer(tok: Tokenizer | None) -> Callable[[int], str]:
   return tok.token_name if tok is not None else (lambda t: f"<|token_{t}|>")
 
 
-def _envelope(prefix: str, obj: str, model: str, choices: list, results: list[Completion],
-              prompt_tokens: int) -> dict:
+def _envelope(prefix: str, obj: str, model: str, choices: list, results: list[Completion], prompt_tokens: int) -> dict:
   completion_tokens = sum(len(c.output_ids) for c in results)
-  return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()), "model": model,
-          "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                        "total_tokens": prompt_tokens + completion_tokens}}
+  return {
+    "id": f"{prefix}-{uuid.uuid4().hex}",
+    "object": obj,
+    "created": int(time.time()),
+    "model": model,
+    "choices": choices,
+    "usage": {
+      "prompt_tokens": prompt_tokens,
+      "completion_tokens": completion_tokens,
+      "total_tokens": prompt_tokens + completion_tokens,
+    },
+  }
 
 
 def _check_keys(body: Any, known: set[str]) -> None:

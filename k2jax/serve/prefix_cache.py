@@ -8,6 +8,7 @@ common prefix hold exactly what this request would have computed).
 A linear scan over a handful of entries is enough here (SGLang's radix tree pays off with thousands
 of cached sequences and shared pages; each entry here is one whole cache row).
 """
+
 from __future__ import annotations
 
 import collections
@@ -33,7 +34,7 @@ class PrefixCache:
     if self.capacity == 0 or not tokens:
       return
     key = tuple(int(t) for t in tokens)
-    for old in [k for k in self._entries if len(k) <= len(key) and key[:len(k)] == k]:
+    for old in [k for k in self._entries if len(k) <= len(key) and key[: len(k)] == k]:
       del self._entries[old]
     self._entries[key] = row
     while len(self._entries) > self.capacity:

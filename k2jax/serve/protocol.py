@@ -4,6 +4,7 @@ Every malformed field raises `InvalidRequest(field, problem)`, which the HTTP la
 Sampling parameters the engine does not implement (penalties, grammars, logit processors) are
 accepted only at their neutral values, so a request never silently gets a different sampler.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,21 +15,50 @@ from k2jax.data.tokenizer import Tokenizer
 from k2jax.serve.engine import Completion, InvalidRequest, Request, SamplingOptions
 
 # sampling_params keys accepted only at the given neutral value.
-_NEUTRAL_SAMPLING = {"min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                     "repetition_penalty": 1.0, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
-                     "structural_tag": None, "logit_bias": None, "custom_params": None, "stop_regex": None}
+_NEUTRAL_SAMPLING = {
+  "min_new_tokens": 0,
+  "min_p": 0.0,
+  "frequency_penalty": 0.0,
+  "presence_penalty": 0.0,
+  "repetition_penalty": 1.0,
+  "n": 1,
+  "json_schema": None,
+  "regex": None,
+  "ebnf": None,
+  "structural_tag": None,
+  "logit_bias": None,
+  "custom_params": None,
+  "stop_regex": None,
+}
 _IGNORED_SAMPLING = ("spaces_between_special_tokens", "stream_interval")
 # top-level /generate keys accepted only when falsy.
-_FALSY_ONLY = ("stream", "return_hidden_states", "return_routed_experts", "return_entropy", "lora_path",
-               "custom_logit_processor", "image_data", "video_data", "audio_data", "input_embeds",
-               "token_ids_logprob")
-_IGNORED_TOP = ("extra_key", "priority", "routed_dp_rank", "data_parallel_rank", "return_prompt_token_ids",
-                "logprob_start_len")
+_FALSY_ONLY = (
+  "stream",
+  "return_hidden_states",
+  "return_routed_experts",
+  "return_entropy",
+  "lora_path",
+  "custom_logit_processor",
+  "image_data",
+  "video_data",
+  "audio_data",
+  "input_embeds",
+  "token_ids_logprob",
+)
+_IGNORED_TOP = (
+  "extra_key",
+  "priority",
+  "routed_dp_rank",
+  "data_parallel_rank",
+  "return_prompt_token_ids",
+  "logprob_start_len",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class TextOptions:
   """How a request wants its outputs rendered (not part of sampling)."""
+
   return_logprob: bool = False
   top_logprobs_num: int = 0
   return_text_in_logprobs: bool = False
@@ -47,8 +77,17 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, max_top: int) -> Gene
   """A `/generate` body -> engine requests (one, or several for a batch)."""
   if not isinstance(body, dict):
     raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
-  known = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "top_logprobs_num",
-           "return_text_in_logprobs", *_FALSY_ONLY, *_IGNORED_TOP}
+  known = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    *_FALSY_ONLY,
+    *_IGNORED_TOP,
+  }
   for key in body:
     if key not in known:
       raise InvalidRequest(key, "unknown or unsupported /generate field")
@@ -70,50 +109,77 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, max_top: int) -> Gene
     field = "sampling_params" if not isinstance(body.get("sampling_params"), list) else f"sampling_params[{i}]"
     sampling, text_opts = parse_sampling(sp, field, tokenizer)
     requests.append(Request(rid=rid, input_ids=tuple(ids), sampling=sampling))
-    options.append(dataclasses.replace(
-        text_opts, return_logprob=get_bool(body, "return_logprob", False),
+    options.append(
+      dataclasses.replace(
+        text_opts,
+        return_logprob=get_bool(body, "return_logprob", False),
         top_logprobs_num=get_int(body, "top_logprobs_num", 0, lo=0, hi=max_top),
-        return_text_in_logprobs=get_bool(body, "return_text_in_logprobs", False)))
+        return_text_in_logprobs=get_bool(body, "return_text_in_logprobs", False),
+      )
+    )
   return GenerateCall(requests, options, batch)
 
 
 def parse_sampling(sp: Any, field: str, tokenizer: Tokenizer | None) -> tuple[SamplingOptions, TextOptions]:
   if not isinstance(sp, dict):
     raise InvalidRequest(field, f"must be an object, got {type(sp).__name__}")
-  known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
-           "sampling_seed", "skip_special_tokens", "no_stop_trim", *_NEUTRAL_SAMPLING, *_IGNORED_SAMPLING}
+  known = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "sampling_seed",
+    "skip_special_tokens",
+    "no_stop_trim",
+    *_NEUTRAL_SAMPLING,
+    *_IGNORED_SAMPLING,
+  }
   for key, value in sp.items():
     if key not in known:
       raise InvalidRequest(f"{field}.{key}", "unknown sampling parameter")
     if key in _NEUTRAL_SAMPLING and value is not None and value != _NEUTRAL_SAMPLING[key]:
-      raise InvalidRequest(f"{field}.{key}", f"not supported by the k2jax engine (only "
-                           f"{_NEUTRAL_SAMPLING[key]!r}), got {value!r}")
+      raise InvalidRequest(
+        f"{field}.{key}", f"not supported by the k2jax engine (only {_NEUTRAL_SAMPLING[key]!r}), got {value!r}"
+      )
   f = lambda k: f"{field}.{k}"  # noqa: E731
   sampling = SamplingOptions(
-      max_new_tokens=get_int(sp, "max_new_tokens", 128, lo=0, field=f("max_new_tokens")),
-      temperature=get_float(sp, "temperature", 1.0, lo=0.0, field=f("temperature")),
-      top_p=get_float(sp, "top_p", 1.0, lo=0.0, field=f("top_p"), lo_open=True, hi=1.0),
-      top_k=get_int(sp, "top_k", -1, field=f("top_k")),
-      stop=tuple(str_list(sp.get("stop"), f("stop"))),
-      stop_token_ids=tuple(int_list(sp.get("stop_token_ids"), f("stop_token_ids"))),
-      ignore_eos=get_bool(sp, "ignore_eos", False, field=f("ignore_eos")),
-      seed=get_int(sp, "sampling_seed", None, field=f("sampling_seed")))
-  text = TextOptions(skip_special_tokens=get_bool(sp, "skip_special_tokens", True, field=f("skip_special_tokens")),
-                     no_stop_trim=get_bool(sp, "no_stop_trim", False, field=f("no_stop_trim")))
+    max_new_tokens=get_int(sp, "max_new_tokens", 128, lo=0, field=f("max_new_tokens")),
+    temperature=get_float(sp, "temperature", 1.0, lo=0.0, field=f("temperature")),
+    top_p=get_float(sp, "top_p", 1.0, lo=0.0, field=f("top_p"), lo_open=True, hi=1.0),
+    top_k=get_int(sp, "top_k", -1, field=f("top_k")),
+    stop=tuple(str_list(sp.get("stop"), f("stop"))),
+    stop_token_ids=tuple(int_list(sp.get("stop_token_ids"), f("stop_token_ids"))),
+    ignore_eos=get_bool(sp, "ignore_eos", False, field=f("ignore_eos")),
+    seed=get_int(sp, "sampling_seed", None, field=f("sampling_seed")),
+  )
+  text = TextOptions(
+    skip_special_tokens=get_bool(sp, "skip_special_tokens", True, field=f("skip_special_tokens")),
+    no_stop_trim=get_bool(sp, "no_stop_trim", False, field=f("no_stop_trim")),
+  )
   return sampling, text
 
 
 def generate_response(c: Completion, opts: TextOptions, tokenizer: Tokenizer | None) -> dict:
   """SGLang's non-streaming `/generate` answer for one request."""
-  meta = {"id": c.rid, "finish_reason": c.finish, "prompt_tokens": c.prompt_tokens,
-          "completion_tokens": len(c.output_ids), "cached_tokens": c.cached_tokens,
-          "weight_version": str(c.weight_version), "e2e_latency": c.latency_s}
+  meta = {
+    "id": c.rid,
+    "finish_reason": c.finish,
+    "prompt_tokens": c.prompt_tokens,
+    "completion_tokens": len(c.output_ids),
+    "cached_tokens": c.cached_tokens,
+    "weight_version": str(c.weight_version),
+    "e2e_latency": c.latency_s,
+  }
   piece = (lambda t: tokenizer.token_name(t)) if (tokenizer and opts.return_text_in_logprobs) else (lambda t: None)
   if opts.return_logprob:
     meta["output_token_logprobs"] = [[lp, t, piece(t)] for lp, t in zip(c.logprobs, c.output_ids)]
     if opts.top_logprobs_num:
-      meta["output_top_logprobs"] = [[[lp, t, piece(t)] for t, lp in top[:opts.top_logprobs_num]]
-                                     for top in c.top_logprobs]
+      meta["output_top_logprobs"] = [
+        [[lp, t, piece(t)] for t, lp in top[: opts.top_logprobs_num]] for top in c.top_logprobs
+      ]
   out = {"output_ids": list(c.output_ids), "meta_info": meta}
   if tokenizer is not None:
     out["text"] = output_text(c, opts, tokenizer)
@@ -130,7 +196,7 @@ def output_text(c: Completion, opts: TextOptions, tokenizer: Tokenizer) -> str:
     ids = [t for t in ids if t < tokenizer.num_base_tokens]
   text = tokenizer.decode(ids)
   if not opts.no_stop_trim and isinstance(matched, str) and matched in text:
-    text = text[:text.index(matched)]
+    text = text[: text.index(matched)]
   return text
 
 
@@ -178,8 +244,7 @@ def get_bool(d: dict, key: str, default: bool, field: str | None = None) -> bool
   return v
 
 
-def get_int(d: dict, key: str, default, *, lo: int | None = None, hi: int | None = None,
-         field: str | None = None):
+def get_int(d: dict, key: str, default, *, lo: int | None = None, hi: int | None = None, field: str | None = None):
   v = d.get(key, default)
   if v is None:
     return default
@@ -190,16 +255,18 @@ def get_int(d: dict, key: str, default, *, lo: int | None = None, hi: int | None
   return v
 
 
-def get_float(d: dict, key: str, default: float, *, lo: float, field: str, hi: float | None = None,
-           lo_open: bool = False) -> float:
+def get_float(
+  d: dict, key: str, default: float, *, lo: float, field: str, hi: float | None = None, lo_open: bool = False
+) -> float:
   v = d.get(key, default)
   if v is None:
     return default
   if isinstance(v, bool) or not isinstance(v, (int, float)):
     raise InvalidRequest(field, f"must be a number, got {v!r}")
   if v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
-    raise InvalidRequest(field, f"must be in {'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}], "
-                         f"got {v}")
+    raise InvalidRequest(
+      field, f"must be in {'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}], got {v}"
+    )
   return float(v)
 
 

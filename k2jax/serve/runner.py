@@ -5,6 +5,7 @@ always runs all slots (free slots carry position max_len, so they write nothing)
 tokens to a power-of-two bucket (>= min_bucket), one compile per bucket used. The cache is donated to
 every step, so XLA updates it in place.
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,9 +51,8 @@ class ModelRunner:
     want, got = _signature(self._state), _signature(state)
     for path in sorted(want.keys() | got.keys()):
       if want.get(path) != got.get(path):
-        raise ValueError(f"new weights do not fit the served model: {path} is {got.get(path)}, "
-                         f"served {want.get(path)}")
-    if graphdef != self._graphdef:   # e.g. a different routed_scaling_factor: same shapes, new program
+        raise ValueError(f"new weights do not fit the served model: {path} is {got.get(path)}, served {want.get(path)}")
+    if graphdef != self._graphdef:  # e.g. a different routed_scaling_factor: same shapes, new program
       self._graphdef = graphdef
       self._compile(graphdef)
     self._state = state
@@ -63,17 +63,23 @@ class ModelRunner:
     T = bucket_length(n, self.min_bucket, self.max_len)
     tokens_1T = np.zeros((1, T), np.int32)
     tokens_1T[0, :n] = tokens
-    positions_1T = np.full((1, T), self.max_len, np.int32)   # padding: out of range, write dropped
+    positions_1T = np.full((1, T), self.max_len, np.int32)  # padding: out of range, write dropped
     positions_1T[0, :n] = np.arange(start, start + n)
-    out, self.cache = self._prefill(self._state, self.cache, np.int32(slot), tokens_1T, positions_1T,
-                                    np.array([n - 1], np.int32), sampling)
+    out, self.cache = self._prefill(
+      self._state, self.cache, np.int32(slot), tokens_1T, positions_1T, np.array([n - 1], np.int32), sampling
+    )
     return jax.tree.map(np.asarray, out)
 
   def decode(self, tokens_N: np.ndarray, positions_N: np.ndarray, sampling: SamplingArrays) -> Sampled:
     """One token per slot at positions_N (max_len for free slots)."""
-    out, self.cache = self._decode(self._state, self.cache, tokens_N[:, None].astype(np.int32),
-                                   positions_N[:, None].astype(np.int32),
-                                   np.zeros((self.num_slots,), np.int32), sampling)
+    out, self.cache = self._decode(
+      self._state,
+      self.cache,
+      tokens_N[:, None].astype(np.int32),
+      positions_N[:, None].astype(np.int32),
+      np.zeros((self.num_slots,), np.int32),
+      sampling,
+    )
     return jax.tree.map(np.asarray, out)
 
   def read_row(self, slot: int) -> dict:
@@ -98,11 +104,17 @@ def _prefill(step, state, cache, slot, tokens_1T, positions_1T, last_index_1, sa
 
 def sampling_arrays(temperature, top_p, top_k, seed, step) -> SamplingArrays:
   """Host lists/arrays -> SamplingArrays with the dtypes the compiled steps expect."""
-  return SamplingArrays(np.asarray(temperature, np.float32), np.asarray(top_p, np.float32),
-                        np.asarray(top_k, np.int32), np.asarray(seed, np.uint32), np.asarray(step, np.int32))
-
+  return SamplingArrays(
+    np.asarray(temperature, np.float32),
+    np.asarray(top_p, np.float32),
+    np.asarray(top_k, np.int32),
+    np.asarray(seed, np.uint32),
+    np.asarray(step, np.int32),
+  )
 
 
 def _signature(state) -> dict[str, tuple]:
-  return {jax.tree_util.keystr(path): (tuple(leaf.shape), str(leaf.dtype))
-          for path, leaf in jax.tree_util.tree_leaves_with_path(state)}
+  return {
+    jax.tree_util.keystr(path): (tuple(leaf.shape), str(leaf.dtype))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+  }

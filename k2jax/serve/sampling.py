@@ -8,6 +8,7 @@ Randomness: row b draws with key fold_in(key(seed_b), step_b), where step_b coun
 tokens. A request's samples therefore depend only on its seed and its own logits, not on which other
 requests share the batch (continuous batching stays reproducible).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -18,17 +19,18 @@ import jax.numpy as jnp
 
 class SamplingArrays(NamedTuple):
   """Per-row sampling parameters, as device arrays [B]."""
-  temperature: jnp.ndarray   # float32; <= 0 means greedy
-  top_p: jnp.ndarray         # float32 in (0, 1]
-  top_k: jnp.ndarray         # int32; <= 0 means no limit
-  seed: jnp.ndarray          # uint32
-  step: jnp.ndarray          # int32: index of the token being sampled within its request
+
+  temperature: jnp.ndarray  # float32; <= 0 means greedy
+  top_p: jnp.ndarray  # float32 in (0, 1]
+  top_k: jnp.ndarray  # int32; <= 0 means no limit
+  seed: jnp.ndarray  # uint32
+  step: jnp.ndarray  # int32: index of the token being sampled within its request
 
 
 class Sampled(NamedTuple):
-  tokens: jnp.ndarray        # [B] int32
-  logprobs: jnp.ndarray      # [B] float32
-  top_ids: jnp.ndarray       # [B, N] int32: the N most likely tokens
+  tokens: jnp.ndarray  # [B] int32
+  logprobs: jnp.ndarray  # [B] float32
+  top_ids: jnp.ndarray  # [B, N] int32: the N most likely tokens
   top_logprobs: jnp.ndarray  # [B, N] float32
 
 

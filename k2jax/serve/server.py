@@ -4,6 +4,7 @@ Built on the standard library's `ThreadingHTTPServer`: every request gets a thre
 engine, which is exactly the engine's concurrency model, and k2jax then needs no web framework at run
 time. Errors in a request's content answer 400 with `{"error": {"message", "param"}}` naming the field.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,16 +34,28 @@ log = logging.getLogger(__name__)
 class Server:
   """Loads a model (HF dir or k2jax workdir), runs an `InferenceEngine` and answers HTTP on host:port."""
 
-  def __init__(self, model_path: str, *, engine_config: EngineConfig = EngineConfig(), host: str = "127.0.0.1",
-               port: int = 30000, tokenizer_path: str | None = "auto", served_model_name: str | None = None):
+  def __init__(
+    self,
+    model_path: str,
+    *,
+    engine_config: EngineConfig = EngineConfig(),
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    tokenizer_path: str | None = "auto",
+    served_model_name: str | None = None,
+  ):
     self.model_path = model_path
     model = k2jax.load(model_path)
     self.cfg: K2Config = model.cfg
     self._served_state = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))  # host copy, for deltas
     self.tokenizer = resolve_tokenizer(model_path, tokenizer_path, self.cfg.vocab_size)
     self.model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
-    self.engine = InferenceEngine(model, engine_config, eos_token_ids=eos_ids(self.cfg, self.tokenizer),
-                                  detokenize=self.tokenizer.decode if self.tokenizer else None)
+    self.engine = InferenceEngine(
+      model,
+      engine_config,
+      eos_token_ids=eos_ids(self.cfg, self.tokenizer),
+      detokenize=self.tokenizer.decode if self.tokenizer else None,
+    )
     self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
     self._httpd.daemon_threads = True
     self._thread: threading.Thread | None = None
@@ -69,13 +82,20 @@ class Server:
   # ---- routes: (method, path) -> handler(body) -> (status, payload) ---------------------------------
   def route(self, method: str, path: str, body: Any) -> tuple[int, Any]:
     routes = {
-        "generate": self.generate, "abort_request": self.abort_request,
-        "update_weights_from_disk": self.update_weights_from_disk, "flush_cache": self.flush_cache,
-        "health": self.health, "health_generate": self.health, "get_model_info": self.model_info,
-        "model_info": self.model_info, "v1/models": self.list_models,
-        "v1/completions": lambda b: (200, openai_api.completions(b, self.engine, self.tokenizer, self.model_name)),
-        "v1/chat/completions": lambda b: (200, openai_api.chat_completions(b, self.engine, self.tokenizer,
-                                                                            self.model_name)),
+      "generate": self.generate,
+      "abort_request": self.abort_request,
+      "update_weights_from_disk": self.update_weights_from_disk,
+      "flush_cache": self.flush_cache,
+      "health": self.health,
+      "health_generate": self.health,
+      "get_model_info": self.model_info,
+      "model_info": self.model_info,
+      "v1/models": self.list_models,
+      "v1/completions": lambda b: (200, openai_api.completions(b, self.engine, self.tokenizer, self.model_name)),
+      "v1/chat/completions": lambda b: (
+        200,
+        openai_api.chat_completions(b, self.engine, self.tokenizer, self.model_name),
+      ),
     }
     post_only = ("generate", "abort_request", "update_weights_from_disk", "v1/completions", "v1/chat/completions")
     if path not in routes:
@@ -121,13 +141,18 @@ class Server:
       self.engine.abort(abort_all=True)
     try:
       model = self._load_weights(path)
-      new = self.engine.update_weights(model, None if version is None else int(version),
-                                       flush_cache=protocol.get_bool(body, "flush_cache", True))
-    except (OSError, ValueError, KeyError) as e:   # missing files, bad config, shape mismatch
+      new = self.engine.update_weights(
+        model, None if version is None else int(version), flush_cache=protocol.get_bool(body, "flush_cache", True)
+      )
+    except (OSError, ValueError, KeyError) as e:  # missing files, bad config, shape mismatch
       return 400, {"success": False, "message": f"{path}: {e}", "num_paused_requests": 0}
     self.model_path = path
-    return 200, {"success": True, "message": f"loaded {path} as weight version {new}",
-                 "num_paused_requests": 0, "weight_version": str(new)}
+    return 200, {
+      "success": True,
+      "message": f"loaded {path} as weight version {new}",
+      "num_paused_requests": 0,
+      "weight_version": str(new),
+    }
 
   def _load_weights(self, path: str) -> K2Model:
     """A full model (HF dir or workdir), or a weight-sync delta overlaid on the served weights."""
@@ -150,21 +175,30 @@ class Server:
     """Like SGLang: a one-token generation when idle (proves the model runs), else just alive."""
     if self.engine.num_running():
       return 200, ""
-    done = self.engine.generate(Request(f"health-{uuid.uuid4().hex}", (0,),
-                                        SamplingOptions(max_new_tokens=1, temperature=0.0)))
+    done = self.engine.generate(
+      Request(f"health-{uuid.uuid4().hex}", (0,), SamplingOptions(max_new_tokens=1, temperature=0.0))
+    )
     ok = done.finish["type"] != "abort"
     return (200, "") if ok else (503, {"error": {"message": done.finish.get("message"), "code": 503}})
 
   def model_info(self, body: Any) -> tuple[int, Any]:
-    return 200, {"model_path": self.model_path, "tokenizer_path": self.tokenizer.path if self.tokenizer else None,
-                 "is_generation": True, "weight_version": str(self.engine.weight_version),
-                 "model_type": self.cfg.model_type, "architectures": list(self.cfg.architectures),
-                 "max_seq_len": self.engine.config.max_seq_len, "max_running_requests": self.engine.config.max_slots,
-                 "preferred_sampling_params": None}
+    return 200, {
+      "model_path": self.model_path,
+      "tokenizer_path": self.tokenizer.path if self.tokenizer else None,
+      "is_generation": True,
+      "weight_version": str(self.engine.weight_version),
+      "model_type": self.cfg.model_type,
+      "architectures": list(self.cfg.architectures),
+      "max_seq_len": self.engine.config.max_seq_len,
+      "max_running_requests": self.engine.config.max_slots,
+      "preferred_sampling_params": None,
+    }
 
   def list_models(self, body: Any) -> tuple[int, Any]:
-    return 200, {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "k2jax",
-                                             "root": self.model_path}]}
+    return 200, {
+      "object": "list",
+      "data": [{"id": self.model_name, "object": "model", "owned_by": "k2jax", "root": self.model_path}],
+    }
 
 
 def resolve_tokenizer(model_path: str, tokenizer_path: str | None, vocab_size: int) -> Tokenizer | None:
@@ -182,8 +216,9 @@ def resolve_tokenizer(model_path: str, tokenizer_path: str | None, vocab_size: i
       return None
   tok = load_tokenizer(tokenizer_path)
   if tok.vocab_size != vocab_size:
-    raise ValueError(f"tokenizer {tokenizer_path} has {tok.vocab_size} tokens but the model's vocab_size is "
-                     f"{vocab_size}")
+    raise ValueError(
+      f"tokenizer {tokenizer_path} has {tok.vocab_size} tokens but the model's vocab_size is {vocab_size}"
+    )
   return tok
 
 
@@ -197,6 +232,8 @@ def eos_ids(cfg: K2Config, tok: Tokenizer | None) -> tuple[int, ...]:
 
 def _make_handler(server: Server):
   return jsonhttp.make_handler(
-      server.route, bad_request=InvalidRequest, log=log,
-      bad_request_body=lambda e: {"error": {"message": str(e), "type": "BadRequestError", "param": e.field,
-                                            "code": 400}})
+    server.route,
+    bad_request=InvalidRequest,
+    log=log,
+    bad_request_body=lambda e: {"error": {"message": str(e), "type": "BadRequestError", "param": e.field, "code": 400}},
+  )

@@ -11,6 +11,7 @@ order lives in `restore_latest`: newest step first; a step that fails to read is
 moved to `W/checkpoints_corrupt/` and the next older one is tried. Arrays restore straight into the
 target shardings, so a checkpoint written on one mesh shape restores onto another.
 """
+
 from __future__ import annotations
 
 import glob
@@ -32,7 +33,7 @@ from k2jax.train.step import TrainState
 class Restored(NamedTuple):
   state: TrainState
   meta: dict
-  data_restored: bool     # False when the saved iterator was from a different process count
+  data_restored: bool  # False when the saved iterator was from a different process count
 
 
 class _FrozenIteratorState:
@@ -55,18 +56,19 @@ class Checkpointer:
     self.mgr = self._manager()
 
   def _manager(self) -> ocp.CheckpointManager:
-    opts = ocp.CheckpointManagerOptions(max_to_keep=self._keep, enable_async_checkpointing=self._async,
-                                        create=True)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=self._keep, enable_async_checkpointing=self._async, create=True)
     return ocp.CheckpointManager(self.directory, options=opts)
 
   def save(self, step: int, state: TrainState, data_iter, meta: dict) -> None:
     """Start saving `state` at `step` (returns once arrays are on host, unless async is off)."""
     args = ocp.args.Composite(
-        model=ocp.args.StandardSave(merge_dicts(state.params, state.bias)),
-        opt=ocp.args.StandardSave({"opt_state": state.opt_state, "step": state.step,
-                                   "skipped_steps": state.skipped_steps}),
-        data=grain.checkpoint.CheckpointSave(_FrozenIteratorState(data_iter)),
-        meta=ocp.args.JsonSave(meta))
+      model=ocp.args.StandardSave(merge_dicts(state.params, state.bias)),
+      opt=ocp.args.StandardSave(
+        {"opt_state": state.opt_state, "step": state.step, "skipped_steps": state.skipped_steps}
+      ),
+      data=grain.checkpoint.CheckpointSave(_FrozenIteratorState(data_iter)),
+      meta=ocp.args.JsonSave(meta),
+    )
     self.mgr.save(step, args=args, force=True)
 
   def reached_preemption(self, step: int) -> bool:
@@ -87,25 +89,30 @@ class Checkpointer:
       try:
         return self._restore(step, abstract, data_iter)
       except Exception as e:  # orbax/tensorstore raise many types for truncated or corrupt files.
-        logging.error("checkpoint %s is unreadable (%s: %s); falling back to the previous one",
-                      path, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        logging.error(
+          "checkpoint %s is unreadable (%s: %s); falling back to the previous one",
+          path,
+          type(e).__name__,
+          str(e).splitlines()[0] if str(e) else "",
+        )
         self._quarantine(step)
     return None
 
   def _restore(self, step: int, abstract: TrainState, data_iter) -> Restored:
     model_abs = merge_dicts(abstract.params, abstract.bias)
-    opt_abs = {"opt_state": abstract.opt_state, "step": abstract.step,
-               "skipped_steps": abstract.skipped_steps}
-    items = dict(model=ocp.args.StandardRestore(model_abs), opt=ocp.args.StandardRestore(opt_abs),
-                 meta=ocp.args.JsonRestore())
+    opt_abs = {"opt_state": abstract.opt_state, "step": abstract.step, "skipped_steps": abstract.skipped_steps}
+    items = dict(
+      model=ocp.args.StandardRestore(model_abs), opt=ocp.args.StandardRestore(opt_abs), meta=ocp.args.JsonRestore()
+    )
     data_ok = self._data_matches(step)
     if data_ok:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     out = self.mgr.restore(step, args=ocp.args.Composite(**items))
     params, bias = split_dict(out["model"], abstract.params)
     opt = out["opt"]
-    state = TrainState(step=opt["step"], params=params, bias=bias, opt_state=opt["opt_state"],
-                       skipped_steps=opt["skipped_steps"])
+    state = TrainState(
+      step=opt["step"], params=params, bias=bias, opt_state=opt["opt_state"], skipped_steps=opt["skipped_steps"]
+    )
     if int(state.step) != step:
       raise ValueError(f"opt.step={int(state.step)} does not match the directory step {step}")
     return Restored(state, dict(out["meta"]), data_ok)
@@ -117,9 +124,13 @@ class Checkpointer:
     if not files:
       raise FileNotFoundError(f"{os.path.join(self.directory, str(step), 'data')}: no iterator state")
     if counts != {jax.process_count()}:
-      logging.warning("checkpoint %s: data iterator saved by %s processes, this run has %d; the "
-                      "data pipeline restarts with a step-offset seed instead of resuming exactly",
-                      os.path.join(self.directory, str(step)), sorted(counts), jax.process_count())
+      logging.warning(
+        "checkpoint %s: data iterator saved by %s processes, this run has %d; the "
+        "data pipeline restarts with a step-offset seed instead of resuming exactly",
+        os.path.join(self.directory, str(step)),
+        sorted(counts),
+        jax.process_count(),
+      )
       return False
     return True
 
@@ -134,6 +145,7 @@ class Checkpointer:
       logging.error("moved unreadable checkpoint to %s", dst)
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
+
       multihost_utils.sync_global_devices(f"quarantine_{step}")
     self.mgr.close()
     self.mgr = self._manager()

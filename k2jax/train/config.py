@@ -4,6 +4,7 @@
 types, divisibility, schedule lengths); `check_runtime` checks the rest (mesh vs devices and hosts,
 data and tokenizer paths) before anything is compiled. Every error names the config key.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -95,11 +96,16 @@ def from_config_dict(c: config_dict.ConfigDict) -> TrainConfig:
   if extra:
     raise ConfigError(f"unknown config key(s) {extra}; known: {sorted(known)}")
   tc = TrainConfig(
-      model=model_config(c.model), steps=c.steps, seed=c.seed, topology=c.topology,
-      data=_section(DataSpec, c.data, "data"), optim=_section(OptimSpec, c.optim, "optim"),
-      mesh=_section(MeshSpec, c.mesh, "mesh"),
-      checkpoint=_section(CheckpointSpec, c.checkpoint, "checkpoint"),
-      log=_section(LogSpec, c.log, "log"))
+    model=model_config(c.model),
+    steps=c.steps,
+    seed=c.seed,
+    topology=c.topology,
+    data=_section(DataSpec, c.data, "data"),
+    optim=_section(OptimSpec, c.optim, "optim"),
+    mesh=_section(MeshSpec, c.mesh, "mesh"),
+    checkpoint=_section(CheckpointSpec, c.checkpoint, "checkpoint"),
+    log=_section(LogSpec, c.log, "log"),
+  )
   _validate(tc)
   return tc
 
@@ -125,8 +131,9 @@ def _section(cls, d: config_dict.ConfigDict, name: str):
   fields = {f.name: f for f in dataclasses.fields(cls)}
   keys = set(d.keys())
   if keys != set(fields):
-    raise ConfigError(f"{name}: unknown key(s) {sorted(keys - set(fields))}, missing key(s) "
-                      f"{sorted(set(fields) - keys)}")
+    raise ConfigError(
+      f"{name}: unknown key(s) {sorted(keys - set(fields))}, missing key(s) {sorted(set(fields) - keys)}"
+    )
   kw = {}
   for k, f in fields.items():
     v, want = d[k], {"int": int, "float": float, "str": str, "bool": bool}[f.type]
@@ -148,13 +155,22 @@ def _validate(tc: TrainConfig) -> None:
   _need(tc.steps > 0, "steps", f"must be > 0, got {tc.steps}")
   _need(d.kind in DATA_KINDS, "data.kind", f"one of {DATA_KINDS}, got {d.kind!r}")
   _need(d.seq_len > 1, "data.seq_len", f"must be > 1, got {d.seq_len}")
-  _need(d.seq_len <= tc.model.max_position_embeddings, "data.seq_len",
-        f"{d.seq_len} > model max_position_embeddings {tc.model.max_position_embeddings}")
+  _need(
+    d.seq_len <= tc.model.max_position_embeddings,
+    "data.seq_len",
+    f"{d.seq_len} > model max_position_embeddings {tc.model.max_position_embeddings}",
+  )
   _need(d.num_microbatches >= 1, "data.num_microbatches", f"must be >= 1, got {d.num_microbatches}")
-  _need(d.global_batch_size % d.num_microbatches == 0, "data.global_batch_size",
-        f"{d.global_batch_size} is not divisible by data.num_microbatches={d.num_microbatches}")
-  _need(o.peak_lr > 0 and 0 <= o.final_lr <= o.peak_lr, "optim.final_lr",
-        f"need 0 <= final_lr ({o.final_lr}) <= peak_lr ({o.peak_lr}) and peak_lr > 0")
+  _need(
+    d.global_batch_size % d.num_microbatches == 0,
+    "data.global_batch_size",
+    f"{d.global_batch_size} is not divisible by data.num_microbatches={d.num_microbatches}",
+  )
+  _need(
+    o.peak_lr > 0 and 0 <= o.final_lr <= o.peak_lr,
+    "optim.final_lr",
+    f"need 0 <= final_lr ({o.final_lr}) <= peak_lr ({o.peak_lr}) and peak_lr > 0",
+  )
   _need(0.0 <= o.decay_fraction <= 1.0, "optim.decay_fraction", f"in [0, 1], got {o.decay_fraction}")
   _need(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
   _need(o.bias_update_rate >= 0, "optim.bias_update_rate", f"must be >= 0, got {o.bias_update_rate}")
@@ -177,22 +193,32 @@ def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[s
   batch_axes = sharding.spec_mesh_axes(sharding.logical_to_spec(("act_batch",), tc.mesh.rules)[0])
   batch_shards = math.prod(shape[a] for a in batch_axes)
   micro = tc.data.global_batch_size // tc.data.num_microbatches
-  _need(micro % batch_shards == 0, "data.global_batch_size",
-        f"microbatch of {micro} rows (global_batch_size {tc.data.global_batch_size} / "
-        f"num_microbatches {tc.data.num_microbatches}) is not divisible by the {batch_shards} batch "
-        f"shards (mesh axes {batch_axes} under mesh.rules={tc.mesh.rules!r})")
-  _need(tc.data.global_batch_size % process_count == 0, "data.global_batch_size",
-        f"{tc.data.global_batch_size} is not divisible by the {process_count} processes")
-  _need(tc.model.n_routed_experts % shape["expert"] == 0, "mesh.expert",
-        f"{shape['expert']} does not divide n_routed_experts {tc.model.n_routed_experts}")
+  _need(
+    micro % batch_shards == 0,
+    "data.global_batch_size",
+    f"microbatch of {micro} rows (global_batch_size {tc.data.global_batch_size} / "
+    f"num_microbatches {tc.data.num_microbatches}) is not divisible by the {batch_shards} batch "
+    f"shards (mesh axes {batch_axes} under mesh.rules={tc.mesh.rules!r})",
+  )
+  _need(
+    tc.data.global_batch_size % process_count == 0,
+    "data.global_batch_size",
+    f"{tc.data.global_batch_size} is not divisible by the {process_count} processes",
+  )
+  _need(
+    tc.model.n_routed_experts % shape["expert"] == 0,
+    "mesh.expert",
+    f"{shape['expert']} does not divide n_routed_experts {tc.model.n_routed_experts}",
+  )
   if tc.data.path:
     found = glob.glob(tc.data.path) if glob.has_magic(tc.data.path) else [tc.data.path]
-    _need(bool(found) and all(os.path.isfile(p) for p in found), "data.path",
-          f"no data file at {tc.data.path!r}")
+    _need(bool(found) and all(os.path.isfile(p) for p in found), "data.path", f"no data file at {tc.data.path!r}")
   if tc.data.tokenizer_path:
-    _need(os.path.isfile(tc.data.tokenizer_path), "data.tokenizer_path",
-          f"no tokenizer file at {tc.data.tokenizer_path!r}")
+    _need(
+      os.path.isfile(tc.data.tokenizer_path), "data.tokenizer_path", f"no tokenizer file at {tc.data.tokenizer_path!r}"
+    )
   if tc.checkpoint.init_from:
-    _need(os.path.isdir(tc.checkpoint.init_from), "checkpoint.init_from",
-          f"no directory at {tc.checkpoint.init_from!r}")
+    _need(
+      os.path.isdir(tc.checkpoint.init_from), "checkpoint.init_from", f"no directory at {tc.checkpoint.init_from!r}"
+    )
   return shape

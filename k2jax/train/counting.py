@@ -8,6 +8,7 @@ flops_per_token   training FLOPs (forward + backward = 3 x forward) per token at
                   + 3 * attention scores and values: 2 * H * (qk_head_dim + v_head_dim) * T/2 per layer
                   forward (causal: a token attends to (T+1)/2 keys on average; we use T/2 as MaxText).
 """
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,7 @@ from k2jax.model.transformer import K2Model
 class ParamCounts(NamedTuple):
   total: int
   activated: int
-  embedding: int      # the input embedding table (a lookup, no matmul FLOPs)
+  embedding: int  # the input embedding table (a lookup, no matmul FLOPs)
 
 
 def count_params(cfg: K2Config) -> ParamCounts:
@@ -33,8 +34,7 @@ def count_params(cfg: K2Config) -> ParamCounts:
   total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   idle_experts = cfg.n_routed_experts - cfg.num_experts_per_tok
   inactive = idle_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_moe_layers
-  return ParamCounts(total=total, activated=total - inactive,
-                     embedding=cfg.vocab_size * cfg.hidden_size)
+  return ParamCounts(total=total, activated=total - inactive, embedding=cfg.vocab_size * cfg.hidden_size)
 
 
 def flops_per_token(cfg: K2Config, seq_len: int) -> float:

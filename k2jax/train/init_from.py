@@ -6,6 +6,7 @@ With `init_from`, the architecture is read from that directory (its `model_confi
 already holds checkpoints of a different architecture is refused, naming the differing fields, so
 a config mistake is never taken for a corrupt checkpoint.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,17 +30,21 @@ def model_config_for_run(tc: TrainConfig, workdir: str | None = None) -> K2Confi
     exec_kw = {k: getattr(tc.model, k) for k in _EXEC_FIELDS}
     src = tc.checkpoint.init_from
     if not (wd.is_workdir(src) or os.path.isfile(os.path.join(src, "config.json"))):
-      raise ConfigError(f"checkpoint.init_from: {src!r} is neither a k2jax workdir ({wd.MODEL_CONFIG}) "
-                        "nor an HF directory (config.json)")
+      raise ConfigError(
+        f"checkpoint.init_from: {src!r} is neither a k2jax workdir ({wd.MODEL_CONFIG}) "
+        "nor an HF directory (config.json)"
+      )
     cfg = wd.read_model_config(src, **exec_kw) if wd.is_workdir(src) else hf_io.read_config(src, **exec_kw)
   if workdir is not None and wd.is_workdir(workdir) and os.path.isdir(os.path.join(workdir, wd.CHECKPOINTS)):
     have = wd.read_model_config(workdir).to_hf_dict()
     want = cfg.to_hf_dict()
     diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
     if diff:
-      raise ConfigError(f"model: {os.path.join(workdir, wd.MODEL_CONFIG)} holds checkpoints of a different "
-                        f"model; differing fields {diff} (e.g. {diff[0]}: workdir "
-                        f"{have.get(diff[0])!r} vs config {want.get(diff[0])!r}); use a new workdir")
+      raise ConfigError(
+        f"model: {os.path.join(workdir, wd.MODEL_CONFIG)} holds checkpoints of a different "
+        f"model; differing fields {diff} (e.g. {diff[0]}: workdir "
+        f"{have.get(diff[0])!r} vs config {want.get(diff[0])!r}); use a new workdir"
+      )
   return cfg
 
 
@@ -61,4 +66,3 @@ def initial_state(tc: TrainConfig, build, optimizer, shardings: TrainState) -> T
     return TrainState(zero, p, b, optimizer.init(p), zero)
 
   return jax.jit(fresh, out_shardings=shardings)(params, bias)
-

@@ -5,6 +5,7 @@ The loop dispatches step n+1 before it reads step n's metrics, so the host never
 on a metrics fetch. A SIGTERM (or a multi-host preemption notice) saves a checkpoint at the current
 step and returns.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,9 +50,16 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
     schedule = _schedule(tc)
     tau = tc.optim.qk_clip_tau if tc.optim.qk_clip_tau > 0 else None
     o = tc.optim
-    optimizer = muonclip(schedule, weight_decay=o.weight_decay, momentum=o.momentum, adam_b1=o.adam_b1,
-                         adam_b2=o.adam_b2, adam_eps=o.adam_eps, qk_clip_tau=tau,
-                         qk_clip_spec=QKClipSpec.from_config(tc.model))
+    optimizer = muonclip(
+      schedule,
+      weight_decay=o.weight_decay,
+      momentum=o.momentum,
+      adam_b1=o.adam_b1,
+      adam_b2=o.adam_b2,
+      adam_eps=o.adam_eps,
+      qk_clip_tau=tau,
+      qk_clip_spec=QKClipSpec.from_config(tc.model),
+    )
     build = lambda: K2Model(tc.model, rngs=nnx.Rngs(tc.seed))
     abstract_model = nnx.eval_shape(build)
     abstract_state = jax.eval_shape(lambda: init_state(build(), optimizer))
@@ -73,11 +81,18 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
         it = inputs.make_iterator(tc.data, tc.model.vocab_size, seed_offset=int(state.step))
     # Step.
     step_fn = jax.jit(
-        make_train_step(ModelDef.from_model(abstract_model), optimizer, schedule,
-                        num_microbatches=tc.data.num_microbatches,
-                        bias_update_rate=tc.optim.bias_update_rate, qk_clip_tau=tau),
-        in_shardings=(shardings, sharding.batch_sharding(mesh, preset)),
-        out_shardings=(shardings, None), donate_argnums=0)
+      make_train_step(
+        ModelDef.from_model(abstract_model),
+        optimizer,
+        schedule,
+        num_microbatches=tc.data.num_microbatches,
+        bias_update_rate=tc.optim.bias_update_rate,
+        qk_clip_tau=tau,
+      ),
+      in_shardings=(shardings, sharding.batch_sharding(mesh, preset)),
+      out_shardings=(shardings, None),
+      donate_argnums=0,
+    )
     # Loop.
     return _Loop(tc, workdir, step_fn, ckpt, mesh, preset, meta, peak).run(state, it)
 
@@ -85,8 +100,13 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
 def _schedule(tc: TrainConfig):
   decay = round(tc.optim.decay_fraction * tc.steps)
   warmup = min(tc.optim.warmup_steps, tc.steps - decay)
-  return wsd_schedule(tc.optim.peak_lr, warmup_steps=warmup, stable_steps=tc.steps - decay - warmup,
-                      decay_steps=decay, final_lr=tc.optim.final_lr)
+  return wsd_schedule(
+    tc.optim.peak_lr,
+    warmup_steps=warmup,
+    stable_steps=tc.steps - decay - warmup,
+    decay_steps=decay,
+    final_lr=tc.optim.final_lr,
+  )
 
 
 def _peak(tc: TrainConfig) -> tuple[float, str]:
@@ -100,8 +120,17 @@ def _peak(tc: TrainConfig) -> tuple[float, str]:
 class _Loop:
   """The host loop: feed batches, save checkpoints, log metrics one step behind the device."""
 
-  def __init__(self, tc: TrainConfig, workdir: str, step_fn, ckpt: Checkpointer, mesh, preset: str,
-               meta: dict, peak: tuple[float, str]):
+  def __init__(
+    self,
+    tc: TrainConfig,
+    workdir: str,
+    step_fn,
+    ckpt: Checkpointer,
+    mesh,
+    preset: str,
+    meta: dict,
+    peak: tuple[float, str],
+  ):
     self.tc, self.workdir, self.step_fn, self.ckpt = tc, workdir, step_fn, ckpt
     self.batch_sharding = sharding.batch_sharding(mesh, preset)
     self.primary = jax.process_index() == 0
@@ -116,11 +145,18 @@ class _Loop:
     tc = self.tc
     start = int(state.step)
     previous_handler = self._install_sigterm()
-    say(f"MFU peak {self.peak:.3e} FLOP/s per device ({self.peak_source}); "
-        f"{self.flops_per_token:.3e} training FLOPs/token")
-    self.log = MetricsLogger(self.workdir, total_steps=tc.steps, start_step=start,
-                             tensorboard=tc.log.tensorboard, progress=tc.log.progress,
-                             enabled=self.primary)
+    say(
+      f"MFU peak {self.peak:.3e} FLOP/s per device ({self.peak_source}); "
+      f"{self.flops_per_token:.3e} training FLOPs/token"
+    )
+    self.log = MetricsLogger(
+      self.workdir,
+      total_steps=tc.steps,
+      start_step=start,
+      tensorboard=tc.log.tensorboard,
+      progress=tc.log.progress,
+      enabled=self.primary,
+    )
     self._t, self._t_step = 0.0, None
     step, pending, saved = start, None, start
     try:
@@ -176,8 +212,14 @@ class _Loop:
     self.log.write(self.last)
 
   def _report_spike(self, step: int, loss: float, fp: str, data_state: Any) -> None:
-    rec = {"step": step, "loss": loss, "baseline_mean": sum(self.spikes.history) / len(self.spikes.history),
-           "batch_fingerprint": fp, "process_index": jax.process_index(), "data_state_before": data_state}
+    rec = {
+      "step": step,
+      "loss": loss,
+      "baseline_mean": sum(self.spikes.history) / len(self.spikes.history),
+      "batch_fingerprint": fp,
+      "process_index": jax.process_index(),
+      "data_state_before": data_state,
+    }
     logging.warning("loss spike at step %d: %.4f (batch %s)", step, loss, fp)
     with open(os.path.join(self.workdir, f"spikes.process{jax.process_index()}.jsonl"), "a") as f:
       f.write(json.dumps(rec, sort_keys=True, default=str) + "\n")

@@ -6,6 +6,7 @@ devices). The peak is `log.peak_flops` when set, else the matmul rate of one dev
 in the model's compute dtype (the machine's practical limit); `mfu_peak_source` in the first
 metrics line says which.
 """
+
 from __future__ import annotations
 
 import collections
@@ -63,8 +64,9 @@ class SpikeDetector:
 class MetricsLogger:
   """Writes one JSON line (and TensorBoard scalars) per logged step; primary process only."""
 
-  def __init__(self, workdir: str, *, total_steps: int, start_step: int, tensorboard: bool,
-               progress: bool, enabled: bool):
+  def __init__(
+    self, workdir: str, *, total_steps: int, start_step: int, tensorboard: bool, progress: bool, enabled: bool
+  ):
     self.enabled = enabled
     self.path = os.path.join(workdir, METRICS_FILE)
     self._tb = self._progress = None
@@ -75,13 +77,27 @@ class MetricsLogger:
     self._file = open(self.path, "a")
     if tensorboard:
       from tensorboardX import SummaryWriter
+
       self._tb = SummaryWriter(os.path.join(workdir, "tb"))
     if progress and sys.stderr.isatty():
-      from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                 TimeElapsedColumn, TimeRemainingColumn)
-      self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                TextColumn("{task.fields[info]}"))
+      from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+      )
+
+      self._progress = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+      )
       self._progress.start()
       self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
 
@@ -99,8 +115,10 @@ class MetricsLogger:
           for i, x in enumerate(v):
             self._tb.add_scalar(f"{k}/{i}", x, step)
       self._tb.flush()
-    info = (f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_sec']:.0f} tok/s "
-            f"mfu {100 * record['mfu']:.2f}%")
+    info = (
+      f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_sec']:.0f} tok/s "
+      f"mfu {100 * record['mfu']:.2f}%"
+    )
     if self._progress is not None:
       self._progress.update(self._task, completed=step, info=info)
     else:

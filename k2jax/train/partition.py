@@ -4,6 +4,7 @@ Params and the balancing bias take their preset sharding; every optimizer-state 
 ends with a parameter's path and has that parameter's shape (Muon momentum, Adam moments) takes that
 parameter's sharding; everything else (counters, scalars) is replicated.
 """
+
 from __future__ import annotations
 
 import jax
@@ -15,13 +16,13 @@ from k2jax.model.layers import RouterBias
 from k2jax.train.step import TrainState
 
 
-def state_shardings(abstract_model: nnx.Module, abstract_state: TrainState, mesh: Mesh,
-                    preset: str) -> TrainState:
+def state_shardings(abstract_model: nnx.Module, abstract_state: TrainState, mesh: Mesh, preset: str) -> TrainState:
   """A TrainState-shaped tree of NamedShardings for `abstract_state`."""
   params = nnx.to_pure_dict(sharding.param_shardings(nnx.state(abstract_model, nnx.Param), mesh, preset))
   bias = nnx.to_pure_dict(sharding.param_shardings(nnx.state(abstract_model, RouterBias), mesh, preset))
-  by_path = {_keys(p): (s, _leaf_shape(abstract_state.params, p))
-             for p, s in jax.tree_util.tree_flatten_with_path(params)[0]}
+  by_path = {
+    _keys(p): (s, _leaf_shape(abstract_state.params, p)) for p, s in jax.tree_util.tree_flatten_with_path(params)[0]
+  }
   replicated = NamedSharding(mesh, P())
 
   def opt_leaf(path, x):

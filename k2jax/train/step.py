@@ -7,6 +7,7 @@ aux-loss-free balancing-bias update from the global expert counts (DeepSeek-V3 Â
   b_i += u * sign(mean_j load_j - load_i)        (overloaded experts get a lower bias)
 A non-finite loss or gradient skips the whole update (params, optimizer state, bias) and counts it.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
@@ -24,15 +25,16 @@ BATCH_KEYS = ("input_ids", "targets", "segment_ids", "positions", "loss_mask")
 
 
 class TrainState(NamedTuple):
-  step: jax.Array            # int32 []: optimizer steps taken (skipped ones included)
-  params: dict               # pure dict of the model's nnx.Param leaves
-  bias: dict                 # pure dict of RouterBias leaves (never seen by the optimizer)
-  opt_state: Any             # muonclip state over `params`
-  skipped_steps: jax.Array   # int32 []: steps whose update was dropped (non-finite loss/grads)
+  step: jax.Array  # int32 []: optimizer steps taken (skipped ones included)
+  params: dict  # pure dict of the model's nnx.Param leaves
+  bias: dict  # pure dict of RouterBias leaves (never seen by the optimizer)
+  opt_state: Any  # muonclip state over `params`
+  skipped_steps: jax.Array  # int32 []: steps whose update was dropped (non-finite loss/grads)
 
 
 class ModelDef(NamedTuple):
   """Static model structure: the graphdef plus abstract Param / RouterBias states to bind dicts into."""
+
   graphdef: Any
   params: nnx.State
   bias: nnx.State
@@ -59,27 +61,43 @@ def init_state(model: K2Model, optimizer: optax.GradientTransformation) -> Train
   return TrainState(zero, params, bias, optimizer.init(params), zero)
 
 
-def make_train_step(mdef: ModelDef, optimizer: optax.GradientTransformationExtraArgs,
-                    schedule: optax.Schedule, *, num_microbatches: int,
-                    bias_update_rate: float, qk_clip_tau: float | None) -> Callable:
+def make_train_step(
+  mdef: ModelDef,
+  optimizer: optax.GradientTransformationExtraArgs,
+  schedule: optax.Schedule,
+  *,
+  num_microbatches: int,
+  bias_update_rate: float,
+  qk_clip_tau: float | None,
+) -> Callable:
   """The (unjitted) pure step function; the loop jits it with shardings and donation."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     grads, loss, aux = accumulate_grads(mdef, state.params, state.bias, batch, num_microbatches)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params,
-                                          max_logits=aux["max_logits"])
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params, max_logits=aux["max_logits"])
     params = optax.apply_updates(state.params, updates)
     bias = update_bias(state.bias, aux["expert_counts"], bias_update_rate)
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
-                           bias=keep(bias, state.bias), opt_state=keep(opt_state, state.opt_state),
-                           skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32))
-    metrics = step_metrics(aux, loss=loss, grad_norm=grad_norm, updates=updates, ok=ok,
-                           params=new_state.params, qk_clip_tau=qk_clip_tau,
-                           lr=schedule(state.step - state.skipped_steps),
-                           skipped=new_state.skipped_steps)
+    new_state = TrainState(
+      step=state.step + 1,
+      params=keep(params, state.params),
+      bias=keep(bias, state.bias),
+      opt_state=keep(opt_state, state.opt_state),
+      skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32),
+    )
+    metrics = step_metrics(
+      aux,
+      loss=loss,
+      grad_norm=grad_norm,
+      updates=updates,
+      ok=ok,
+      params=new_state.params,
+      qk_clip_tau=qk_clip_tau,
+      lr=schedule(state.step - state.skipped_steps),
+      skipped=new_state.skipped_steps,
+    )
     return new_state, metrics
 
   return train_step
@@ -100,9 +118,12 @@ def accumulate_grads(mdef: ModelDef, params: dict, bias: dict, batch: dict, num_
     def body(carry, mb):
       g, a = grad_fn(mdef, params, bias, mb)
       g_acc, a_acc = carry
-      a_new = {"loss_sum": a_acc["loss_sum"] + a["loss_sum"], "tokens": a_acc["tokens"] + a["tokens"],
-               "max_logits": jnp.maximum(a_acc["max_logits"], a["max_logits"]),
-               "expert_counts": a_acc["expert_counts"] + a["expert_counts"]}
+      a_new = {
+        "loss_sum": a_acc["loss_sum"] + a["loss_sum"],
+        "tokens": a_acc["tokens"] + a["tokens"],
+        "max_logits": jnp.maximum(a_acc["max_logits"], a["max_logits"]),
+        "expert_counts": a_acc["expert_counts"] + a["expert_counts"],
+      }
       return (jax.tree.map(jnp.add, g_acc, g), a_new), None
 
     g0 = jax.tree.map(jnp.zeros_like, params)
@@ -127,8 +148,12 @@ def _loss_sum(mdef: ModelDef, params: dict, bias: dict, batch: dict):
   out = model(*(batch[k] for k in MODEL_INPUTS))
   ce_BT = optax.softmax_cross_entropy_with_integer_labels(out.logits, batch["targets"])
   mask_BT = batch["loss_mask"].astype(jnp.float32)
-  aux = {"loss_sum": jnp.sum(ce_BT * mask_BT), "tokens": jnp.sum(mask_BT),
-         "max_logits": out.max_logits, "expert_counts": out.expert_counts}
+  aux = {
+    "loss_sum": jnp.sum(ce_BT * mask_BT),
+    "tokens": jnp.sum(mask_BT),
+    "max_logits": out.max_logits,
+    "expert_counts": out.expert_counts,
+  }
   return aux["loss_sum"], aux
 
 
@@ -150,11 +175,19 @@ def step_metrics(aux, *, loss, grad_norm, updates, ok, params, qk_clip_tau, lr, 
   else:  # A model without MoE layers: balance is trivially perfect.
     load_min = load_max = jnp.ones([], jnp.float32)
   max_L = jnp.max(aux["max_logits"], axis=-1)
-  clipped = (jnp.sum(aux["max_logits"] > qk_clip_tau).astype(jnp.int32) if qk_clip_tau
-             else jnp.zeros([], jnp.int32))
-  return {"loss": loss, "lr": jnp.asarray(lr, jnp.float32), "grad_norm": grad_norm,
-          "param_norm": optax.tree.norm(params), "update_norm": optax.tree.norm(updates),
-          "max_attn_logit": jnp.max(max_L), "max_attn_logit_per_layer": max_L,
-          "qk_clipped_heads": jnp.where(ok, clipped, 0), "expert_load_min": load_min,
-          "expert_load_max": load_max, "skipped_steps": skipped, "tokens": aux["tokens"],
-          "finite": ok}
+  clipped = jnp.sum(aux["max_logits"] > qk_clip_tau).astype(jnp.int32) if qk_clip_tau else jnp.zeros([], jnp.int32)
+  return {
+    "loss": loss,
+    "lr": jnp.asarray(lr, jnp.float32),
+    "grad_norm": grad_norm,
+    "param_norm": optax.tree.norm(params),
+    "update_norm": optax.tree.norm(updates),
+    "max_attn_logit": jnp.max(max_L),
+    "max_attn_logit_per_layer": max_L,
+    "qk_clipped_heads": jnp.where(ok, clipped, 0),
+    "expert_load_min": load_min,
+    "expert_load_max": load_max,
+    "skipped_steps": skipped,
+    "tokens": aux["tokens"],
+    "finite": ok,
+  }

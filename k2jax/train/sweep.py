@@ -4,6 +4,7 @@ Each run gets its own workdir `<base>/<sweep>/<index>_<key>=<value>...` and absl
 `--config.<key>=<value>`; the commands run one after another locally, or are printed wrapped in
 `launch/tpu_pod.sh run` for a TPU pod slice.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -41,8 +42,14 @@ def run_name(index: int, run: dict) -> str:
 
 
 def train_command(config_arg: str, workdir: str, run: dict, extra: list[str]) -> list[str]:
-  return [sys.executable, "launch/train.py", f"--config={config_arg}", f"--workdir={workdir}",
-          *(f"--config.{k}={v}" for k, v in run.items()), *extra]
+  return [
+    sys.executable,
+    "launch/train.py",
+    f"--config={config_arg}",
+    f"--workdir={workdir}",
+    *(f"--config.{k}={v}" for k, v in run.items()),
+    *extra,
+  ]
 
 
 def pod_command(cmd: list[str], tpu_name: str, zone: str) -> str:

@@ -1,6 +1,7 @@
 """A scripted OpenAI-compatible chat server that plays every synthesis role with valid content,
 dispatching on the `ROLE: ...` line of the system prompt (agent requests carry `tools`). Every 7th
 request answers 503 so the client's retries are exercised."""
+
 from __future__ import annotations
 
 import collections
@@ -16,20 +17,29 @@ def _value(schema: dict):
 
 def _tool(name, desc, impact="read_only", props=None):
   props = props or {"query": {"type": "string"}}
-  return {"name": name, "description": desc, "impact": impact,
-          "inputSchema": {"type": "object", "properties": props, "required": list(props)}}
+  return {
+    "name": name,
+    "description": desc,
+    "impact": impact,
+    "inputSchema": {"type": "object", "properties": props, "required": list(props)},
+  }
 
 
 def reply(body: dict) -> dict:
   msgs = body["messages"]
   system = msgs[0]["content"] if msgs and msgs[0]["role"] == "system" else ""
   last = msgs[-1].get("content") or ""
-  if body.get("tools"):                                    # the agent
+  if body.get("tools"):  # the agent
     if not any(m["role"] == "tool" for m in msgs):
       fn = body["tools"][0]["function"]
       args = {k: _value(v) for k, v in fn["parameters"].get("properties", {}).items()}
-      return {"role": "assistant", "content": "Let me check.", "tool_calls": [
-          {"id": "call_abc", "type": "function", "function": {"name": fn["name"], "arguments": json.dumps(args)}}]}
+      return {
+        "role": "assistant",
+        "content": "Let me check.",
+        "tool_calls": [
+          {"id": "call_abc", "type": "function", "function": {"name": fn["name"], "arguments": json.dumps(args)}}
+        ],
+      }
     return {"role": "assistant", "content": "All done: the request is complete."}
   role = system.split("\n", 1)[0].removeprefix("ROLE: ").strip()
   if role == "domain_generator":
@@ -38,23 +48,41 @@ def reply(body: dict) -> dict:
   elif role == "tool_generator":
     domain = last.rsplit("Domain: ", 1)[1]
     slug = domain.replace(" ", "_")
-    tools = [_tool(f"{slug}_lookup", f"Look up records in {domain}."),
-             _tool(f"{slug}_update", f"Update a record in {domain}.", "reversible_write",
-                   {"record": {"type": "string"}, "value": {"type": "integer"}}),
-             {"name": "bad name!", "inputSchema": {"type": "object"}},           # invalid: dropped
-             _tool("shared_search", "Search everything.")]                       # duplicate across domains
+    tools = [
+      _tool(f"{slug}_lookup", f"Look up records in {domain}."),
+      _tool(
+        f"{slug}_update",
+        f"Update a record in {domain}.",
+        "reversible_write",
+        {"record": {"type": "string"}, "value": {"type": "integer"}},
+      ),
+      {"name": "bad name!", "inputSchema": {"type": "object"}},  # invalid: dropped
+      _tool("shared_search", "Search everything."),
+    ]  # duplicate across domains
     text = "Here you go:\n```json\n" + json.dumps(tools) + "\n```"
   elif role == "agent_designer":
     text = json.dumps({"name": "helper", "system_prompt": "You are a careful assistant. Use the tools to help."})
   elif role == "task_generator":
     names = [t["name"] for t in json.loads(last.rsplit("Tools: ", 1)[1])]
-    text = json.dumps([
-        {"instruction": "Please check the latest record.", "difficulty": "simple", "user_persona": "terse analyst",
-         "rubric": {"success_criteria": ["record reported"], "expected_tools": names[:1], "checkpoints": ["lookup"]}},
-        {"instruction": "Do the impossible thing.", "difficulty": "complex",
-         "rubric": {"success_criteria": ["x"], "expected_tools": names[:1], "checkpoints": []}},
-        {"instruction": "Use a tool that does not exist.",
-         "rubric": {"success_criteria": ["y"], "expected_tools": ["no_such_tool"]}}])
+    text = json.dumps(
+      [
+        {
+          "instruction": "Please check the latest record.",
+          "difficulty": "simple",
+          "user_persona": "terse analyst",
+          "rubric": {"success_criteria": ["record reported"], "expected_tools": names[:1], "checkpoints": ["lookup"]},
+        },
+        {
+          "instruction": "Do the impossible thing.",
+          "difficulty": "complex",
+          "rubric": {"success_criteria": ["x"], "expected_tools": names[:1], "checkpoints": []},
+        },
+        {
+          "instruction": "Use a tool that does not exist.",
+          "rubric": {"success_criteria": ["y"], "expected_tools": ["no_such_tool"]},
+        },
+      ]
+    )
   elif role == "user_simulator":
     text = "Hi, can you check the latest record for me?" if len(msgs) == 2 and "(Start" in last else "[DONE]"
   elif role == "tool_simulator":
@@ -92,8 +120,15 @@ class ScriptedLLM:
         role = "agent" if body.get("tools") else body["messages"][0]["content"].split("\n", 1)[0]
         with lock:
           outer.calls[role] += 1
-        self._send(200, {"id": "x", "object": "chat.completion", "model": body["model"],
-                         "choices": [{"index": 0, "finish_reason": "stop", "message": message}]})
+        self._send(
+          200,
+          {
+            "id": "x",
+            "object": "chat.completion",
+            "model": body["model"],
+            "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
+          },
+        )
 
       def _send(self, status, obj):
         data = json.dumps(obj).encode()

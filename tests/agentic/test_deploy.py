@@ -1,6 +1,7 @@
 """The container recipe and Kubernetes manifests agree with the code: every environment they start
 exists, every container has resource limits, environments have no egress, autoscalers target the
 Deployments; `kubectl kustomize` renders them when kubectl is installed."""
+
 import pathlib
 import re
 import shutil
@@ -39,7 +40,7 @@ def test_manifests_match_the_services():
   assert services == set(deployments) and {h["spec"]["scaleTargetRef"]["name"] for h in hpas} == set(deployments)
   (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
   assert policy["spec"]["egress"] == [] and "Egress" in policy["spec"]["policyTypes"]
-  for d in deployments.values():   # the default-deny policy selects every environment pod
+  for d in deployments.values():  # the default-deny policy selects every environment pod
     labels = d["spec"]["template"]["metadata"]["labels"]
     assert all(labels.get(k) == v for k, v in policy["spec"]["podSelector"]["matchLabels"].items())
   dockerfile = (DEPLOY / "Dockerfile").read_text()
@@ -52,5 +53,15 @@ def test_kustomize_renders():
   out = subprocess.run(["kubectl", "kustomize", str(DEPLOY / "k8s")], capture_output=True, text=True, timeout=60)
   assert out.returncode == 0, out.stderr
   kinds = [o["kind"] for o in yaml.safe_load_all(out.stdout) if o]
-  assert sorted(kinds) == sorted(["Namespace", "Deployment", "Deployment", "Service", "Service",
-                                  "HorizontalPodAutoscaler", "HorizontalPodAutoscaler", "NetworkPolicy"])
+  assert sorted(kinds) == sorted(
+    [
+      "Namespace",
+      "Deployment",
+      "Deployment",
+      "Service",
+      "Service",
+      "HorizontalPodAutoscaler",
+      "HorizontalPodAutoscaler",
+      "NetworkPolicy",
+    ]
+  )

@@ -1,5 +1,6 @@
 """Environments: the simulated office world and the sandboxed code env in-process, the same episodes over
 HTTP (many concurrent on loopback), and the process pool's timeouts and restarts."""
+
 import concurrent.futures
 import json
 import os
@@ -12,30 +13,44 @@ from k2jax.rl.envs import EnvPool, EnvPoolConfig, EnvService, RemoteEnvConfig, R
 from k2jax.rl.envs.code import CodeEnv
 from k2jax.rl.envs.simulated import SimToolsEnv
 
-TASK = {"id": "t1", "instruction": "Fix the report and pay Bob 5 dollars.",
-        "state": {"files": {"report.txt": "draft"}, "accounts": {"me": 1000, "bob": 0}},
-        "checks": [{"kind": "file_equals", "name": "report.txt", "text": "final"},
-                   {"kind": "balance", "account": "bob", "cents": 500},
-                   {"kind": "answer_contains", "text": "done"}],
-        "followups": ["Anything else?"]}
+TASK = {
+  "id": "t1",
+  "instruction": "Fix the report and pay Bob 5 dollars.",
+  "state": {"files": {"report.txt": "draft"}, "accounts": {"me": 1000, "bob": 0}},
+  "checks": [
+    {"kind": "file_equals", "name": "report.txt", "text": "final"},
+    {"kind": "balance", "account": "bob", "cents": 500},
+    {"kind": "answer_contains", "text": "done"},
+  ],
+  "followups": ["Anything else?"],
+}
 
 
 def call(tool, i, **args):
-  return {"id": f"functions.{tool}:{i}", "type": "function",
-          "function": {"name": tool, "arguments": json.dumps(args)}}
+  return {"id": f"functions.{tool}:{i}", "type": "function", "function": {"name": tool, "arguments": json.dumps(args)}}
 
 
 def play(env, task=TASK):
   obs = env.reset(task)
   assert obs["messages"][-1]["content"] == task["instruction"] and obs["tools"]
   steps = [
-      {"role": "assistant", "content": "", "tool_calls": [call("read_file", 0, name="report.txt"),
-                                                          call("write_file", 1, name="report.txt", text="final")]},
-      {"role": "assistant", "content": "", "tool_calls": [call("transfer", 2, source="me", dest="bob", cents=500),
-                                                          call("nope", 3), call("read_file", 4, name=5)],
-       "tool_call_error": "tool call 5 not terminated"},
-      {"role": "assistant", "content": "I could not pay Bob."},
-      {"role": "assistant", "content": "All done."},
+    {
+      "role": "assistant",
+      "content": "",
+      "tool_calls": [call("read_file", 0, name="report.txt"), call("write_file", 1, name="report.txt", text="final")],
+    },
+    {
+      "role": "assistant",
+      "content": "",
+      "tool_calls": [
+        call("transfer", 2, source="me", dest="bob", cents=500),
+        call("nope", 3),
+        call("read_file", 4, name=5),
+      ],
+      "tool_call_error": "tool call 5 not terminated",
+    },
+    {"role": "assistant", "content": "I could not pay Bob."},
+    {"role": "assistant", "content": "All done."},
   ]
   return [env.step(a) for a in steps]
 
@@ -63,7 +78,9 @@ def test_code_env_sandbox():
   env.reset(task)
   r = env.step({"role": "assistant", "content": "", "tool_calls": [call("run_python", 0, code="print(6*7)")]})
   assert json.loads(r.observation["messages"][0]["content"])["stdout"].strip() == "42" and not r.done
-  r = env.step({"role": "assistant", "content": "", "tool_calls": [call("submit", 1, code="def add(a, b): return a + b")]})
+  r = env.step(
+    {"role": "assistant", "content": "", "tool_calls": [call("submit", 1, code="def add(a, b): return a + b")]}
+  )
   assert r.done and r.reward == 1.0
   env.reset(task)  # no submit: the final message's code block is graded
   r = env.step({"role": "assistant", "content": "```python\ndef add(a, b):\n    return a - b\n```"})
@@ -75,9 +92,11 @@ def test_code_env_sandbox():
 def test_service_many_concurrent_episodes_on_loopback():
   service = EnvService("sim_tools").start()
   try:
+
     def one(_):
       env = RemoteEnvironment(RemoteEnvConfig(service.url))
       return play(env)
+
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
       all_results = list(pool.map(one, range(64)))
     for results in all_results:
@@ -95,11 +114,11 @@ def test_pool_restarts_dead_and_hung_workers():
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
       for results in ex.map(lambda _: play(pool.episode()), range(8)):
         check_episode(results)
-    for sig in (signal.SIGKILL, signal.SIGSTOP):   # crashed, then hung
+    for sig in (signal.SIGKILL, signal.SIGSTOP):  # crashed, then hung
       env = pool.episode()
       env.reset(TASK)
       os.kill(env._worker.proc.pid, sig)
       r = env.step({"role": "assistant", "content": "hi"})
       assert r.done and r.reward == 0.0 and "env_error" in r.info
     assert pool.restarts == 2
-    check_episode(play(pool.episode()))          # the restarted workers serve again
+    check_episode(play(pool.episode()))  # the restarted workers serve again

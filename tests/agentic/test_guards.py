@@ -1,6 +1,7 @@
 """Guards: high-impact actions need confirmation (default deny) and are logged; per-target rate limits and
 the global concurrency cap hold under 1000 concurrent simulated agents; tools reach only their targets;
 the egress hook refuses connections outside the allowlist (in a child process: hooks are permanent)."""
+
 import json
 import subprocess
 import sys
@@ -111,11 +112,11 @@ def test_rate_limit_and_concurrency_under_1000_agents():
     ok = sum(r == {"ok": True} for r in results)
     limited = sum(isinstance(r, ToolError) and r.kind == "rate_limited" for r in results)
     assert ok + limited == agents and ok == len(srv.times)
-    assert ok >= rate * 0.5 and limited > 0, (ok, limited)     # the limiter both admits and refuses
+    assert ok >= rate * 0.5 and limited > 0, (ok, limited)  # the limiter both admits and refuses
     times = sorted(srv.times)
     per_window = max(sum(1 for u in times[i:] if u - t < 1.0) for i, t in enumerate(times))
-    assert per_window <= (burst + rate) * 1.05, per_window     # calls reaching the target per second
-    assert srv.peak <= 4                                         # the global concurrency cap
+    assert per_window <= (burst + rate) * 1.05, per_window  # calls reaching the target per second
+    assert srv.peak <= 4  # the global concurrency cap
   finally:
     srv.close()
 

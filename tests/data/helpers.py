@@ -1,4 +1,5 @@
 """Shared helpers for the data tests (imported explicitly; not a conftest)."""
+
 import collections
 import json
 
@@ -20,7 +21,7 @@ def expected_pieces(texts, seq_len):
   for t in texts:
     ids = tok.encode(t) + [tok.eos_id]
     for s in range(0, len(ids), seq_len):
-      out[tuple(ids[s:s + seq_len])] += 1
+      out[tuple(ids[s : s + seq_len])] += 1
   return out
 
 
@@ -28,8 +29,7 @@ def packed_pieces(batches):
   """Multiset of per-segment token sequences found in packed batches; checks row invariants."""
   out = collections.Counter()
   for b in batches:
-    for ids, seg, pos, tgt, lm in zip(b["input_ids"], b["segment_ids"], b["positions"],
-                                      b["targets"], b["loss_mask"]):
+    for ids, seg, pos, tgt, lm in zip(b["input_ids"], b["segment_ids"], b["positions"], b["targets"], b["loss_mask"]):
       k = int(seg.max())
       assert sorted(set(seg[seg > 0].tolist())) == list(range(1, k + 1))
       for s in range(1, k + 1):

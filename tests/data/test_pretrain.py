@@ -1,5 +1,6 @@
 """Pretraining pipeline: exact coverage, packing invariants and efficiency, sharding, sources,
 mixtures, bad-input accounting."""
+
 import itertools
 import json
 
@@ -26,8 +27,10 @@ def test_every_token_exactly_once_and_contract():
   assert packed_pieces(batches) == expected_pieces(corpus_texts(), 256)
   # The loss counts every next-token prediction within a segment.
   n_docs_pieces = sum(expected_pieces(corpus_texts(), 256).values())
-  assert sum(int(x["loss_mask"].sum()) for x in batches) == sum(
-      int((x["segment_ids"] > 0).sum()) for x in batches) - n_docs_pieces
+  assert (
+    sum(int(x["loss_mask"].sum()) for x in batches)
+    == sum(int((x["segment_ids"] > 0).sum()) for x in batches) - n_docs_pieces
+  )
   assert it.report.documents == len(corpus_texts()) and it.report.dropped == 0
 
 
@@ -50,11 +53,15 @@ def test_two_processes_disjoint_and_covering():
 def test_jsonl_parquet_array_record_agree(tmp_path):
   import pyarrow as pa
   import pyarrow.parquet as pq
+
   texts = corpus_texts()
   pq.write_table(pa.table({"body": texts}), tmp_path / "c.parquet")
   want = expected_pieces(texts, 256)
-  for spec in (SourceSpec(BUNDLED_CORPUS), SourceSpec(BUNDLED_CORPUS_ARRAY_RECORD),
-               SourceSpec(str(tmp_path / "c.parquet"), text_field="body")):
+  for spec in (
+    SourceSpec(BUNDLED_CORPUS),
+    SourceSpec(BUNDLED_CORPUS_ARRAY_RECORD),
+    SourceSpec(str(tmp_path / "c.parquet"), text_field="body"),
+  ):
     assert packed_pieces(make_pretrain_iter(_cfg(sources=(spec,)))) == want, spec
 
 
@@ -68,15 +75,19 @@ def test_pretokenized_input_ids(tmp_path):
 
 def expected_ids(docs, seq_len):
   import collections
-  return collections.Counter(tuple(d[s:s + seq_len]) for d in docs for s in range(0, len(d), seq_len))
+
+  return collections.Counter(tuple(d[s : s + seq_len]) for d in docs for s in range(0, len(d), seq_len))
 
 
 def test_mixture_follows_weights(tmp_path):
   for name in "ab":
     (tmp_path / f"{name}.jsonl").write_text(
-        "".join(json.dumps({"input_ids": [10 if name == "a" else 20] * 7}) + "\n" for _ in range(500)))
-  cfg = _cfg(num_epochs=None, sources=(SourceSpec(str(tmp_path / "a.jsonl"), weight=3.0),
-                                       SourceSpec(str(tmp_path / "b.jsonl"), weight=1.0)))
+      "".join(json.dumps({"input_ids": [10 if name == "a" else 20] * 7}) + "\n" for _ in range(500))
+    )
+  cfg = _cfg(
+    num_epochs=None,
+    sources=(SourceSpec(str(tmp_path / "a.jsonl"), weight=3.0), SourceSpec(str(tmp_path / "b.jsonl"), weight=1.0)),
+  )
   ids = np.concatenate([b["input_ids"].ravel() for b in itertools.islice(make_pretrain_iter(cfg), 20)])
   n_a, n_b = int((ids == 10).sum()), int((ids == 20).sum())
   assert abs(n_a / (n_a + n_b) - 0.75) < 0.02, (n_a, n_b)
@@ -85,10 +96,18 @@ def test_mixture_follows_weights(tmp_path):
 def test_bad_input_is_counted_never_crashes(tmp_path):
   path = tmp_path / "bad.jsonl"
   good = ["first good document", "second good document"]
-  lines = [json.dumps({"text": good[0]}).encode(), b"{not json", b"\xff\xfe\x00 bytes",
-           json.dumps({"text": "   "}).encode(), b"", json.dumps({"title": "no text"}).encode(),
-           json.dumps({"input_ids": [1, 99999]}).encode(), json.dumps([1, 2]).encode(),
-           json.dumps({"text": "long " * 900}).encode(), json.dumps({"text": good[1]}).encode()]
+  lines = [
+    json.dumps({"text": good[0]}).encode(),
+    b"{not json",
+    b"\xff\xfe\x00 bytes",
+    json.dumps({"text": "   "}).encode(),
+    b"",
+    json.dumps({"title": "no text"}).encode(),
+    json.dumps({"input_ids": [1, 99999]}).encode(),
+    json.dumps([1, 2]).encode(),
+    json.dumps({"text": "long " * 900}).encode(),
+    json.dumps({"text": good[1]}).encode(),
+  ]
   path.write_bytes(b"\n".join(lines) + b"\n")
   it = make_pretrain_iter(_cfg(sources=(SourceSpec(str(path)),)))
   pieces = packed_pieces(list(it))
@@ -118,8 +137,7 @@ def test_process_shards_are_disjoint_by_document(tmp_path):
   path = tmp_path / "u.jsonl"
   path.write_text("".join(json.dumps({"input_ids": [i + 1] * (i % 7 + 1)}) + "\n" for i in range(101)))
   cfg = _cfg(sources=(SourceSpec(str(path)),), append_eos=False)
-  docs = [set(packed_pieces(make_pretrain_iter(cfg, process_index=p, process_count=2)))
-          for p in range(2)]
+  docs = [set(packed_pieces(make_pretrain_iter(cfg, process_index=p, process_count=2))) for p in range(2)]
   assert not docs[0] & docs[1]
   assert docs[0] | docs[1] == {tuple([i + 1] * (i % 7 + 1)) for i in range(101)}
   assert len(docs[0]) == 51 and len(docs[1]) == 50

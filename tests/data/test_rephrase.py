@@ -1,4 +1,5 @@
 """Rephrasing end to end against a local OpenAI-compatible server started in the test."""
+
 import http.server
 import json
 import threading
@@ -10,6 +11,7 @@ from k2jax.data.rephrase import RephraseConfig, fidelity_problem, pick_styles, r
 
 class _FakeLLM(http.server.BaseHTTPRequestHandler):
   """`/v1/chat/completions`: a faithful 'rewrite' of the passage; every 4th request fails (503)."""
+
   calls, passages, contexts, lock = 0, [], [], threading.Lock()
 
   def do_POST(self):  # noqa: N802 (http.server API)
@@ -27,9 +29,15 @@ class _FakeLLM(http.server.BaseHTTPRequestHandler):
       _FakeLLM.passages.append(passage)
       _FakeLLM.contexts.append("preceding part" in prompt)
     text = "Put differently: " + passage if "HALLUCINATE" not in passage else "Cats are great pets."
-    out = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                      "choices": [{"index": 0, "finish_reason": "stop",
-                                   "message": {"role": "assistant", "content": text}}]}).encode()
+    out = json.dumps(
+      {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": body["model"],
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
+      }
+    ).encode()
     self.send_response(200)
     self.send_header("Content-Type", "application/json")
     self.send_header("Content-Length", str(len(out)))
@@ -51,8 +59,12 @@ def server():
 
 def _docs():
   long_doc = " ".join(f"Sentence number {i} explains the interpreter loop in detail." for i in range(60))
-  return [{"id": "long", "text": long_doc}, {"id": "short", "text": "Python 3.11 added tomllib."},
-          {"id": "bad", "text": "HALLUCINATE about the year 1991."}, {"id": "empty", "text": "  "}]
+  return [
+    {"id": "long", "text": long_doc},
+    {"id": "short", "text": "Python 3.11 added tomllib."},
+    {"id": "bad", "text": "HALLUCINATE about the year 1991."},
+    {"id": "empty", "text": "  "},
+  ]
 
 
 def test_rephrase_end_to_end_and_resume(server, tmp_path):

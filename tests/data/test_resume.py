@@ -1,5 +1,6 @@
 """Resume: stop mid-epoch, save the iterator state, restore it in a new process: the continued
 stream equals the uninterrupted one element for element (in-process and with worker processes)."""
+
 import os
 import subprocess
 import sys
@@ -32,8 +33,14 @@ def _run_resume(tmp_path, workers, stop=7, more=9):
       print(it.report.documents)
       it.close()
   """)
-  proc = subprocess.run([sys.executable, "-c", child], cwd=ROOT, capture_output=True, text=True,
-                        timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  proc = subprocess.run(
+    [sys.executable, "-c", child],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   got = np.load(tmp_path / "out.npz")
   for i, batch in enumerate(reference):
@@ -53,6 +60,7 @@ def test_resume_in_new_process_with_worker_processes(tmp_path):
 
 def test_orbax_checkpoint_manager_round_trip(tmp_path):
   import orbax.checkpoint as ocp
+
   cfg = PretrainDataConfig(seq_len=128, batch_size=2, num_epochs=None, seed=1)
   it = make_pretrain_iter(cfg)
   for _ in range(3):

@@ -1,4 +1,5 @@
 """Tokenizer: K2 special-token layout, offline loading, lossless round trip."""
+
 import base64
 import json
 
@@ -52,9 +53,17 @@ def test_k2_sized_rank_file_gives_k2_ids(tmp_path):
 def test_tokenizer_config_names_take_precedence(tmp_path):
   src = open(BUNDLED_TOKENIZER).read()
   (tmp_path / "tiktoken.model").write_text(src)
-  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-      {"added_tokens_decoder": {"3840": {"content": "[BOS]"}, "3841": {"content": "[EOS]"},
-                                "3850": {"content": "<|custom|>"}}}))
+  (tmp_path / "tokenizer_config.json").write_text(
+    json.dumps(
+      {
+        "added_tokens_decoder": {
+          "3840": {"content": "[BOS]"},
+          "3841": {"content": "[EOS]"},
+          "3850": {"content": "<|custom|>"},
+        }
+      }
+    )
+  )
   tok = load_tokenizer(str(tmp_path / "tiktoken.model"))
   assert tok.special_ids["<|custom|>"] == 3850 and tok.eos_id == 3841
 

@@ -5,6 +5,7 @@ Run `python tests/golden/hf_golden.py` (needs torch + transformers) to regenerat
 configs, inputs and logits are committed. Scales are chosen so routing is decisive (router logits spread
 over several units, a random balancing bias of comparable size) and activations stay O(1).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,32 +18,96 @@ from safetensors.numpy import save_file
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "hf_logits.npz")
 
-_BASE = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=256,
-             hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_attention_heads=4,
-             num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
-             qk_rope_head_dim=8, v_head_dim=12, hidden_act="silu", rms_norm_eps=1e-6,
-             max_position_embeddings=512, tie_word_embeddings=False, attention_bias=False,
-             scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
-             num_nextn_predict_layers=0, bos_token_id=0, eos_token_id=1, initializer_range=0.02)
+_BASE = dict(
+  architectures=["DeepseekV3ForCausalLM"],
+  model_type="deepseek_v3",
+  vocab_size=256,
+  hidden_size=64,
+  intermediate_size=96,
+  moe_intermediate_size=24,
+  num_attention_heads=4,
+  num_key_value_heads=4,
+  q_lora_rank=32,
+  kv_lora_rank=24,
+  qk_nope_head_dim=16,
+  qk_rope_head_dim=8,
+  v_head_dim=12,
+  hidden_act="silu",
+  rms_norm_eps=1e-6,
+  max_position_embeddings=512,
+  tie_word_embeddings=False,
+  attention_bias=False,
+  scoring_func="sigmoid",
+  topk_method="noaux_tc",
+  norm_topk_prob=True,
+  num_nextn_predict_layers=0,
+  bos_token_id=0,
+  eos_token_id=1,
+  initializer_range=0.02,
+)
 
 CONFIGS = {
-    # group-limited routing (4 groups, keep 2), YaRN with mscale_all_dim, two dense layers.
-    "grouped_yarn": dict(_BASE, num_hidden_layers=4, first_k_dense_replace=2, n_routed_experts=16,
-                         num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
-                         routed_scaling_factor=2.5, rope_theta=10000.0, rope_interleave=True,
-                         rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=32,
-                                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
-    # Kimi-K2-like: no groups, K2's YaRN betas (hard step), K2's scaling factor, one dense layer.
-    "k2_like": dict(_BASE, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=12,
-                    num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=1,
-                    routed_scaling_factor=2.827, rope_theta=50000.0, rope_interleave=True,
-                    rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=16,
-                                      beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
-    # plain RoPE in half-split layout, two shared experts, every layer MoE, 2 groups keep 1.
-    "plain_rope": dict(_BASE, num_hidden_layers=2, first_k_dense_replace=0, n_routed_experts=8,
-                       num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=2,
-                       routed_scaling_factor=1.5, rope_theta=10000.0, rope_interleave=False,
-                       rope_scaling=None),
+  # group-limited routing (4 groups, keep 2), YaRN with mscale_all_dim, two dense layers.
+  "grouped_yarn": dict(
+    _BASE,
+    num_hidden_layers=4,
+    first_k_dense_replace=2,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    rope_theta=10000.0,
+    rope_interleave=True,
+    rope_scaling=dict(
+      type="yarn",
+      factor=4.0,
+      original_max_position_embeddings=32,
+      beta_fast=32,
+      beta_slow=1,
+      mscale=1.0,
+      mscale_all_dim=1.0,
+    ),
+  ),
+  # Kimi-K2-like: no groups, K2's YaRN betas (hard step), K2's scaling factor, one dense layer.
+  "k2_like": dict(
+    _BASE,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=12,
+    num_experts_per_tok=3,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.827,
+    rope_theta=50000.0,
+    rope_interleave=True,
+    rope_scaling=dict(
+      type="yarn",
+      factor=32.0,
+      original_max_position_embeddings=16,
+      beta_fast=1.0,
+      beta_slow=1.0,
+      mscale=1.0,
+      mscale_all_dim=1.0,
+    ),
+  ),
+  # plain RoPE in half-split layout, two shared experts, every layer MoE, 2 groups keep 1.
+  "plain_rope": dict(
+    _BASE,
+    num_hidden_layers=2,
+    first_k_dense_replace=0,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=2,
+    routed_scaling_factor=1.5,
+    rope_theta=10000.0,
+    rope_interleave=False,
+    rope_scaling=None,
+  ),
 }
 BATCH, SEQ = 2, 64
 
@@ -113,8 +178,8 @@ def write_hf_dir(path: str, cfg: dict, state: dict[str, np.ndarray], n_shards: i
 def hf_logits(path: str, ids: np.ndarray) -> np.ndarray:
   import torch
   import transformers
-  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                            attn_implementation="eager")
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
   model.eval()
   with torch.no_grad():
     return model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
@@ -122,6 +187,7 @@ def hf_logits(path: str, ids: np.ndarray) -> np.ndarray:
 
 def main():
   import tempfile
+
   out = {}
   for seed, (name, cfg) in enumerate(CONFIGS.items()):
     with tempfile.TemporaryDirectory() as d:

@@ -1,4 +1,5 @@
 """Bad checkpoints and configs fail with errors naming the file, tensor or field; exports are atomic."""
+
 import json
 import os
 import sys
@@ -36,6 +37,7 @@ def test_wrong_shape_names_the_tensor(good_dir):
   with open(os.path.join(good_dir, "model.safetensors.index.json")) as f:
     shard = json.load(f)["weight_map"][key]
   from safetensors.numpy import load_file
+
   tensors = load_file(os.path.join(good_dir, shard))
   tensors[key] = state[key][:, :-1].copy()
   save_file(tensors, os.path.join(good_dir, shard))
@@ -69,15 +71,18 @@ def test_unsupported_architecture(good_dir):
     k2jax.load(good_dir)
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("n_group", 3, "n_group"),                       # 8 experts not divisible by 3 groups
+@pytest.mark.parametrize(
+  "field,value,match",
+  [
+    ("n_group", 3, "n_group"),  # 8 experts not divisible by 3 groups
     ("topk_group", 5, "topk_group"),
     ("num_key_value_heads", 2, "num_key_value_heads"),
     ("num_experts_per_tok", 99, "num_experts_per_tok"),
     ("qk_rope_head_dim", 7, "qk_rope_head_dim"),
     ("scoring_func", "softmax", "scoring_func"),
     ("hidden_size", -4, "hidden_size"),
-])
+  ],
+)
 def test_inconsistent_config_names_the_field(field, value, match):
   with pytest.raises(ConfigError, match=match):
     K2Config.from_hf_dict(dict(CFG, **{field: value}))
@@ -92,6 +97,7 @@ def test_export_is_atomic_on_failure(tmp_path, monkeypatch):
   model = k2jax.load(_write(tmp_path))
   dst = str(tmp_path / "export")
   import k2jax.convert.hf as hf_io
+
   calls = {"n": 0}
   real = hf_io.save_file
 
@@ -115,8 +121,11 @@ def _write(tmp_path):
 
 
 def test_config_json_round_trip():
-  published = dict(hf_golden.CONFIGS["k2_like"], transformers_version="4.51.0",
-                   quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+  published = dict(
+    hf_golden.CONFIGS["k2_like"],
+    transformers_version="4.51.0",
+    quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
+  )
   cfg = K2Config.from_hf_dict(published)
   assert cfg.rope["rope_type"] == "yarn" and cfg.rope["factor"] == 32.0
   back = cfg.to_hf_dict()
@@ -126,8 +135,9 @@ def test_config_json_round_trip():
   # transformers >= 5 style `rope_parameters`
   v5 = dict(published)
   rs = v5.pop("rope_scaling")
-  v5["rope_parameters"] = dict(rope_type="yarn", rope_theta=v5.pop("rope_theta"),
-                               **{k: v for k, v in rs.items() if k != "type"})
+  v5["rope_parameters"] = dict(
+    rope_type="yarn", rope_theta=v5.pop("rope_theta"), **{k: v for k, v in rs.items() if k != "type"}
+  )
   assert K2Config.from_hf_dict(v5) == cfg
   # the 1t preset is Kimi K2's published config
   k2 = presets.get("1t").to_hf_dict()

@@ -1,4 +1,5 @@
 """Logits parity with transformers' DeepseekV3ForCausalLM, and the HF <-> k2jax round trip."""
+
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ def _have_torch():
   try:
     import torch  # noqa: F401
     import transformers  # noqa: F401
+
     return True
   except ImportError:
     return False
@@ -70,9 +72,12 @@ def test_logits_match_hf_live_and_roundtrip_is_bitwise(hf_dir):
     assert sorted(src_map) == sorted(dst_map)
     assert len(set(dst_map.values())) > 1  # sharded, with an index
     from safetensors import safe_open
+
     for key in src_map:
-      with safe_open(os.path.join(path, src_map[key]), "numpy") as a, \
-           safe_open(os.path.join(out, dst_map[key]), "numpy") as b:
+      with (
+        safe_open(os.path.join(path, src_map[key]), "numpy") as a,
+        safe_open(os.path.join(out, dst_map[key]), "numpy") as b,
+      ):
         x, y = a.get_tensor(key), b.get_tensor(key)
         assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), key
     with open(os.path.join(out, "config.json")) as f:
@@ -93,6 +98,7 @@ def test_bfloat16_export_loads_in_transformers():
     out = os.path.join(d, "bf16")
     k2jax.save_hf(model, out, dtype="bfloat16")
     from safetensors import safe_open
+
     wmap = hf_io.weight_map(out)
     with safe_open(os.path.join(out, wmap["model.layers.1.self_attn.q_b_proj.weight"]), "numpy") as f:
       assert str(f.get_tensor("model.layers.1.self_attn.q_b_proj.weight").dtype) == "bfloat16"
@@ -119,10 +125,12 @@ def test_workdir_roundtrip(hf_dir, tmp_path):
     pytest.skip("one config is enough")
   model = k2jax.load(path)
   from k2jax.convert import save_model_only
+
   save_model_only(model.cfg, nnx.to_pure_dict(nnx.state(model)), str(tmp_path / "w"))
   again = k2jax.load(str(tmp_path / "w"))
   a, b = nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(again))
   import jax
+
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -132,6 +140,7 @@ def test_native_k2jax_model_exports_to_automodel(tmp_path):
   """A model created in k2jax (default config fields) loads with AutoModelForCausalLM, experts included."""
   import jax
   from k2jax.model import K2Model, presets
+
   cfg = presets.get("tiny", vocab_size=128, num_hidden_layers=2)
   model = K2Model(cfg, rngs=nnx.Rngs(3))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -1,4 +1,5 @@
 """Model properties: causality, packing, scan == unrolled, remat, max-logit semantics, parameter counts."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,9 +9,19 @@ from flax import nnx
 from k2jax.model import K2Model, presets
 from k2jax.model.mla import attention_mask
 
-CFG = presets.get("tiny", num_hidden_layers=3, first_k_dense_replace=1, vocab_size=128,
-                  rope_scaling=(("factor", 4.0), ("mscale", 1.0), ("mscale_all_dim", 1.0),
-                                ("original_max_position_embeddings", 16), ("type", "yarn")))
+CFG = presets.get(
+  "tiny",
+  num_hidden_layers=3,
+  first_k_dense_replace=1,
+  vocab_size=128,
+  rope_scaling=(
+    ("factor", 4.0),
+    ("mscale", 1.0),
+    ("mscale_all_dim", 1.0),
+    ("original_max_position_embeddings", 16),
+    ("type", "yarn"),
+  ),
+)
 
 
 def _model(cfg=CFG, seed=0):
@@ -29,7 +40,7 @@ def test_causality_by_gradient():
   ids = jnp.arange(T)[None]
   grads = nnx.grad(lambda m: m(ids).logits[0, t].sum())(model)
   g_norm = np.abs(np.asarray(grads.embed.embedding[...])).sum(-1)
-  assert np.all(g_norm[t + 1:T] == 0.0)
+  assert np.all(g_norm[t + 1 : T] == 0.0)
   assert np.all(g_norm[: t + 1] > 0.0)
 
 
@@ -78,30 +89,35 @@ def test_max_logits_are_max_over_valid_positions():
   assert out.max_logits.shape == (CFG.num_hidden_layers, CFG.num_attention_heads)
   # Recompute layer 0's logits by hand from its parameters.
   from k2jax.model import rope as rope_lib
+
   attn = model.dense_layers
   p = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(nnx.state(attn)))
   x = jnp.take(model.embed.embedding[...], ids, axis=0)
+
   def rms(v, g, eps):
     return g * v * jax.lax.rsqrt(jnp.mean(v * v, -1, keepdims=True) + eps)
+
   h = rms(x, p["attn_norm"]["scale"], CFG.rms_norm_eps)
   H, Kn, Kr = CFG.num_attention_heads, CFG.qk_nope_head_dim, CFG.qk_rope_head_dim
   q = (rms(h @ p["attn"]["w_q_a"], p["attn"]["q_norm"]["scale"], 1e-6) @ p["attn"]["w_q_b"]).reshape(2, 9, H, -1)
   kva = h @ p["attn"]["w_kv_a"]
-  c = rms(kva[..., :CFG.kv_lora_rank], p["attn"]["kv_norm"]["scale"], 1e-6)
+  c = rms(kva[..., : CFG.kv_lora_rank], p["attn"]["kv_norm"]["scale"], 1e-6)
   k_nope = (c @ p["attn"]["w_kv_b"]).reshape(2, 9, H, -1)[..., :Kn]
   cos, sin = rope_lib.rope_cos_sin(CFG, pos)
   q_rope = rope_lib.apply_rope(q[..., Kn:], cos, sin, CFG.rope_interleave)
-  k_rope = rope_lib.apply_rope(kva[..., None, CFG.kv_lora_rank:], cos, sin, CFG.rope_interleave)
-  s = (jnp.einsum("bthk,bshk->bhts", q[..., :Kn], k_nope)
-       + jnp.einsum("bthk,bsk->bhts", q_rope, k_rope[:, :, 0])) * rope_lib.softmax_scale(CFG)
+  k_rope = rope_lib.apply_rope(kva[..., None, CFG.kv_lora_rank :], cos, sin, CFG.rope_interleave)
+  s = (
+    jnp.einsum("bthk,bshk->bhts", q[..., :Kn], k_nope) + jnp.einsum("bthk,bsk->bhts", q_rope, k_rope[:, :, 0])
+  ) * rope_lib.softmax_scale(CFG)
   valid = np.asarray(attention_mask(seg))
   want = np.max(np.where(valid[:, None], np.asarray(s), -np.inf), axis=(0, 2, 3))
   np.testing.assert_allclose(out.max_logits[0], want, rtol=1e-5)
-  assert rope_lib.softmax_scale(CFG) != CFG.qk_head_dim ** -0.5  # YaRN mscale is in effect
+  assert rope_lib.softmax_scale(CFG) != CFG.qk_head_dim**-0.5  # YaRN mscale is in effect
 
 
 def test_1t_parameter_counts_without_allocation():
   from k2jax.model.config import K2Config
+
   cfg = presets.get("1t")
   assert cfg == K2Config()  # the dataclass defaults are Kimi K2
   model = nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0)))
@@ -114,8 +130,16 @@ def test_1t_parameter_counts_without_allocation():
   bias = nnx.state(model, nnx.Not(nnx.Param))
   assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(bias)) == 60 * 384
   # presets
-  assert 0.9e9 < sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
-      nnx.state(nnx.eval_shape(lambda: K2Model(presets.get("small"), rngs=nnx.Rngs(0))), nnx.Param))) < 1.5e9
+  assert (
+    0.9e9
+    < sum(
+      int(np.prod(x.shape))
+      for x in jax.tree.leaves(
+        nnx.state(nnx.eval_shape(lambda: K2Model(presets.get("small"), rngs=nnx.Rngs(0))), nnx.Param)
+      )
+    )
+    < 1.5e9
+  )
 
 
 def test_axes_metadata_on_every_variable():

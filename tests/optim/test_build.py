@@ -1,4 +1,5 @@
 """muonclip as a whole: labels, nnx.State trees, non-finite handling, convergence, schedules."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,15 +8,14 @@ import pytest
 from conftest import SPEC, synthetic_params
 from flax import nnx
 
-from k2jax.optim import (describe_param_groups, label_params, muonclip, muonclip_metrics,
-                         wsd_schedule)
+from k2jax.optim import describe_param_groups, label_params, muonclip, muonclip_metrics, wsd_schedule
 
 
 def test_labels_by_path_not_ndim():
   labels = label_params(synthetic_params(0))
   assert labels["embed"]["embedding"] == "adamw" and labels["lm_head"]["w"] == "adamw"
-  assert labels["moe_layers"]["attn_norm"]["scale"] == "adamw"          # stacked [L, D] gain
-  assert labels["moe_layers"]["attn"]["w_q_b"] == "muon"                # [L, Rq, H*K]
+  assert labels["moe_layers"]["attn_norm"]["scale"] == "adamw"  # stacked [L, D] gain
+  assert labels["moe_layers"]["attn"]["w_q_b"] == "muon"  # [L, Rq, H*K]
   assert labels["moe_layers"]["moe"]["router"]["w"] == "muon"
   assert labels["moe_layers"]["moe"]["experts"]["w_up"] == "muon_expert"
   table = describe_param_groups(synthetic_params(0))
@@ -38,19 +38,20 @@ def test_nnx_state_labels_match_dict_paths():
     def __init__(self):
       self.w_q_b = nnx.Param(jnp.ones((2, 4, 6)))
       self.q_norm = nnx.RMSNorm(4, rngs=nnx.Rngs(0))
+
   class Tiny(nnx.Module):
     def __init__(self):
       self.attn = Attn()
       self.lm_head = nnx.Linear(4, 8, use_bias=False, rngs=nnx.Rngs(0))
+
   state = nnx.state(Tiny(), nnx.Param)
-  flat = {jax.tree_util.keystr(p): lab for p, lab in
-          jax.tree_util.tree_flatten_with_path(label_params(state))[0]}
+  flat = {jax.tree_util.keystr(p): lab for p, lab in jax.tree_util.tree_flatten_with_path(label_params(state))[0]}
   assert sorted(flat.values()) == ["adamw", "adamw", "muon"], flat
 
 
 def _loss(params, x_BD, y_BD):
   """A toy regression through the param tree's matrices, gains and embedding rows."""
-  h = x_BD * params["final_norm"]["scale"] + params["embed"]["embedding"][:x_BD.shape[0]]
+  h = x_BD * params["final_norm"]["scale"] + params["embed"]["embedding"][: x_BD.shape[0]]
   h = jnp.tanh(h @ params["dense_layers"]["mlp"]["w_gate"][0]) @ params["dense_layers"]["mlp"]["w_down"][0]
   return jnp.mean(jnp.square(h - y_BD))
 
@@ -60,8 +61,7 @@ def test_converges_on_toy_objective():
   rng = np.random.default_rng(5)
   x = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
   y = jnp.asarray(np.tanh(rng.standard_normal((32, 16))), jnp.float32)
-  opt = muonclip(wsd_schedule(0.02, warmup_steps=5, stable_steps=60, decay_steps=35,
-                              final_lr=0.002), qk_clip_spec=SPEC)
+  opt = muonclip(wsd_schedule(0.02, warmup_steps=5, stable_steps=60, decay_steps=35, final_lr=0.002), qk_clip_spec=SPEC)
   state = opt.init(params)
   max_logits = jnp.zeros((3, 2))
 
@@ -104,8 +104,11 @@ def test_nonfinite_skip_and_error():
 
 def test_wsd_schedule_shape():
   s = wsd_schedule(1.0, warmup_steps=10, stable_steps=20, decay_steps=10, final_lr=0.1)
-  np.testing.assert_allclose([s(0), s(5), s(10), s(29), s(35), s(40), s(100)],
-                             [0.0, 0.5, 1.0, 1.0, 0.5 * (1 + np.cos(np.pi / 2)) * 0.9 + 0.1, 0.1, 0.1],
-                             rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(
+    [s(0), s(5), s(10), s(29), s(35), s(40), s(100)],
+    [0.0, 0.5, 1.0, 1.0, 0.5 * (1 + np.cos(np.pi / 2)) * 0.9 + 0.1, 0.1, 0.1],
+    rtol=1e-6,
+    atol=1e-7,
+  )
   with pytest.raises(ValueError, match="final_lr"):
     wsd_schedule(1.0, warmup_steps=1, stable_steps=1, decay_steps=1, final_lr=2.0)

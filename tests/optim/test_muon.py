@@ -1,4 +1,5 @@
 """Muon and AdamW branches against an independent float64 numpy implementation of the paper."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,11 +31,11 @@ def ref_step(w, g, st, label, t, lr, wd=0.1, mu=0.95, b1=0.9, b2=0.95, eps=1e-8)
     st["v"] = b2 * st["v"] + (1 - b2) * g * g
     upd = (st["m"] / (1 - b1**t)) / (np.sqrt(st["v"] / (1 - b2**t)) + eps)
   else:
-    st["M"] = mu * st["M"] + g                      # plain-sum momentum
-    nest = mu * st["M"] + g                         # Nesterov input
+    st["M"] = mu * st["M"] + g  # plain-sum momentum
+    nest = mu * st["M"] + g  # Nesterov input
     a, b = w.shape[-2:]
     o = np.stack([ref_ns(m) for m in nest.reshape(-1, a, b)]).reshape(w.shape)
-    upd = 0.2 * np.sqrt(max(a, b)) * o              # "Match Adam RMS"
+    upd = 0.2 * np.sqrt(max(a, b)) * o  # "Match Adam RMS"
   return w - lr * (upd + wd * w)
 
 
@@ -53,15 +54,20 @@ def test_five_steps_match_paper_equations():
     grads = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
     updates, state = update(jax.tree.map(jnp.asarray, grads), state, p_jax)
     p_jax = optax.apply_updates(p_jax, updates)
-    ref = jax.tree.map(lambda w, g, s, lab: ref_step(w, g.astype(np.float64), s, lab, t, lr),
-                       ref, grads, ref_state, labels, is_leaf=lambda x: isinstance(x, dict) and "M" in x)
+    ref = jax.tree.map(
+      lambda w, g, s, lab: ref_step(w, g.astype(np.float64), s, lab, t, lr),
+      ref,
+      grads,
+      ref_state,
+      labels,
+      is_leaf=lambda x: isinstance(x, dict) and "M" in x,
+    )
   flat_ref = jax.tree_util.tree_flatten_with_path(ref)[0]
   for (path, r), got, lab in zip(flat_ref, jax.tree.leaves(p_jax), jax.tree.leaves(labels)):
     rel = np.linalg.norm(np.asarray(got, np.float64) - r) / np.linalg.norm(r)
     assert rel <= 1e-5, (jax.tree_util.keystr(path), lab, rel)
   # The run moved the weights by far more than the tolerance (the comparison is not vacuous).
-  moved = np.linalg.norm(np.asarray(p_jax["moe_layers"]["attn"]["w_o"]) -
-                         params["moe_layers"]["attn"]["w_o"])
+  moved = np.linalg.norm(np.asarray(p_jax["moe_layers"]["attn"]["w_o"]) - params["moe_layers"]["attn"]["w_o"])
   assert moved > 1e-2 * np.linalg.norm(params["moe_layers"]["attn"]["w_o"])
 
 
@@ -95,8 +101,10 @@ def test_first_step_agrees_with_optax_contrib():
   g = {"w": jnp.asarray(np.random.default_rng(4).standard_normal((24, 40)), jnp.float32)}
   ours = scale_by_muon(nesterov=False, ns_eps=1e-8)
   dims = {"w": optax.contrib.MuonDimensionNumbers()}
-  theirs = optax.chain(optax.contrib.scale_by_muon(nesterov=False, weight_dimension_numbers=dims),
-                       optax.contrib._muon.scale_by_shape(dims, consistent_rms=0.2))
+  theirs = optax.chain(
+    optax.contrib.scale_by_muon(nesterov=False, weight_dimension_numbers=dims),
+    optax.contrib._muon.scale_by_shape(dims, consistent_rms=0.2),
+  )
   u1, _ = ours.update(g, ours.init(g))
   u2, _ = theirs.update(g, theirs.init(g))
   np.testing.assert_allclose(u1["w"], u2["w"], rtol=1e-5, atol=1e-6)

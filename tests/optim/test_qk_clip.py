@@ -1,4 +1,5 @@
 """QK-Clip: column layout on a synthetic tree, and exactness on the real tiny model."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,7 @@ from k2jax.optim import QKClipSpec, muonclip, muonclip_metrics, qk_clip
 def test_mla_split_columns():
   """q_nope * sqrt(g), q_rope * g, k_nope * sqrt(g); v and w_kv_a (k_rope) untouched."""
   params = jax.tree.map(jnp.asarray, synthetic_params(0))
-  max_logits = jnp.array([[50.0, 5.0], [5.0, 40.0], [-3.0, 20.0]])   # rows: dense, moe0, moe1
+  max_logits = jnp.array([[50.0, 5.0], [5.0, 40.0], [-3.0, 20.0]])  # rows: dense, moe0, moe1
   out = qk_clip(params, max_logits, SPEC, tau=10.0)
   gamma = {(0, 0): 0.2, (1, 1): 0.25, (2, 1): 0.5}
   Kn, Kr, V = SPEC.qk_nope_head_dim, SPEC.qk_rope_head_dim, SPEC.v_head_dim
@@ -24,11 +25,10 @@ def test_mla_split_columns():
       q0, k0 = (params[group]["attn"][n][li] for n in ("w_q_b", "w_kv_b"))
       q1, k1 = (out[group]["attn"][n][li] for n in ("w_q_b", "w_kv_b"))
       qs, ks = h * (Kn + Kr), h * (Kn + V)
-      np.testing.assert_allclose(q1[:, qs:qs + Kn], q0[:, qs:qs + Kn] * np.sqrt(g), rtol=1e-6)
-      np.testing.assert_allclose(q1[:, qs + Kn:qs + Kn + Kr], q0[:, qs + Kn:qs + Kn + Kr] * g,
-                                 rtol=1e-6)
-      np.testing.assert_allclose(k1[:, ks:ks + Kn], k0[:, ks:ks + Kn] * np.sqrt(g), rtol=1e-6)
-      np.testing.assert_array_equal(k1[:, ks + Kn:ks + Kn + V], k0[:, ks + Kn:ks + Kn + V])
+      np.testing.assert_allclose(q1[:, qs : qs + Kn], q0[:, qs : qs + Kn] * np.sqrt(g), rtol=1e-6)
+      np.testing.assert_allclose(q1[:, qs + Kn : qs + Kn + Kr], q0[:, qs + Kn : qs + Kn + Kr] * g, rtol=1e-6)
+      np.testing.assert_allclose(k1[:, ks : ks + Kn], k0[:, ks : ks + Kn] * np.sqrt(g), rtol=1e-6)
+      np.testing.assert_array_equal(k1[:, ks + Kn : ks + Kn + V], k0[:, ks + Kn : ks + Kn + V])
   for group in ("dense_layers", "moe_layers"):
     np.testing.assert_array_equal(out[group]["attn"]["w_kv_a"], params[group]["attn"]["w_kv_a"])
 
@@ -48,6 +48,7 @@ def test_lr0_step_clips_real_model_to_tau():
   (dense) layer, then the last (MoE) layer.
   """
   from k2jax.model import K2Model, presets
+
   cfg = presets.get("tiny")
   spec = QKClipSpec.from_config(cfg)
   forward = nnx.jit(lambda m, ids: m(ids).max_logits)
@@ -55,7 +56,7 @@ def test_lr0_step_clips_real_model_to_tau():
   for group, li, layer in (("dense_layers", 0, 0), ("moe_layers", 1, cfg.num_hidden_layers - 1)):
     model = K2Model(cfg, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
-    for name in ("w_q_b", "w_kv_b"):   # blow up one layer's q and k so its logits are O(10)
+    for name in ("w_q_b", "w_kv_b"):  # blow up one layer's q and k so its logits are O(10)
       var = params[group]["attn"][name]
       var[...] = var[...].at[li].multiply(12.0)
     nnx.update(model, params)
@@ -74,8 +75,9 @@ def test_lr0_step_clips_real_model_to_tau():
 
     np.testing.assert_allclose(after_LH[clipped], tau, rtol=1e-4)
     # Layers up to the clipped one see unchanged inputs: unclipped heads there are bitwise equal.
-    np.testing.assert_array_equal(after_LH[:layer + 1][~clipped[:layer + 1]],
-                                  before_LH[:layer + 1][~clipped[:layer + 1]])
+    np.testing.assert_array_equal(
+      after_LH[: layer + 1][~clipped[: layer + 1]], before_LH[: layer + 1][~clipped[: layer + 1]]
+    )
     _assert_untouched_bitwise(params, new_params, clipped, cfg)
 
 
@@ -86,7 +88,7 @@ def _assert_untouched_bitwise(old, new, clipped_LH, cfg):
     x_new = _get(new, path)
     name = jax.tree_util.keystr(path)
     if "w_q_b" not in name and "w_kv_b" not in name:
-      np.testing.assert_array_equal(x_new, x_old, err_msg=name)   # incl. w_kv_a (k_rope)
+      np.testing.assert_array_equal(x_new, x_old, err_msg=name)  # incl. w_kv_a (k_rope)
       continue
     width = Kn + (Kr if "w_q_b" in name else V)
     rows = range(n_dense) if "dense_layers" in name else range(n_dense, cfg.num_hidden_layers)
@@ -94,7 +96,7 @@ def _assert_untouched_bitwise(old, new, clipped_LH, cfg):
       for h in range(cfg.num_attention_heads):
         cols = slice(h * width + (0 if not clipped_LH[layer, h] else Kn), (h + 1) * width)
         if clipped_LH[layer, h] and "w_q_b" in name:
-          continue   # every column of a clipped head's query moves
+          continue  # every column of a clipped head's query moves
         np.testing.assert_array_equal(x_new[li][:, cols], x_old[li][:, cols], err_msg=name)
 
 

@@ -1,4 +1,5 @@
 """MuonClip on 8 fake devices: state keeps dtype/shape/sharding, result equals single device."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,8 +61,7 @@ def test_sharded_equals_single_device(axis_type, use_owners):
       if s0.ndim:
         assert s1.sharding.is_equivalent_to(s0.sharding, s0.ndim), (s0.sharding, s1.sharding)
   mu = states[-1].inner.inner_states["muon"].inner_state[0].mu
-  assert mu["moe_layers"]["attn"]["w_q_b"].sharding.is_equivalent_to(
-      params["moe_layers"]["attn"]["w_q_b"].sharding, 3)
+  assert mu["moe_layers"]["attn"]["w_q_b"].sharding.is_equivalent_to(params["moe_layers"]["attn"]["w_q_b"].sharding, 3)
 
 
 @pytest.mark.slow
@@ -69,14 +69,20 @@ def test_expert_matrices_are_not_gathered():
   """Expert stacks sharded on E: NS runs where each expert lives, no collective in the update."""
   mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,))
   x = np.random.default_rng(0).standard_normal((2, 8, 16, 8)).astype(np.float32)
-  params = {"moe_layers": {"moe": {"experts": {"w_up": jax.device_put(
-      x, NamedSharding(mesh, P(None, "expert", None, None)))}}}}
+  params = {
+    "moe_layers": {"moe": {"experts": {"w_up": jax.device_put(x, NamedSharding(mesh, P(None, "expert", None, None)))}}}
+  }
   opt = muonclip(1e-2, qk_clip_tau=None)
   state = opt.init(params)
   hlo = jax.jit(opt.update).lower(params, state, params).compile().as_text()
-  collectives = [l for l in hlo.splitlines() if any(
+  collectives = [
+    l
+    for l in hlo.splitlines()
+    if any(
       f"{op}(" in l or f"{op}-start(" in l
-      for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"))]
+      for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+    )
+  ]
   # Only the scalar finiteness flag is reduced across devices; no weight data moves.
   assert collectives and all(" pred[] " in l for l in collectives), collectives
 

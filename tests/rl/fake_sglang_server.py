@@ -1,4 +1,5 @@
 """A local SGLang-API server (127.0.0.1, free port) backed by any `Engine`, with injectable faults."""
+
 from __future__ import annotations
 
 import collections
@@ -13,137 +14,167 @@ from safetensors.numpy import load_file
 
 from k2jax.rl.engine import Engine, GenerateRequest, SamplingParams
 
-FAULTS = ("malformed_json", "short_logprobs", "dup_logprobs", "wrong_ids", "bad_finish", "bad_count",
-          "hang", "drop", "http500", "http400")
+FAULTS = (
+  "malformed_json",
+  "short_logprobs",
+  "dup_logprobs",
+  "wrong_ids",
+  "bad_finish",
+  "bad_count",
+  "hang",
+  "drop",
+  "http500",
+  "http400",
+)
 
 
 class FakeSglangServer:
-    """`faults` is a queue of fault names consumed one per /generate call (empty = behave)."""
+  """`faults` is a queue of fault names consumed one per /generate call (empty = behave)."""
 
-    def __init__(self, engine: Engine, hang_s: float = 5.0):
-        self.engine = engine
-        self.hang_s = hang_s
-        self.faults: collections.deque[str] = collections.deque()
-        self.calls: collections.Counter[str] = collections.Counter()
-        self.loaded: list[tuple[str, int, list[str]]] = []  # (path, version, tensor names)
-        self._lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True)
+  def __init__(self, engine: Engine, hang_s: float = 5.0):
+    self.engine = engine
+    self.hang_s = hang_s
+    self.faults: collections.deque[str] = collections.deque()
+    self.calls: collections.Counter[str] = collections.Counter()
+    self.loaded: list[tuple[str, int, list[str]]] = []  # (path, version, tensor names)
+    self._lock = threading.Lock()
+    self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
+    self._httpd.daemon_threads = True
+    self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+  @property
+  def url(self) -> str:
+    return f"http://127.0.0.1:{self._httpd.server_address[1]}"
 
-    def __enter__(self):
-        self._thread.start()
-        return self
+  def __enter__(self):
+    self._thread.start()
+    return self
 
-    def __exit__(self, *exc):
-        self._httpd.shutdown()
-        self._httpd.server_close()
+  def __exit__(self, *exc):
+    self._httpd.shutdown()
+    self._httpd.server_close()
 
-    def next_fault(self) -> str | None:
-        with self._lock:
-            return self.faults.popleft() if self.faults else None
+  def next_fault(self) -> str | None:
+    with self._lock:
+      return self.faults.popleft() if self.faults else None
 
-    def generate(self, body: dict) -> dict:
-        sp = body.get("sampling_params", {})
-        req = GenerateRequest(rid=body["rid"], input_ids=tuple(body["input_ids"]), sampling=SamplingParams(
-            max_new_tokens=sp["max_new_tokens"], temperature=sp["temperature"], top_p=sp["top_p"],
-            top_k=sp["top_k"], stop_token_ids=tuple(sp["stop_token_ids"]), seed=sp.get("sampling_seed")))
-        res = self.engine.generate(req)
-        finish = {"stop": {"type": "stop", "matched": 1}, "length": {"type": "length", "length": len(res.output_ids)},
-                  "abort": {"type": "abort", "message": "Aborted"}}[res.finish_reason]
-        version = res.weight_versions[-1] if res.weight_versions else 0
-        return {"text": " ".join(map(str, res.output_ids)), "output_ids": list(res.output_ids),
-                "meta_info": {"id": res.rid, "finish_reason": finish, "prompt_tokens": res.prompt_tokens,
-                              "completion_tokens": res.completion_tokens, "weight_version": str(version),
-                              "cached_tokens": 0, "e2e_latency": 0.0,
-                              "output_token_logprobs": [[lp, t, None] for lp, t in
-                                                        zip(res.output_logprobs, res.output_ids)]}}
+  def generate(self, body: dict) -> dict:
+    sp = body.get("sampling_params", {})
+    req = GenerateRequest(
+      rid=body["rid"],
+      input_ids=tuple(body["input_ids"]),
+      sampling=SamplingParams(
+        max_new_tokens=sp["max_new_tokens"],
+        temperature=sp["temperature"],
+        top_p=sp["top_p"],
+        top_k=sp["top_k"],
+        stop_token_ids=tuple(sp["stop_token_ids"]),
+        seed=sp.get("sampling_seed"),
+      ),
+    )
+    res = self.engine.generate(req)
+    finish = {
+      "stop": {"type": "stop", "matched": 1},
+      "length": {"type": "length", "length": len(res.output_ids)},
+      "abort": {"type": "abort", "message": "Aborted"},
+    }[res.finish_reason]
+    version = res.weight_versions[-1] if res.weight_versions else 0
+    return {
+      "text": " ".join(map(str, res.output_ids)),
+      "output_ids": list(res.output_ids),
+      "meta_info": {
+        "id": res.rid,
+        "finish_reason": finish,
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": res.completion_tokens,
+        "weight_version": str(version),
+        "cached_tokens": 0,
+        "e2e_latency": 0.0,
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(res.output_logprobs, res.output_ids)],
+      },
+    }
 
-    def update_weights(self, body: dict) -> dict:
-        path, version = body["model_path"], int(body["weight_version"])
-        names = []
-        for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            names += list(load_file(f))
-        if not names:
-            return {"success": False, "message": f"no safetensors in {path}", "num_paused_requests": 0}
-        self.engine.update_weights(path, version)
-        self.loaded.append((path, version, sorted(names)))
-        return {"success": True, "message": "ok", "num_paused_requests": 0}
+  def update_weights(self, body: dict) -> dict:
+    path, version = body["model_path"], int(body["weight_version"])
+    names = []
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+      names += list(load_file(f))
+    if not names:
+      return {"success": False, "message": f"no safetensors in {path}", "num_paused_requests": 0}
+    self.engine.update_weights(path, version)
+    self.loaded.append((path, version, sorted(names)))
+    return {"success": True, "message": "ok", "num_paused_requests": 0}
 
 
 def _make_handler(server: FakeSglangServer):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+  class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
 
-        def log_message(self, *args):  # keep test output quiet
-            pass
+    def log_message(self, *args):  # keep test output quiet
+      pass
 
-        def _reply(self, code: int, payload, raw: bytes | None = None):
-            data = raw if raw is not None else json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def _reply(self, code: int, payload, raw: bytes | None = None):
+      data = raw if raw is not None else json.dumps(payload).encode()
+      self.send_response(code)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(data)))
+      self.end_headers()
+      self.wfile.write(data)
 
-        def do_GET(self):
-            route = self.path.strip("/").split("?")[0]
-            server.calls[route] += 1
-            if route == "health":
-                return self._reply(200, None, raw=b"")
-            if route == "get_model_info":
-                return self._reply(200, {"model_path": "fake", "is_generation": True})
-            if route == "flush_cache":
-                return self._reply(200, None, raw=b"Cache flushed.")
-            self._reply(404, {"error": route})
+    def do_GET(self):
+      route = self.path.strip("/").split("?")[0]
+      server.calls[route] += 1
+      if route == "health":
+        return self._reply(200, None, raw=b"")
+      if route == "get_model_info":
+        return self._reply(200, {"model_path": "fake", "is_generation": True})
+      if route == "flush_cache":
+        return self._reply(200, None, raw=b"Cache flushed.")
+      self._reply(404, {"error": route})
 
-        def do_POST(self):
-            route = self.path.strip("/")
-            server.calls[route] += 1
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            if route == "generate":
-                return self._generate(body)
-            if route == "abort_request":
-                server.engine.abort([body["rid"]])
-                return self._reply(200, None, raw=b"")
-            if route == "update_weights_from_disk":
-                return self._reply(200, server.update_weights(body))
-            if route == "flush_cache":
-                return self._reply(200, None, raw=b"Cache flushed.")
-            self._reply(404, {"error": route})
+    def do_POST(self):
+      route = self.path.strip("/")
+      server.calls[route] += 1
+      body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+      if route == "generate":
+        return self._generate(body)
+      if route == "abort_request":
+        server.engine.abort([body["rid"]])
+        return self._reply(200, None, raw=b"")
+      if route == "update_weights_from_disk":
+        return self._reply(200, server.update_weights(body))
+      if route == "flush_cache":
+        return self._reply(200, None, raw=b"Cache flushed.")
+      self._reply(404, {"error": route})
 
-        def _generate(self, body):
-            fault = server.next_fault()
-            if fault == "drop":
-                self.close_connection = True
-                return
-            if fault == "hang":
-                time.sleep(server.hang_s)
-                return
-            if fault in ("http500", "http400"):
-                return self._reply(int(fault[4:]), {"error": fault})
-            if fault == "malformed_json":
-                return self._reply(200, None, raw=b'{"text": "x", "output_ids": [1, 2')
-            out = server.generate(body)
-            _corrupt(out, fault)
-            self._reply(200, out)
+    def _generate(self, body):
+      fault = server.next_fault()
+      if fault == "drop":
+        self.close_connection = True
+        return
+      if fault == "hang":
+        time.sleep(server.hang_s)
+        return
+      if fault in ("http500", "http400"):
+        return self._reply(int(fault[4:]), {"error": fault})
+      if fault == "malformed_json":
+        return self._reply(200, None, raw=b'{"text": "x", "output_ids": [1, 2')
+      out = server.generate(body)
+      _corrupt(out, fault)
+      self._reply(200, out)
 
-    return Handler
+  return Handler
 
 
 def _corrupt(out: dict, fault: str | None) -> None:
-    meta = out["meta_info"]
-    if fault == "short_logprobs":
-        meta["output_token_logprobs"] = meta["output_token_logprobs"][:-1]
-    elif fault == "dup_logprobs":  # the sglang-jax bug of reference §2.6
-        meta["output_token_logprobs"] += meta["output_token_logprobs"][:2]
-    elif fault == "wrong_ids":
-        meta["output_token_logprobs"][0][1] += 1
-    elif fault == "bad_finish":
-        meta["finish_reason"] = {"type": "exploded"}
-    elif fault == "bad_count":
-        meta["completion_tokens"] += 1
+  meta = out["meta_info"]
+  if fault == "short_logprobs":
+    meta["output_token_logprobs"] = meta["output_token_logprobs"][:-1]
+  elif fault == "dup_logprobs":  # the sglang-jax bug of reference §2.6
+    meta["output_token_logprobs"] += meta["output_token_logprobs"][:2]
+  elif fault == "wrong_ids":
+    meta["output_token_logprobs"][0][1] += 1
+  elif fault == "bad_finish":
+    meta["finish_reason"] = {"type": "exploded"}
+  elif fault == "bad_count":
+    meta["completion_tokens"] += 1

@@ -1,4 +1,5 @@
 """One tiny served model shared by all serve tests (compiles are the cost: build them once)."""
+
 import dataclasses
 
 import jax
@@ -16,7 +17,7 @@ MAX_LEN = 128
 @dataclasses.dataclass
 class Served:
   server: Server
-  model: K2Model          # the same weights, for full-forward references
+  model: K2Model  # the same weights, for full-forward references
   hf_dir: str
 
   @property
@@ -38,7 +39,8 @@ def served(tmp_path_factory):
   model = K2Model(cfg, rngs=nnx.Rngs(0))
   hf_dir = str(tmp_path_factory.mktemp("tiny_hf"))
   k2jax.save_hf(model, hf_dir)
-  server = Server(hf_dir, engine_config=EngineConfig(max_slots=4, max_seq_len=MAX_LEN, prefix_cache_entries=8),
-                  port=0).start()
+  server = Server(
+    hf_dir, engine_config=EngineConfig(max_slots=4, max_seq_len=MAX_LEN, prefix_cache_entries=8), port=0
+  ).start()
   yield Served(server, model, hf_dir)
   server.close()

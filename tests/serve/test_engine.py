@@ -1,5 +1,6 @@
 """Engine numerics and scheduling: KV-cached decoding equals the full forward, batching and prefix reuse
 change nothing, aborts return partial output, stop conditions."""
+
 import threading
 import time
 
@@ -29,25 +30,40 @@ def test_greedy_decode_equals_full_forward_argmax_and_logprobs(served):
 
 def test_sampled_logprobs_equal_forward_log_softmax(served):
   prompt = _prompt(9, 1)
-  c = served.engine.generate(Request("sampled", prompt, SamplingOptions(
-      max_new_tokens=10, temperature=1.0, seed=7, ignore_eos=True)))
+  c = served.engine.generate(
+    Request("sampled", prompt, SamplingOptions(max_new_tokens=10, temperature=1.0, seed=7, ignore_eos=True))
+  )
   lp_TS = np.asarray(served.forward_logprobs(list(prompt) + c.output_ids))
   want = [lp_TS[len(prompt) - 1 + i, t] for i, t in enumerate(c.output_ids)]
   np.testing.assert_allclose(c.logprobs, want, atol=1e-4)
   # Same seed, same tokens; another seed gives another sample.
-  again = served.engine.generate(Request("sampled2", prompt, SamplingOptions(
-      max_new_tokens=10, temperature=1.0, seed=7, ignore_eos=True)))
-  other = served.engine.generate(Request("sampled3", prompt, SamplingOptions(
-      max_new_tokens=10, temperature=1.0, seed=8, ignore_eos=True)))
+  again = served.engine.generate(
+    Request("sampled2", prompt, SamplingOptions(max_new_tokens=10, temperature=1.0, seed=7, ignore_eos=True))
+  )
+  other = served.engine.generate(
+    Request("sampled3", prompt, SamplingOptions(max_new_tokens=10, temperature=1.0, seed=8, ignore_eos=True))
+  )
   assert again.output_ids == c.output_ids and other.output_ids != c.output_ids
 
 
 def test_continuous_batching_equals_one_at_a_time(served):
   eng = served.engine
   # 7 requests > 4 slots: some wait and join while others decode; lengths and budgets all differ.
-  reqs = [Request(f"cb{i}", _prompt(3 + 2 * i, 10 + i), SamplingOptions(
-      max_new_tokens=4 + 3 * i, temperature=0.0 if i % 2 else 0.8, top_k=50 if i == 2 else -1,
-      top_p=0.9 if i == 4 else 1.0, seed=100 + i, ignore_eos=True)) for i in range(7)]
+  reqs = [
+    Request(
+      f"cb{i}",
+      _prompt(3 + 2 * i, 10 + i),
+      SamplingOptions(
+        max_new_tokens=4 + 3 * i,
+        temperature=0.0 if i % 2 else 0.8,
+        top_k=50 if i == 2 else -1,
+        top_p=0.9 if i == 4 else 1.0,
+        seed=100 + i,
+        ignore_eos=True,
+      ),
+    )
+    for i in range(7)
+  ]
   eng.flush_cache()
   handles = [eng.submit(r) for r in reqs]
   batched = [eng.wait(h, timeout=120) for h in handles]
@@ -67,7 +83,7 @@ def test_prefix_reuse_gives_identical_outputs(served):
   turn1 = _prompt(10, 20)
   first = eng.generate(Request("t1", turn1, GREEDY))
   assert first.cached_tokens == 0
-  turn2 = turn1 + tuple(first.output_ids) + _prompt(5, 21)   # the agent resends the history
+  turn2 = turn1 + tuple(first.output_ids) + _prompt(5, 21)  # the agent resends the history
   reused = eng.generate(Request("t2", turn2, GREEDY))
   # Every token whose keys the first request wrote (its prompt and all but its last output) is reused.
   assert reused.cached_tokens == len(turn1) + len(first.output_ids) - 1
@@ -83,15 +99,16 @@ def test_abort_returns_partial_output(served):
   prompt = _prompt(5, 30)
   budget = SamplingOptions(max_new_tokens=120, temperature=0.0, ignore_eos=True)
   running = eng.submit(Request("long", prompt, budget))
-  while not running.out:   # started decoding
+  while not running.out:  # started decoding
     time.sleep(0.005)
   eng.abort("long")
   c = eng.wait(running, timeout=60)
   assert c.finish["type"] == "abort" and 0 < len(c.output_ids) < 120
   assert len(c.logprobs) == len(c.output_ids)
-  full = eng.generate(Request("long-full", prompt, SamplingOptions(
-      max_new_tokens=len(c.output_ids), temperature=0.0, ignore_eos=True)))
-  assert full.output_ids == c.output_ids   # the partial output is a real prefix of the answer
+  full = eng.generate(
+    Request("long-full", prompt, SamplingOptions(max_new_tokens=len(c.output_ids), temperature=0.0, ignore_eos=True))
+  )
+  assert full.output_ids == c.output_ids  # the partial output is a real prefix of the answer
   assert eng.abort("no-such-rid") == 0
 
 
@@ -104,7 +121,7 @@ def test_abort_all_includes_waiting_requests(served):
   assert eng.abort(abort_all=True) == 6
   done = [eng.wait(h, timeout=60) for h in handles]
   assert all(c.finish["type"] == "abort" for c in done)
-  assert any(len(c.output_ids) == 0 for c in done)   # 6 requests, 4 slots: some never started
+  assert any(len(c.output_ids) == 0 for c in done)  # 6 requests, 4 slots: some never started
 
 
 def test_stop_token_ids_and_eos(served):
@@ -112,9 +129,10 @@ def test_stop_token_ids_and_eos(served):
   prompt = _prompt(6, 50)
   ref = eng.generate(Request("ref", prompt, GREEDY)).output_ids
   k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
-  c = eng.generate(Request("stopid", prompt, SamplingOptions(
-      max_new_tokens=12, temperature=0.0, stop_token_ids=(ref[k],))))
-  assert c.output_ids == ref[:k + 1]
+  c = eng.generate(
+    Request("stopid", prompt, SamplingOptions(max_new_tokens=12, temperature=0.0, stop_token_ids=(ref[k],)))
+  )
+  assert c.output_ids == ref[: k + 1]
   assert c.finish == {"type": "stop", "matched": ref[k]}
 
 

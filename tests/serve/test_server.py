@@ -1,5 +1,6 @@
 """The HTTP API: SGLang /generate fields, stop strings, weight updates, bad requests, the openai client,
 and OpenAI tool calls produced by a model whose weights were set to emit one."""
+
 import json
 
 import numpy as np
@@ -21,8 +22,15 @@ def _post(served, route, body, status=200):
 
 
 def _greedy(served, ids, n=12, **extra):
-  return _post(served, "generate", {"input_ids": list(ids), "return_logprob": True, "sampling_params": {
-      "max_new_tokens": n, "temperature": 0, "ignore_eos": True, **extra}})
+  return _post(
+    served,
+    "generate",
+    {
+      "input_ids": list(ids),
+      "return_logprob": True,
+      "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **extra},
+    },
+  )
 
 
 def test_generate_meta_info_and_batch(served):
@@ -32,8 +40,15 @@ def test_generate_meta_info_and_batch(served):
   assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
   assert meta["prompt_tokens"] == 4 and meta["finish_reason"] == {"type": "length", "length": 6}
   assert isinstance(out["text"], str) and meta["weight_version"] == str(served.engine.weight_version)
-  batch = _post(served, "generate", {"input_ids": [[5, 6, 7, 8], [9, 10]], "rid": ["b0", "b1"],
-                                     "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+  batch = _post(
+    served,
+    "generate",
+    {
+      "input_ids": [[5, 6, 7, 8], [9, 10]],
+      "rid": ["b0", "b1"],
+      "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+    },
+  )
   assert [b["meta_info"]["id"] for b in batch] == ["b0", "b1"]
   assert batch[0]["output_ids"] == out["output_ids"]
   text = _post(served, "generate", {"text": "Hello world", "sampling_params": {"max_new_tokens": 3}})
@@ -45,12 +60,12 @@ def test_stop_string_trims_text(served):
   ids = _greedy(served, [11, 12, 13])["output_ids"]
   k = next(i for i in range(1, len(ids)) if ids[i] < tok.num_base_tokens and len(tok.decode([ids[i]]).strip()) >= 2)
   stop = tok.decode([ids[k]]).strip()
-  j = next(i for i in range(len(ids)) if stop in tok.decode(ids[:i + 1]))
+  j = next(i for i in range(len(ids)) if stop in tok.decode(ids[: i + 1]))
   out = _greedy(served, [11, 12, 13], stop=[stop, "never-generated"])
-  assert out["output_ids"] == ids[:j + 1]
+  assert out["output_ids"] == ids[: j + 1]
   assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-  text = tok.decode([t for t in ids[:j + 1] if t < tok.num_base_tokens])
-  assert out["text"] == text[:text.index(stop)] and stop not in out["text"]
+  text = tok.decode([t for t in ids[: j + 1] if t < tok.num_base_tokens])
+  assert out["text"] == text[: text.index(stop)] and stop not in out["text"]
 
 
 def test_update_weights_from_disk_changes_outputs_and_version(served, bigram_dir):
@@ -64,36 +79,42 @@ def test_update_weights_from_disk_changes_outputs_and_version(served, bigram_dir
     assert requests.get(f"{served.server.url}/get_model_info").json()["weight_version"] == "5"
   finally:
     res = _post(served, "update_weights_from_disk", {"model_path": served.hf_dir})
-  assert res["success"] and res["weight_version"] == "6"   # no version given: incremented
+  assert res["success"] and res["weight_version"] == "6"  # no version given: incremented
   assert _greedy(served, [3, 1, 4, 1, 5])["output_ids"] == before["output_ids"]
   bad = _post(served, "update_weights_from_disk", {"model_path": "/nonexistent/dir"}, status=400)
   assert bad["success"] is False and "/nonexistent/dir" in bad["message"]
 
 
 BAD = [
-    ("generate", {}, "input_ids"),
-    ("generate", {"input_ids": "abc"}, "input_ids"),
-    ("generate", {"input_ids": [1, 2], "text": "x"}, "input_ids"),
-    ("generate", {"input_ids": [99999]}, "input_ids"),
-    ("generate", {"input_ids": [1] * 200}, "input_ids"),
-    ("generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1000}}, "sampling_params.max_new_tokens"),
-    ("generate", {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
-    ("generate", {"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
-    ("generate", {"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}},
-     "sampling_params.frequency_penalty"),
-    ("generate", {"input_ids": [1, 2], "sampling_params": {"colour": 1}}, "sampling_params.colour"),
-    ("generate", {"input_ids": [1, 2], "rid": 5}, "rid"),
-    ("generate", {"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
-    ("generate", {"input_ids": [1, 2], "stream": True}, "stream"),
-    ("generate", {"input_ids": [1, 2], "bogus": 1}, "bogus"),
-    ("update_weights_from_disk", {}, "model_path"),
-    ("abort_request", {}, "rid"),
-    ("v1/completions", {"model": "m"}, "prompt"),
-    ("v1/completions", {"model": "m", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
-    ("v1/completions", {"model": "m", "prompt": [1] * 200}, "prompt"),
-    ("v1/chat/completions", {"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ("v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
-     "tool_choice"),
+  ("generate", {}, "input_ids"),
+  ("generate", {"input_ids": "abc"}, "input_ids"),
+  ("generate", {"input_ids": [1, 2], "text": "x"}, "input_ids"),
+  ("generate", {"input_ids": [99999]}, "input_ids"),
+  ("generate", {"input_ids": [1] * 200}, "input_ids"),
+  ("generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1000}}, "sampling_params.max_new_tokens"),
+  ("generate", {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+  ("generate", {"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+  (
+    "generate",
+    {"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}},
+    "sampling_params.frequency_penalty",
+  ),
+  ("generate", {"input_ids": [1, 2], "sampling_params": {"colour": 1}}, "sampling_params.colour"),
+  ("generate", {"input_ids": [1, 2], "rid": 5}, "rid"),
+  ("generate", {"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
+  ("generate", {"input_ids": [1, 2], "stream": True}, "stream"),
+  ("generate", {"input_ids": [1, 2], "bogus": 1}, "bogus"),
+  ("update_weights_from_disk", {}, "model_path"),
+  ("abort_request", {}, "rid"),
+  ("v1/completions", {"model": "m"}, "prompt"),
+  ("v1/completions", {"model": "m", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+  ("v1/completions", {"model": "m", "prompt": [1] * 200}, "prompt"),
+  ("v1/chat/completions", {"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+  (
+    "v1/chat/completions",
+    {"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+    "tool_choice",
+  ),
 ]
 
 
@@ -112,30 +133,44 @@ def test_openai_client_completions_and_chat(served):
   client = openai.OpenAI(base_url=f"{served.server.url}/v1", api_key="unused")
   ids = [21, 22, 23, 24]
   ref = _greedy(served, ids, n=6)
-  comp = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, logprobs=3,
-                                   extra_body={"ignore_eos": True})
+  comp = client.completions.create(
+    model="tiny", prompt=ids, max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+  )
   choice = comp.choices[0]
   assert choice.text == ref["text"] and choice.finish_reason == "length"
-  np.testing.assert_allclose(choice.logprobs.token_logprobs,
-                             [e[0] for e in ref["meta_info"]["output_token_logprobs"]], atol=1e-5)
+  np.testing.assert_allclose(
+    choice.logprobs.token_logprobs, [e[0] for e in ref["meta_info"]["output_token_logprobs"]], atol=1e-5
+  )
   assert all(len(t) == 3 for t in choice.logprobs.top_logprobs)
   assert comp.usage.prompt_tokens == 4 and comp.usage.completion_tokens == 6
   two = client.completions.create(model="tiny", prompt="Once", max_tokens=4, n=2, seed=1)
   assert len(two.choices) == 2
   messages = [{"role": "user", "content": "Say hi"}]
-  resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
-                                        logprobs=True, top_logprobs=2)
+  resp = client.chat.completions.create(
+    model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+  )
   prompt_ids, _ = chat.render_chat(messages, tokenizer=served.tok, add_generation_prompt=True)
-  raw = _post(served, "generate", {"input_ids": prompt_ids, "return_logprob": True,
-                                   "sampling_params": {"max_new_tokens": 5, "temperature": 0}})
+  raw = _post(
+    served,
+    "generate",
+    {"input_ids": prompt_ids, "return_logprob": True, "sampling_params": {"max_new_tokens": 5, "temperature": 0}},
+  )
   assert [c.logprob for c in resp.choices[0].logprobs.content] == pytest.approx(
-      [e[0] for e in raw["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    [e[0] for e in raw["meta_info"]["output_token_logprobs"]], abs=1e-5
+  )
   assert resp.usage.prompt_tokens == len(prompt_ids)
 
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"days": {"type": "integer"}}}}}]
+TOOLS = [
+  {
+    "type": "function",
+    "function": {
+      "name": "get_weather",
+      "description": "Weather for a city",
+      "parameters": {"type": "object", "properties": {"days": {"type": "integer"}}},
+    },
+  }
+]
 
 
 def test_openai_chat_tool_call_from_model_output(served, bigram_dir, bigram_args):
@@ -144,8 +179,9 @@ def test_openai_chat_tool_call_from_model_output(served, bigram_dir, bigram_args
   _post(served, "update_weights_from_disk", {"model_path": bigram_dir})
   try:
     client = openai.OpenAI(base_url=f"{served.server.url}/v1", api_key="unused")
-    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Paris, 3 days?"}],
-                                          tools=TOOLS, temperature=0, max_tokens=30)
+    resp = client.chat.completions.create(
+      model="tiny", messages=[{"role": "user", "content": "Paris, 3 days?"}], tools=TOOLS, temperature=0, max_tokens=30
+    )
   finally:
     _post(served, "update_weights_from_disk", {"model_path": served.hf_dir})
   choice = resp.choices[0]
@@ -167,9 +203,13 @@ def bigram_args(served):
 
 def _chain(tok, args):
   sp = tok.special_ids
-  return ([sp["<|im_middle|>"], sp["<|tool_calls_section_begin|>"], sp["<|tool_call_begin|>"]]
-          + tok.encode("functions.get_weather:0") + [sp["<|tool_call_argument_begin|>"]] + tok.encode(args)
-          + [sp["<|tool_call_end|>"], sp["<|tool_calls_section_end|>"]])
+  return (
+    [sp["<|im_middle|>"], sp["<|tool_calls_section_begin|>"], sp["<|tool_call_begin|>"]]
+    + tok.encode("functions.get_weather:0")
+    + [sp["<|tool_call_argument_begin|>"]]
+    + tok.encode(args)
+    + [sp["<|tool_call_end|>"], sp["<|tool_calls_section_end|>"]]
+  )
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +223,10 @@ def bigram_dir(served, bigram_args, tmp_path_factory):
   cfg = served.model.cfg
   state = nnx.to_pure_dict(nnx.state(K2Model(cfg, rngs=nnx.Rngs(1))))
   state = __import__("jax").tree.map(np.array, state)
-  for stack, paths in (("dense_layers", (("attn", "w_o"), ("mlp", "w_down"))),
-                       ("moe_layers", (("attn", "w_o"), ("moe", "experts", "w_down"), ("moe", "shared", "w_down")))):
+  for stack, paths in (
+    ("dense_layers", (("attn", "w_o"), ("mlp", "w_down"))),
+    ("moe_layers", (("attn", "w_o"), ("moe", "experts", "w_down"), ("moe", "shared", "w_down"))),
+  ):
     for path in paths:
       leaf = state[stack]
       for key in path[:-1]:
@@ -220,15 +262,17 @@ def test_k2jax_rl_http_client_accepts_our_answers(served):
 def test_update_weights_from_a_weight_sync_delta(served, tmp_path):
   """RL weight sync writes only changed tensors (no config.json): the server overlays them."""
   from safetensors.numpy import save_file
+
   before = _greedy(served, [3, 1, 4, 1, 5])
   delta = tmp_path / "delta"
   delta.mkdir()
-  lm = np.asarray(served.model.lm_head.w[...]).T.copy()     # HF [S, D]
+  lm = np.asarray(served.model.lm_head.w[...]).T.copy()  # HF [S, D]
   lm[:, :] = 0.0
-  lm[7] = 1.0                                                 # every hidden state now prefers token 7 or -7
+  lm[7] = 1.0  # every hidden state now prefers token 7 or -7
   save_file({"lm_head.weight": lm}, str(delta / "model-00001-of-00001.safetensors"))
   (delta / "model.safetensors.index.json").write_text(
-      json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors"}}))
+    json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors"}})
+  )
   try:
     res = _post(served, "update_weights_from_disk", {"model_path": str(delta), "weight_version": "11"})
     assert res["success"] is True and res["weight_version"] == "11"
@@ -240,7 +284,7 @@ def test_update_weights_from_a_weight_sync_delta(served, tmp_path):
     (bad / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "m.safetensors"}}))
     err = _post(served, "update_weights_from_disk", {"model_path": str(bad)}, status=400)
     assert "lm_head.weight" in err["message"] and "shape" in err["message"]
-    assert _greedy(served, [3, 1, 4, 1, 5])["output_ids"] == after["output_ids"]   # failed update changed nothing
+    assert _greedy(served, [3, 1, 4, 1, 5])["output_ids"] == after["output_ids"]  # failed update changed nothing
   finally:
     res = _post(served, "update_weights_from_disk", {"model_path": served.hf_dir})
   assert _greedy(served, [3, 1, 4, 1, 5])["output_ids"] == before["output_ids"]

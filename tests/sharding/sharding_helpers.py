@@ -1,4 +1,5 @@
 """Shared by the sharding tests: tiny models filled from numpy (no per-op compiles) and a loss."""
+
 import functools
 
 import jax
@@ -32,6 +33,7 @@ def tiny_model_state(n_experts: int = 8, dead_experts: tuple[int, ...] = (), see
     if name.endswith("scale']") or ".scale" in name:
       return jnp.asarray(1.0 + 0.1 * rng.standard_normal(x.shape), x.dtype)
     return jnp.asarray(0.05 * rng.standard_normal(x.shape), x.dtype)
+
   return graphdef, jax.tree_util.tree_map_with_path(fill, state)
 
 

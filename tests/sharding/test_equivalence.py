@@ -3,6 +3,7 @@
 Cases cover 1 and >1 experts per device, fsdp/data/expert/tensor axes, and a device that receives no
 tokens for any of its experts. Each case compiles one fwd+bwd; the reference is compiled once per model.
 """
+
 import functools
 import re
 
@@ -49,9 +50,9 @@ def _check(n_experts, dead, preset, mesh_shape):
   (loss0, out0), g0 = _reference(n_experts, dead)
   params, ((loss1, out1), g1) = _sharded(n_experts, dead, preset, mesh_shape)
   assert _rel(out1.logits, out0.logits) <= RTOL
-  assert _rel(out1.max_logits, out0.max_logits) <= RTOL      # global max over all batch shards
-  np.testing.assert_array_equal(out1.expert_counts, out0.expert_counts)   # global counts
-  assert out0.expert_counts.sum() == 2 * 8 * 16 * 2           # moe layers x tokens x k
+  assert _rel(out1.max_logits, out0.max_logits) <= RTOL  # global max over all batch shards
+  np.testing.assert_array_equal(out1.expert_counts, out0.expert_counts)  # global counts
+  assert out0.expert_counts.sum() == 2 * 8 * 16 * 2  # moe layers x tokens x k
   assert _rel(loss1, loss0) <= RTOL
   flat0 = dict(jax.tree_util.tree_flatten_with_path(g0)[0])
   flat1 = dict(jax.tree_util.tree_flatten_with_path(g1)[0])
@@ -65,7 +66,7 @@ def _check(n_experts, dead, preset, mesh_shape):
 
 def test_fsdp_matches_single_device():
   _, w = _check(8, (), "fsdp", {"fsdp": 8})
-  assert w.addressable_shards[0].data.shape == (2, 8, 8, 32)            # embed over fsdp
+  assert w.addressable_shards[0].data.shape == (2, 8, 8, 32)  # embed over fsdp
 
 
 def test_fsdp_ep_one_expert_per_device():
@@ -75,7 +76,7 @@ def test_fsdp_ep_one_expert_per_device():
 
 @pytest.mark.slow
 def test_fsdp_ep_four_experts_per_device_and_an_idle_device():
-  dead = (4, 5, 6, 7, 13)                        # expert rank 1 holds experts 4..7: no tokens at all
+  dead = (4, 5, 6, 7, 13)  # expert rank 1 holds experts 4..7: no tokens at all
   out0, w = _check(16, dead, "fsdp_ep", {"data": 2, "expert": 4})
   assert w.addressable_shards[0].data.shape == (2, 4, 64, 32)
   assert not out0.expert_counts[:, list(dead)].any()

@@ -1,4 +1,5 @@
 """Memory planner: exact against real sharded arrays on 8 devices; 1t plans on the named topologies."""
+
 import jax
 import pytest
 from flax import nnx
@@ -14,8 +15,9 @@ def _device0_bytes(tree):
   return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == dev)
 
 
-@pytest.mark.parametrize("preset,mesh_shape", [("fsdp_ep", {"fsdp": 2, "expert": 4}),
-                                               ("fsdp_ep_tp", {"fsdp": 2, "expert": 2, "tensor": 2})])
+@pytest.mark.parametrize(
+  "preset,mesh_shape", [("fsdp_ep", {"fsdp": 2, "expert": 4}), ("fsdp_ep_tp", {"fsdp": 2, "expert": 2, "tensor": 2})]
+)
 def test_plan_matches_real_sharded_params_and_optimizer_state(preset, mesh_shape):
   cfg = presets.get("tiny")
   p = memory.plan(cfg, mesh_shape, preset, 128, seq_len=16, device_memory_bytes=2**30)
@@ -29,9 +31,9 @@ def test_plan_matches_real_sharded_params_and_optimizer_state(preset, mesh_shape
   shardings = sharding.opt_state_shardings(jax.eval_shape(opt.init, params), params, mesh, preset)
   opt_state = jax.jit(opt.init, out_shardings=shardings)(params)
   assert p["opt_bytes_per_device"] == _device0_bytes(opt_state)
-  assert p["total_bytes_per_device"] == sum(p[k] for k in (
-      "params_bytes_per_device", "grads_bytes_per_device", "opt_bytes_per_device",
-      "act_bytes_per_device"))
+  assert p["total_bytes_per_device"] == sum(
+    p[k] for k in ("params_bytes_per_device", "grads_bytes_per_device", "opt_bytes_per_device", "act_bytes_per_device")
+  )
   assert p["fits"] is True
   lines = memory.format_plan(p).splitlines()
   assert lines[-1] == "fits=True" and f"opt_bytes_per_device={p['opt_bytes_per_device']}" in lines
@@ -57,7 +59,6 @@ def test_plan_errors_name_the_problem():
   with pytest.raises(sharding.ShardingError, match="product 8 != 512"):
     memory.plan(presets.get("1t"), {"fsdp": 8}, "fsdp_ep", 4096, seq_len=4096, topology="v5p-1024")
   with pytest.raises(sharding.ShardingError, match="experts.w_\\w+: dim 1 .*size 384"):
-    memory.plan(presets.get("1t"), {"fsdp": 2, "expert": 256}, "fsdp_ep", 4096, seq_len=4096,
-                topology="v5p-1024")
+    memory.plan(presets.get("1t"), {"fsdp": 2, "expert": 256}, "fsdp_ep", 4096, seq_len=4096, topology="v5p-1024")
   with pytest.raises(KeyError, match="unknown topology 'v4'"):
     memory.topology("v4")

@@ -1,5 +1,6 @@
 """Two local CPU processes (4 fake devices each) form one 8-device mesh and compute the loss of
 one process on the whole batch. Uses jax.distributed with gloo CPU collectives."""
+
 import functools
 import json
 import os
@@ -28,9 +29,16 @@ def test_two_processes_compute_the_single_process_loss(tmp_path):
   env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
   env.pop("XLA_FLAGS", None)
   outs = [tmp_path / f"p{i}.json" for i in range(2)]
-  procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(outs[i])], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, str(WORKER), str(port), str(i), str(outs[i])],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   logs = []
   for p in procs:
     try:
@@ -42,7 +50,7 @@ def test_two_processes_compute_the_single_process_loss(tmp_path):
   for p, log in zip(procs, logs):
     assert p.returncode == 0, log[-3000:]
   results = [json.loads(o.read_text()) for o in outs]
-  assert [r["rows"] for r in results] == [[0, 4], [4, 8]]   # each process loaded only its rows
+  assert [r["rows"] for r in results] == [[0, 4], [4, 8]]  # each process loaded only its rows
 
   graphdef, state = tiny_model_state(16)
   gd, params, rest = split_params(graphdef, state)
@@ -53,7 +61,8 @@ def test_two_processes_compute_the_single_process_loss(tmp_path):
 
 def test_initialize_argument_errors_and_single_process_default():
   from k2jax import distributed
-  assert distributed.initialize(env={}) is False           # nothing set, no cluster: single process
+
+  assert distributed.initialize(env={}) is False  # nothing set, no cluster: single process
   with pytest.raises(ValueError, match="num_processes, process_id missing"):
     distributed.initialize(env={"K2JAX_COORDINATOR": "10.0.0.1:1234"})
   with pytest.raises(ValueError, match="process_id=2 is not in \\[0, 2\\)"):
@@ -61,5 +70,4 @@ def test_initialize_argument_errors_and_single_process_default():
   with pytest.raises(ValueError, match="K2JAX_NUM_PROCESSES='two' is not an integer"):
     distributed.initialize(env={"K2JAX_NUM_PROCESSES": "two"})
   with pytest.raises(ValueError, match="needs host:port"):
-    distributed.initialize(env={"K2JAX_COORDINATOR": "10.0.0.1", "K2JAX_NUM_PROCESSES": "2",
-                                "K2JAX_PROCESS_ID": "0"})
+    distributed.initialize(env={"K2JAX_COORDINATOR": "10.0.0.1", "K2JAX_NUM_PROCESSES": "2", "K2JAX_PROCESS_ID": "0"})

@@ -4,6 +4,7 @@
 Each process owns 4 fake CPU devices, loads only its own batch rows and shards the tiny model over
 {fsdp: 2, expert: 4} with the fsdp_ep preset: experts exchange tokens across the processes.
 """
+
 import json
 import os
 import sys
@@ -19,11 +20,13 @@ def main(port: str, process_id: str, out_path: str):
   import functools  # noqa: PLC0415
 
   import jax  # noqa: PLC0415
+
   jax.config.update("jax_default_matmul_precision", "highest")
   sys.path.insert(0, os.path.dirname(__file__))
   from sharding_helpers import batch, next_token_loss, split_params, tiny_model_state  # noqa: PLC0415
 
   from k2jax import sharding  # noqa: PLC0415
+
   assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
   graphdef, state = tiny_model_state(16)
   mesh = sharding.make_mesh({"fsdp": 2, "expert": 4})

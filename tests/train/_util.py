@@ -1,4 +1,5 @@
 """Shared helpers for tests/train: tiny configs and trainer subprocesses with the suite's devices."""
+
 import json
 import os
 import subprocess
@@ -32,23 +33,49 @@ def flags(**overrides) -> list[str]:
 
 def env(devices: int = 8, cache_dir: str | None = None) -> dict:
   """The child's environment: fake CPU devices, highest matmul precision, shared compile cache."""
-  e = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest",
-           XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=ROOT)
+  e = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    JAX_DEFAULT_MATMUL_PRECISION="highest",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    PYTHONPATH=ROOT,
+  )
   if cache_dir:
-    e.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    e.update(
+      JAX_COMPILATION_CACHE_DIR=cache_dir,
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
   return e
 
 
 def train_cmd(workdir: str, *extra: str, script: str = "launch/train.py") -> list[str]:
-  return [sys.executable, os.path.join(ROOT, script), "--config=" + os.path.join(ROOT, "configs/k2.py:tiny"),
-          f"--workdir={workdir}", *extra]
+  return [
+    sys.executable,
+    os.path.join(ROOT, script),
+    "--config=" + os.path.join(ROOT, "configs/k2.py:tiny"),
+    f"--workdir={workdir}",
+    *extra,
+  ]
 
 
-def run_train(workdir: str, *extra: str, devices: int = 8, cache_dir=None, script="launch/train.py",
-              check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-  p = subprocess.run(train_cmd(workdir, *extra, script=script), cwd=ROOT, env=env(devices, cache_dir),
-                     capture_output=True, text=True, timeout=timeout)
+def run_train(
+  workdir: str,
+  *extra: str,
+  devices: int = 8,
+  cache_dir=None,
+  script="launch/train.py",
+  check: bool = True,
+  timeout: int = 600,
+) -> subprocess.CompletedProcess:
+  p = subprocess.run(
+    train_cmd(workdir, *extra, script=script),
+    cwd=ROOT,
+    env=env(devices, cache_dir),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   if check and p.returncode != 0:
     raise AssertionError(f"trainer failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
   return p

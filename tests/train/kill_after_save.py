@@ -3,6 +3,7 @@
 A hard kill (no cleanup, no atexit, the next steps already dispatched) at a deterministic point, so
 the exact-resume test does not race the trainer.
 """
+
 import os
 import runpy
 import signal

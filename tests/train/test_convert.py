@@ -1,4 +1,5 @@
 """launch/convert.py both ways, and the demo's transformers loader on the export (same logits)."""
+
 import importlib.util
 import json
 import os
@@ -17,8 +18,14 @@ from tests.train import _util
 
 
 def _convert(src, dst, *extra):
-  p = subprocess.run([sys.executable, "launch/convert.py", f"--src={src}", f"--dst={dst}", *extra],
-                     cwd=_util.ROOT, env=_util.env(devices=1), capture_output=True, text=True, timeout=300)
+  p = subprocess.run(
+    [sys.executable, "launch/convert.py", f"--src={src}", f"--dst={dst}", *extra],
+    cwd=_util.ROOT,
+    env=_util.env(devices=1),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert p.returncode == 0, p.stderr[-3000:]
   return p
 
@@ -41,12 +48,19 @@ def test_workdir_to_hf_and_back(tmp_path):
   hf_generate = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(hf_generate)
   import torch
+
   ids = np.arange(3, 19, dtype=np.int32)[None]
   with torch.no_grad():
     theirs = hf_generate.load_hf_model(hf)(torch.tensor(ids, dtype=torch.long)).logits.numpy()
   ours = np.asarray(k2jax.load(w)(ids).logits)
-  np.testing.assert_allclose(theirs, ours, atol=1e-4)   # experts loaded, not left random
+  np.testing.assert_allclose(theirs, ours, atol=1e-4)  # experts loaded, not left random
 
-  p = subprocess.run([sys.executable, "launch/convert.py", f"--src={tmp_path}", f"--dst={tmp_path / 'x'}"],
-                     cwd=_util.ROOT, env=_util.env(devices=1), capture_output=True, text=True, timeout=120)
+  p = subprocess.run(
+    [sys.executable, "launch/convert.py", f"--src={tmp_path}", f"--dst={tmp_path / 'x'}"],
+    cwd=_util.ROOT,
+    env=_util.env(devices=1),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert p.returncode != 0 and "neither a k2jax workdir" in p.stderr

@@ -1,4 +1,5 @@
 """Parameter counts from shapes: the K2 numbers, and the activated-parameter rule on tiny."""
+
 import math
 
 import jax
@@ -19,7 +20,7 @@ def test_tiny_counts_match_allocated_model():
   model = K2Model(cfg, rngs=nnx.Rngs(0))
   total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   counts = count_params(cfg)
-  assert counts.total == total                       # the RouterBias is not counted
+  assert counts.total == total  # the RouterBias is not counted
   experts = nnx.state(model, nnx.Param)["moe_layers"]["moe"]["experts"]
   per_expert = sum(math.prod(v.shape[2:]) for v in jax.tree.leaves(experts))  # [L, E, ...] -> one expert
   idle = (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert * cfg.num_moe_layers

@@ -1,5 +1,6 @@
 """The README demo's training: the tiny config on the bundled corpus ends well below the corpus's
 unigram entropy (what a model that ignores context can reach) within the demo's steps."""
+
 import json
 
 import numpy as np
@@ -23,14 +24,14 @@ def unigram_entropy() -> float:
 @pytest.mark.slow
 def test_tiny_demo_loss_falls_below_unigram_entropy(tmp_path):
   workdir = str(tmp_path / "w")
-  steps = _util.k2.get_config("tiny").steps                  # the demo trains the config as is
+  steps = _util.k2.get_config("tiny").steps  # the demo trains the config as is
   # One device, as scripts/demo.sh runs it.
   _util.run_train(workdir, "--config.log.progress=False", "--config.log.tensorboard=False", devices=1)
   rows = _util.metrics(workdir)
   assert rows[-1]["step"] == steps
   h = unigram_entropy()
-  assert 6.0 < h < 8.0                                        # sanity: a 4k BPE on English prose
-  final = float(np.mean([r["loss"] for r in rows[-3:]]))      # logged every 10 steps: a 30-step mean
-  assert rows[0]["loss"] > h                                  # starts above (near log(vocab))
+  assert 6.0 < h < 8.0  # sanity: a 4k BPE on English prose
+  final = float(np.mean([r["loss"] for r in rows[-3:]]))  # logged every 10 steps: a 30-step mean
+  assert rows[0]["loss"] > h  # starts above (near log(vocab))
   assert final < h - 1.0, (final, h)
   assert all(r["skipped_steps"] == 0 for r in rows)

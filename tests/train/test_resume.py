@@ -1,4 +1,5 @@
 """Exact resume: 2N steps straight == N steps, SIGKILL, resume to 2N (bitwise, on CPU)."""
+
 import os
 import signal
 import subprocess
@@ -17,16 +18,21 @@ N = 4
 
 @pytest.mark.slow
 def test_kill_and_resume_is_bitwise_exact(tmp_path):
-  cache = str(tmp_path / "jax_cache")   # the three runs compile the same program once
-  args = _util.flags(**{"steps": 2 * N, "checkpoint.every_steps": N, "log.every_steps": 1,
-                        "data.num_microbatches": 2})
+  cache = str(tmp_path / "jax_cache")  # the three runs compile the same program once
+  args = _util.flags(**{"steps": 2 * N, "checkpoint.every_steps": N, "log.every_steps": 1, "data.num_microbatches": 2})
   straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
   _util.run_train(straight, *args, cache_dir=cache)
 
   env = _util.env(cache_dir=cache)
   env["K2JAX_KILL_AFTER_STEP"] = str(N)
-  p = subprocess.run(_util.train_cmd(killed, *args, script="tests/train/kill_after_save.py"),
-                     cwd=_util.ROOT, env=env, capture_output=True, text=True, timeout=600)
+  p = subprocess.run(
+    _util.train_cmd(killed, *args, script="tests/train/kill_after_save.py"),
+    cwd=_util.ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
   assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == [str(N)]
 
@@ -36,8 +42,16 @@ def test_kill_and_resume_is_bitwise_exact(tmp_path):
   a, b = _util.metrics(straight), _util.metrics(killed)
   assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 2 * N + 1))
   for ra, rb in zip(a, b):
-    for key in ("loss", "grad_norm", "param_norm", "update_norm", "max_attn_logit", "lr",
-                "expert_load_min", "expert_load_max"):
+    for key in (
+      "loss",
+      "grad_norm",
+      "param_norm",
+      "update_norm",
+      "max_attn_logit",
+      "lr",
+      "expert_load_min",
+      "expert_load_max",
+    ):
       assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
   cfg = K2Config.from_json_file(os.path.join(straight, wd.MODEL_CONFIG))
   step_a, pa = wd.restore_model_state(straight, hf_io.abstract_state(cfg))

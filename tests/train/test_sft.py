@@ -1,5 +1,6 @@
 """SFT: `sft_tiny` starts from a workdir's weights (`checkpoint.init_from`) and trains on chats with
 the loss on assistant tokens only."""
+
 import json
 import os
 
@@ -26,7 +27,7 @@ def _chats(path, n=24):
 @pytest.mark.slow
 def test_sft_from_pretrained_workdir(tmp_path):
   base = str(tmp_path / "base")
-  cfg = presets.get("tiny", num_hidden_layers=2)             # differs from the sft config's preset
+  cfg = presets.get("tiny", num_hidden_layers=2)  # differs from the sft config's preset
   state = nnx.to_pure_dict(nnx.state(K2Model(cfg, rngs=nnx.Rngs(7))))
   wd.save_model_only(cfg, state, base)
   chats = str(tmp_path / "chats.jsonl")
@@ -35,10 +36,10 @@ def test_sft_from_pretrained_workdir(tmp_path):
   c.log.progress, c.log.tensorboard = False, False
   c.steps, c.log.every_steps = 3, 1
   c.checkpoint.init_from, c.data.path = base, chats
-  c.log.spike_factor, c.log.spike_window = 0.5, 1     # every step after the first is a "spike"
+  c.log.spike_factor, c.log.spike_window = 0.5, 1  # every step after the first is a "spike"
   out = loop.run(c, str(tmp_path / "sft"))
   assert out["step"] == 3 and np.isfinite(out["loss"])
-  assert wd.read_model_config(str(tmp_path / "sft")).num_hidden_layers == 2   # architecture from init_from
+  assert wd.read_model_config(str(tmp_path / "sft")).num_hidden_layers == 2  # architecture from init_from
   rows = _util.metrics(str(tmp_path / "sft"))
   tokens_per_step = c.data.global_batch_size * c.data.seq_len
   assert all(0 < r["tokens"] < 0.8 * tokens_per_step for r in rows)  # assistant tokens only

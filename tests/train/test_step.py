@@ -1,4 +1,5 @@
 """The pure train step: accumulation equals one big batch, the bias update's sign, the skip guard."""
+
 import functools
 
 import jax
@@ -12,7 +13,7 @@ from k2jax.model import K2Model, presets
 from k2jax.optim import QKClipSpec, muonclip
 from k2jax.train.step import ModelDef, accumulate_grads, init_state, make_train_step, update_bias
 
-CFG = presets.get("tiny", num_hidden_layers=2)   # one dense + one MoE layer: half the compile
+CFG = presets.get("tiny", num_hidden_layers=2)  # one dense + one MoE layer: half the compile
 
 
 def _batch(rows=8, seq_len=32):
@@ -35,7 +36,7 @@ def test_microbatches_equal_one_big_batch():
   assert abs(float(loss1) - float(loss4)) <= 1e-5
   diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), g1, g4)
   assert max(jax.tree.leaves(diff)) <= 1e-5, diff
-  assert float(optax.tree.norm(g1)) > 0.1             # a real gradient, not two zeros
+  assert float(optax.tree.norm(g1)) > 0.1  # a real gradient, not two zeros
   np.testing.assert_allclose(aux1["max_logits"], aux4["max_logits"], rtol=1e-5)  # max over microbatches
   np.testing.assert_array_equal(aux1["expert_counts"], aux4["expert_counts"])  # summed
   assert float(aux1["tokens"]) == float(jnp.sum(batch["loss_mask"]))
@@ -51,8 +52,11 @@ def test_bias_update_lowers_overloaded_experts():
 
 def test_step_updates_and_skips_non_finite():
   mdef, state, opt = _setup()
-  step = jax.jit(make_train_step(mdef, opt, optax.constant_schedule(1e-2), num_microbatches=2,
-                                 bias_update_rate=1e-3, qk_clip_tau=100.0))
+  step = jax.jit(
+    make_train_step(
+      mdef, opt, optax.constant_schedule(1e-2), num_microbatches=2, bias_update_rate=1e-3, qk_clip_tau=100.0
+    )
+  )
   batch = _batch()
   before = jax.tree.map(np.asarray, state)
   new, m = step(state, batch)
@@ -68,7 +72,8 @@ def test_step_updates_and_skips_non_finite():
   out, m = step(bad, batch)
   assert int(out.skipped_steps) == 1 and not bool(m["finite"]) and int(out.step) == 1
   np.testing.assert_array_equal(np.asarray(out.params["lm_head"]["w"]), before.params["lm_head"]["w"])
-  np.testing.assert_array_equal(np.asarray(out.bias["moe_layers"]["moe"]["router"]["bias"]),
-                                before.bias["moe_layers"]["moe"]["router"]["bias"])
+  np.testing.assert_array_equal(
+    np.asarray(out.bias["moe_layers"]["moe"]["router"]["bias"]), before.bias["moe_layers"]["moe"]["router"]["bias"]
+  )
   for a, b in zip(jax.tree.leaves(out.opt_state), jax.tree.leaves(state.opt_state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -6,6 +6,7 @@ The tool subset is drawn deterministically from (seed, agent index): mostly one 
 make sense together) plus a few from elsewhere. LLM outputs must be JSON with the fields checked
 below; anything else is counted and dropped.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,22 +40,31 @@ def pick_tools(tools: list[dict], index: int, seed: int, k: int, cross_domain: i
 
 def make_agent(llm: LLM, tools: list[dict]) -> dict:
   listing = "\n".join(f"- {t['tool']['name']}: {t['tool'].get('description', '')}" for t in tools)
-  value = llm.json([{"role": "system", "content": AGENT_PROMPT},
-                    {"role": "user", "content": f"Tools:\n{listing}"}], role="agent_designer")
+  value = llm.json(
+    [{"role": "system", "content": AGENT_PROMPT}, {"role": "user", "content": f"Tools:\n{listing}"}],
+    role="agent_designer",
+  )
   prompt = value.get("system_prompt") if isinstance(value, dict) else None
   if not isinstance(prompt, str) or len(prompt.strip()) < 20:
     raise llm.invalid("agent_designer", "expected JSON with a system_prompt of at least 20 characters")
-  return {"name": str(value.get("name") or "agent")[:80], "system_prompt": prompt.strip(),
-          "tools": [t["tool"] for t in tools]}
+  return {
+    "name": str(value.get("name") or "agent")[:80],
+    "system_prompt": prompt.strip(),
+    "tools": [t["tool"] for t in tools],
+  }
 
 
 def make_tasks(llm: LLM, agent: dict, n: int) -> list[dict]:
   """Up to n valid tasks; invalid entries are counted as invalid outputs and skipped."""
   names = {t["name"] for t in agent["tools"]}
   listing = json.dumps([{"name": t["name"], "description": t.get("description", "")} for t in agent["tools"]])
-  value = llm.json([{"role": "system", "content": TASK_PROMPT.format(n=n)},
-                    {"role": "user", "content": f"Agent system prompt:\n{agent['system_prompt']}\n\nTools: {listing}"}],
-                   role="task_generator")
+  value = llm.json(
+    [
+      {"role": "system", "content": TASK_PROMPT.format(n=n)},
+      {"role": "user", "content": f"Agent system prompt:\n{agent['system_prompt']}\n\nTools: {listing}"},
+    ],
+    role="task_generator",
+  )
   if not isinstance(value, list):
     raise llm.invalid("task_generator", "expected a JSON array of tasks")
   tasks = []
@@ -78,12 +88,23 @@ def _check_task(raw, tool_names: set[str]) -> dict | None:
   criteria = rubric.get("success_criteria")
   expected = rubric.get("expected_tools", [])
   checkpoints = rubric.get("checkpoints", [])
-  if (not isinstance(criteria, list) or not criteria or not all(isinstance(c, str) for c in criteria)
-      or not isinstance(expected, list) or not set(map(str, expected)) <= tool_names
-      or not isinstance(checkpoints, list)):
+  if (
+    not isinstance(criteria, list)
+    or not criteria
+    or not all(isinstance(c, str) for c in criteria)
+    or not isinstance(expected, list)
+    or not set(map(str, expected)) <= tool_names
+    or not isinstance(checkpoints, list)
+  ):
     return None
   persona = raw.get("user_persona")
-  return {"instruction": raw["instruction"].strip(), "difficulty": str(raw.get("difficulty", "medium")),
-          "user_persona": persona.strip() if isinstance(persona, str) and persona.strip() else None,
-          "rubric": {"success_criteria": criteria, "expected_tools": [str(e) for e in expected],
-                     "checkpoints": [str(c) for c in checkpoints]}}
+  return {
+    "instruction": raw["instruction"].strip(),
+    "difficulty": str(raw.get("difficulty", "medium")),
+    "user_persona": persona.strip() if isinstance(persona, str) and persona.strip() else None,
+    "rubric": {
+      "success_criteria": criteria,
+      "expected_tools": [str(e) for e in expected],
+      "checkpoints": [str(c) for c in checkpoints],
+    },
+  }

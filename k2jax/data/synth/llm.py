@@ -6,6 +6,7 @@ Invalid outputs (no JSON where JSON was asked for, wrong fields) are expected fr
 caller counts and drops them (`InvalidOutput`), never crashes. Transport failures that survive the
 retries raise `ServiceError`: the unit is left undone and a rerun resumes it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -27,13 +28,13 @@ class InvalidOutput(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class LLMConfig:
-  url: str                          # server root or .../v1
+  url: str  # server root or .../v1
   model: str = "default"
   api_key: str | None = None
   temperature: float = 0.7
   max_tokens: int = 512
   timeout_s: float = 120.0
-  concurrency: int = 8              # requests in flight to this endpoint
+  concurrency: int = 8  # requests in flight to this endpoint
   retry: RetryPolicy = RetryPolicy(max_retries=3)
 
   def __post_init__(self):
@@ -52,17 +53,33 @@ class LLM:
     self._lock = threading.Lock()
     self.counts: collections.Counter = collections.Counter()
 
-  def chat(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
-           max_tokens: int | None = None, role: str = "llm") -> dict:
+  def chat(
+    self,
+    messages: Sequence[dict],
+    *,
+    tools: Sequence[dict] | None = None,
+    max_tokens: int | None = None,
+    role: str = "llm",
+  ) -> dict:
     """The first choice's message (`content`, maybe `tool_calls`)."""
-    body = {"model": self.config.model, "messages": list(messages), "temperature": self.config.temperature,
-            "max_tokens": max_tokens or self.config.max_tokens}
+    body = {
+      "model": self.config.model,
+      "messages": list(messages),
+      "temperature": self.config.temperature,
+      "max_tokens": max_tokens or self.config.max_tokens,
+    }
     if tools:
       body["tools"] = list(tools)
     self._count(f"calls.{role}")
     with self._slots:
-      return call_json(self._url, body, timeout_s=self.config.timeout_s, retry=self.config.retry,
-                       headers=self._headers, validate=_first_message)
+      return call_json(
+        self._url,
+        body,
+        timeout_s=self.config.timeout_s,
+        retry=self.config.retry,
+        headers=self._headers,
+        validate=_first_message,
+      )
 
   def text(self, messages: Sequence[dict], *, role: str, max_tokens: int | None = None) -> str:
     content = (self.chat(messages, max_tokens=max_tokens, role=role).get("content") or "").strip()

@@ -10,6 +10,7 @@ Each stage writes `<stage>.jsonl` and `<stage>.rejected.jsonl` in the output dir
 already in either, so a rerun resumes where the last one stopped and every decision can be inspected.
 `stats.json` holds per-stage counts and the LLM's call / invalid-output counters.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -43,13 +44,13 @@ class SynthConfig:
   cross_domain_tools: int = 1
   tasks_per_agent: int = 2
   max_turns: int = 6
-  p_failure: float = 0.15           # injected tool failures
-  p_edge_case: float = 0.15         # injected edge cases
+  p_failure: float = 0.15  # injected tool failures
+  p_edge_case: float = 0.15  # injected edge cases
   agent_max_tokens: int = 512
   judge_min_score: float = 7.0
   default_persona: str = "a busy professional who writes short, direct messages"
   stages: tuple[str, ...] = STAGES  # run a prefix/subset to stop early; later stages read earlier files
-  workers: int = 8                  # units processed at once (LLM concurrency is LLMConfig.concurrency)
+  workers: int = 8  # units processed at once (LLM concurrency is LLMConfig.concurrency)
   seed: int = 0
 
   def __post_init__(self):
@@ -84,16 +85,30 @@ def run_synth(cfg: SynthConfig, out_dir: str) -> dict:
 def _tools(cfg, llm, out, pool, st) -> None:
   imported = tools_lib.import_mcp(cfg.mcp_tool_files, StageStore(out, "tools_import"))
   domains = StageStore(out, "domains")
-  run_units([(c, lambda c=c: {"category": c, "domains": tools_lib.evolve_domains(llm, c, cfg.domains_per_category)})
-             for c in cfg.categories], domains, pool, st.setdefault("domains", {}))
+  run_units(
+    [
+      (c, lambda c=c: {"category": c, "domains": tools_lib.evolve_domains(llm, c, cfg.domains_per_category)})
+      for c in cfg.categories
+    ],
+    domains,
+    pool,
+    st.setdefault("domains", {}),
+  )
   units = StageStore(out, "tool_units")
-  work = [(f"{r['category']}/{d}", lambda c=r["category"], d=d: _tool_unit(llm, c, d, cfg.tools_per_domain))
-          for r in domains.records() for d in r["domains"]]
+  work = [
+    (f"{r['category']}/{d}", lambda c=r["category"], d=d: _tool_unit(llm, c, d, cfg.tools_per_domain))
+    for r in domains.records()
+    for d in r["domains"]
+  ]
   run_units(work, units, pool, st.setdefault("units", {}))
   repo, dropped = tools_lib.build_repository(imported, units.records(), cfg.dedup_threshold)
   _rewrite(os.path.join(out, "tools.jsonl"), repo)
-  st.update(imported=len(imported), synthetic=len(repo) - sum(r["source"] == "mcp" for r in repo),
-            duplicates_dropped=dropped, repository=len(repo))
+  st.update(
+    imported=len(imported),
+    synthetic=len(repo) - sum(r["source"] == "mcp" for r in repo),
+    duplicates_dropped=dropped,
+    repository=len(repo),
+  )
 
 
 def _tool_unit(llm, category, domain, n) -> dict:
@@ -106,16 +121,24 @@ def _agents(cfg, llm, out, pool, st) -> None:
   st["repository"] = len(repo)
   if not repo:
     return
-  work = [(f"agent{i}", lambda i=i: agents_lib.make_agent(
-      llm, agents_lib.pick_tools(repo, i, cfg.seed, cfg.tools_per_agent, cfg.cross_domain_tools)))
-      for i in range(cfg.num_agents)]
+  work = [
+    (
+      f"agent{i}",
+      lambda i=i: agents_lib.make_agent(
+        llm, agents_lib.pick_tools(repo, i, cfg.seed, cfg.tools_per_agent, cfg.cross_domain_tools)
+      ),
+    )
+    for i in range(cfg.num_agents)
+  ]
   run_units(work, StageStore(out, "agents"), pool, st)
 
 
 def _tasks(cfg, llm, out, pool, st) -> None:
   store = StageStore(out, "tasks")
-  work = [(a["id"], lambda a=a: {"agent_id": a["id"], "tasks": agents_lib.make_tasks(llm, a, cfg.tasks_per_agent)})
-          for a in StageStore(out, "agents").records()]
+  work = [
+    (a["id"], lambda a=a: {"agent_id": a["id"], "tasks": agents_lib.make_tasks(llm, a, cfg.tasks_per_agent)})
+    for a in StageStore(out, "agents").records()
+  ]
   run_units(work, store, pool, st)
   st["tasks"] = sum(len(r["tasks"]) for r in store.records())
 
@@ -126,15 +149,27 @@ def _trajectories(cfg, llm, out, pool, st) -> None:
   for rec in StageStore(out, "tasks").records():
     for j, task in enumerate(rec["tasks"]):
       tid = f"{rec['agent_id']}/task{j}"
-      work.append((tid, lambda t={**task, "id": tid}, a=agents[rec["agent_id"]]: make_trajectory(
-          llm, t, a, seed=cfg.seed, max_turns=cfg.max_turns, p_failure=cfg.p_failure, p_edge=cfg.p_edge_case,
-          agent_max_tokens=cfg.agent_max_tokens, default_persona=cfg.default_persona)))
+      work.append(
+        (
+          tid,
+          lambda t={**task, "id": tid}, a=agents[rec["agent_id"]]: make_trajectory(
+            llm,
+            t,
+            a,
+            seed=cfg.seed,
+            max_turns=cfg.max_turns,
+            p_failure=cfg.p_failure,
+            p_edge=cfg.p_edge_case,
+            agent_max_tokens=cfg.agent_max_tokens,
+            default_persona=cfg.default_persona,
+          ),
+        )
+      )
   run_units(work, StageStore(out, "trajectories"), pool, st)
 
 
 def _sft(cfg, llm, out, pool, st) -> None:
-  work = [(t["id"], lambda t=t: judge(llm, t, cfg.judge_min_score))
-          for t in StageStore(out, "trajectories").records()]
+  work = [(t["id"], lambda t=t: judge(llm, t, cfg.judge_min_score)) for t in StageStore(out, "trajectories").records()]
   run_units(work, StageStore(out, "sft"), pool, st)
 
 
@@ -148,14 +183,34 @@ def _rewrite(path: str, records: list[dict]) -> None:
 
 def from_config_dict(c, llm_url: str) -> SynthConfig:
   """The typed config from configs/synth.py (`llm_url` resolved by the launcher)."""
-  llm = LLMConfig(url=llm_url, model=c.model, api_key=c.api_key or None, temperature=c.temperature,
-                  max_tokens=c.max_tokens, timeout_s=c.timeout_s, concurrency=c.concurrency,
-                  retry=RetryPolicy(max_retries=c.max_retries))
+  llm = LLMConfig(
+    url=llm_url,
+    model=c.model,
+    api_key=c.api_key or None,
+    temperature=c.temperature,
+    max_tokens=c.max_tokens,
+    timeout_s=c.timeout_s,
+    concurrency=c.concurrency,
+    retry=RetryPolicy(max_retries=c.max_retries),
+  )
   return SynthConfig(
-      llm=llm, mcp_tool_files=tuple(c.mcp_tool_files), categories=tuple(c.categories),
-      domains_per_category=c.domains_per_category, tools_per_domain=c.tools_per_domain,
-      dedup_threshold=c.dedup_threshold, num_agents=c.num_agents, tools_per_agent=c.tools_per_agent,
-      cross_domain_tools=c.cross_domain_tools, tasks_per_agent=c.tasks_per_agent, max_turns=c.max_turns,
-      p_failure=c.p_failure, p_edge_case=c.p_edge_case, agent_max_tokens=c.agent_max_tokens,
-      judge_min_score=c.judge_min_score, default_persona=c.default_persona, stages=tuple(c.stages),
-      workers=c.workers, seed=c.seed)
+    llm=llm,
+    mcp_tool_files=tuple(c.mcp_tool_files),
+    categories=tuple(c.categories),
+    domains_per_category=c.domains_per_category,
+    tools_per_domain=c.tools_per_domain,
+    dedup_threshold=c.dedup_threshold,
+    num_agents=c.num_agents,
+    tools_per_agent=c.tools_per_agent,
+    cross_domain_tools=c.cross_domain_tools,
+    tasks_per_agent=c.tasks_per_agent,
+    max_turns=c.max_turns,
+    p_failure=c.p_failure,
+    p_edge_case=c.p_edge_case,
+    agent_max_tokens=c.agent_max_tokens,
+    judge_min_score=c.judge_min_score,
+    default_persona=c.default_persona,
+    stages=tuple(c.stages),
+    workers=c.workers,
+    seed=c.seed,
+  )

@@ -1,6 +1,7 @@
 """Stage artifacts: one jsonl of accepted records and one of rejected ones per stage, appended as
 units finish, so a run can be inspected and resumed stage by stage (a unit already in either file is
 not redone; a torn last line from a crash is ignored and that unit redone)."""
+
 from __future__ import annotations
 
 import json

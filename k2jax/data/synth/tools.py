@@ -9,6 +9,7 @@ Deduplication: the same normalised name, or (within one domain) word-set Jaccard
 descriptions >= `dedup_threshold`. Pairwise comparison stays within a domain, so it costs
 O(sum of domain sizes squared) rather than O(n^2) over 20k tools.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,14 +49,23 @@ def import_mcp(paths: Sequence[str], store: StageStore) -> list[dict]:
         if unit not in done:
           store.reject(unit, str(e))
         continue
-      out.append({"id": unit, "source": "mcp", "category": raw.get("category", category),
-                  "domain": raw.get("domain", category), "tool": spec.to_mcp()})
+      out.append(
+        {
+          "id": unit,
+          "source": "mcp",
+          "category": raw.get("category", category),
+          "domain": raw.get("domain", category),
+          "tool": spec.to_mcp(),
+        }
+      )
   return out
 
 
 def evolve_domains(llm: LLM, category: str, n: int) -> list[str]:
-  value = llm.json([{"role": "system", "content": DOMAINS_PROMPT.format(n=n)},
-                    {"role": "user", "content": f"Category: {category}"}], role="domain_generator")
+  value = llm.json(
+    [{"role": "system", "content": DOMAINS_PROMPT.format(n=n)}, {"role": "user", "content": f"Category: {category}"}],
+    role="domain_generator",
+  )
   domains = [d.strip() for d in value if isinstance(d, str) and d.strip()] if isinstance(value, list) else []
   if not domains:
     raise llm.invalid("domain_generator", f"expected a JSON array of strings, got {str(value)[:100]}")
@@ -64,8 +74,13 @@ def evolve_domains(llm: LLM, category: str, n: int) -> list[str]:
 
 def evolve_tools(llm: LLM, category: str, domain: str, n: int) -> tuple[list[dict], int]:
   """(valid MCP tool dicts, number of invalid ones) proposed for one domain."""
-  value = llm.json([{"role": "system", "content": TOOLS_PROMPT.format(n=n)},
-                    {"role": "user", "content": f"Category: {category}\nDomain: {domain}"}], role="tool_generator")
+  value = llm.json(
+    [
+      {"role": "system", "content": TOOLS_PROMPT.format(n=n)},
+      {"role": "user", "content": f"Category: {category}\nDomain: {domain}"},
+    ],
+    role="tool_generator",
+  )
   if not isinstance(value, list):
     raise llm.invalid("tool_generator", "expected a JSON array of tools")
   tools, invalid = [], 0
@@ -84,8 +99,15 @@ def build_repository(imported: list[dict], units: list[dict], threshold: float) 
   candidates = list(imported)
   for unit in units:
     for t in unit["tools"]:
-      candidates.append({"id": f"syn:{unit['category']}/{unit['domain']}/{t['name']}", "source": "synthetic",
-                         "category": unit["category"], "domain": unit["domain"], "tool": t})
+      candidates.append(
+        {
+          "id": f"syn:{unit['category']}/{unit['domain']}/{t['name']}",
+          "source": "synthetic",
+          "category": unit["category"],
+          "domain": unit["domain"],
+          "tool": t,
+        }
+      )
   kept, names, by_domain, dropped = [], set(), {}, 0
   for rec in candidates:
     key = _norm_name(rec["tool"]["name"])

@@ -9,6 +9,7 @@
   answers with the result. The outcome mode (success, partial failure, edge case) is drawn by the
   pipeline's seeded RNG, not left to the model, so the injected stochasticity is controlled and recorded.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,9 +31,11 @@ You simulate the tool below as a real system would run it, against the current w
 Outcome to produce: {mode} ({mode_help}).
 Answer with JSON {{"result": what the tool returns, "state": the full world state after the call}}."""
 
-MODES = {"success": "the call works as specified",
-         "failure": "the call fails with a realistic error (timeout, permission, not found); state unchanged",
-         "edge_case": "an unusual but valid outcome: empty result, partial data, a limit reached"}
+MODES = {
+  "success": "the call works as specified",
+  "failure": "the call fails with a realistic error (timeout, permission, not found); state unchanged",
+  "edge_case": "an unusual but valid outcome: empty result, partial data, a limit reached",
+}
 
 
 def draw_mode(seed: int, unit: str, call_index: int, p_failure: float, p_edge: float) -> str:
@@ -40,14 +43,26 @@ def draw_mode(seed: int, unit: str, call_index: int, p_failure: float, p_edge: f
   return "failure" if r < p_failure else "edge_case" if r < p_failure + p_edge else "success"
 
 
-def make_trajectory(llm: LLM, task: dict, agent: dict, *, seed: int, max_turns: int, p_failure: float,
-                    p_edge: float, agent_max_tokens: int, default_persona: str) -> dict:
+def make_trajectory(
+  llm: LLM,
+  task: dict,
+  agent: dict,
+  *,
+  seed: int,
+  max_turns: int,
+  p_failure: float,
+  p_edge: float,
+  agent_max_tokens: int,
+  default_persona: str,
+) -> dict:
   registry = ToolRegistry.from_dicts(agent["tools"])
   tools = registry.openai_tools()
   persona = task.get("user_persona") or default_persona
   user_system = USER_PROMPT.format(persona=persona, instruction=task["instruction"])
-  messages = [{"role": "system", "content": agent["system_prompt"]},
-              {"role": "user", "content": _user_turn(llm, user_system, [])}]
+  messages = [
+    {"role": "system", "content": agent["system_prompt"]},
+    {"role": "user", "content": _user_turn(llm, user_system, [])},
+  ]
   state: dict = {}
   modes, end, calls_made = [], "max_turns", 0
   for _ in range(max_turns):
@@ -73,24 +88,40 @@ def make_trajectory(llm: LLM, task: dict, agent: dict, *, seed: int, max_turns: 
       end = "user_done"
       break
     messages.append({"role": "user", "content": user})
-  return {"agent_id": agent["id"], "task": task, "messages": messages, "tools": tools, "world_state": state,
-          "injected_modes": modes, "end": end}
+  return {
+    "agent_id": agent["id"],
+    "task": task,
+    "messages": messages,
+    "tools": tools,
+    "world_state": state,
+    "injected_modes": modes,
+    "end": end,
+  }
 
 
 def _user_turn(llm: LLM, system: str, history: list[dict]) -> str:
   """The simulated user's next message; the dialogue is shown with the roles swapped."""
-  shown = [{"role": "user" if m["role"] == "assistant" else "assistant", "content": m.get("content") or ""}
-           for m in history if m["role"] in ("user", "assistant") and (m.get("content") or "").strip()]
+  shown = [
+    {"role": "user" if m["role"] == "assistant" else "assistant", "content": m.get("content") or ""}
+    for m in history
+    if m["role"] in ("user", "assistant") and (m.get("content") or "").strip()
+  ]
   if not shown:
     shown = [{"role": "user", "content": "(Start the conversation.)"}]
   return llm.text([{"role": "system", "content": system}, *shown], role="user_simulator")
 
 
 def _simulate(llm: LLM, tool: dict, arguments: dict, state: dict, mode: str) -> tuple[str, dict]:
-  value = llm.json([{"role": "system", "content": TOOL_SIM_PROMPT.format(mode=mode, mode_help=MODES[mode])},
-                    {"role": "user", "content": json.dumps({"tool": tool, "arguments": arguments,
-                                                            "world_state": state}, ensure_ascii=False)}],
-                   role="tool_simulator")
+  value = llm.json(
+    [
+      {"role": "system", "content": TOOL_SIM_PROMPT.format(mode=mode, mode_help=MODES[mode])},
+      {
+        "role": "user",
+        "content": json.dumps({"tool": tool, "arguments": arguments, "world_state": state}, ensure_ascii=False),
+      },
+    ],
+    role="tool_simulator",
+  )
   if not isinstance(value, dict) or "result" not in value or not isinstance(value.get("state", {}), dict):
     raise llm.invalid("tool_simulator", "expected JSON {result, state}")
   result = value["result"]

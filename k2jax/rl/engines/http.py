@@ -8,6 +8,7 @@ Concurrency: blocking calls, one HTTP connection per call, safe from many thread
 runs one thread per in-flight request. `abort` from another thread makes the blocked `generate` return
 its partial output.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,160 +23,197 @@ from k2jax.rl.transport import RequestRejected, RetryPolicy, ServiceError, call_
 
 @dataclasses.dataclass(frozen=True)
 class HttpEngineConfig:
-    """Options of the HTTP backend only."""
+  """Options of the HTTP backend only."""
 
-    url: str                                  # e.g. http://127.0.0.1:30000 (no trailing path)
-    generate_timeout_s: float = 600.0         # one /generate may decode a long answer
-    control_timeout_s: float = 30.0           # abort, health, info, flush
-    update_timeout_s: float = 600.0           # /update_weights_from_disk loads tensors
-    retry: RetryPolicy = RetryPolicy()
-    api_key: str | None = None                # sent as a Bearer token (SGLang --api-key)
+  url: str  # e.g. http://127.0.0.1:30000 (no trailing path)
+  generate_timeout_s: float = 600.0  # one /generate may decode a long answer
+  control_timeout_s: float = 30.0  # abort, health, info, flush
+  update_timeout_s: float = 600.0  # /update_weights_from_disk loads tensors
+  retry: RetryPolicy = RetryPolicy()
+  api_key: str | None = None  # sent as a Bearer token (SGLang --api-key)
 
-    def __post_init__(self):
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"HttpEngineConfig.url must start with http:// or https://, got {self.url!r}")
+  def __post_init__(self):
+    if not self.url.startswith(("http://", "https://")):
+      raise ValueError(f"HttpEngineConfig.url must start with http:// or https://, got {self.url!r}")
 
 
 class HttpEngine(Engine):
-    """`Engine` over the SGLang HTTP API."""
+  """`Engine` over the SGLang HTTP API."""
 
-    def __init__(self, config: HttpEngineConfig):
-        self.config = config
-        self._base = config.url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self._lock = threading.Lock()
-        self._version = 0  # version of the last successful update; tokens carry it when the server has none
+  def __init__(self, config: HttpEngineConfig):
+    self.config = config
+    self._base = config.url.rstrip("/")
+    self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    self._lock = threading.Lock()
+    self._version = 0  # version of the last successful update; tokens carry it when the server has none
 
-    def generate(self, request: GenerateRequest) -> GenerateResult:
-        url = f"{self._base}/generate"
-        version = self._version
-        return call_json(
-            url, _generate_payload(request), timeout_s=self.config.generate_timeout_s,
-            retry=self.config.retry, headers=self._headers,
-            validate=lambda body: parse_generate_response(body, request, version),
-            before_retry=lambda: self._abort_quietly(request.rid))
+  def generate(self, request: GenerateRequest) -> GenerateResult:
+    url = f"{self._base}/generate"
+    version = self._version
+    return call_json(
+      url,
+      _generate_payload(request),
+      timeout_s=self.config.generate_timeout_s,
+      retry=self.config.retry,
+      headers=self._headers,
+      validate=lambda body: parse_generate_response(body, request, version),
+      before_retry=lambda: self._abort_quietly(request.rid),
+    )
 
-    def abort(self, rids: Sequence[str]) -> None:
-        for rid in rids:
-            self._control("abort_request", {"rid": rid, "abort_all": False}, parse_json=False)
+  def abort(self, rids: Sequence[str]) -> None:
+    for rid in rids:
+      self._control("abort_request", {"rid": rid, "abort_all": False}, parse_json=False)
 
-    def update_weights(self, model_path: str, weight_version: int) -> None:
-        url = f"{self._base}/update_weights_from_disk"
-        payload = {"model_path": model_path, "weight_version": str(weight_version),
-                   "flush_cache": True, "abort_all_requests": False}
+  def update_weights(self, model_path: str, weight_version: int) -> None:
+    url = f"{self._base}/update_weights_from_disk"
+    payload = {
+      "model_path": model_path,
+      "weight_version": str(weight_version),
+      "flush_cache": True,
+      "abort_all_requests": False,
+    }
 
-        def check(body: Any) -> None:
-            if not isinstance(body, dict) or "success" not in body:
-                raise ValueError(f"expected an object with 'success', got {body!r}")
-            if body["success"] is not True:
-                raise RequestRejected(f"{url}: weight update from {model_path} failed: {body.get('message')!r}")
+    def check(body: Any) -> None:
+      if not isinstance(body, dict) or "success" not in body:
+        raise ValueError(f"expected an object with 'success', got {body!r}")
+      if body["success"] is not True:
+        raise RequestRejected(f"{url}: weight update from {model_path} failed: {body.get('message')!r}")
 
-        call_json(url, payload, timeout_s=self.config.update_timeout_s, retry=self.config.retry,
-                  headers=self._headers, validate=check)
-        with self._lock:
-            self._version = weight_version
+    call_json(
+      url,
+      payload,
+      timeout_s=self.config.update_timeout_s,
+      retry=self.config.retry,
+      headers=self._headers,
+      validate=check,
+    )
+    with self._lock:
+      self._version = weight_version
 
-    def health(self) -> bool:
-        """True when `/health` answers 200 (SGLang runs a one-token generation when idle)."""
-        try:
-            self._control("health", None, parse_json=False)
-            return True
-        except ServiceError:
-            return False
+  def health(self) -> bool:
+    """True when `/health` answers 200 (SGLang runs a one-token generation when idle)."""
+    try:
+      self._control("health", None, parse_json=False)
+      return True
+    except ServiceError:
+      return False
 
-    def wait_until_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.health():
-            if time.monotonic() > deadline:
-                raise ServiceError(f"{self._base}/health: engine not healthy after {timeout_s}s")
-            time.sleep(poll_s)
+  def wait_until_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not self.health():
+      if time.monotonic() > deadline:
+        raise ServiceError(f"{self._base}/health: engine not healthy after {timeout_s}s")
+      time.sleep(poll_s)
 
-    def model_info(self) -> dict:
-        info = self._control("get_model_info", None)
-        if not isinstance(info, dict) or "model_path" not in info:
-            raise ServiceError(f"{self._base}/get_model_info: expected an object with model_path, got {info!r}")
-        return info
+  def model_info(self) -> dict:
+    info = self._control("get_model_info", None)
+    if not isinstance(info, dict) or "model_path" not in info:
+      raise ServiceError(f"{self._base}/get_model_info: expected an object with model_path, got {info!r}")
+    return info
 
-    def flush_cache(self) -> None:
-        self._control("flush_cache", {}, parse_json=False)
+  def flush_cache(self) -> None:
+    self._control("flush_cache", {}, parse_json=False)
 
-    def _control(self, route: str, payload: Any, parse_json: bool = True) -> Any:
-        return call_json(f"{self._base}/{route}", payload, timeout_s=self.config.control_timeout_s,
-                         retry=self.config.retry, headers=self._headers, parse_json=parse_json)
+  def _control(self, route: str, payload: Any, parse_json: bool = True) -> Any:
+    return call_json(
+      f"{self._base}/{route}",
+      payload,
+      timeout_s=self.config.control_timeout_s,
+      retry=self.config.retry,
+      headers=self._headers,
+      parse_json=parse_json,
+    )
 
-    def _abort_quietly(self, rid: str) -> None:
-        try:
-            self.abort([rid])
-        except ServiceError:
-            pass  # the retry that follows reports the real failure
+  def _abort_quietly(self, rid: str) -> None:
+    try:
+      self.abort([rid])
+    except ServiceError:
+      pass  # the retry that follows reports the real failure
 
 
 def _generate_payload(request: GenerateRequest) -> dict:
-    s = request.sampling
-    sampling = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                "top_k": s.top_k, "stop_token_ids": list(s.stop_token_ids)}
-    if s.seed is not None:
-        sampling["sampling_seed"] = s.seed
-    return {"input_ids": list(request.input_ids), "sampling_params": sampling, "return_logprob": True,
-            "rid": request.rid, "stream": False}
+  s = request.sampling
+  sampling = {
+    "max_new_tokens": s.max_new_tokens,
+    "temperature": s.temperature,
+    "top_p": s.top_p,
+    "top_k": s.top_k,
+    "stop_token_ids": list(s.stop_token_ids),
+  }
+  if s.seed is not None:
+    sampling["sampling_seed"] = s.seed
+  return {
+    "input_ids": list(request.input_ids),
+    "sampling_params": sampling,
+    "return_logprob": True,
+    "rid": request.rid,
+    "stream": False,
+  }
 
 
 def parse_generate_response(body: Any, request: GenerateRequest, default_version: int) -> GenerateResult:
-    """Checks a non-streaming `/generate` answer against reference §2.1; raises ValueError naming the field."""
-    rid = request.rid
-    if not isinstance(body, dict):
-        raise ValueError(f"rid {rid}: expected a JSON object, got {type(body).__name__}")
-    output_ids = body.get("output_ids")
-    meta = body.get("meta_info")
-    if not isinstance(output_ids, list) or not all(_is_int(t) for t in output_ids):
-        raise ValueError(f"rid {rid}: output_ids must be a list of ints, got {output_ids!r:.100}")
-    if not isinstance(meta, dict):
-        raise ValueError(f"rid {rid}: meta_info must be an object, got {meta!r:.100}")
-    finish = meta.get("finish_reason")
-    if not isinstance(finish, dict) or finish.get("type") not in FINISH_TYPES:
-        raise ValueError(f"rid {rid}: finish_reason must be {{type: stop|length|abort}}, got {finish!r}")
-    n = len(output_ids)
-    for key, want in (("completion_tokens", n), ("prompt_tokens", len(request.input_ids))):
-        if not _is_int(meta.get(key)) or meta[key] != want:
-            raise ValueError(f"rid {rid}: meta_info.{key}={meta.get(key)!r}, expected {want}")
-    logprobs = _parse_logprobs(meta.get("output_token_logprobs"), output_ids, rid)
-    if n > request.sampling.max_new_tokens:
-        raise ValueError(f"rid {rid}: {n} tokens exceed max_new_tokens={request.sampling.max_new_tokens}")
-    version = _parse_version(meta.get("weight_version"), default_version)
-    text = body.get("text")
-    if text is not None and not isinstance(text, str):
-        raise ValueError(f"rid {rid}: text must be a string, got {type(text).__name__}")
-    return GenerateResult(rid=rid, output_ids=tuple(output_ids), output_logprobs=logprobs,
-                          weight_versions=(version,) * n, finish_reason=finish["type"],
-                          prompt_tokens=meta["prompt_tokens"], completion_tokens=n, text=text)
+  """Checks a non-streaming `/generate` answer against reference §2.1; raises ValueError naming the field."""
+  rid = request.rid
+  if not isinstance(body, dict):
+    raise ValueError(f"rid {rid}: expected a JSON object, got {type(body).__name__}")
+  output_ids = body.get("output_ids")
+  meta = body.get("meta_info")
+  if not isinstance(output_ids, list) or not all(_is_int(t) for t in output_ids):
+    raise ValueError(f"rid {rid}: output_ids must be a list of ints, got {output_ids!r:.100}")
+  if not isinstance(meta, dict):
+    raise ValueError(f"rid {rid}: meta_info must be an object, got {meta!r:.100}")
+  finish = meta.get("finish_reason")
+  if not isinstance(finish, dict) or finish.get("type") not in FINISH_TYPES:
+    raise ValueError(f"rid {rid}: finish_reason must be {{type: stop|length|abort}}, got {finish!r}")
+  n = len(output_ids)
+  for key, want in (("completion_tokens", n), ("prompt_tokens", len(request.input_ids))):
+    if not _is_int(meta.get(key)) or meta[key] != want:
+      raise ValueError(f"rid {rid}: meta_info.{key}={meta.get(key)!r}, expected {want}")
+  logprobs = _parse_logprobs(meta.get("output_token_logprobs"), output_ids, rid)
+  if n > request.sampling.max_new_tokens:
+    raise ValueError(f"rid {rid}: {n} tokens exceed max_new_tokens={request.sampling.max_new_tokens}")
+  version = _parse_version(meta.get("weight_version"), default_version)
+  text = body.get("text")
+  if text is not None and not isinstance(text, str):
+    raise ValueError(f"rid {rid}: text must be a string, got {type(text).__name__}")
+  return GenerateResult(
+    rid=rid,
+    output_ids=tuple(output_ids),
+    output_logprobs=logprobs,
+    weight_versions=(version,) * n,
+    finish_reason=finish["type"],
+    prompt_tokens=meta["prompt_tokens"],
+    completion_tokens=n,
+    text=text,
+  )
 
 
 def _parse_logprobs(entries: Any, output_ids: list, rid: str) -> tuple[float, ...]:
-    if not isinstance(entries, list) or len(entries) != len(output_ids):
-        got = len(entries) if isinstance(entries, list) else type(entries).__name__
-        raise ValueError(f"rid {rid}: output_token_logprobs has {got} entries for {len(output_ids)} output_ids")
-    logprobs = []
-    for i, (entry, token) in enumerate(zip(entries, output_ids)):
-        # Each entry is [logprob, token_id, text-or-null] (reference §2.1).
-        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
-            raise ValueError(f"rid {rid}: output_token_logprobs[{i}] must be [logprob, token_id, text], got {entry!r}")
-        lp, tid = entry[0], entry[1]
-        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp > 1e-4:
-            raise ValueError(f"rid {rid}: output_token_logprobs[{i}][0]={lp!r} is not a finite logprob <= 0")
-        if tid != token:
-            raise ValueError(f"rid {rid}: output_token_logprobs[{i}] token {tid!r} != output_ids[{i}]={token}")
-        logprobs.append(float(min(lp, 0.0)))
-    return tuple(logprobs)
+  if not isinstance(entries, list) or len(entries) != len(output_ids):
+    got = len(entries) if isinstance(entries, list) else type(entries).__name__
+    raise ValueError(f"rid {rid}: output_token_logprobs has {got} entries for {len(output_ids)} output_ids")
+  logprobs = []
+  for i, (entry, token) in enumerate(zip(entries, output_ids)):
+    # Each entry is [logprob, token_id, text-or-null] (reference §2.1).
+    if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+      raise ValueError(f"rid {rid}: output_token_logprobs[{i}] must be [logprob, token_id, text], got {entry!r}")
+    lp, tid = entry[0], entry[1]
+    if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp > 1e-4:
+      raise ValueError(f"rid {rid}: output_token_logprobs[{i}][0]={lp!r} is not a finite logprob <= 0")
+    if tid != token:
+      raise ValueError(f"rid {rid}: output_token_logprobs[{i}] token {tid!r} != output_ids[{i}]={token}")
+    logprobs.append(float(min(lp, 0.0)))
+  return tuple(logprobs)
 
 
 def _parse_version(raw: Any, default: int) -> int:
-    # SGLang reports weight_version as a string ("default" before any update); we push integers.
-    if _is_int(raw):
-        return raw
-    if isinstance(raw, str) and raw.lstrip("-").isdigit():
-        return int(raw)
-    return default
+  # SGLang reports weight_version as a string ("default" before any update); we push integers.
+  if _is_int(raw):
+    return raw
+  if isinstance(raw, str) and raw.lstrip("-").isdigit():
+    return int(raw)
+  return default
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+  return isinstance(x, int) and not isinstance(x, bool)

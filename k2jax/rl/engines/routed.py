@@ -4,6 +4,7 @@ The router (SGLang Model Gateway) balances `/generate` over its workers but does
 `/update_weights_from_disk` or `/abort_request`, so weight updates and aborts go to each worker directly
 (as slime does). An update succeeds only when every worker loaded the new weights.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -14,34 +15,34 @@ from k2jax.rl.engines.http import HttpEngine
 
 
 class RoutedEngine(Engine):
-    """`generate` via `router`; `abort` and `update_weights` fanned out to all `workers`."""
+  """`generate` via `router`; `abort` and `update_weights` fanned out to all `workers`."""
 
-    def __init__(self, router: HttpEngine, workers: Sequence[HttpEngine]):
-        if not workers:
-            raise ValueError("RoutedEngine needs at least one worker (rollout.worker_urls)")
-        self.router = router
-        self.workers = list(workers)
-        self._pool = ThreadPoolExecutor(len(self.workers), thread_name_prefix="workers")
+  def __init__(self, router: HttpEngine, workers: Sequence[HttpEngine]):
+    if not workers:
+      raise ValueError("RoutedEngine needs at least one worker (rollout.worker_urls)")
+    self.router = router
+    self.workers = list(workers)
+    self._pool = ThreadPoolExecutor(len(self.workers), thread_name_prefix="workers")
 
-    def generate(self, request: GenerateRequest) -> GenerateResult:
-        return self.router.generate(request)
+  def generate(self, request: GenerateRequest) -> GenerateResult:
+    return self.router.generate(request)
 
-    def abort(self, rids: Sequence[str]) -> None:
-        self._all(lambda w: w.abort(rids))
+  def abort(self, rids: Sequence[str]) -> None:
+    self._all(lambda w: w.abort(rids))
 
-    def update_weights(self, model_path: str, weight_version: int) -> None:
-        self._all(lambda w: w.update_weights(model_path, weight_version))
+  def update_weights(self, model_path: str, weight_version: int) -> None:
+    self._all(lambda w: w.update_weights(model_path, weight_version))
 
-    def wait_until_healthy(self, timeout_s: float) -> None:
-        self._all(lambda w: w.wait_until_healthy(timeout_s))
+  def wait_until_healthy(self, timeout_s: float) -> None:
+    self._all(lambda w: w.wait_until_healthy(timeout_s))
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+  def close(self) -> None:
+    self._pool.shutdown(wait=True)
 
-    def _all(self, fn) -> None:
-        """Runs fn on every worker in parallel; raises the first error after all have finished."""
-        futures = [self._pool.submit(fn, w) for w in self.workers]
-        errors = [f.exception() for f in futures]
-        for e in errors:
-            if e is not None:
-                raise e
+  def _all(self, fn) -> None:
+    """Runs fn on every worker in parallel; raises the first error after all have finished."""
+    futures = [self._pool.submit(fn, w) for w in self.workers]
+    errors = [f.exception() for f in futures]
+    for e in errors:
+      if e is not None:
+        raise e

@@ -2,6 +2,7 @@
 
 Prints `READY <port>` once serving. Without --egress_allow the process may open no outbound connection.
 """
+
 from absl import app, flags
 
 from k2jax.agentic.guards import install_egress_hook
@@ -16,7 +17,7 @@ _TTL = flags.DEFINE_float("episode_ttl_s", 600.0, "Idle episodes are dropped aft
 
 def main(argv) -> None:
   del argv
-  install_egress_hook(set(_EGRESS.value))   # no targets: no outbound connections at all
+  install_egress_hook(set(_EGRESS.value))  # no targets: no outbound connections at all
   service = EnvService(_ENV.value, host=_HOST.value, port=_PORT.value, episode_ttl_s=_TTL.value)
   print(f"READY {service.port}", flush=True)
   service.serve_forever()

@@ -8,6 +8,7 @@ Observations and actions are JSON objects so the same environment runs in-proces
   `k2jax.data.chat.parse_assistant` returns it); the observation holds the messages that follow it
   (tool results, or the next user turn) and no tools. The reward comes with `done=True`.
 """
+
 from __future__ import annotations
 
 import abc
@@ -81,7 +82,8 @@ class ToolEnvironment(Environment):
     self._followups = [str(f) for f in task.get("followups", [])]
     names = task.get("tools") or self.registry.names
     messages = ([{"role": "system", "content": task["system"]}] if task.get("system") else []) + [
-        {"role": "user", "content": task["instruction"]}]
+      {"role": "user", "content": task["instruction"]}
+    ]
     return {"messages": messages, "tools": self.registry.openai_tools(names)}
 
   def step(self, action: Mapping[str, Any]) -> StepResult:
@@ -91,11 +93,16 @@ class ToolEnvironment(Environment):
     if results and not out_of_turns:
       return StepResult({"messages": results}, 0.0, False, {"turn": self.turns})
     if not results and self._followups and not out_of_turns:
-      return StepResult({"messages": [{"role": "user", "content": self._followups.pop(0)}]}, 0.0, False,
-                        {"turn": self.turns})
+      return StepResult(
+        {"messages": [{"role": "user", "content": self._followups.pop(0)}]}, 0.0, False, {"turn": self.turns}
+      )
     reward, details = self.score(self.task, self.state, action)
-    return StepResult({"messages": results}, float(reward), True,
-                      {"turn": self.turns, "out_of_turns": out_of_turns and bool(results), **details})
+    return StepResult(
+      {"messages": results},
+      float(reward),
+      True,
+      {"turn": self.turns, "out_of_turns": out_of_turns and bool(results), **details},
+    )
 
   def _run_calls(self, action: Mapping[str, Any]) -> list[dict]:
     calls, errors = parse_openai_calls(action.get("tool_calls") or [], self.registry)
@@ -103,8 +110,9 @@ class ToolEnvironment(Environment):
       errors.append(ToolError("malformed_call", str(action["tool_call_error"])))
     messages = []
     for call in calls:
-      result = self.guard.run(self.registry[call.name], call, lambda a, net, c=call: self.impls[c.name](
-          a, net, self.state))
+      result = self.guard.run(
+        self.registry[call.name], call, lambda a, net, c=call: self.impls[c.name](a, net, self.state)
+      )
       content = result.content() if isinstance(result, ToolError) else _as_text(result)
       messages.append({"role": "tool", "tool_call_id": call.call_id, "name": call.name, "content": content})
     for err in errors:
@@ -114,4 +122,5 @@ class ToolEnvironment(Environment):
 
 def _as_text(result: Any) -> str:
   import json
+
   return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, sort_keys=True)

@@ -7,6 +7,7 @@ submit is graded on its last fenced code block. Reward = test pass rate (K2 §3.
 
 Task: `{"id", "instruction", "tests": ["assert f(1) == 2", ...], "max_turns"?}`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -19,12 +20,23 @@ from k2jax.rl.rewards.sandbox import SandboxConfig, run_python
 
 _CODE = {"type": "string", "minLength": 1, "maxLength": 20000}
 TOOLS = (
-    ToolSpec("run_python", "Run a Python program in a sandbox; returns exit code, stdout and stderr.",
-             {"type": "object", "properties": {"code": _CODE, "stdin": {"type": "string", "maxLength": 20000}},
-              "required": ["code"], "additionalProperties": False}, Impact.READ_ONLY),
-    ToolSpec("submit", "Submit the final solution; it is graded by hidden unit tests.",
-             {"type": "object", "properties": {"code": _CODE}, "required": ["code"], "additionalProperties": False},
-             Impact.REVERSIBLE_WRITE),
+  ToolSpec(
+    "run_python",
+    "Run a Python program in a sandbox; returns exit code, stdout and stderr.",
+    {
+      "type": "object",
+      "properties": {"code": _CODE, "stdin": {"type": "string", "maxLength": 20000}},
+      "required": ["code"],
+      "additionalProperties": False,
+    },
+    Impact.READ_ONLY,
+  ),
+  ToolSpec(
+    "submit",
+    "Submit the final solution; it is graded by hidden unit tests.",
+    {"type": "object", "properties": {"code": _CODE}, "required": ["code"], "additionalProperties": False},
+    Impact.REVERSIBLE_WRITE,
+  ),
 )
 
 
@@ -44,7 +56,7 @@ class CodeEnv(ToolEnvironment):
 
   def step(self, action: Mapping[str, Any]) -> StepResult:
     result = super().step(action)
-    if not result.done and self.state["submitted"] is not None:   # a submit ends the episode
+    if not result.done and self.state["submitted"] is not None:  # a submit ends the episode
       reward, details = self.score(self.task, self.state, action)
       return StepResult(result.observation, reward, True, {**result.info, **details})
     return result

@@ -6,6 +6,7 @@ reward 0 and `info["env_error"]`; the rollout keeps going. On a cluster the same
 Kubernetes (deploy/k8s: a Deployment of env services behind a Service, autoscaled); point
 `RemoteEnvironment` at the Service URL instead of using this pool.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +34,7 @@ class EnvPoolConfig:
   reset_timeout_s: float = 60.0
   step_timeout_s: float = 60.0
   startup_timeout_s: float = 60.0
-  max_restarts: int = 20           # per pool; beyond this a failure is raised, not hidden
+  max_restarts: int = 20  # per pool; beyond this a failure is raised, not hidden
   egress_allow: tuple[str, ...] = ()
 
 
@@ -48,13 +49,19 @@ class _Worker:
     self.wait_ready()
 
   def spawn(self) -> None:
-    cmd = [sys.executable, "-m", "k2jax.rl.envs", f"--env={self.config.env}", "--port=0",
-           f"--egress_allow={','.join(self.config.egress_allow)}"]
+    cmd = [
+      sys.executable,
+      "-m",
+      "k2jax.rl.envs",
+      f"--env={self.config.env}",
+      "--port=0",
+      f"--egress_allow={','.join(self.config.egress_allow)}",
+    ]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "JAX_PLATFORMS": "cpu"}
-    self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                 start_new_session=True, env=env)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
+    self.proc = subprocess.Popen(
+      cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=env
+    )
 
   def wait_ready(self) -> None:
     deadline = time.monotonic() + self.config.startup_timeout_s
@@ -69,8 +76,7 @@ class _Worker:
         break
     if not line.startswith("READY "):
       self.stop()
-      raise ServiceError(f"env worker {self.index} ({' '.join(self.proc.args)}) did not start: "
-                         f"last line {line!r}")
+      raise ServiceError(f"env worker {self.index} ({' '.join(self.proc.args)}) did not start: last line {line!r}")
     self.url = f"http://127.0.0.1:{int(line.split()[1])}"
 
   def stop(self) -> None:
@@ -89,7 +95,7 @@ class EnvPool:
     self.config = config
     self._lock = threading.Lock()
     self._workers = [_Worker(config, i) for i in range(config.num_workers)]
-    for w in self._workers:          # start all, then wait: start-up (imports) runs in parallel
+    for w in self._workers:  # start all, then wait: start-up (imports) runs in parallel
       w.spawn()
     for w in self._workers:
       w.wait_ready()
@@ -137,15 +143,16 @@ class PooledEnvironment(Environment):
   def __init__(self, pool: EnvPool, worker: _Worker):
     self._pool, self._worker = pool, worker
     self._url = worker.url
-    self._remote = RemoteEnvironment(RemoteEnvConfig(worker.url, pool.config.reset_timeout_s,
-                                                     pool.config.step_timeout_s))
+    self._remote = RemoteEnvironment(
+      RemoteEnvConfig(worker.url, pool.config.reset_timeout_s, pool.config.step_timeout_s)
+    )
     self._released = False
 
   def reset(self, task: Mapping[str, Any]) -> dict:
     try:
       return self._remote.reset(task)
     except ServiceError as e:
-      if "HTTP 400" in str(e):     # the task itself is bad: not the worker's fault
+      if "HTTP 400" in str(e):  # the task itself is bad: not the worker's fault
         raise ValueError(str(e)) from None
       self._fail(e)
       raise

@@ -14,6 +14,7 @@ all sharing one `Guard` (rate limits and the concurrency cap are per process). E
 prints `READY <port>` once serving (the pool reads it). With no --egress_allow the process has no
 outbound network at all (`install_egress_hook`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,12 +35,13 @@ def env_factories() -> dict[str, Callable[[Guard], Environment]]:
   """Environments a service can host, by name (imported lazily: the code env pulls the sandbox)."""
   from k2jax.rl.envs.code import CodeEnv
   from k2jax.rl.envs.simulated import SimToolsEnv
+
   return {"sim_tools": lambda g: SimToolsEnv(g), "code": lambda g: CodeEnv(g)}
 
 
 class _Server(ThreadingHTTPServer):
   daemon_threads = True
-  request_queue_size = 1024   # listen backlog: hundreds of rollout threads connect at once (default 5)
+  request_queue_size = 1024  # listen backlog: hundreds of rollout threads connect at once (default 5)
 
 
 class BadRequest(ValueError):
@@ -51,8 +53,9 @@ class BadRequest(ValueError):
 class EnvService:
   """Hosts episodes of one environment kind over HTTP."""
 
-  def __init__(self, env: str, *, host: str = "127.0.0.1", port: int = 0, guard: Guard | None = None,
-               episode_ttl_s: float = 600.0):
+  def __init__(
+    self, env: str, *, host: str = "127.0.0.1", port: int = 0, guard: Guard | None = None, episode_ttl_s: float = 600.0
+  ):
     factories = env_factories()
     if env not in factories:
       raise ValueError(f"unknown environment {env!r}; known: {sorted(factories)}")
@@ -144,5 +147,7 @@ class EnvService:
 def _handler(service: EnvService):
   def route(method, path, body):
     return 200, service.route(method, path, body)
-  return jsonhttp.make_handler(route, bad_request=BadRequest, log=log,
-                               bad_request_body=lambda e: {"error": {"message": str(e), "param": e.field}})
+
+  return jsonhttp.make_handler(
+    route, bad_request=BadRequest, log=log, bad_request_body=lambda e: {"error": {"message": str(e), "param": e.field}}
+  )

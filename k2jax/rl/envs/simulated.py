@@ -11,6 +11,7 @@ A task: `{"id", "instruction", "state"?: initial world, "checks": [...], "follow
   {"kind": "balance", "account", "cents"}   {"kind": "email_sent", "to"}
   {"kind": "answer_contains", "text"}       (in the final assistant message)
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,22 +29,31 @@ def _schema(props: dict, required: list[str]) -> dict:
 
 
 TOOLS = (
-    ToolSpec("list_files", "List the names of all files.", _schema({}, []), Impact.READ_ONLY),
-    ToolSpec("read_file", "Read a file's text.", _schema({"name": _STR}, ["name"]), Impact.READ_ONLY),
-    ToolSpec("write_file", "Create or overwrite a file.",
-             _schema({"name": _STR, "text": {"type": "string", "maxLength": 4000}}, ["name", "text"]),
-             Impact.REVERSIBLE_WRITE),
-    ToolSpec("delete_file", "Move a file to the trash.", _schema({"name": _STR}, ["name"]), Impact.REVERSIBLE_WRITE),
-    ToolSpec("restore_file", "Restore a file from the trash.", _schema({"name": _STR}, ["name"]),
-             Impact.REVERSIBLE_WRITE),
-    ToolSpec("get_balance", "Balance of an account in cents.", _schema({"account": _STR}, ["account"]),
-             Impact.READ_ONLY),
-    ToolSpec("transfer", "Transfer money between accounts (cannot be undone).",
-             _schema({"source": _STR, "dest": _STR, "cents": {"type": "integer", "minimum": 1}},
-                     ["source", "dest", "cents"]), Impact.IRREVERSIBLE),
-    ToolSpec("send_email", "Send an email (leaves the system).",
-             _schema({"to": _STR, "subject": _STR, "body": {"type": "string", "maxLength": 4000}},
-                     ["to", "subject", "body"]), Impact.IRREVERSIBLE),
+  ToolSpec("list_files", "List the names of all files.", _schema({}, []), Impact.READ_ONLY),
+  ToolSpec("read_file", "Read a file's text.", _schema({"name": _STR}, ["name"]), Impact.READ_ONLY),
+  ToolSpec(
+    "write_file",
+    "Create or overwrite a file.",
+    _schema({"name": _STR, "text": {"type": "string", "maxLength": 4000}}, ["name", "text"]),
+    Impact.REVERSIBLE_WRITE,
+  ),
+  ToolSpec("delete_file", "Move a file to the trash.", _schema({"name": _STR}, ["name"]), Impact.REVERSIBLE_WRITE),
+  ToolSpec(
+    "restore_file", "Restore a file from the trash.", _schema({"name": _STR}, ["name"]), Impact.REVERSIBLE_WRITE
+  ),
+  ToolSpec("get_balance", "Balance of an account in cents.", _schema({"account": _STR}, ["account"]), Impact.READ_ONLY),
+  ToolSpec(
+    "transfer",
+    "Transfer money between accounts (cannot be undone).",
+    _schema({"source": _STR, "dest": _STR, "cents": {"type": "integer", "minimum": 1}}, ["source", "dest", "cents"]),
+    Impact.IRREVERSIBLE,
+  ),
+  ToolSpec(
+    "send_email",
+    "Send an email (leaves the system).",
+    _schema({"to": _STR, "subject": _STR, "body": {"type": "string", "maxLength": 4000}}, ["to", "subject", "body"]),
+    Impact.IRREVERSIBLE,
+  ),
 )
 
 
@@ -82,14 +92,14 @@ def _transfer(a, net, s):
 
 
 IMPLS = {
-    "list_files": lambda a, net, s: sorted(s["files"]),
-    "read_file": lambda a, net, s: _file(s, a["name"]),
-    "write_file": lambda a, net, s: (s["files"].__setitem__(a["name"], a["text"]), {"written": a["name"]})[1],
-    "delete_file": _delete,
-    "restore_file": _restore,
-    "get_balance": lambda a, net, s: {"account": a["account"], "cents": _account(s, a["account"])},
-    "transfer": _transfer,
-    "send_email": lambda a, net, s: (s["outbox"].append(dict(a)), {"sent": True})[1],
+  "list_files": lambda a, net, s: sorted(s["files"]),
+  "read_file": lambda a, net, s: _file(s, a["name"]),
+  "write_file": lambda a, net, s: (s["files"].__setitem__(a["name"], a["text"]), {"written": a["name"]})[1],
+  "delete_file": _delete,
+  "restore_file": _restore,
+  "get_balance": lambda a, net, s: {"account": a["account"], "cents": _account(s, a["account"])},
+  "transfer": _transfer,
+  "send_email": lambda a, net, s: (s["outbox"].append(dict(a)), {"sent": True})[1],
 }
 
 

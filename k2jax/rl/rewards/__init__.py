@@ -1,4 +1,5 @@
 """Reward functions: plain functions returning `RewardResult`; group rewards score K completions together."""
+
 from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResult, per_sample
 from k2jax.rl.rewards.code import CodeRewardConfig, code_reward, run_tests
 from k2jax.rl.rewards.instruction import instruction_reward

@@ -5,6 +5,7 @@ constraints met; a response that *claims* compliance ("word count: 120", "I foll
 instructions") while failing a constraint gets 0 (K2 §3.2.1 hack-check layer). Nuanced constraints go to
 the LLM judge (`judge.llm_judge_reward`) and can be combined by the caller.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,132 +15,135 @@ from typing import Protocol, Sequence
 
 from k2jax.rl.rewards.base import RewardResult
 
-_CLAIM = re.compile(r"(word count\s*[:=]|\(\s*\d+\s+words\s*\)|i (have )?(followed|complied with|met) (all )?"
-                    r"(the |your )?(instructions|constraints|requirements))", re.IGNORECASE)
+_CLAIM = re.compile(
+  r"(word count\s*[:=]|\(\s*\d+\s+words\s*\)|i (have )?(followed|complied with|met) (all )?"
+  r"(the |your )?(instructions|constraints|requirements))",
+  re.IGNORECASE,
+)
 
 
 class Constraint(Protocol):
-    def check(self, text: str) -> tuple[bool, str]: ...
+  def check(self, text: str) -> tuple[bool, str]: ...
 
 
 def _words(text: str) -> list[str]:
-    return re.findall(r"\b[\w'-]+\b", text)
+  return re.findall(r"\b[\w'-]+\b", text)
 
 
 @dataclasses.dataclass(frozen=True)
 class WordCount:
-    min_words: int = 0
-    max_words: int = 10**9
+  min_words: int = 0
+  max_words: int = 10**9
 
-    def check(self, text):
-        n = len(_words(text))
-        return self.min_words <= n <= self.max_words, f"{n} words (want {self.min_words}..{self.max_words})"
+  def check(self, text):
+    n = len(_words(text))
+    return self.min_words <= n <= self.max_words, f"{n} words (want {self.min_words}..{self.max_words})"
 
 
 @dataclasses.dataclass(frozen=True)
 class CharCount:
-    min_chars: int = 0
-    max_chars: int = 10**9
+  min_chars: int = 0
+  max_chars: int = 10**9
 
-    def check(self, text):
-        n = len(text)
-        return self.min_chars <= n <= self.max_chars, f"{n} characters (want {self.min_chars}..{self.max_chars})"
+  def check(self, text):
+    n = len(text)
+    return self.min_chars <= n <= self.max_chars, f"{n} characters (want {self.min_chars}..{self.max_chars})"
 
 
 @dataclasses.dataclass(frozen=True)
 class IncludeKeywords:
-    keywords: tuple[str, ...]
-    min_count: int = 1  # occurrences of each keyword (case-insensitive, whole words)
+  keywords: tuple[str, ...]
+  min_count: int = 1  # occurrences of each keyword (case-insensitive, whole words)
 
-    def check(self, text):
-        missing = [k for k in self.keywords if len(re.findall(rf"\b{re.escape(k)}\b", text, re.I)) < self.min_count]
-        return not missing, f"missing keywords {missing}" if missing else "all keywords present"
+  def check(self, text):
+    missing = [k for k in self.keywords if len(re.findall(rf"\b{re.escape(k)}\b", text, re.I)) < self.min_count]
+    return not missing, f"missing keywords {missing}" if missing else "all keywords present"
 
 
 @dataclasses.dataclass(frozen=True)
 class ExcludeKeywords:
-    keywords: tuple[str, ...]
+  keywords: tuple[str, ...]
 
-    def check(self, text):
-        found = [k for k in self.keywords if re.search(rf"\b{re.escape(k)}\b", text, re.I)]
-        return not found, f"forbidden keywords {found}" if found else "no forbidden keywords"
+  def check(self, text):
+    found = [k for k in self.keywords if re.search(rf"\b{re.escape(k)}\b", text, re.I)]
+    return not found, f"forbidden keywords {found}" if found else "no forbidden keywords"
 
 
 @dataclasses.dataclass(frozen=True)
 class JsonFormat:
-    """The whole response (optionally inside one ```json fence) parses as JSON."""
+  """The whole response (optionally inside one ```json fence) parses as JSON."""
 
-    def check(self, text):
-        body = re.sub(r"^```(json)?\s*|\s*```$", "", text.strip())
-        try:
-            json.loads(body)
-            return True, "valid JSON"
-        except ValueError as e:
-            return False, f"not JSON: {e}"
+  def check(self, text):
+    body = re.sub(r"^```(json)?\s*|\s*```$", "", text.strip())
+    try:
+      json.loads(body)
+      return True, "valid JSON"
+    except ValueError as e:
+      return False, f"not JSON: {e}"
 
 
 @dataclasses.dataclass(frozen=True)
 class BulletCount:
-    count: int
+  count: int
 
-    def check(self, text):
-        n = len(re.findall(r"^\s*[*-]\s+\S", text, re.M))
-        return n == self.count, f"{n} bullet points (want {self.count})"
+  def check(self, text):
+    n = len(re.findall(r"^\s*[*-]\s+\S", text, re.M))
+    return n == self.count, f"{n} bullet points (want {self.count})"
 
 
 @dataclasses.dataclass(frozen=True)
 class ParagraphCount:
-    count: int
+  count: int
 
-    def check(self, text):
-        n = len([p for p in re.split(r"\n\s*\n", text.strip()) if p.strip()])
-        return n == self.count, f"{n} paragraphs (want {self.count})"
+  def check(self, text):
+    n = len([p for p in re.split(r"\n\s*\n", text.strip()) if p.strip()])
+    return n == self.count, f"{n} paragraphs (want {self.count})"
 
 
 @dataclasses.dataclass(frozen=True)
 class StartsWith:
-    prefix: str
+  prefix: str
 
-    def check(self, text):
-        ok = text.lstrip().startswith(self.prefix)
-        return ok, f"{'starts' if ok else 'does not start'} with {self.prefix!r}"
+  def check(self, text):
+    ok = text.lstrip().startswith(self.prefix)
+    return ok, f"{'starts' if ok else 'does not start'} with {self.prefix!r}"
 
 
 @dataclasses.dataclass(frozen=True)
 class EndsWith:
-    suffix: str
+  suffix: str
 
-    def check(self, text):
-        ok = text.rstrip().endswith(self.suffix)
-        return ok, f"{'ends' if ok else 'does not end'} with {self.suffix!r}"
+  def check(self, text):
+    ok = text.rstrip().endswith(self.suffix)
+    return ok, f"{'ends' if ok else 'does not end'} with {self.suffix!r}"
 
 
 @dataclasses.dataclass(frozen=True)
 class NoCommas:
-    def check(self, text):
-        n = text.count(",")
-        return n == 0, f"{n} commas"
+  def check(self, text):
+    n = text.count(",")
+    return n == 0, f"{n} commas"
 
 
 @dataclasses.dataclass(frozen=True)
 class LetterCase:
-    case: str  # "lower" | "upper"
+  case: str  # "lower" | "upper"
 
-    def check(self, text):
-        if self.case not in ("lower", "upper"):
-            raise ValueError(f"LetterCase.case must be 'lower' or 'upper', got {self.case!r}")
-        ok = text == (text.lower() if self.case == "lower" else text.upper())
-        return ok, f"{'all' if ok else 'not all'} {self.case}case"
+  def check(self, text):
+    if self.case not in ("lower", "upper"):
+      raise ValueError(f"LetterCase.case must be 'lower' or 'upper', got {self.case!r}")
+    ok = text == (text.lower() if self.case == "lower" else text.upper())
+    return ok, f"{'all' if ok else 'not all'} {self.case}case"
 
 
 def instruction_reward(text: str, constraints: Sequence[Constraint]) -> RewardResult:
-    """Fraction of constraints met; 0 when the response claims compliance it does not have."""
-    if not constraints:
-        raise ValueError("instruction_reward: no constraints given")
-    results = [(type(c).__name__, *c.check(text)) for c in constraints]
-    failed = [f"{name}: {why}" for name, ok, why in results if not ok]
-    info = {"checks": [{"constraint": n, "ok": ok, "reason": why} for n, ok, why in results]}
-    if failed and _CLAIM.search(text):
-        return RewardResult(0.0, "hack-check: claims compliance but fails " + "; ".join(failed), info)
-    score = 1.0 - len(failed) / len(results)
-    return RewardResult(score, "; ".join(failed) if failed else "all constraints met", info)
+  """Fraction of constraints met; 0 when the response claims compliance it does not have."""
+  if not constraints:
+    raise ValueError("instruction_reward: no constraints given")
+  results = [(type(c).__name__, *c.check(text)) for c in constraints]
+  failed = [f"{name}: {why}" for name, ok, why in results if not ok]
+  info = {"checks": [{"constraint": n, "ok": ok, "reason": why} for n, ok, why in results]}
+  if failed and _CLAIM.search(text):
+    return RewardResult(0.0, "hack-check: claims compliance but fails " + "; ".join(failed), info)
+  score = 1.0 - len(failed) / len(results)
+  return RewardResult(score, "; ".join(failed) if failed else "all constraints met", info)

@@ -5,6 +5,7 @@ For every pair (i, j) of the K responses to one prompt the judge model sees both
 [[A]], [[B]] or [[TIE]]. With `both_orders` each pair is judged in both positions to cancel position bias.
 Reward_i = (wins + ties/2) / comparisons, in [0, 1]; the group-centred RL loss only uses differences.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,13 +18,13 @@ from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResul
 from k2jax.rl.rewards.judge import JudgeClient
 
 CORE_RUBRICS = (  # K2 Appendix F.1, paraphrased
-    "Clarity and relevance: the answer is concise, addresses the user's intent and stays on topic.",
-    "Conversational fluency and engagement: natural, coherent dialogue that engages the user appropriately.",
-    "Objective and grounded interaction: factual, no meta-commentary about itself, no flattery.",
+  "Clarity and relevance: the answer is concise, addresses the user's intent and stays on topic.",
+  "Conversational fluency and engagement: natural, coherent dialogue that engages the user appropriately.",
+  "Objective and grounded interaction: factual, no meta-commentary about itself, no flattery.",
 )
 PRESCRIPTIVE_RUBRICS = (  # K2 Appendix F.2: anti-reward-hacking
-    "No initial praise: do not open with compliments such as 'Good question!' or 'Great idea!'.",
-    "No explicit justification: do not explain why the answer is good or how it follows the instructions.",
+  "No initial praise: do not open with compliments such as 'Good question!' or 'Great idea!'.",
+  "No explicit justification: do not explain why the answer is good or how it follows the instructions.",
 )
 
 PAIRWISE_TEMPLATE = """Compare two answers to the same prompt using the rubrics. Rubrics marked MANDATORY must
@@ -43,56 +44,68 @@ _VERDICT = re.compile(r"\[\[(A|B|TIE)\]\]")
 
 @dataclasses.dataclass(frozen=True)
 class RubricRewardConfig:
-    core: tuple[str, ...] = CORE_RUBRICS
-    prescriptive: tuple[str, ...] = PRESCRIPTIVE_RUBRICS
-    mandatory: tuple[str, ...] = PRESCRIPTIVE_RUBRICS  # subset of the above that must hold
-    both_orders: bool = True
-    max_parallel: int = 8
+  core: tuple[str, ...] = CORE_RUBRICS
+  prescriptive: tuple[str, ...] = PRESCRIPTIVE_RUBRICS
+  mandatory: tuple[str, ...] = PRESCRIPTIVE_RUBRICS  # subset of the above that must hold
+  both_orders: bool = True
+  max_parallel: int = 8
 
 
 def rubric_group_reward(judge: JudgeClient, config: RubricRewardConfig = RubricRewardConfig()) -> GroupRewardFn:
-    """A group reward; human rubrics come from `prompt.data['rubrics']` (a list of strings) when present."""
-    def reward(prompt: Prompt, completions: Sequence[Completion]) -> list[RewardResult]:
-        rubrics = format_rubrics(config, tuple(prompt.data.get("rubrics", ())))
-        question = prompt.text or str(prompt.data.get("question", ""))
-        K = len(completions)
-        jobs = [(i, j) for i, j in itertools.permutations(range(K), 2) if config.both_orders or i < j]
+  """A group reward; human rubrics come from `prompt.data['rubrics']` (a list of strings) when present."""
 
-        def judge_pair(ij):
-            i, j = ij
-            reply = judge.chat([{"role": "user", "content": PAIRWISE_TEMPLATE.format(
-                prompt=question, rubrics=rubrics, a=completions[i].text, b=completions[j].text)}])
-            found = _VERDICT.findall(reply)
-            return i, j, found[-1] if found else None
+  def reward(prompt: Prompt, completions: Sequence[Completion]) -> list[RewardResult]:
+    rubrics = format_rubrics(config, tuple(prompt.data.get("rubrics", ())))
+    question = prompt.text or str(prompt.data.get("question", ""))
+    K = len(completions)
+    jobs = [(i, j) for i, j in itertools.permutations(range(K), 2) if config.both_orders or i < j]
 
-        with ThreadPoolExecutor(max(1, min(config.max_parallel, len(jobs)))) as pool:
-            verdicts = list(pool.map(judge_pair, jobs))
-        return _score(K, verdicts)
-    return reward
+    def judge_pair(ij):
+      i, j = ij
+      reply = judge.chat(
+        [
+          {
+            "role": "user",
+            "content": PAIRWISE_TEMPLATE.format(
+              prompt=question, rubrics=rubrics, a=completions[i].text, b=completions[j].text
+            ),
+          }
+        ]
+      )
+      found = _VERDICT.findall(reply)
+      return i, j, found[-1] if found else None
+
+    with ThreadPoolExecutor(max(1, min(config.max_parallel, len(jobs)))) as pool:
+      verdicts = list(pool.map(judge_pair, jobs))
+    return _score(K, verdicts)
+
+  return reward
 
 
 def format_rubrics(config: RubricRewardConfig, human: tuple[str, ...]) -> str:
-    lines = [f"- {'MANDATORY: ' if r in config.mandatory else ''}{r}"
-             for r in config.core + config.prescriptive + human]
-    return "\n".join(lines)
+  lines = [f"- {'MANDATORY: ' if r in config.mandatory else ''}{r}" for r in config.core + config.prescriptive + human]
+  return "\n".join(lines)
 
 
 def _score(K: int, verdicts) -> list[RewardResult]:
-    points, games, invalid = [0.0] * K, [0] * K, 0
-    for i, j, v in verdicts:
-        if v is None:
-            invalid += 1
-            continue
-        share = {"A": (1.0, 0.0), "B": (0.0, 1.0), "TIE": (0.5, 0.5)}[v]
-        points[i] += share[0]
-        points[j] += share[1]
-        games[i] += 1
-        games[j] += 1
-    out = []
-    for k in range(K):
-        if games[k] == 0:
-            out.append(RewardResult(0.0, "no valid pairwise verdicts", {"invalid_verdicts": invalid}))
-        else:
-            out.append(RewardResult(points[k] / games[k], f"won {points[k]:g} of {games[k]} comparisons",
-                                    {"invalid_verdicts": invalid}))
-    return out
+  points, games, invalid = [0.0] * K, [0] * K, 0
+  for i, j, v in verdicts:
+    if v is None:
+      invalid += 1
+      continue
+    share = {"A": (1.0, 0.0), "B": (0.0, 1.0), "TIE": (0.5, 0.5)}[v]
+    points[i] += share[0]
+    points[j] += share[1]
+    games[i] += 1
+    games[j] += 1
+  out = []
+  for k in range(K):
+    if games[k] == 0:
+      out.append(RewardResult(0.0, "no valid pairwise verdicts", {"invalid_verdicts": invalid}))
+    else:
+      out.append(
+        RewardResult(
+          points[k] / games[k], f"won {points[k]:g} of {games[k]} comparisons", {"invalid_verdicts": invalid}
+        )
+      )
+  return out

@@ -3,6 +3,7 @@
 Run from the repo root after an intended layout change, and review the diff:
   python tests/sharding/golden/make_partition_specs.py
 """
+
 import pathlib
 
 from flax import nnx
