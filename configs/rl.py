@@ -3,10 +3,16 @@
   python launch/rl.py --config=configs/rl.py:tiny --workdir=/tmp/rl_tiny
   python launch/rl.py --config=configs/rl.py:tiny --workdir=/tmp/rl_tiny \
       --config.rollout.engine_url=http://127.0.0.1:30000      # an SGLang server instead
+  python launch/rl.py --config=configs/rl.py:1t --dry_run      # counts + per-device memory plan on a pod
 
-With no `rollout.engine_url` the embedded k2jax engine runs in-process. With a URL, the server must
-see `sync.root` at the same path (shared filesystem) and serve the same architecture; the learner
-pushes its full weights once at start, then only changed tensors after every update.
+With no `rollout.engine_url` the embedded k2jax engine runs in-process and gets the new weights as device
+arrays. With a URL, the server must see `sync.root` at the same path (shared filesystem) and serve the
+same architecture; every JAX process writes the tensors it holds, a full push once at start, then only
+changed tensors after every update. The policy is sharded like pretraining: the same `mesh.*` keys and
+rules presets as configs/k2.py, and the same multi-process launch (launch/slurm_gpu.sh, tpu_pod.sh).
+
+`1t` is Kimi K2 itself (init_from the released checkpoint, rollouts from SGLang workers) on a TPU pod;
+its `--dry_run` prints parameter counts and the per-device memory plan of the RL update.
 
 `tiny` trains the tiny model from scratch on "1+b" (b in 0..8; the answer is the digit that follows b):
 a format-only warm start (random answers: teaches "digit then [EOS]", nothing about which digit) leaves it
@@ -16,19 +22,69 @@ at chance (~1/9), then RL with the exact-match reward alone raises the reward (B
 from ml_collections import config_dict
 
 
+VARIANTS = ("tiny", "1t")
+
+
 def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
-  if arg != "tiny":
-    raise ValueError(f"configs/rl.py: unknown variant {arg!r}; known: tiny")
+  if arg not in VARIANTS:
+    raise ValueError(f"configs/rl.py: unknown variant {arg!r}; known: {', '.join(VARIANTS)}")
+  c = _tiny()
+  if arg == "1t":
+    _k2_1t(c)
+  return c
+
+
+def _k2_1t(c):
+  """Kimi K2 RL on 512 TPU v5p chips: the policy sharded as K2 pretraining (EP 8 x FSDP 64)."""
+  c.topology = "v5p-1024"
+  c.iterations = 1000
+  c.tokenizer_path = "/data/kimi-k2/tiktoken.model"  # K2's tokenizer (ships with the checkpoint)
+  c.model.preset = "1t"
+  c.model.init_from = ""  # the released K2 checkpoint (an HF dir) on a real run
+  c.model.param_dtype = "float32"
+  c.model.compute_dtype = "bfloat16"
+  c.model.remat_policy = "full"
+  c.mesh.rules = "fsdp_ep"
+  c.mesh.expert = 8
+  c.task.kind = "math_jsonl"
+  c.task.budget = 3584  # response tokens per sample; prompt + response fit train.seq_len
+  c.rollout.group_size = 8
+  c.rollout.target_groups = 64  # 512 rows per update: one row per chip
+  c.rollout.launch_groups = 80
+  c.rollout.max_concurrency = 640
+  c.rollout.engine_url = "http://sglang-router:30000"  # SGLang workers (K2 serves on its own pods)
+  c.train.seq_len = 4096
+  c.ptx.batch_size = 512
+  c.ptx.seq_len = 4096
+  c.warm_start.steps = 0  # K2 RL starts from the SFT model
+  c.optim.lr = 1e-6
+  c.optim.bias_update_rate = 0.0
+  c.checkpoint.every = 20
+  c.checkpoint.keep = 3
+  c.eval.every = 0
+
+
+def _tiny() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.seed = 0  # model init and warm-start sampling
   c.iterations = 60  # RL iterations (one rollout batch each)
   c.tokenizer_path = ""  # tiktoken model for prompts and rewards ("" = the bundled BPE)
+  c.topology = ""  # k2jax.memory.TOPOLOGIES name for --dry_run's memory plan ('' = none)
 
   c.model = config_dict.ConfigDict()
   c.model.preset = "tiny"  # k2jax.model.presets name (used when init_from is empty)
   c.model.init_from = ""  # k2jax workdir or HF dir to start the policy from ("" = random init)
   c.model.param_dtype = "float32"  # master weights
   c.model.compute_dtype = "float32"  # matmuls/activations ("bfloat16" on accelerators)
+  c.model.scan_layers = True  # lax.scan over stacked layers
+  c.model.remat_policy = "none"  # none | full | dots | dots_no_batch
+
+  c.mesh = config_dict.ConfigDict()  # device mesh and rules preset, exactly as configs/k2.py
+  c.mesh.rules = "fsdp"  # k2jax.sharding rules preset: fsdp | fsdp_ep | fsdp_ep_tp
+  c.mesh.data = 1
+  c.mesh.fsdp = -1  # -1 = all remaining devices
+  c.mesh.expert = 1
+  c.mesh.tensor = 1
 
   c.task = config_dict.ConfigDict()  # k2jax/rl/tasks.py
   c.task.kind = "arith"  # "arith": generated a+b, exact match; "math_jsonl": task.path, \boxed{} reward
@@ -66,7 +122,7 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
   c.ptx = config_dict.ConfigDict()  # k2jax.rl.ptx.PTXConfig
   c.ptx.source = "bundled"  # jsonl of {"messages"} or {"text"} records; "bundled" = offline corpus
   c.ptx.num_samples = 32  # curated records kept (the first usable ones)
-  c.ptx.batch_size = 4  # PTX rows per update
+  c.ptx.batch_size = 8  # PTX rows per update (a multiple of the mesh's batch shards)
   c.ptx.seq_len = 32  # tokens per PTX row (longer records truncated)
 
   c.warm_start = config_dict.ConfigDict()  # format-only SFT before RL (random answers; see tasks.py)
@@ -92,6 +148,7 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
   c.checkpoint = config_dict.ConfigDict()
   c.checkpoint.every = 20  # iterations between orbax checkpoints (and one at the end)
   c.checkpoint.keep = 2  # checkpoints kept
+  c.checkpoint.async_save = True  # write in the background while rollouts continue
 
   c.log = config_dict.ConfigDict()
   c.log.tensorboard = False  # also write TensorBoard events to WORKDIR/tb
@@ -99,5 +156,34 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
   c.eval = config_dict.ConfigDict()
   c.eval.every = 10  # greedy accuracy on every distinct prompt each N iterations (0 = off)
 
-  c.lock()
   return c
+
+
+def _k2_1t(c):
+  """Kimi K2 RL on 512 TPU v5p chips: the policy sharded as K2 pretraining (EP 8 x FSDP 64)."""
+  c.topology = "v5p-1024"
+  c.iterations = 1000
+  c.tokenizer_path = "/data/kimi-k2/tiktoken.model"  # K2's tokenizer (ships with the checkpoint)
+  c.model.preset = "1t"
+  c.model.init_from = ""  # the released K2 checkpoint (an HF dir) on a real run
+  c.model.param_dtype = "float32"
+  c.model.compute_dtype = "bfloat16"
+  c.model.remat_policy = "full"
+  c.mesh.rules = "fsdp_ep"
+  c.mesh.expert = 8
+  c.task.kind = "math_jsonl"
+  c.task.budget = 3584  # response tokens per sample; prompt + response fit train.seq_len
+  c.rollout.group_size = 8
+  c.rollout.target_groups = 64  # 512 rows per update: one row per chip
+  c.rollout.launch_groups = 80
+  c.rollout.max_concurrency = 640
+  c.rollout.engine_url = "http://sglang-router:30000"  # SGLang workers (K2 serves on its own pods)
+  c.train.seq_len = 4096
+  c.ptx.batch_size = 512
+  c.ptx.seq_len = 4096
+  c.warm_start.steps = 0  # K2 RL starts from the SFT model
+  c.optim.lr = 1e-6
+  c.optim.bias_update_rate = 0.0
+  c.checkpoint.every = 20
+  c.checkpoint.keep = 3
+  c.eval.every = 0

@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
-import os
-
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k2jax.convert import hf as hf_io
-from k2jax.convert import workdir as wd
 from k2jax.model.config import K2Config
 from k2jax.model.transformer import K2Model
+from k2jax.train.init_from import source_config, source_state
 
 
 def model_from_state(cfg: K2Config, state: dict) -> K2Model:
-  """Build a model from a pure state dict without random-initialising it first."""
+  """Build a model from a pure state dict without random-initialising it first (device arrays are kept
+  where they are; host arrays go to the default device)."""
   abstract = nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0)))
   graphdef, abs_state = nnx.split(abstract)
-  nnx.replace_by_pure_dict(abs_state, jax_tree_asarray(state))
+  nnx.replace_by_pure_dict(abs_state, jax.tree.map(jnp.asarray, state))
   return nnx.merge(graphdef, abs_state)
-
-
-def jax_tree_asarray(state: dict) -> dict:
-  import jax
-
-  return jax.tree.map(jnp.asarray, state)
 
 
 def load(path: str, **k2jax_fields) -> K2Model:
@@ -32,14 +26,8 @@ def load(path: str, **k2jax_fields) -> K2Model:
 
   k2jax_fields override execution knobs, e.g. `load(p, compute_dtype='bfloat16', scan_layers=False)`.
   """
-  if wd.is_workdir(path):
-    cfg = wd.read_model_config(path, **k2jax_fields)
-    _, state = wd.restore_model_state(path, hf_io.abstract_state(cfg))
-    return model_from_state(cfg, state)
-  if os.path.isfile(os.path.join(path, "config.json")):
-    cfg, state = hf_io.load_hf(path, **k2jax_fields)
-    return model_from_state(cfg, state)
-  raise FileNotFoundError(f"{path}: neither a k2jax workdir ({wd.MODEL_CONFIG}) nor an HF directory (config.json)")
+  cfg = source_config(path, **k2jax_fields)
+  return model_from_state(cfg, source_state(path, cfg))
 
 
 def save_hf(model: K2Model, dst: str, *, dtype: str | None = None, max_shard_bytes: int = 4 << 30) -> None:

@@ -3,6 +3,9 @@
 With no `--config.rollout.engine_url` the embedded k2jax engine runs in-process; with a URL rollouts
 come from that SGLang-compatible server (see launch/sglang_server.sh and BUILD.md "RL with SGLang").
 Resumes from the latest checkpoint in W; writes W/metrics.jsonl and W/checkpoints/<iteration>/.
+`--dry_run` prints parameter counts and the per-device memory plan (`configs/rl.py:1t`) and exits.
+Multi-host: the coordinator flags (or the cluster's environment) as launch/train.py, the same command
+on every host; process 0 runs the rollouts and talks to the engine.
 """
 
 import json
@@ -11,20 +14,34 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from k2jax.rl import learner  # noqa: E402
-
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:tiny", "RL config file and variant.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, weight pushes).", required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, weight pushes).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print params and the per-device memory plan, then exit.")
+_COORD = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (else K2JAX_COORDINATOR).")
+_NPROC = flags.DEFINE_integer("num_processes", None, "Total JAX processes (multi-host).")
+_PID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from k2jax.rl import learner
+
+  if _DRY_RUN.value:
+    print(learner.dry_run(_CONFIG.value))
+    return
+  if not _WORKDIR.value:
+    raise app.UsageError("--workdir is required (unless --dry_run)")
+  from k2jax import distributed
+
+  distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   final = learner.run(_CONFIG.value, _WORKDIR.value)
-  print(json.dumps({k: final[k] for k in ("step", "reward_mean", "eval_accuracy") if k in final}))
+  if final:
+    print(json.dumps({k: final[k] for k in ("step", "reward_mean", "eval_accuracy") if k in final}))
 
 
 if __name__ == "__main__":

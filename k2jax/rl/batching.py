@@ -61,6 +61,19 @@ def sample_problems(batch: RolloutBatch, b: int, *, vocab_size: int, seq_len: in
   return problems
 
 
+def empty_train_arrays(*, rows: int, seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+  """The train step's arrays with every row masked out (shapes and dtypes of `to_train_arrays`)."""
+  return {
+    "tokens_BT": np.full((rows, seq_len), pad_id, np.int32),
+    "segment_ids_BT": np.zeros((rows, seq_len), np.int32),
+    "loss_mask_BT": np.zeros((rows, seq_len), np.float32),
+    "engine_logprobs_BT": np.zeros((rows, seq_len), np.float32),
+    "rewards_B": np.zeros((rows,), np.float32),
+    "group_ids_B": np.zeros((rows,), np.int32),
+    "sample_mask_B": np.zeros((rows,), np.float32),
+  }
+
+
 def to_train_arrays(
   batch: RolloutBatch, *, rows: int, seq_len: int, vocab_size: int, version: int, pad_id: int = 0
 ) -> tuple[dict[str, np.ndarray], collections.Counter]:
@@ -72,15 +85,7 @@ def to_train_arrays(
   B = len(batch.rewards_B)
   if B > rows:
     raise ValueError(f"rollout batch has {B} samples but the train step takes {rows} rows (target_groups * group_size)")
-  out = {
-    "tokens_BT": np.full((rows, seq_len), pad_id, np.int32),
-    "segment_ids_BT": np.zeros((rows, seq_len), np.int32),
-    "loss_mask_BT": np.zeros((rows, seq_len), np.float32),
-    "engine_logprobs_BT": np.zeros((rows, seq_len), np.float32),
-    "rewards_B": np.zeros((rows,), np.float32),
-    "group_ids_B": np.zeros((rows,), np.int32),
-    "sample_mask_B": np.zeros((rows,), np.float32),
-  }
+  out = empty_train_arrays(rows=rows, seq_len=seq_len, pad_id=pad_id)
   dropped: collections.Counter = collections.Counter()
   for b in range(B):
     problems = sample_problems(batch, b, vocab_size=vocab_size, seq_len=seq_len, version=version)

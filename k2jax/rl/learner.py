@@ -1,14 +1,20 @@
 """`run(config, workdir)`: the RL learner. It only orchestrates; every piece lives in its own module.
 
-Phases: config -> tokenizer and task -> model and optimizer -> restore -> engine and weight sync ->
-warm start -> loop. Each iteration is synchronous (K2 §3.3: colocated generate -> train -> push):
-  1. rollout   `RolloutManager.collect` (groups, over-sampling, partial rollouts; rollout.py)
-  2. check     bad samples are masked out and counted (batching.py)
-  3. pi_old    recomputed by the trainer, or the engine's sampling logprobs (loss.old_logprobs)
-  4. update    K2 objective + PTX, one or more MuonClip steps with QK-Clip (rl_step.py)
-  5. sync      changed tensors as HF safetensors -> engine `update_weights` (weight_sync.py); the new
-               version is stamped on every token sampled after it
-  6. log       `W/metrics.jsonl`; orbax checkpoints `W/checkpoints/<it>/{model,opt,meta}` (`k2jax.load(W)`)
+Phases: config -> tokenizer and task -> model and optimizer -> the training core (mesh, sharded state,
+restore; `k2jax.train.core`, shared with pretraining) -> engine and weight sync -> warm start -> loop.
+Each iteration is synchronous (K2 §3.3: colocated generate -> train -> push):
+  1. rollout   `RolloutManager.collect` on process 0 (groups, over-sampling, partial rollouts; rollout.py)
+  2. check     bad samples are masked out and counted (batching.py); the arrays go to every process and
+               onto the mesh, sharded on rows
+  3. pi_old    recomputed by the sharded trainer, or the engine's sampling logprobs (loss.old_logprobs)
+  4. update    K2 objective + PTX, one or more MuonClip steps with QK-Clip (rl_step.py), sharded per
+               `mesh.rules` (fsdp | fsdp_ep | fsdp_ep_tp) exactly as pretraining
+  5. sync      the colocated engine gets the new device arrays; a remote one the changed tensors, written
+               by each process for the shards it holds (weight_sync.py); the new version is stamped on
+               every token sampled after it
+  6. log       `W/metrics.jsonl`; checkpoints `W/checkpoints/<it>/{model,opt,meta}` (`k2jax.train.Checkpointer`:
+               async, keep-K, corrupt-latest fallback; `k2jax.load(W)`)
+With several JAX processes (k2jax.distributed.initialize, as pretraining) the engine must be remote.
 """
 
 from __future__ import annotations
@@ -19,21 +25,16 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
-from flax import nnx
+from jax.sharding import SingleDeviceSharding
 from ml_collections import config_dict
 
-import k2jax
+from k2jax import distributed, sharding
 from k2jax.api import model_from_state
-from k2jax.convert import hf as hf_io
-from k2jax.convert import workdir as wd
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 from k2jax.model import presets
 from k2jax.model.config import ConfigError, K2Config
-from k2jax.model.transformer import K2Model
 from k2jax.optim import QKClipSpec, muonclip
 from k2jax.rl import batching, rl_step
 from k2jax.rl.algo import K2LossConfig, rollout_metrics, select_old_logprobs
@@ -47,10 +48,14 @@ from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
 from k2jax.rl.tasks import TASK_NAME, ArithmeticTask, ArithmeticTaskConfig, MathJsonlTask, strip_stop
 from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
 from k2jax.serve.engine import EngineConfig
-from k2jax.train.checkpoint import merge_dicts, split_dict
+from k2jax.train import core
+from k2jax.train.checkpoint import merge_dicts
+from k2jax.train.config import MeshSpec, mesh_shape, mesh_spec
 from k2jax.train.counting import flops_per_token
+from k2jax.train.dryrun import plan_report
+from k2jax.train.init_from import EXEC_FIELDS, check_workdir_model, resolve_model
 from k2jax.train.metrics import MetricsLogger, measure_peak_flops, say
-from k2jax.train.step import ModelDef, TrainState, init_state
+from k2jax.train.step import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +64,10 @@ class LearnerConfig:
 
   seed: int
   iterations: int
+  topology: str  # k2jax.memory.TOPOLOGIES name for --dry_run ('' = none)
   model: K2Config
   init_from: str
+  mesh: MeshSpec
   tokenizer_path: str
   task_kind: str
   task_path: str
@@ -84,6 +91,7 @@ class LearnerConfig:
   sync: WeightSyncConfig
   checkpoint_every: int
   checkpoint_keep: int
+  checkpoint_async: bool
   tensorboard: bool
   eval_every: int
 
@@ -97,7 +105,12 @@ TASK_NAMES = {"arith": TASK_NAME, "math_jsonl": MathJsonlTask.name}  # task.kind
 
 def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[int, ...]) -> LearnerConfig:
   """ConfigDict -> LearnerConfig (the one boundary); errors name the config key."""
-  model = _model_config(c.model)
+  m = c.model
+  try:
+    preset = presets.get(m.preset, **{k: m[k] for k in EXEC_FIELDS})
+  except KeyError as e:
+    raise ConfigError(f"model.preset: {e.args[0]}") from None
+  model = resolve_model(preset, m.init_from, key="model.init_from")
   r = c.rollout
   rollout = RolloutConfig(
     group_size=r.group_size,
@@ -117,8 +130,10 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
   lc = LearnerConfig(
     seed=c.seed,
     iterations=c.iterations,
+    topology=c.topology,
     model=model,
     init_from=c.model.init_from,
+    mesh=mesh_spec(c.mesh),
     tokenizer_path=c.tokenizer_path or BUNDLED_TOKENIZER,
     task_kind=c.task.kind,
     task_path=c.task.path,
@@ -142,6 +157,7 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     sync=WeightSyncConfig(c.sync.root or os.path.join(workdir, "weights"), keep_last=c.sync.keep_last),
     checkpoint_every=c.checkpoint.every,
     checkpoint_keep=c.checkpoint.keep,
+    checkpoint_async=c.checkpoint.async_save,
     tensorboard=c.log.tensorboard,
     eval_every=c.eval.every,
   )
@@ -154,6 +170,7 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     ("optim.updates_per_batch", lc.updates_per_batch >= 1),
     ("warm_start.steps", lc.warm_start_steps >= 0),
     ("checkpoint.every", lc.checkpoint_every >= 1),
+    ("checkpoint.keep", lc.checkpoint_keep >= 1),
     ("train.seq_len", 2 <= lc.seq_len <= model.max_position_embeddings),
     ("rollout.engine_url", all(u.startswith(("http://", "https://")) for u in (lc.engine_url,) + lc.worker_urls if u)),
     ("rollout.worker_urls", not lc.worker_urls or bool(lc.engine_url)),
@@ -161,17 +178,6 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     if not ok:
       raise ConfigError(f"{key}: invalid value in the RL config")
   return lc
-
-
-def _model_config(m: config_dict.ConfigDict) -> K2Config:
-  exec_kw = {"param_dtype": m.param_dtype, "compute_dtype": m.compute_dtype}
-  if not m.init_from:
-    return presets.get(m.preset, **exec_kw)
-  if wd.is_workdir(m.init_from):
-    return wd.read_model_config(m.init_from, **exec_kw)
-  if os.path.isfile(os.path.join(m.init_from, "config.json")):
-    return hf_io.read_config(m.init_from, **exec_kw)
-  raise ConfigError(f"model.init_from: {m.init_from!r} is neither a k2jax workdir nor an HF directory")
 
 
 def run(config: config_dict.ConfigDict, workdir: str) -> dict:
@@ -194,26 +200,35 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
     learner.close()
 
 
-def make_engine(lc: LearnerConfig, state: TrainState, decode) -> Engine:
+def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
   """The rollout engine: SGLang over HTTP when `engine_url` is set (through a router when `worker_urls`
-  are too), else the embedded k2jax engine in this process, serving `state`'s weights."""
+  are too), else the embedded k2jax engine in this process, serving a copy of the model state `state`
+  (device arrays) on this process's first device."""
   if lc.engine_url:
     engine = HttpEngine(HttpEngineConfig(lc.engine_url))
     if lc.worker_urls:  # the router only forwards /generate: updates and aborts go to each worker
       engine = RoutedEngine(engine, [HttpEngine(HttpEngineConfig(u)) for u in lc.worker_urls])
     engine.wait_until_healthy(timeout_s=600)
     return engine
-  model = model_from_state(lc.model, merge_dicts(state.params, state.bias))
-  return EmbeddedEngine(model, lc.engine, eos_token_ids=lc.rollout.stop_token_ids, decode=decode)
+  if jax.process_count() > 1:
+    raise ConfigError(
+      f"rollout.engine_url: {jax.process_count()} JAX processes share the policy; the embedded engine "
+      "serves one process only, so a multi-process run needs a remote engine (SGLang) URL"
+    )
+  served = jax.device_put(state, SingleDeviceSharding(jax.local_devices()[0]), may_alias=False)
+  return EmbeddedEngine(
+    model_from_state(lc.model, served), lc.engine, eos_token_ids=lc.rollout.stop_token_ids, decode=decode
+  )
 
 
 class Learner:
-  """Holds the train state, the engine, the rollout manager and the weight sync for one run."""
+  """Holds the sharded train state, the engine, the rollout manager and the weight sync for one run."""
 
   def __init__(
     self, lc: LearnerConfig, workdir: str, task: ArithmeticTask | MathJsonlTask, decode, engine: Engine | None = None
   ):
     self.lc, self.workdir, self.task, self.decode = lc, os.path.abspath(workdir), task, decode
+    self.primary = jax.process_index() == 0
     # Model and optimizer: warm-start LR for the first warm_start_steps updates, then the RL LR.
     self.schedule = optax.join_schedules(
       [optax.constant_schedule(lc.warm_start_lr), optax.constant_schedule(lc.lr)], [lc.warm_start_steps]
@@ -225,21 +240,35 @@ class Learner:
       qk_clip_tau=lc.qk_clip_tau,
       qk_clip_spec=QKClipSpec.from_config(lc.model),
     )
-    model = self._initial_model()
-    self.mdef = ModelDef.from_model(model)
-    self.state = init_state(model, self.optimizer)
-    del model
-    # Restore.
-    self._check_workdir()
-    wd.write_model_config(lc.model, self.workdir)
-    self.ckpt = wd.checkpoint_manager(self.workdir, max_to_keep=lc.checkpoint_keep)
+    # The training core: mesh, sharded state, restore (or init from init_from / the seed).
+    shape = mesh_shape(lc.mesh, lc.model, jax.device_count(), rows=lc.rows, what="rollout.target_groups")
+    if lc.ptx:
+      mesh_shape(lc.mesh, lc.model, jax.device_count(), rows=lc.ptx.batch_size, what="ptx.batch_size")
+    if lc.warm_start_steps:
+      mesh_shape(lc.mesh, lc.model, jax.device_count(), rows=lc.warm_start_batch_size, what="warm_start.batch_size")
+    check_workdir_model(self.workdir, lc.model)
+    self.core = core.build(
+      lc.model,
+      self.optimizer,
+      mesh_shape=shape,
+      preset=lc.mesh.rules,
+      seed=lc.seed,
+      init_from=lc.init_from,
+      workdir=self.workdir,
+      keep=lc.checkpoint_keep,
+      async_save=lc.checkpoint_async,
+    )
+    self.state = self.core.state
     self.meta = {"iteration": 0, "weight_version": 0, "prompts_drawn": 0, "warm_start_done": False}
-    self._restore()
-    # Own every leaf: init shares one zero among counters, and the steps donate the state.
-    self.state = jax.tree.map(lambda x: jnp.array(x, copy=True), self.state)
-    # Steps (jitted once: fixed [rows, seq_len] shapes).
+    if self.core.restored_step is not None:
+      self.meta.update({k: self.core.meta[k] for k in self.meta})
+      say(
+        f"resumed RL from {self.core.ckpt.directory}/{self.core.restored_step} (weight version {self.meta['weight_version']})"
+      )
+    self.mdef = self.core.mdef
+    # Steps: the K2 objective and the warm-start NLL plugged into the core (fixed [rows, seq_len] shapes).
     tau = lc.qk_clip_tau
-    self.rl_step = jax.jit(
+    self.rl_step = self.core.jit(
       rl_step.make_rl_step(
         self.mdef,
         self.optimizer,
@@ -248,86 +277,71 @@ class Learner:
         num_groups=lc.rollout.target_groups,
         bias_update_rate=lc.bias_update_rate,
         qk_clip_tau=tau,
-      ),
-      donate_argnums=0,
+      )
     )
-    self.sft_step = jax.jit(
-      rl_step.make_sft_step(self.mdef, self.optimizer, self.schedule, qk_clip_tau=tau), donate_argnums=0
-    )
-    self.logprobs_fn = jax.jit(rl_step.make_logprobs_fn(self.mdef))
+    self.sft_step = self.core.jit(rl_step.make_sft_step(self.mdef, self.optimizer, self.schedule, qk_clip_tau=tau))
+    logprobs = jax.jit(rl_step.make_logprobs_fn(self.mdef), out_shardings=self.core.batch_sharding)
+
+    def logprobs_fn(params, bias, tokens_BT, segment_ids_BT):
+      with self.core.use():
+        return logprobs(params, bias, tokens_BT, segment_ids_BT)
+
+    self.logprobs_fn = logprobs_fn
     self.ptx = PTXSet(lc.ptx, load_tokenizer(lc.tokenizer_path)) if lc.ptx else None
-    # Engine, weight sync, rollouts.
-    self.engine = engine or make_engine(lc, self.state, decode)
-    self.sync = WeightSync(lc.sync, self.engine, initial_version=self.meta["weight_version"])
-    self.manager = RolloutManager(
-      lc.rollout, self.engine, self._prompts(self.meta["prompts_drawn"]), per_sample(task.reward), decode=decode
-    )
+    # Engine (process 0 talks to it), weight sync (every process writes its shards), rollouts.
+    self.engine = engine or (make_engine(lc, self._model_state(), decode) if self.primary else None)
+    self.sync = WeightSync(lc.sync, self.engine, lc.model, initial_version=self.meta["weight_version"])
+    self.manager = None
+    if self.primary:
+      self.manager = RolloutManager(
+        lc.rollout,
+        self.engine,
+        self._prompts(self.meta["prompts_drawn"]),
+        per_sample(task.reward),
+        decode=decode,
+        start_iteration=self.meta["iteration"],
+        start_uid=self.meta["prompts_drawn"],
+      )
     self.log = MetricsLogger(
       self.workdir,
       total_steps=lc.iterations,
       start_step=self.meta["iteration"],
       tensorboard=lc.tensorboard,
       progress=False,
-      enabled=True,
+      enabled=self.primary,
     )
     self.peak = measure_peak_flops(lc.model.compute_dtype)
     self.flops_per_token = flops_per_token(lc.model, lc.seq_len)
 
   # ---- setup ------------------------------------------------------------------------------------
-  def _initial_model(self) -> K2Model:
-    lc = self.lc
-    if lc.init_from:
-      return k2jax.load(lc.init_from, param_dtype=lc.model.param_dtype, compute_dtype=lc.model.compute_dtype)
-    return K2Model(lc.model, rngs=nnx.Rngs(lc.seed))
-
-  def _check_workdir(self) -> None:
-    if wd.is_workdir(self.workdir):
-      have, want = wd.read_model_config(self.workdir).to_hf_dict(), self.lc.model.to_hf_dict()
-      diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
-      if diff:
-        raise ConfigError(
-          f"model: {self.workdir}/{wd.MODEL_CONFIG} is a different model (fields {diff}); use a new workdir"
-        )
+  def _model_state(self) -> dict:
+    return merge_dicts(self.state.params, self.state.bias)
 
   def _prompts(self, start: int):
     for i, prompt in enumerate(self.task.prompts(start), start + 1):
       self.meta["prompts_drawn"] = i
       yield prompt
 
+  def _on_mesh(self, arrays: dict) -> dict:
+    """Host arrays (the whole batch, identical on every process) -> global arrays sharded on rows."""
+    out = {}
+    for k, v in arrays.items():
+      v = np.asarray(v)
+      sh = sharding.batch_sharding(self.core.mesh, self.core.preset, ndim=v.ndim)
+      out[k] = distributed.global_batch(v[distributed.process_rows(v.shape[0], sh)], sh, v.shape[0])
+    return out
+
+  def _share(self, arrays: dict) -> dict:
+    """Process 0's host arrays on every process (the rollouts only run there)."""
+    if jax.process_count() == 1:
+      return arrays
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(arrays))
+
   # ---- checkpoints ------------------------------------------------------------------------------
   def _save(self) -> None:
-    s = self.state
-    self.ckpt.save(
-      self.meta["iteration"],
-      force=True,
-      args=ocp.args.Composite(
-        model=ocp.args.StandardSave(merge_dicts(s.params, s.bias)),
-        opt=ocp.args.StandardSave({"opt_state": s.opt_state, "step": s.step, "skipped_steps": s.skipped_steps}),
-        meta=ocp.args.JsonSave(dict(self.meta)),
-      ),
-    )
-    self.ckpt.wait_until_finished()
-
-  def _restore(self) -> None:
-    step = self.ckpt.latest_step()
-    if step is None:
-      return
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state)
-    out = self.ckpt.restore(
-      step,
-      args=ocp.args.Composite(
-        model=ocp.args.StandardRestore(merge_dicts(abstract.params, abstract.bias)),
-        opt=ocp.args.StandardRestore(
-          {"opt_state": abstract.opt_state, "step": abstract.step, "skipped_steps": abstract.skipped_steps}
-        ),
-        meta=ocp.args.JsonRestore(),
-      ),
-    )
-    params, bias = split_dict(out["model"], abstract.params)
-    o = out["opt"]
-    self.state = TrainState(o["step"], params, bias, o["opt_state"], o["skipped_steps"])
-    self.meta.update(out["meta"])
-    say(f"resumed RL from {self.workdir}/checkpoints/{step} (weight version {self.meta['weight_version']})")
+    self.core.ckpt.save(self.meta["iteration"], self.state, None, dict(self.meta))
 
   # ---- loop -------------------------------------------------------------------------------------
   def train(self) -> dict:
@@ -343,35 +357,41 @@ class Learner:
     return last
 
   def iteration(self) -> dict:
-    """One rollout -> update -> sync round; returns (and logs) its metrics."""
+    """One rollout -> update -> sync round; returns (and logs) its metrics ({} off process 0)."""
     lc, t0 = self.lc, time.perf_counter()
     version = self.sync.version
-    batch, rstats = self.manager.collect(version)
+    shape = dict(rows=lc.rows, seq_len=lc.seq_len)
+    if self.primary:
+      batch, rstats = self.manager.collect(version)
+      arrays, dropped = batching.to_train_arrays(batch, **shape, vocab_size=lc.model.vocab_size, version=version)
+    else:
+      arrays = batching.empty_train_arrays(**shape)
     t1 = time.perf_counter()
-    arrays, dropped = batching.to_train_arrays(
-      batch, rows=lc.rows, seq_len=lc.seq_len, vocab_size=lc.model.vocab_size, version=version
-    )
+    host = self._share(arrays)
+    dev = self._on_mesh(host)
     s = self.state
     old_BT = select_old_logprobs(
       lc.loss,
-      arrays["engine_logprobs_BT"],
-      lambda: self.logprobs_fn(s.params, s.bias, arrays["tokens_BT"], arrays["segment_ids_BT"]),
+      dev["engine_logprobs_BT"],
+      lambda: self.logprobs_fn(s.params, s.bias, dev["tokens_BT"], dev["segment_ids_BT"]),
     )
     ptx = None
     for _ in range(lc.updates_per_batch):
       if self.ptx is not None:
-        ptx = self.ptx.batch(int(self.state.step))
-      self.state, metrics = self.rl_step(self.state, arrays, old_BT, ptx)
+        ptx = self._on_mesh(self.ptx.batch(int(self.state.step)))
+      self.state, metrics = self.rl_step(self.state, dev, old_BT, ptx)
     metrics = jax.device_get(metrics)
     t2 = time.perf_counter()
     new_version = self._push()
     t3 = time.perf_counter()
     self.meta.update(iteration=self.meta["iteration"] + 1, weight_version=new_version)
+    if not self.primary:
+      return {}
     rec = {k: v for k, v in metrics.items() if k not in ("finite", "max_attn_logit_per_layer")}
     rec.update(rollout_metrics(batch), **batching.staleness(batch, version))
     rec.update({f"rollout_{k}": v for k, v in rstats.items()})
     rec.update({f"dropped_{k}": int(dropped.get(k, 0)) for k in ("samples",) + batching.CHECKS})
-    tokens = float(np.sum(arrays["segment_ids_BT"] > 0)) * lc.updates_per_batch
+    tokens = float(np.sum(host["segment_ids_BT"] > 0)) * lc.updates_per_batch
     wall = time.perf_counter() - t0
     if lc.eval_every and self.meta["iteration"] % lc.eval_every == 0:
       rec["eval_accuracy"] = self.evaluate()
@@ -382,7 +402,7 @@ class Learner:
       trainer_idle_fraction=1.0 - (t2 - t1) / max(wall, 1e-9),
       weight_version=new_version,
       tokens_per_sec=tokens / max(t2 - t1, 1e-9),
-      mfu=tokens / max(t2 - t1, 1e-9) * self.flops_per_token / self.peak,
+      mfu=tokens / max(t2 - t1, 1e-9) * self.flops_per_token / (self.peak * jax.device_count()),
     )
     rec = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in rec.items()}
     rec = {k: (np.asarray(v).tolist() if isinstance(v, np.ndarray) else v) for k, v in rec.items()}
@@ -403,7 +423,8 @@ class Learner:
         ids = (prompt + response)[: lc.seq_len]
         tokens_BT[b, : len(ids)], segment_ids_BT[b, : len(ids)] = ids, 1
         mask_BT[b, len(prompt) : len(ids)] = 1.0
-      self.state, m = self.sft_step(self.state, tokens_BT, segment_ids_BT, mask_BT)
+      dev = self._on_mesh({"tokens_BT": tokens_BT, "segment_ids_BT": segment_ids_BT, "mask_BT": mask_BT})
+      self.state, m = self.sft_step(self.state, dev["tokens_BT"], dev["segment_ids_BT"], dev["mask_BT"])
       losses.append(float(m["loss"]))
     self.meta["warm_start_done"] = True
     if lc.warm_start_steps:
@@ -420,7 +441,7 @@ class Learner:
       "warm_start_time_s": time.perf_counter() - t0,
       "weight_version": self.sync.version,
     }
-    if lc.eval_every:
+    if lc.eval_every and self.primary:
       rec["eval_accuracy"] = self.evaluate()
     self.log.write(rec)
 
@@ -441,11 +462,36 @@ class Learner:
       return float(np.mean(list(pool.map(one, enumerate(prompts)))))
 
   def _push(self, full: bool = False) -> int:
-    host = jax.device_get(merge_dicts(self.state.params, self.state.bias))
-    return self.sync.push(dict(hf_io.iter_hf_tensors(self.lc.model, host, dtype=None)), full=full)
+    return self.sync.push(self._model_state(), full=full)
 
   def close(self) -> None:
-    self.manager.close()
+    if self.manager is not None:
+      self.manager.close()
     self.log.close()
-    self.ckpt.close()
-    self.engine.close()
+    self.core.ckpt.close()
+    if self.engine is not None:
+      self.engine.close()
+
+
+def dry_run(config: config_dict.ConfigDict) -> str:
+  """`launch/rl.py --dry_run`: counts and the per-device memory plan of the RL update on `config.topology`,
+  from shapes alone (no tokenizer, task file, engine or devices needed). The update's forward/backward
+  holds the rollout rows and the PTX rows at once."""
+  m = config.model
+  try:
+    preset = presets.get(m.preset, **{k: m[k] for k in EXEC_FIELDS})
+  except KeyError as e:
+    raise ConfigError(f"model.preset: {e.args[0]}") from None
+  model = resolve_model(preset, m.init_from, key="model.init_from")
+  rows = config.rollout.target_groups * config.rollout.group_size
+  seq = config.train.seq_len
+  ptx_tokens = config.ptx.batch_size * config.ptx.seq_len if config.loss.ptx_coef > 0 else 0
+  report = plan_report(
+    model,
+    mesh_spec(config.mesh),
+    config.topology,
+    seq_len=seq,
+    tokens_per_step=rows * seq * config.optim.updates_per_batch,
+    tokens_per_pass=rows * seq + ptx_tokens,
+  )
+  return f"rl_rows={rows}\nptx_rows={config.ptx.batch_size if ptx_tokens else 0}\n" + report

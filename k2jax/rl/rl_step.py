@@ -1,10 +1,12 @@
 """Pure RL train-step functions over `k2jax.train.step.TrainState`; the learner jits them.
 
   logprobs_fn(params, bias, tokens_BT, segment_ids_BT) -> logprobs_BT   pi_old recomputed by the trainer
-  rl_step(state, batch, old_logprobs_BT, ptx) -> (state, m)   K2 objective (+ PTX), one MuonClip update
+  rl_grads(params, bias, batch, old_logprobs_BT, ptx) -> (loss, aux, grads)   the K2 objective (+ PTX)
+  rl_step(state, batch, old_logprobs_BT, ptx) -> (state, m)   rl_grads, then `k2jax.train.apply_update`
   sft_step(state, tokens_BT, segment_ids_BT, mask_BT) -> (state, m)   NLL (warm start)
 
-Each update feeds QK-Clip the max pre-softmax logits of every forward pass it ran (RL batch and PTX
+The learner jits them through the training core (`k2jax.train.core`), sharded as pretraining. Each
+update feeds QK-Clip the max pre-softmax logits of every forward pass it ran (RL batch and PTX
 batch), updates the MoE balancing bias from their expert counts, and drops the whole update (params,
 optimizer state, bias) when the loss or gradients are not finite, counting it in `skipped_steps`.
 """
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from k2jax.rl.algo import K2LossConfig, k2_objective, ptx_loss, token_logprobs
-from k2jax.train.step import ModelDef, TrainState, step_metrics, update_bias
+from k2jax.train.step import ModelDef, TrainState, apply_update
 
 
 def forward_logprobs(mdef: ModelDef, params: dict, bias: dict, tokens_BT, segment_ids_BT):
@@ -47,6 +49,28 @@ def make_rl_step(
   qk_clip_tau: float | None,
 ) -> Callable:
   """rl_step(state, batch, old_logprobs_BT, ptx) with `ptx` None iff loss_config.ptx_coef == 0."""
+  rl_grads = make_rl_grads(mdef, loss_config, num_groups=num_groups)
+
+  def rl_step(state: TrainState, batch: dict, old_logprobs_BT, ptx: dict | None):
+    loss, aux, grads = rl_grads(state.params, state.bias, batch, old_logprobs_BT, ptx)
+    state, metrics = apply_update(
+      state, grads, loss, aux, optimizer, schedule, bias_update_rate=bias_update_rate, qk_clip_tau=qk_clip_tau
+    )
+    metrics.update(
+      {
+        k: aux[k]
+        for k in ("rl_loss", "log_ratio_mean", "log_ratio_abs_max", "centred_reward_abs_mean", "ptx_loss")
+        if k in aux
+      }
+    )
+    metrics["samples_trained"] = jnp.sum(batch["sample_mask_B"])
+    return state, metrics
+
+  return rl_step
+
+
+def make_rl_grads(mdef: ModelDef, loss_config: K2LossConfig, *, num_groups: int) -> Callable:
+  """rl_grads(params, bias, batch, old_logprobs_BT, ptx) -> (loss, aux, grads) of the K2 objective (+ PTX)."""
 
   def loss_fn(params, bias, batch, old_BT, ptx):
     lp_BT, out = forward_logprobs(mdef, params, bias, batch["tokens_BT"], batch["segment_ids_BT"])
@@ -76,23 +100,11 @@ def make_rl_step(
     )
     return loss, aux
 
-  def rl_step(state: TrainState, batch: dict, old_logprobs_BT, ptx: dict | None):
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, aux), grads = grad_fn(state.params, state.bias, batch, old_logprobs_BT, ptx)
-    state, metrics = apply_update(
-      state, grads, loss, aux, optimizer, schedule, bias_update_rate=bias_update_rate, qk_clip_tau=qk_clip_tau
-    )
-    metrics.update(
-      {
-        k: aux[k]
-        for k in ("rl_loss", "log_ratio_mean", "log_ratio_abs_max", "centred_reward_abs_mean", "ptx_loss")
-        if k in aux
-      }
-    )
-    metrics["samples_trained"] = jnp.sum(batch["sample_mask_B"])
-    return state, metrics
+  def rl_grads(params, bias, batch, old_BT, ptx):
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, bias, batch, old_BT, ptx)
+    return loss, aux, grads
 
-  return rl_step
+  return rl_grads
 
 
 def make_sft_step(
@@ -119,34 +131,3 @@ def make_sft_step(
     return apply_update(state, grads, loss, aux, optimizer, schedule, bias_update_rate=0.0, qk_clip_tau=qk_clip_tau)
 
   return sft_step
-
-
-def apply_update(
-  state: TrainState, grads, loss, aux, optimizer, schedule, *, bias_update_rate: float, qk_clip_tau: float | None
-) -> tuple[TrainState, dict]:
-  """One MuonClip update with this step's max logits; a non-finite loss/gradient keeps the old state."""
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params, max_logits=aux["max_logits"])
-  params = optax.apply_updates(state.params, updates)
-  bias = update_bias(state.bias, aux["expert_counts"], bias_update_rate)
-  grad_norm = optax.tree.norm(grads)
-  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-  new = TrainState(
-    step=state.step + 1,
-    params=keep(params, state.params),
-    bias=keep(bias, state.bias),
-    opt_state=keep(opt_state, state.opt_state),
-    skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32),
-  )
-  metrics = step_metrics(
-    aux,
-    loss=loss,
-    grad_norm=grad_norm,
-    updates=updates,
-    ok=ok,
-    params=new.params,
-    qk_clip_tau=qk_clip_tau,
-    lr=schedule(state.step - state.skipped_steps),
-    skipped=new.skipped_steps,
-  )
-  return new, metrics

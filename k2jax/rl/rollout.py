@@ -86,19 +86,24 @@ class RolloutManager:
     prompts: Iterator[Prompt],
     reward_fn: GroupRewardFn,
     decode: Callable[[Sequence[int]], str] | None = None,
+    *,
+    start_iteration: int = 0,
+    start_uid: int = 0,
   ):
+    """`start_iteration` / `start_uid` continue a resumed run's temperature schedule and sampling seeds
+    (a group's uid is the index of its prompt in the stream)."""
     self.config = config
     self.engine = engine
     self._prompts = iter(prompts)
     self._reward_fn = reward_fn
     self._decode = decode
     self._buffer: list[Group] = []  # groups carried over, oldest first
-    self._uids = itertools.count()
+    self._uids = itertools.count(start_uid)
     self._lock = threading.Lock()
     self._active: set[str] = set()  # rids currently inside engine.generate
     self._stopping = threading.Event()
     self._rewards = ThreadPoolExecutor(config.reward_workers, thread_name_prefix="reward")
-    self.iteration = 0
+    self.iteration = start_iteration
 
   def close(self) -> None:
     self._rewards.shutdown(wait=True)

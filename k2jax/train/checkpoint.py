@@ -3,7 +3,10 @@
   W/checkpoints/<step>/model   the model's full pure state dict (Params + RouterBias): `k2jax.load(W)`
                   /opt     {"opt_state", "step", "skipped_steps"}
                   /data    grain iterator state, one `process_{i}-of-{n}.json` per JAX process
-                  /meta    JSON: host-side state (spike detector window, process count, config)
+                           (absent for loops without a grain iterator, e.g. RL)
+                  /meta    JSON: host-side state (spike detector window, RL iteration counters, ...)
+                           plus `checkpoint_step`, the directory's step (RL counts iterations, not
+                           optimizer steps, so the step number is not always `opt.step`)
 
 Saves are asynchronous (arrays are copied to host, then written in the background); a step directory
 appears only once complete, so a crash mid-write leaves the previous checkpoints intact. The restore
@@ -60,16 +63,18 @@ class Checkpointer:
     return ocp.CheckpointManager(self.directory, options=opts)
 
   def save(self, step: int, state: TrainState, data_iter, meta: dict) -> None:
-    """Start saving `state` at `step` (returns once arrays are on host, unless async is off)."""
-    args = ocp.args.Composite(
+    """Start saving `state` at `step` (returns once arrays are on host, unless async is off).
+    `data_iter` is the grain iterator to resume, or None for a loop that keeps its data position in `meta`."""
+    items = dict(
       model=ocp.args.StandardSave(merge_dicts(state.params, state.bias)),
       opt=ocp.args.StandardSave(
         {"opt_state": state.opt_state, "step": state.step, "skipped_steps": state.skipped_steps}
       ),
-      data=grain.checkpoint.CheckpointSave(_FrozenIteratorState(data_iter)),
-      meta=ocp.args.JsonSave(meta),
+      meta=ocp.args.JsonSave({**meta, "checkpoint_step": step}),
     )
-    self.mgr.save(step, args=args, force=True)
+    if data_iter is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(_FrozenIteratorState(data_iter))
+    self.mgr.save(step, args=ocp.args.Composite(**items), force=True)
 
   def reached_preemption(self, step: int) -> bool:
     """True on every host once the cluster saw a preemption notice (multi-host SIGTERM sync)."""
@@ -82,8 +87,9 @@ class Checkpointer:
     self.mgr.wait_until_finished()
     self.mgr.close()
 
-  def restore_latest(self, abstract: TrainState, data_iter) -> Restored | None:
-    """Restore the newest readable checkpoint into `abstract`'s shapes and shardings (None if none)."""
+  def restore_latest(self, abstract: TrainState, data_iter=None) -> Restored | None:
+    """Restore the newest readable checkpoint into `abstract`'s shapes and shardings (None if none);
+    `data_iter` (when given) is restored in place."""
     for step in sorted(self.mgr.all_steps(), reverse=True):
       path = os.path.join(self.directory, str(step))
       try:
@@ -104,7 +110,7 @@ class Checkpointer:
     items = dict(
       model=ocp.args.StandardRestore(model_abs), opt=ocp.args.StandardRestore(opt_abs), meta=ocp.args.JsonRestore()
     )
-    data_ok = self._data_matches(step)
+    data_ok = data_iter is not None and self._data_matches(step)
     if data_ok:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     out = self.mgr.restore(step, args=ocp.args.Composite(**items))
@@ -113,8 +119,9 @@ class Checkpointer:
     state = TrainState(
       step=opt["step"], params=params, bias=bias, opt_state=opt["opt_state"], skipped_steps=opt["skipped_steps"]
     )
-    if int(state.step) != step:
-      raise ValueError(f"opt.step={int(state.step)} does not match the directory step {step}")
+    saved_step = out["meta"].get("checkpoint_step", int(state.step))
+    if saved_step != step:
+      raise ValueError(f"meta.checkpoint_step={saved_step} does not match the directory step {step}")
     return Restored(state, dict(out["meta"]), data_ok)
 
   def _data_matches(self, step: int) -> bool:

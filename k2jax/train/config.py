@@ -102,7 +102,7 @@ def from_config_dict(c: config_dict.ConfigDict) -> TrainConfig:
     topology=c.topology,
     data=_section(DataSpec, c.data, "data"),
     optim=_section(OptimSpec, c.optim, "optim"),
-    mesh=_section(MeshSpec, c.mesh, "mesh"),
+    mesh=mesh_spec(c.mesh),
     checkpoint=_section(CheckpointSpec, c.checkpoint, "checkpoint"),
     log=_section(LogSpec, c.log, "log"),
   )
@@ -151,7 +151,7 @@ def _need(cond: bool, key: str, msg: str) -> None:
 
 
 def _validate(tc: TrainConfig) -> None:
-  d, o, m = tc.data, tc.optim, tc.mesh
+  d, o = tc.data, tc.optim
   _need(tc.steps > 0, "steps", f"must be > 0, got {tc.steps}")
   _need(d.kind in DATA_KINDS, "data.kind", f"one of {DATA_KINDS}, got {d.kind!r}")
   _need(d.seq_len > 1, "data.seq_len", f"must be > 1, got {d.seq_len}")
@@ -174,10 +174,6 @@ def _validate(tc: TrainConfig) -> None:
   _need(0.0 <= o.decay_fraction <= 1.0, "optim.decay_fraction", f"in [0, 1], got {o.decay_fraction}")
   _need(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
   _need(o.bias_update_rate >= 0, "optim.bias_update_rate", f"must be >= 0, got {o.bias_update_rate}")
-  _need(m.rules in sharding.RULES, "mesh.rules", f"one of {sorted(sharding.RULES)}, got {m.rules!r}")
-  for a in sharding.MESH_AXES:
-    _need(getattr(m, a) == -1 or getattr(m, a) >= 1, f"mesh.{a}", f"must be >= 1 or -1, got {getattr(m, a)}")
-  _need(sum(getattr(m, a) == -1 for a in sharding.MESH_AXES) <= 1, "mesh", "at most one axis may be -1")
   _need(tc.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   _need(tc.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
   _need(tc.log.every_steps >= 1, "log.every_steps", "must be >= 1")
@@ -186,29 +182,18 @@ def _validate(tc: TrainConfig) -> None:
 
 def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[str, int]:
   """Checks against the live runtime and files; returns the mesh shape. Call before compiling."""
-  try:
-    shape = sharding.resolve_mesh_shape({a: getattr(tc.mesh, a) for a in sharding.MESH_AXES}, n_devices)
-  except sharding.ShardingError as e:
-    raise ConfigError(f"mesh: {e}") from None
-  batch_axes = sharding.spec_mesh_axes(sharding.logical_to_spec(("act_batch",), tc.mesh.rules)[0])
-  batch_shards = math.prod(shape[a] for a in batch_axes)
   micro = tc.data.global_batch_size // tc.data.num_microbatches
-  _need(
-    micro % batch_shards == 0,
-    "data.global_batch_size",
-    f"microbatch of {micro} rows (global_batch_size {tc.data.global_batch_size} / "
-    f"num_microbatches {tc.data.num_microbatches}) is not divisible by the {batch_shards} batch "
-    f"shards (mesh axes {batch_axes} under mesh.rules={tc.mesh.rules!r})",
+  shape = mesh_shape(
+    tc.mesh,
+    tc.model,
+    n_devices,
+    rows=micro,
+    what=f"data.global_batch_size (a microbatch of {micro} rows = global_batch_size / num_microbatches)",
   )
   _need(
     tc.data.global_batch_size % process_count == 0,
     "data.global_batch_size",
     f"{tc.data.global_batch_size} is not divisible by the {process_count} processes",
-  )
-  _need(
-    tc.model.n_routed_experts % shape["expert"] == 0,
-    "mesh.expert",
-    f"{shape['expert']} does not divide n_routed_experts {tc.model.n_routed_experts}",
   )
   if tc.data.path:
     found = glob.glob(tc.data.path) if glob.has_magic(tc.data.path) else [tc.data.path]
@@ -222,3 +207,35 @@ def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[s
       os.path.isdir(tc.checkpoint.init_from), "checkpoint.init_from", f"no directory at {tc.checkpoint.init_from!r}"
     )
   return shape
+
+
+def mesh_shape(spec: MeshSpec, model: K2Config, n_devices: int, *, rows: int, what: str) -> dict[str, int]:
+  """The mesh shape of `spec` on `n_devices`, checked against the model and a batch of `rows` rows
+  (`what` names the config key that sets the rows). Shared by every loop's config boundary."""
+  try:
+    shape = sharding.resolve_mesh_shape({a: getattr(spec, a) for a in sharding.MESH_AXES}, n_devices)
+  except sharding.ShardingError as e:
+    raise ConfigError(f"mesh: {e}") from None
+  batch_axes = sharding.spec_mesh_axes(sharding.logical_to_spec(("act_batch",), spec.rules)[0])
+  shards = math.prod(shape[a] for a in batch_axes)
+  _need(
+    rows % shards == 0,
+    what,
+    f"{rows} rows are not divisible by the {shards} batch shards (mesh axes {batch_axes} under mesh.rules={spec.rules!r})",
+  )
+  _need(
+    model.n_routed_experts % shape["expert"] == 0,
+    "mesh.expert",
+    f"{shape['expert']} does not divide n_routed_experts {model.n_routed_experts}",
+  )
+  return shape
+
+
+def mesh_spec(m: config_dict.ConfigDict) -> MeshSpec:
+  """`mesh.*` keys -> MeshSpec, validated (the same keys and presets for every loop)."""
+  spec = _section(MeshSpec, m, "mesh")
+  _need(spec.rules in sharding.RULES, "mesh.rules", f"one of {sorted(sharding.RULES)}, got {spec.rules!r}")
+  for a in sharding.MESH_AXES:
+    _need(getattr(spec, a) == -1 or getattr(spec, a) >= 1, f"mesh.{a}", f"must be >= 1 or -1, got {getattr(spec, a)}")
+  _need(sum(getattr(spec, a) == -1 for a in sharding.MESH_AXES) <= 1, "mesh", "at most one axis may be -1")
+  return spec

@@ -1,40 +1,56 @@
-"""`launch/train.py --dry_run`: parameter counts and the memory plan, from shapes alone."""
+"""`--dry_run` of every loop (launch/train.py, launch/rl.py): parameter counts and the memory plan, from
+shapes alone."""
 
 from __future__ import annotations
 
 from ml_collections import config_dict
 
 from k2jax import memory
-from k2jax.model.config import ConfigError
+from k2jax.model.config import ConfigError, K2Config
 from k2jax.sharding import MESH_AXES
-from k2jax.train.config import from_config_dict
+from k2jax.train.config import MeshSpec, from_config_dict
 from k2jax.train.counting import count_params, flops_per_token
 
 
 def report(config: config_dict.ConfigDict) -> str:
-  """`key=value` lines: params_total, params_activated, FLOPs, then the memory plan for
-  `config.topology` (when set) on the configured mesh and rules preset."""
+  """`key=value` lines for a configs/k2.py config: params_total, params_activated, FLOPs, then the
+  memory plan for `config.topology` (when set) on the configured mesh and rules preset."""
   tc = from_config_dict(config)
-  counts = count_params(tc.model)
+  micro_rows = tc.data.global_batch_size // tc.data.num_microbatches
+  return plan_report(
+    tc.model,
+    tc.mesh,
+    tc.topology,
+    seq_len=tc.data.seq_len,
+    tokens_per_step=tc.data.global_batch_size * tc.data.seq_len,
+    tokens_per_pass=micro_rows * tc.data.seq_len,
+  )
+
+
+def plan_report(
+  model: K2Config, mesh: MeshSpec, topology: str, *, seq_len: int, tokens_per_step: int, tokens_per_pass: int
+) -> str:
+  """Counts and (with a topology) the per-device memory plan of one forward/backward over
+  `tokens_per_pass` tokens (all rows whose activations live at once), shared by every loop."""
+  counts = count_params(model)
   lines = [
     f"params_total={counts.total}",
     f"params_activated={counts.activated}",
-    f"flops_per_token={flops_per_token(tc.model, tc.data.seq_len):.6e}",
-    f"tokens_per_step={tc.data.global_batch_size * tc.data.seq_len}",
+    f"flops_per_token={flops_per_token(model, seq_len):.6e}",
+    f"tokens_per_step={tokens_per_step}",
   ]
-  if tc.topology:
-    if tc.topology not in memory.TOPOLOGIES:
-      raise ConfigError(f"topology: unknown {tc.topology!r}; known: {sorted(memory.TOPOLOGIES)}")
-    n_dev = memory.TOPOLOGIES[tc.topology].num_devices
-    micro_tokens = tc.data.global_batch_size * tc.data.seq_len // tc.data.num_microbatches
+  if topology:
+    if topology not in memory.TOPOLOGIES:
+      raise ConfigError(f"topology: unknown {topology!r}; known: {sorted(memory.TOPOLOGIES)}")
+    n_dev = memory.TOPOLOGIES[topology].num_devices
     plan = memory.plan(
-      tc.model,
-      {a: getattr(tc.mesh, a) for a in MESH_AXES},
-      tc.mesh.rules,
-      micro_tokens // n_dev,
-      seq_len=tc.data.seq_len,
-      topology=tc.topology,
+      model,
+      {a: getattr(mesh, a) for a in MESH_AXES},
+      mesh.rules,
+      tokens_per_pass // n_dev,
+      seq_len=seq_len,
+      topology=topology,
     )
-    lines.append(f"topology={tc.topology}")
+    lines.append(f"topology={topology}")
     lines.append(memory.format_plan(plan))
   return "\n".join(lines)

@@ -1,10 +1,10 @@
-"""Where a run's model comes from: the config's preset, or `checkpoint.init_from` (a k2jax workdir or
-an HF directory, e.g. SFT on a pretrained model), and the first TrainState when nothing is restored.
+"""Where a run's model comes from, for every loop (pretraining, SFT, RL) and `k2jax.load`: a preset, or an
+`init_from` directory (a k2jax workdir or an HF directory), and the first TrainState when nothing is restored.
 
-With `init_from`, the architecture is read from that directory (its `model_config.json` or
-`config.json`); the config's execution knobs (dtypes, scan, remat) still apply. A workdir that
-already holds checkpoints of a different architecture is refused, naming the differing fields, so
-a config mistake is never taken for a corrupt checkpoint.
+With `init_from`, the architecture is read from that directory (its `model_config.json` or `config.json`);
+the config's execution knobs (dtypes, scan, remat) still apply. A workdir that already holds checkpoints of
+a different architecture is refused, naming the differing fields, so a config mistake is never taken for a
+corrupt checkpoint.
 """
 
 from __future__ import annotations
@@ -17,47 +17,71 @@ from k2jax.convert import hf as hf_io
 from k2jax.convert import workdir as wd
 from k2jax.model.config import ConfigError, K2Config
 from k2jax.train.checkpoint import split_dict
-from k2jax.train.config import TrainConfig
 from k2jax.train.step import TrainState, init_state
 
-_EXEC_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy")
+EXEC_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy")
 
 
-def model_config_for_run(tc: TrainConfig, workdir: str | None = None) -> K2Config:
-  """The run's K2Config (from `init_from` when set), checked against `workdir`'s existing one."""
-  cfg = tc.model
-  if tc.checkpoint.init_from:
-    exec_kw = {k: getattr(tc.model, k) for k in _EXEC_FIELDS}
-    src = tc.checkpoint.init_from
-    if not (wd.is_workdir(src) or os.path.isfile(os.path.join(src, "config.json"))):
-      raise ConfigError(
-        f"checkpoint.init_from: {src!r} is neither a k2jax workdir ({wd.MODEL_CONFIG}) "
-        "nor an HF directory (config.json)"
-      )
-    cfg = wd.read_model_config(src, **exec_kw) if wd.is_workdir(src) else hf_io.read_config(src, **exec_kw)
-  if workdir is not None and wd.is_workdir(workdir) and os.path.isdir(os.path.join(workdir, wd.CHECKPOINTS)):
-    have = wd.read_model_config(workdir).to_hf_dict()
-    want = cfg.to_hf_dict()
-    diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
-    if diff:
-      raise ConfigError(
-        f"model: {os.path.join(workdir, wd.MODEL_CONFIG)} holds checkpoints of a different "
-        f"model; differing fields {diff} (e.g. {diff[0]}: workdir "
-        f"{have.get(diff[0])!r} vs config {want.get(diff[0])!r}); use a new workdir"
-      )
+def source_kind(src: str) -> str:
+  """'workdir' or 'hf' for a model directory; FileNotFoundError naming both markers otherwise."""
+  if wd.is_workdir(src):
+    return "workdir"
+  if os.path.isfile(os.path.join(src, "config.json")):
+    return "hf"
+  raise FileNotFoundError(f"{src}: neither a k2jax workdir ({wd.MODEL_CONFIG}) nor an HF directory (config.json)")
+
+
+def source_config(src: str, **exec_kw) -> K2Config:
+  """The architecture stored in `src` (workdir or HF dir), with execution knobs `exec_kw` applied."""
+  if source_kind(src) == "workdir":
+    return wd.read_model_config(src, **exec_kw)
+  return hf_io.read_config(src, **exec_kw)
+
+
+def source_state(src: str, cfg: K2Config) -> dict:
+  """The model's full pure state dict (Params + RouterBias) stored in `src`, as `cfg` lays it out."""
+  if source_kind(src) == "workdir":
+    return wd.restore_model_state(src, hf_io.abstract_state(cfg))[1]
+  return hf_io.load_hf(src, **{k: getattr(cfg, k) for k in EXEC_FIELDS})[1]
+
+
+def resolve_model(preset_cfg: K2Config, init_from: str, *, key: str) -> K2Config:
+  """`preset_cfg`, or the architecture of `init_from` with `preset_cfg`'s execution knobs; errors name `key`."""
+  if not init_from:
+    return preset_cfg
+  try:
+    return source_config(init_from, **{k: getattr(preset_cfg, k) for k in EXEC_FIELDS})
+  except FileNotFoundError as e:
+    raise ConfigError(f"{key}: {e}") from None
+
+
+def check_workdir_model(workdir: str, cfg: K2Config) -> None:
+  """Refuse a workdir whose checkpoints are of another architecture (names the differing fields)."""
+  if not (wd.is_workdir(workdir) and os.path.isdir(os.path.join(workdir, wd.CHECKPOINTS))):
+    return
+  have, want = wd.read_model_config(workdir).to_hf_dict(), cfg.to_hf_dict()
+  diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+  if diff:
+    raise ConfigError(
+      f"model: {os.path.join(workdir, wd.MODEL_CONFIG)} holds checkpoints of a different "
+      f"model; differing fields {diff} (e.g. {diff[0]}: workdir "
+      f"{have.get(diff[0])!r} vs config {want.get(diff[0])!r}); use a new workdir"
+    )
+
+
+def model_config_for_run(tc, workdir: str | None = None) -> K2Config:
+  """The pretraining/SFT run's K2Config (from `checkpoint.init_from` when set), checked against `workdir`."""
+  cfg = resolve_model(tc.model, tc.checkpoint.init_from, key="checkpoint.init_from")
+  if workdir is not None:
+    check_workdir_model(workdir, cfg)
   return cfg
 
 
-def initial_state(tc: TrainConfig, build, optimizer, shardings: TrainState) -> TrainState:
-  """Step-0 state: random init (seed `tc.seed`) or `init_from`'s weights, placed per `shardings`."""
-  if not tc.checkpoint.init_from:
+def initial_state(cfg: K2Config, init_from: str, build, optimizer, shardings: TrainState) -> TrainState:
+  """Step-0 state: `build()`'s random init, or `init_from`'s weights, placed per `shardings`."""
+  if not init_from:
     return jax.jit(lambda: init_state(build(), optimizer), out_shardings=shardings)()
-  src = tc.checkpoint.init_from
-  if wd.is_workdir(src):
-    _, full = wd.restore_model_state(src, hf_io.abstract_state(tc.model))
-  else:
-    _, full = hf_io.load_hf(src, **{k: getattr(tc.model, k) for k in _EXEC_FIELDS})
-  params, bias = split_dict(full, shardings.params)
+  params, bias = split_dict(source_state(init_from, cfg), shardings.params)
   params = jax.device_put(params, shardings.params)
   bias = jax.device_put(bias, shardings.bias)
 

@@ -18,21 +18,17 @@ import time
 from typing import Any
 
 import jax
-from flax import nnx
 from ml_collections import config_dict
 
 from k2jax import sharding
-from k2jax.convert import workdir as wd
-from k2jax.model.transformer import K2Model
 from k2jax.optim import QKClipSpec, muonclip, wsd_schedule
-from k2jax.train import inputs
-from k2jax.train.checkpoint import Checkpointer, abstract_like
+from k2jax.train import core, inputs
+from k2jax.train.checkpoint import Checkpointer
 from k2jax.train.config import TrainConfig, check_runtime, from_config_dict
 from k2jax.train.counting import flops_per_token
-from k2jax.train.init_from import initial_state, model_config_for_run
+from k2jax.train.init_from import model_config_for_run
 from k2jax.train.metrics import MetricsLogger, SpikeDetector, measure_peak_flops, say, to_record
-from k2jax.train.partition import state_shardings
-from k2jax.train.step import ModelDef, TrainState, init_state, make_train_step
+from k2jax.train.step import TrainState, make_train_step
 
 
 def run(config: config_dict.ConfigDict, workdir: str) -> dict:
@@ -42,59 +38,50 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
   tc = dataclasses.replace(tc, model=model_config_for_run(tc, workdir))
   mesh_shape = check_runtime(tc, jax.device_count(), jax.process_count())
   peak = _peak(tc)  # Before the mesh is active: measured on one device.
-  # Mesh.
-  mesh = sharding.make_mesh(mesh_shape)
-  preset = tc.mesh.rules
-  with sharding.use(mesh, preset):
-    # Model and optimizer (abstract: nothing allocated yet).
-    schedule = _schedule(tc)
-    tau = tc.optim.qk_clip_tau if tc.optim.qk_clip_tau > 0 else None
-    o = tc.optim
-    optimizer = muonclip(
+  # Model and optimizer (abstract: nothing allocated yet), then the core: mesh, shardings, restore.
+  schedule = _schedule(tc)
+  tau = tc.optim.qk_clip_tau if tc.optim.qk_clip_tau > 0 else None
+  o = tc.optim
+  optimizer = muonclip(
+    schedule,
+    weight_decay=o.weight_decay,
+    momentum=o.momentum,
+    adam_b1=o.adam_b1,
+    adam_b2=o.adam_b2,
+    adam_eps=o.adam_eps,
+    qk_clip_tau=tau,
+    qk_clip_spec=QKClipSpec.from_config(tc.model),
+  )
+  it = inputs.make_iterator(tc.data, tc.model.vocab_size)
+  c = core.build(
+    tc.model,
+    optimizer,
+    mesh_shape=mesh_shape,
+    preset=tc.mesh.rules,
+    seed=tc.seed,
+    init_from=tc.checkpoint.init_from,
+    workdir=workdir,
+    keep=tc.checkpoint.keep,
+    async_save=tc.checkpoint.async_save,
+    data_iter=it,
+  )
+  if c.restored_step is not None:
+    say(f"resumed from {c.ckpt.directory}/{c.restored_step}")
+    if not c.data_restored:
+      it = inputs.make_iterator(tc.data, tc.model.vocab_size, seed_offset=int(c.state.step))
+  # Step: the loss (token-mean cross entropy over microbatches) plugged into the core's jit.
+  step_fn = c.jit(
+    make_train_step(
+      c.mdef,
+      optimizer,
       schedule,
-      weight_decay=o.weight_decay,
-      momentum=o.momentum,
-      adam_b1=o.adam_b1,
-      adam_b2=o.adam_b2,
-      adam_eps=o.adam_eps,
+      num_microbatches=tc.data.num_microbatches,
+      bias_update_rate=tc.optim.bias_update_rate,
       qk_clip_tau=tau,
-      qk_clip_spec=QKClipSpec.from_config(tc.model),
     )
-    build = lambda: K2Model(tc.model, rngs=nnx.Rngs(tc.seed))
-    abstract_model = nnx.eval_shape(build)
-    abstract_state = jax.eval_shape(lambda: init_state(build(), optimizer))
-    shardings = state_shardings(abstract_model, abstract_state, mesh, preset)
-    # Data.
-    it = inputs.make_iterator(tc.data, tc.model.vocab_size)
-    # Restore (or initialise).
-    if jax.process_index() == 0:
-      wd.write_model_config(tc.model, workdir)
-    ckpt = Checkpointer(workdir, keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
-    restored = ckpt.restore_latest(abstract_like(abstract_state, shardings), it)
-    meta = {}
-    if restored is None:
-      state = initial_state(tc, build, optimizer, shardings)
-    else:
-      state, meta = restored.state, restored.meta
-      say(f"resumed from {ckpt.directory}/{int(state.step)}")
-      if not restored.data_restored:
-        it = inputs.make_iterator(tc.data, tc.model.vocab_size, seed_offset=int(state.step))
-    # Step.
-    step_fn = jax.jit(
-      make_train_step(
-        ModelDef.from_model(abstract_model),
-        optimizer,
-        schedule,
-        num_microbatches=tc.data.num_microbatches,
-        bias_update_rate=tc.optim.bias_update_rate,
-        qk_clip_tau=tau,
-      ),
-      in_shardings=(shardings, sharding.batch_sharding(mesh, preset)),
-      out_shardings=(shardings, None),
-      donate_argnums=0,
-    )
-    # Loop.
-    return _Loop(tc, workdir, step_fn, ckpt, mesh, preset, meta, peak).run(state, it)
+  )
+  # Loop.
+  return _Loop(tc, workdir, step_fn, c.ckpt, c.mesh, c.preset, c.meta, peak).run(c.state, it)
 
 
 def _schedule(tc: TrainConfig):

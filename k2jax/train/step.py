@@ -74,33 +74,55 @@ def make_train_step(
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     grads, loss, aux = accumulate_grads(mdef, state.params, state.bias, batch, num_microbatches)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params, max_logits=aux["max_logits"])
-    params = optax.apply_updates(state.params, updates)
-    bias = update_bias(state.bias, aux["expert_counts"], bias_update_rate)
-    grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    new_state = TrainState(
-      step=state.step + 1,
-      params=keep(params, state.params),
-      bias=keep(bias, state.bias),
-      opt_state=keep(opt_state, state.opt_state),
-      skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32),
+    return apply_update(
+      state, grads, loss, aux, optimizer, schedule, bias_update_rate=bias_update_rate, qk_clip_tau=qk_clip_tau
     )
-    metrics = step_metrics(
-      aux,
-      loss=loss,
-      grad_norm=grad_norm,
-      updates=updates,
-      ok=ok,
-      params=new_state.params,
-      qk_clip_tau=qk_clip_tau,
-      lr=schedule(state.step - state.skipped_steps),
-      skipped=new_state.skipped_steps,
-    )
-    return new_state, metrics
 
   return train_step
+
+
+def apply_update(
+  state: TrainState,
+  grads: dict,
+  loss: jax.Array,
+  aux: dict,
+  optimizer: optax.GradientTransformationExtraArgs,
+  schedule: optax.Schedule,
+  *,
+  bias_update_rate: float,
+  qk_clip_tau: float | None,
+) -> tuple[TrainState, dict]:
+  """The one guarded update every loop (pretraining, SFT, RL) ends its step with.
+
+  `aux` carries this step's forward side outputs: `max_logits` (QK-Clip inside MuonClip), `expert_counts`
+  (balancing bias) and `tokens`. A non-finite loss or gradient keeps the old params, optimizer state and
+  bias, and counts the step in `skipped_steps`.
+  """
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params, max_logits=aux["max_logits"])
+  params = optax.apply_updates(state.params, updates)
+  bias = update_bias(state.bias, aux["expert_counts"], bias_update_rate)
+  grad_norm = optax.tree.norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+  new_state = TrainState(
+    step=state.step + 1,
+    params=keep(params, state.params),
+    bias=keep(bias, state.bias),
+    opt_state=keep(opt_state, state.opt_state),
+    skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32),
+  )
+  metrics = step_metrics(
+    aux,
+    loss=loss,
+    grad_norm=grad_norm,
+    updates=updates,
+    ok=ok,
+    params=new_state.params,
+    qk_clip_tau=qk_clip_tau,
+    lr=schedule(state.step - state.skipped_steps),
+    skipped=new_state.skipped_steps,
+  )
+  return new_state, metrics
 
 
 def accumulate_grads(mdef: ModelDef, params: dict, bias: dict, batch: dict, num_microbatches: int):

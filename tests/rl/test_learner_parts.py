@@ -197,3 +197,16 @@ def test_multi_turn_holes_are_kept_but_mask_outside_the_response_is_dropped():
   assert batching.sample_problems(batch, 0, vocab_size=4096, seq_len=8, version=3) == []
   batch.loss_mask_BT[0, 0] = 1.0  # a prompt token in the loss
   assert "span" in batching.sample_problems(batch, 0, vocab_size=4096, seq_len=8, version=3)
+
+
+def test_dry_run_1t_prints_the_pod_memory_plan():
+  """configs/rl.py:1t: K2 itself, its RL update sharded as pretraining (EP 8 x FSDP 64) on v5p-1024."""
+  from k2jax.rl.learner import dry_run
+
+  lines = dict(line.split("=", 1) for line in dry_run(rl_configs.get_config("1t")).splitlines())
+  assert int(lines["params_total"]) > 1.0e12 and int(lines["params_activated"]) > 3.0e10
+  assert lines["topology"] == "v5p-1024" and lines["mesh"] == "data=1,fsdp=64,expert=8,tensor=1"
+  assert lines["rules_preset"] == "fsdp_ep" and int(lines["num_devices"]) == 512
+  # One forward/backward holds the 512 rollout rows and the 512 PTX rows of 4096 tokens: 8192 per chip.
+  assert int(lines["batch_per_device_tokens"]) == 8192
+  assert lines["fits"] == "True" and float(lines["total_gib_per_device"]) < 95

@@ -1,58 +1,111 @@
-"""Weight sync: delta safetensors + /update_weights_from_disk, monotonically increasing versions."""
+"""Weight handoff from the sharded trainer state to an engine.
 
+Colocated: the embedded engine gets device arrays; its next generation's logprobs equal the trainer's
+recomputation and nothing is written. Remote: per-process streamed safetensors that load as the full HF
+model, only changed tensors after the first push, peak host memory under 2x the largest tensor.
+"""
+
+import functools
+import glob
 import json
 import os
+import tracemalloc
 
-import ml_dtypes
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file
 
+from k2jax import sharding
+from k2jax.api import model_from_state
+from k2jax.convert import hf as hf_io
+from k2jax.model import K2Model, presets
+from k2jax.rl import rl_step
+from k2jax.rl.engine import GenerateRequest, SamplingParams
+from k2jax.rl.engines.embedded import EmbeddedEngine
 from k2jax.rl.engines.fake import FakeEngine, FakeEngineConfig
-from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
-from k2jax.rl.transport import RequestRejected, RetryPolicy
+from k2jax.rl.transport import RequestRejected
 from k2jax.rl.weight_sync import INDEX_NAME, WeightSync, WeightSyncConfig
-
-from .fake_sglang_server import FakeSglangServer
-
-
-def _params():
-  rng = np.random.default_rng(0)
-  return {
-    "model.embed_tokens.weight": rng.normal(size=(16, 8)).astype(np.float32),
-    "model.layers.0.self_attn.o_proj.weight": rng.normal(size=(8, 8)).astype(ml_dtypes.bfloat16),
-    "lm_head.weight": rng.normal(size=(16, 8)).astype(np.float32),
-  }
+from k2jax.serve.engine import EngineConfig
+from k2jax.train.checkpoint import merge_dicts, split_dict
+from k2jax.train.step import ModelDef
 
 
-def test_delta_push_over_http(tmp_path):
-  with FakeSglangServer(FakeEngine(FakeEngineConfig(), lambda r: 1)) as server:
-    sync = WeightSync(
-      WeightSyncConfig(str(tmp_path), max_shard_bytes=600, keep_last=2),
-      HttpEngine(HttpEngineConfig(server.url, retry=RetryPolicy(max_retries=0))),
-    )
-    params = _params()
-    assert sync.push(params) == 1
-    assert server.loaded[-1][1:] == (1, sorted(params))  # first push is full
-    assert sync.push(params) == 1 and len(server.loaded) == 1  # nothing changed: no update
-    params["lm_head.weight"] = params["lm_head.weight"] + 1
-    assert sync.push(params) == 2
-    path, version, names = server.loaded[-1]
-    assert (version, names) == (2, ["lm_head.weight"])
-    np.testing.assert_array_equal(
-      load_file(os.path.join(path, "model-00001-of-00001.safetensors"))["lm_head.weight"], params["lm_head.weight"]
-    )
-    index = json.load(open(os.path.join(path, INDEX_NAME)))
-    assert index["weight_map"] == {"lm_head.weight": "model-00001-of-00001.safetensors"}
-    assert sync.push(params, full=True) == 3 and server.loaded[-1][2] == sorted(params)
-    # Full push of 1.3 KB split into <=600-byte shards; only the newest keep_last versions remain.
-    full = json.load(open(os.path.join(server.loaded[-1][0], INDEX_NAME)))
-    assert len(set(full["weight_map"].values())) == 3
-    assert sorted(os.listdir(tmp_path)) == ["v00000002", "v00000003"]
-    out = load_file(os.path.join(server.loaded[-1][0], full["weight_map"]["model.layers.0.self_attn.o_proj.weight"]))[
-      "model.layers.0.self_attn.o_proj.weight"
-    ]
-    assert out.dtype == ml_dtypes.bfloat16
+@functools.cache
+def _model():
+  cfg = presets.get("tiny")
+  model = K2Model(cfg, rngs=nnx.Rngs(0))
+  return cfg, jax.device_get(nnx.to_pure_dict(nnx.state(model)))
+
+
+def _sharded(state, preset="fsdp_ep", shape=(("fsdp", 4), ("expert", 2))):
+  """`state` on an 8-device mesh, sharded as the trainer holds it."""
+  cfg, _ = _model()
+  mesh = sharding.make_mesh(dict(shape))
+  abstract = nnx.state(nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0))))
+  shardings = nnx.to_pure_dict(sharding.param_shardings(abstract, mesh, preset))
+  return jax.device_put(state, shardings)
+
+
+class _Recorder(FakeEngine):
+  def __init__(self):
+    super().__init__(FakeEngineConfig(), lambda r: 1)
+    self.updates = []
+
+  def update_weights(self, model_path, weight_version):
+    self.updates.append((model_path, weight_version))
+
+
+def _read_dir(path):
+  index = json.load(open(os.path.join(path, INDEX_NAME)))
+  tensors, owner = {}, {}
+  for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+    for name, t in load_file(f).items():
+      assert name not in tensors, f"{name} written twice"
+      tensors[name], owner[name] = t, os.path.basename(f)
+  assert owner == index["weight_map"]
+  return tensors
+
+
+def test_remote_push_streams_hf_tensors_and_skips_unchanged(tmp_path):
+  cfg, host = _model()
+  state = _sharded(host)
+  engine = _Recorder()
+  sync = WeightSync(WeightSyncConfig(str(tmp_path), keep_last=2, max_shard_bytes=300_000), engine, cfg)
+  want = dict(hf_io.iter_hf_tensors(cfg, host, dtype=None))
+  largest = max(t.nbytes for t in want.values())
+
+  assert sync.push(state) == 1  # compiles the hash and export programs
+  path, version = engine.updates[-1]
+  assert version == 1 and os.path.basename(path) == "v00000001"
+  got = _read_dir(path)
+  assert sorted(got) == sorted(want)  # the full model in the HF layout
+  for name, t in want.items():
+    np.testing.assert_array_equal(got[name], t, err_msg=name)
+  assert len(set(json.load(open(os.path.join(path, INDEX_NAME)))["weight_map"].values())) > 1  # max_shard_bytes
+
+  assert sync.push(state) == 1 and len(engine.updates) == 1  # nothing changed: no write, no update
+  tracemalloc.start()
+  try:
+    assert sync.push(state, full=True) == 2
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  # Streamed: host memory stays near one tensor; gathering the model (2.75x the largest tensor) would not.
+  assert peak < 2 * largest, (peak, largest)
+  assert sum(t.nbytes for t in want.values()) > 2.5 * largest
+  assert len(_read_dir(engine.updates[-1][0])) == len(want)
+
+  host2 = jax.tree.map(np.copy, host)
+  host2["lm_head"]["w"] = host2["lm_head"]["w"] + 1.0
+  host2["moe_layers"]["moe"]["experts"]["w_up"][1, 3] += 0.5  # one expert of one layer
+  assert sync.push(_sharded(host2)) == 3
+  got = _read_dir(engine.updates[-1][0])
+  layer = cfg.num_dense_layers + 1
+  assert sorted(got) == sorted(["lm_head.weight", f"model.layers.{layer}.mlp.experts.3.up_proj.weight"])
+  np.testing.assert_array_equal(got["lm_head.weight"], host2["lm_head"]["w"].T)
+  assert sorted(os.listdir(tmp_path)) == ["v00000002", "v00000003"]  # keep_last
 
 
 def test_failed_update_rolls_back(tmp_path):
@@ -60,11 +113,41 @@ def test_failed_update_rolls_back(tmp_path):
     def update_weights(self, model_path, weight_version):
       raise RequestRejected(f"{model_path}: refused")
 
-  sync = WeightSync(WeightSyncConfig(str(tmp_path)), Failing(FakeEngineConfig(), lambda r: 1))
+  cfg, host = _model()
+  sync = WeightSync(WeightSyncConfig(str(tmp_path)), Failing(FakeEngineConfig(), lambda r: 1), cfg)
   with pytest.raises(RequestRejected):
-    sync.push(_params())
+    sync.push(_sharded(host))
   assert sync.version == 0 and os.listdir(tmp_path) == []
-  with pytest.raises(ValueError, match="missing"):
-    good = WeightSync(WeightSyncConfig(str(tmp_path / "b")), FakeEngine(FakeEngineConfig(), lambda r: 1))
-    good.push(_params())
-    good.push({"lm_head.weight": np.zeros((16, 8), np.float32)})
+
+
+@pytest.mark.slow
+def test_colocated_push_serves_trainer_weights_without_files(tmp_path):
+  cfg, host = _model()
+  engine = EmbeddedEngine(model_from_state(cfg, host), EngineConfig(max_slots=2, max_seq_len=32))
+  root = tmp_path / "weights"
+  sync = WeightSync(WeightSyncConfig(str(root)), engine, cfg)
+  assert sync.colocated
+  trained = jax.tree.map(np.copy, host)
+  trained["lm_head"]["w"] = trained["lm_head"]["w"] * 3.0  # sharper logits: the next token changes odds
+  state = _sharded(trained)
+  prompt, greedy = [5, 17, 99, 3], SamplingParams(max_new_tokens=3, temperature=0.0)
+  before = engine.generate(GenerateRequest("before", prompt, greedy))
+  try:
+    assert sync.push(state) == 1
+    after = engine.generate(GenerateRequest("after", prompt, greedy))
+    assert after.weight_versions == (1, 1, 1) and engine.weight_version == 1
+    assert not root.exists() and os.listdir(tmp_path) == []  # no file anywhere
+    # The engine holds a copy: deleting the trainer's arrays (as donation does) leaves it serving.
+    params, bias = split_dict(state, nnx.to_pure_dict(nnx.state(K2Model(cfg, rngs=nnx.Rngs(0)), nnx.Param)))
+    mdef = ModelDef.from_model(nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0))))
+    ids = prompt + list(after.output_ids)
+    tokens = np.asarray([ids], np.int32)
+    lp = np.asarray(jax.jit(rl_step.make_logprobs_fn(mdef))(params, bias, tokens, np.ones_like(tokens)))
+    np.testing.assert_allclose(lp[0, len(prompt) :], after.output_logprobs, atol=1e-4)
+    assert np.max(np.abs(np.asarray(after.output_logprobs) - np.asarray(before.output_logprobs))) > 1e-3
+    jax.tree.map(lambda x: x.delete(), state)
+    again = engine.generate(GenerateRequest("again", prompt, greedy))
+    assert again.output_ids == after.output_ids
+    assert merge_dicts(params, bias).keys() == trained.keys()
+  finally:
+    engine.close()

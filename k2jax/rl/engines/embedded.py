@@ -1,9 +1,9 @@
 """The embedded k2jax inference engine (`k2jax.serve.InferenceEngine`) behind the RL `Engine` interface.
 
-Runs in the trainer's process, with no HTTP in between. Weight updates still go through disk exactly as
-with SGLang: `update_weights(path, version)` reads the HF safetensors directory written by
-`weight_sync.WeightSync` (which may hold only the tensors that changed), overlays those tensors on the
-weights being served, and swaps them in between two decode steps. Every token of a request carries the
+Runs in the trainer's process, with no HTTP in between. The learner hands it new weights as a pytree of
+device arrays (`update_params`: copied onto the engine's own devices, no host, no disk); an HF safetensors
+directory (`update_weights(path, version)`, as SGLang takes them, possibly only the changed tensors) is
+overlaid on the weights being served. Either way the swap happens between two decode steps. Every token of a request carries the
 weight version the engine held when the request finished; the learner only updates between rollout
 phases, when no request is in flight, so that is the version that produced every token.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
-import numpy as np
 from flax import nnx
 
 from k2jax.api import model_from_state
@@ -35,7 +34,9 @@ class EmbeddedEngine(Engine):
     decode: Callable[[list[int]], str] | None = None,
   ):
     self.cfg = model.cfg
-    self._state = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model)))  # host copy: what is served
+    self._state = nnx.to_pure_dict(nnx.state(model))  # what is served (device arrays)
+    # Where the engine keeps its weights: trainer pytrees are copied there (resharded when they differ).
+    self._shardings = jax.tree.map(lambda x: x.sharding, self._state)
     self._decode = decode
     self.engine = InferenceEngine(model, config, eos_token_ids=eos_token_ids)
 
@@ -80,6 +81,15 @@ class EmbeddedEngine(Engine):
   def update_weights(self, model_path: str, weight_version: int) -> None:
     """Overlays the HF tensors in `model_path` on the served weights; serves them as `weight_version`."""
     state = overlay_hf_tensors(self.cfg, self._state, model_path)
+    self.engine.update_weights(model_from_state(self.cfg, state), weight_version)
+    self._state = state
+
+  def update_params(self, state: dict, weight_version: int) -> None:
+    """Serves the pure state dict `state` (device arrays, any sharding) as `weight_version`.
+
+    The arrays are copied device to device onto the engine's placement (never aliased: the trainer
+    donates its state to the next step)."""
+    state = jax.device_put(state, self._shardings, may_alias=False)
     self.engine.update_weights(model_from_state(self.cfg, state), weight_version)
     self._state = state
 

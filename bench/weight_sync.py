@@ -1,0 +1,107 @@
+"""Weight handoff benchmark: trainer state -> engine, colocated (device arrays) and remote (streamed disk).
+
+Run: python bench/weight_sync.py [--preset small] [--param_dtype bfloat16] [--reps 5] [--dir /tmp/...]
+Three timings per rep, interleaved, on the same model state in this process:
+  colocated  `WeightSync.push` into the embedded engine (device-to-device copy + swap, blocked until ready)
+  remote     a full `WeightSync.push` through disk (hash, per-process streamed HF safetensors + index) to an
+             engine that only records the update call (what SGLang then loads is its own cost)
+  raw_write  one plain sequential write of the same number of bytes (one buffer, one file) to the same dir
+Prints key=value lines: medians with min-max spread over the reps, and
+  colocated_over_disk = colocated / remote        (target <= 0.05)
+  colocated_over_raw_write = colocated / raw_write
+  remote_over_raw_write = remote / raw_write      (target <= 1.5)
+No fsync anywhere (both disk paths end in the page cache alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from k2jax.api import model_from_state
+from k2jax.model import K2Model, presets
+from k2jax.rl.engines.embedded import EmbeddedEngine
+from k2jax.rl.engines.fake import FakeEngine, FakeEngineConfig
+from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
+from k2jax.serve.engine import EngineConfig
+
+
+class _Recorder(FakeEngine):
+  def update_weights(self, model_path, weight_version):
+    self.last = (model_path, weight_version)
+
+
+def _stats(xs: list[float]) -> str:
+  return f"{np.median(xs):.4f} (min {min(xs):.4f} max {max(xs):.4f})"
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--preset", default="small")
+  ap.add_argument("--param_dtype", default="bfloat16")
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--dir", default="")
+  args = ap.parse_args()
+  cfg = presets.get(args.preset, param_dtype=args.param_dtype, compute_dtype=args.param_dtype)
+  model = jax.jit(lambda: nnx.state(K2Model(cfg, rngs=nnx.Rngs(0))))()
+  state = nnx.to_pure_dict(model)
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  engine = EmbeddedEngine(
+    model_from_state(cfg, jax.tree.map(lambda x: x.copy(), state)), EngineConfig(max_slots=1, max_seq_len=16)
+  )
+  root = args.dir or tempfile.mkdtemp(prefix="k2jax_weight_sync_")
+  colocated = WeightSync(WeightSyncConfig(os.path.join(root, "colocated")), engine, cfg)
+  remote = WeightSync(
+    WeightSyncConfig(os.path.join(root, "remote"), keep_last=1), _Recorder(FakeEngineConfig(), lambda r: 1), cfg
+  )
+  buf = np.ones(nbytes, np.uint8)
+  raw_path = os.path.join(root, "raw.bin")
+
+  def t_colocated():
+    t0 = time.perf_counter()
+    colocated.push(state)
+    jax.block_until_ready(engine._state)
+    return time.perf_counter() - t0
+
+  def t_remote():
+    t0 = time.perf_counter()
+    remote.push(state, full=True)
+    return time.perf_counter() - t0
+
+  def t_raw():
+    t0 = time.perf_counter()
+    with open(raw_path, "wb") as f:
+      f.write(buf.data)
+    dt = time.perf_counter() - t0
+    os.remove(raw_path)
+    return dt
+
+  t_colocated(), t_remote(), t_raw()  # compile the copy, hash and export programs
+  times = {"colocated": [], "remote": [], "raw_write": []}
+  for _ in range(args.reps):
+    times["colocated"].append(t_colocated())
+    times["remote"].append(t_remote())
+    times["raw_write"].append(t_raw())
+  engine.close()
+  shutil.rmtree(root, ignore_errors=True)
+  med = {k: float(np.median(v)) for k, v in times.items()}
+  print(
+    f"preset={args.preset} param_dtype={args.param_dtype} bytes={nbytes} reps={args.reps} devices={jax.device_count()}"
+  )
+  for k, v in times.items():
+    print(f"{k}_s={_stats(v)}")
+  print(f"remote_GBps={nbytes / med['remote'] / 1e9:.3f} raw_write_GBps={nbytes / med['raw_write'] / 1e9:.3f}")
+  print(f"colocated_over_disk={med['colocated'] / med['remote']:.4f}")
+  print(f"colocated_over_raw_write={med['colocated'] / med['raw_write']:.4f}")
+  print(f"remote_over_raw_write={med['remote'] / med['raw_write']:.3f}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,99 @@
+"""The training core every loop plugs into (pretraining, SFT, RL): mesh, sharded state, restore, jit.
+
+torchtitan's TrainSpec in spirit: a loop brings its loss (a pure step function over `TrainState`) and its
+batch source; the core gives it the mesh, the sharded abstract state (`state_shardings`), the first
+state (random init, `init_from`'s weights, or the newest readable checkpoint via `Checkpointer`), and
+`jit(step)` with the state's shardings in and out and the state donated. Every step ends in the one
+guarded update, `k2jax.train.step.apply_update`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from k2jax import sharding
+from k2jax.convert import workdir as wd
+from k2jax.model.config import K2Config
+from k2jax.model.transformer import K2Model
+from k2jax.train.checkpoint import Checkpointer, abstract_like
+from k2jax.train.init_from import initial_state
+from k2jax.train.partition import state_shardings
+from k2jax.train.step import ModelDef, TrainState, init_state
+
+
+@dataclasses.dataclass
+class Core:
+  """A loop's sharded training state and what it was built from."""
+
+  mesh: Mesh
+  preset: str
+  model: K2Config
+  mdef: ModelDef
+  optimizer: optax.GradientTransformationExtraArgs
+  shardings: TrainState  # NamedSharding per state leaf
+  ckpt: Checkpointer
+  state: TrainState
+  meta: dict  # the restored checkpoint's host-side state ({} when nothing was restored)
+  restored_step: int | None
+  data_restored: bool
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    return sharding.batch_sharding(self.mesh, self.preset)
+
+  def use(self):
+    """The (mesh, preset) context steps must be traced in (MoE takes the EP path, activations constrained)."""
+    return sharding.use(self.mesh, self.preset)
+
+  def jit(self, step: Callable) -> Callable:
+    """`step(state, *batch) -> (state, metrics)` jitted with the state sharded out as in and donated,
+    traced and called under this core's mesh context. Inputs keep their own shardings: the state comes
+    from `build` (or a previous step), batches from `distributed.global_batch` (sharded on rows)."""
+    fn = jax.jit(step, out_shardings=(self.shardings, None), donate_argnums=0)
+
+    def call(state, *batch):
+      with self.use():
+        return fn(state, *batch)
+
+    return call
+
+
+def build(
+  model: K2Config,
+  optimizer: optax.GradientTransformationExtraArgs,
+  *,
+  mesh_shape: dict[str, int],
+  preset: str,
+  seed: int,
+  init_from: str,
+  workdir: str,
+  keep: int,
+  async_save: bool,
+  data_iter=None,
+) -> Core:
+  """Mesh -> abstract state and shardings -> restore the newest readable checkpoint of `workdir` (or
+  initialise: `init_from`'s weights, else random with `seed`). Nothing unsharded is ever allocated."""
+  mesh = sharding.make_mesh(mesh_shape)
+  with sharding.use(mesh, preset):
+    make = lambda: K2Model(model, rngs=nnx.Rngs(seed))
+    abstract_model = nnx.eval_shape(make)
+    abstract_state = jax.eval_shape(lambda: init_state(make(), optimizer))
+    shardings = state_shardings(abstract_model, abstract_state, mesh, preset)
+    if jax.process_index() == 0:
+      wd.write_model_config(model, workdir)
+    ckpt = Checkpointer(workdir, keep=keep, async_save=async_save)
+    restored = ckpt.restore_latest(abstract_like(abstract_state, shardings), data_iter)
+    if restored is None:
+      state, meta, step, data_ok = initial_state(model, init_from, make, optimizer, shardings), {}, None, False
+    else:
+      state, meta, data_ok = restored.state, restored.meta, restored.data_restored
+      step = meta.get("checkpoint_step", int(state.step))
+  return Core(
+    mesh, preset, model, ModelDef.from_model(abstract_model), optimizer, shardings, ckpt, state, meta, step, data_ok
+  )

@@ -1,0 +1,197 @@
+"""RL runs as processes get the pretraining guarantees: exact resume after SIGKILL, fallback from a truncated
+latest checkpoint, and 2 JAX processes that train, checkpoint and push weights together (each writing only
+its own tensors) and a 1-process run that resumes from their checkpoint."""
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from k2jax.api import model_from_state
+from k2jax.convert import hf as hf_io
+from k2jax.convert import workdir as wd
+from k2jax.model import K2Model, presets
+from k2jax.rl.engines.embedded import EmbeddedEngine
+from k2jax.rl.weight_sync import INDEX_NAME
+from k2jax.serve.engine import EngineConfig
+
+from .fake_sglang_server import FakeSglangServer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow  # RL runs in subprocesses (compile-bound)
+
+# Deterministic rollouts: no over-sampling, no partial rollouts (their carry-over is not checkpointed).
+QUICK = {
+  "iterations": 4,
+  "checkpoint.every": 2,
+  "warm_start.steps": 2,
+  "warm_start.batch_size": 16,
+  "rollout.group_size": 4,
+  "rollout.target_groups": 4,
+  "rollout.launch_groups": 4,
+  "rollout.partial_rollout": False,
+  "ptx.batch_size": 8,
+  "eval.every": 0,
+}
+EXACT_KEYS = ("loss", "rl_loss", "ptx_loss", "grad_norm", "param_norm", "update_norm", "reward_mean", "max_attn_logit")
+
+
+def _flags(**overrides):
+  return [f"--config.{k}={v}" for k, v in {**QUICK, **overrides}.items()]
+
+
+def _env(cache, devices=8):
+  return dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    JAX_DEFAULT_MATMUL_PRECISION="highest",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    PYTHONPATH=ROOT,
+    JAX_COMPILATION_CACHE_DIR=cache,
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+  )
+
+
+def _cmd(workdir, *extra, script="launch/rl.py"):
+  return [
+    sys.executable,
+    os.path.join(ROOT, script),
+    "--config=" + os.path.join(ROOT, "configs/rl.py:tiny"),
+    f"--workdir={workdir}",
+    *extra,
+  ]
+
+
+def _run(workdir, *extra, env, expect=0, script="launch/rl.py"):
+  p = subprocess.run(
+    _cmd(workdir, *extra, script=script), cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500
+  )
+  assert p.returncode == expect, p.stdout[-3000:] + p.stderr[-6000:]
+  return p
+
+
+def _metrics(workdir):
+  return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+
+
+def _params(workdir):
+  cfg = wd.read_model_config(workdir)
+  return wd.restore_model_state(workdir, hf_io.abstract_state(cfg))
+
+
+def test_sigkill_resume_is_exact_and_truncated_latest_falls_back(tmp_path):
+  cache = str(tmp_path / "jax_cache")
+  env = _env(cache)
+  straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+  _run(straight, *_flags(), env=env)
+  _run(
+    killed,
+    *_flags(),
+    env={**env, "K2JAX_KILL_AFTER_STEP": "2"},
+    expect=-signal.SIGKILL,
+    script="tests/rl/kill_after_save.py",
+  )
+  assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["2"]
+  out = _run(killed, *_flags(), env=env)
+  assert f"resumed RL from {os.path.join(killed, 'checkpoints')}/2" in out.stdout
+
+  a, b = _metrics(straight), _metrics(killed)
+  rl_a, rl_b = [r for r in a if "phase" not in r], [r for r in b if "phase" not in r]
+  assert [r["step"] for r in rl_a] == [1, 2, 3, 4] and [r["step"] for r in rl_b] == [1, 2, 3, 4]
+  for ra, rb in zip(rl_a, rl_b):
+    for key in EXACT_KEYS + ("weight_version",):
+      assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+  step_a, pa = _params(straight)
+  step_b, pb = _params(killed)
+  assert step_a == step_b == 4
+  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+  # Truncate a data file of the newest checkpoint: the learner reports it, moves it aside, resumes from 2.
+  files = [
+    f
+    for f in glob.glob(os.path.join(straight, "checkpoints", "4", "model", "**", "*"), recursive=True)
+    if os.path.isfile(f)
+  ]
+  victim = max(files, key=os.path.getsize)
+  with open(victim, "r+b") as f:
+    f.truncate(os.path.getsize(victim) // 2)
+  out = _run(straight, *_flags(iterations=4), env=env)
+  assert f"resumed RL from {os.path.join(straight, 'checkpoints')}/2" in out.stdout
+  assert "unreadable" in out.stderr and os.path.isdir(os.path.join(straight, "checkpoints_corrupt", "4"))
+  assert [r["step"] for r in _metrics(straight) if "phase" not in r][-2:] == [3, 4]
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_checkpoint_push_then_one_resumes(tmp_path):
+  cache = str(tmp_path / "jax_cache")
+  workdir = str(tmp_path / "w")
+  cfg = presets.get("tiny")
+  served = EmbeddedEngine(
+    model_from_state(cfg, nnx.to_pure_dict(nnx.state(K2Model(cfg, rngs=nnx.Rngs(9))))),
+    EngineConfig(max_slots=32, max_seq_len=64),
+  )
+  flags = _flags(iterations=2, **{"sync.keep_last": 100})
+  with FakeSglangServer(served) as server:
+    flags.append(f"--config.rollout.engine_url={server.url}")
+    port = _free_port()
+    procs = [
+      subprocess.Popen(
+        _cmd(workdir, *flags, f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"),
+        cwd=ROOT,
+        env=_env(cache, devices=4),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+      )
+      for i in range(2)
+    ]
+    outs = [p.communicate(timeout=1500)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-4000:] + outs[1][-4000:]
+    assert [r["step"] for r in _metrics(workdir) if "phase" not in r] == [1, 2]  # one writer: process 0
+    # The first push is full: both processes wrote files, no tensor twice, together the whole HF model.
+    first = server.loaded[0][0]
+    by_process = {p: glob.glob(os.path.join(first, f"model-p{p:05d}-*.safetensors")) for p in (0, 1)}
+    assert by_process[0] and by_process[1]
+    names = [n for files in by_process.values() for f in files for n in load_file(f)]
+    index = json.load(open(os.path.join(first, INDEX_NAME)))["weight_map"]
+    want = [
+      k
+      for k, _ in hf_io.iter_hf_tensors(
+        cfg, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), hf_io.abstract_state(cfg)), None
+      )
+    ]
+    assert len(names) == len(set(names)) and sorted(names) == sorted(want) == sorted(index)
+    # Every push after it reached the engine: it serves exactly the final checkpoint's weights.
+    _, final = _params(workdir)
+    served_now = served._state
+    for path, x in jax.tree_util.tree_flatten_with_path(final)[0]:
+      y = served_now
+      for k in path:
+        y = y[k.key]
+      np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=jax.tree_util.keystr(path))
+
+    out = _run(
+      workdir,
+      *_flags(iterations=3, **{"sync.keep_last": 100}),
+      f"--config.rollout.engine_url={server.url}",
+      env=_env(cache),
+    )
+  assert f"resumed RL from {os.path.join(workdir, 'checkpoints')}/2" in out.stdout
+  assert [r["step"] for r in _metrics(workdir) if "phase" not in r] == [1, 2, 3]
+  served.close()
