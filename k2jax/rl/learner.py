@@ -39,7 +39,7 @@ from k2jax.optim import QKClipSpec, muonclip
 from k2jax.rl import batching, rl_step
 from k2jax.rl.algo import K2LossConfig, rollout_metrics, select_old_logprobs
 from k2jax.rl.engine import Engine, GenerateRequest, SamplingParams
-from k2jax.rl.engines.embedded import EmbeddedEngine
+from k2jax.rl.engines.embedded import EmbeddedEngine, copy_to
 from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
 from k2jax.rl.engines.routed import RoutedEngine
 from k2jax.rl.ptx import PTXConfig, PTXSet
@@ -215,7 +215,7 @@ def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
       f"rollout.engine_url: {jax.process_count()} JAX processes share the policy; the embedded engine "
       "serves one process only, so a multi-process run needs a remote engine (SGLang) URL"
     )
-  served = jax.device_put(state, SingleDeviceSharding(jax.local_devices()[0]), may_alias=False)
+  served = copy_to(state, SingleDeviceSharding(jax.local_devices()[0]))
   return EmbeddedEngine(
     model_from_state(lc.model, served), lc.engine, eos_token_ids=lc.rollout.stop_token_ids, decode=decode
   )
@@ -354,6 +354,7 @@ class Learner:
       last = self.iteration()
       if self.meta["iteration"] % lc.checkpoint_every == 0 or self.meta["iteration"] == lc.iterations:
         self._save()
+    self.core.ckpt.wait()  # the last checkpoint is on disk when train() returns
     return last
 
   def iteration(self) -> dict:

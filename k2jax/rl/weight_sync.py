@@ -158,13 +158,15 @@ class WeightSync:
           size *= mesh.shape[a]
       sh = NamedSharding(mesh, P(tuple(axes)) if axes else P())
       order = list(mesh.devices.flat)
+      holders: dict[int, list] = {}  # row -> the devices holding it, in mesh order
+      if axes:
+        index_map = sh.devices_indices_map((rows, *hf_shape))
+        for dev in order:
+          for r in range(*index_map[dev][0].indices(rows)):
+            holders.setdefault(r, []).append(dev)
       for c in range(len(keys) // rows):
-        if axes:
-          first = {}
-          for dev in order:
-            for r in range(*sh.devices_indices_map((rows, *hf_shape))[dev][0].indices(rows)):
-              first.setdefault(r, dev)
-          writer = tuple(first[r] for r in range(rows))
+        if axes:  # rotate over the replicas of each row, so every process writes its share
+          writer = tuple(holders[r][(c * rows + r) % len(holders[r])] for r in range(rows))
         else:  # whole on every device: one process per chunk, in turn
           p = unsplit % n_proc
           unsplit += 1

@@ -173,6 +173,7 @@ def test_weight_sync_changes_engine_outputs(run):
   params = learner.state.params
   learner.state = learner.state._replace(params={**params, "lm_head": {"w": params["lm_head"]["w"] * 3.0}})
   assert learner._push() == version + 1
+  assert not os.path.exists(learner.lc.sync.root)  # the embedded engine got device arrays: no file
   after = learner.engine.generate(GenerateRequest("sync/after", prompt.input_ids, greedy))
   assert learner.engine.weight_version == version + 1 and after.weight_versions == (version + 1,)
   assert abs(after.output_logprobs[0] - before.output_logprobs[0]) > 1e-3

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow  # one fwd+bwd+Muon compile per preset
 
 @functools.cache
 def _setup():
-  cfg = presets.get("tiny")
+  cfg = presets.get("tiny", num_hidden_layers=2)  # one dense + one MoE layer
   sched = optax.constant_schedule(0.01)
   opt = muonclip(sched, qk_clip_tau=1.0, qk_clip_spec=QKClipSpec.from_config(cfg))  # tau 1: clipping fires
   make = lambda: K2Model(cfg, rngs=nnx.Rngs(3))
@@ -70,6 +70,7 @@ def _rel(a, b):
   return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)) if b.size else 0.0
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize(
   "preset,shape",
   [

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from k2jax.api import model_from_state
@@ -89,9 +90,24 @@ class EmbeddedEngine(Engine):
 
     The arrays are copied device to device onto the engine's placement (never aliased: the trainer
     donates its state to the next step)."""
-    state = jax.device_put(state, self._shardings, may_alias=False)
+    state = copy_to(state, self._shardings)
     self.engine.update_weights(model_from_state(self.cfg, state), weight_version)
     self._state = state
 
   def close(self) -> None:
     self.engine.close()
+
+
+def copy_to(state, shardings):
+  """`state` copied device to device onto `shardings` (a sharding or a tree of them); no result shares a
+  buffer with `state`, so the trainer may donate its arrays afterwards."""
+  return jax.tree.map(_own_copy, state, jax.device_put(state, shardings, may_alias=False))
+
+
+def _own_copy(src: jax.Array, dst: jax.Array) -> jax.Array:
+  """`dst`, copied when it still shares a buffer with `src` (device_put hands back the source's own
+  shard when moving a replicated array onto one of its devices, whatever `may_alias` says)."""
+  src_buffers = {s.data.unsafe_buffer_pointer() for s in src.addressable_shards}
+  if any(s.data.unsafe_buffer_pointer() in src_buffers for s in dst.addressable_shards):
+    return jnp.copy(dst)
+  return dst
