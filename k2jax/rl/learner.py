@@ -55,7 +55,6 @@ from k2jax.train.counting import flops_per_token
 from k2jax.train.dryrun import plan_report
 from k2jax.train.init_from import EXEC_FIELDS, check_workdir_model, resolve_model
 from k2jax.train.metrics import MetricsLogger, measure_peak_flops, say
-from k2jax.train.step import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,7 +360,7 @@ class Learner:
     """One rollout -> update -> sync round; returns (and logs) its metrics ({} off process 0)."""
     lc, t0 = self.lc, time.perf_counter()
     version = self.sync.version
-    shape = dict(rows=lc.rows, seq_len=lc.seq_len)
+    shape = {"rows": lc.rows, "seq_len": lc.seq_len}
     if self.primary:
       batch, rstats = self.manager.collect(version)
       arrays, dropped = batching.to_train_arrays(batch, **shape, vocab_size=lc.model.vocab_size, version=version)

@@ -27,7 +27,7 @@ from k2jax.serve.engine import EngineConfig
 from .fake_sglang_server import FakeSglangServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.slow  # RL runs in subprocesses (compile-bound)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # RL runs in subprocesses (compile-bound)
 
 # Deterministic rollouts: no over-sampling, no partial rollouts (their carry-over is not checkpointed).
 QUICK = {
@@ -108,8 +108,9 @@ def test_sigkill_resume_is_exact_and_truncated_latest_falls_back(tmp_path):
   a, b = _metrics(straight), _metrics(killed)
   rl_a, rl_b = [r for r in a if "phase" not in r], [r for r in b if "phase" not in r]
   assert [r["step"] for r in rl_a] == [1, 2, 3, 4] and [r["step"] for r in rl_b] == [1, 2, 3, 4]
+  # weight_version is a counter, not numerics: a resumed run pushes its restored weights once more at start.
   for ra, rb in zip(rl_a, rl_b):
-    for key in EXACT_KEYS + ("weight_version",):
+    for key in EXACT_KEYS + ("samples_trained", "staleness_mean"):
       assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
   step_a, pa = _params(straight)
   step_b, pb = _params(killed)

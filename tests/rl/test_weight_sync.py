@@ -151,3 +151,46 @@ def test_colocated_push_serves_trainer_weights_without_files(tmp_path):
     assert merge_dicts(params, bias).keys() == trained.keys()
   finally:
     engine.close()
+
+
+@pytest.mark.slow
+def test_two_processes_write_disjoint_files_that_form_the_model(tmp_path):
+  """2 JAX processes, one 8-device mesh: each writes only tensors it holds; together the full HF model."""
+  import socket
+  import subprocess
+  import sys
+
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  here = os.path.dirname(os.path.abspath(__file__))
+  root = os.path.dirname(os.path.dirname(here))
+  env = {**os.environ, "PYTHONPATH": root}
+  env.pop("XLA_FLAGS", None)
+  procs = [
+    subprocess.Popen(
+      [sys.executable, os.path.join(here, "weight_sync_worker.py"), str(port), str(i), str(tmp_path)],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outs = [p.communicate(timeout=850)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+  assert f"update_weights {tmp_path}/v00000001 1" in outs[0]  # one call, from process 0
+  path = str(tmp_path / "v00000001")
+  files = {p: sorted(glob.glob(os.path.join(path, f"model-p{p:05d}-*.safetensors"))) for p in (0, 1)}
+  assert files[0] and files[1]
+  cfg = presets.get("tiny")
+  abstract = nnx.state(nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(0)
+  host = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype), nnx.to_pure_dict(abstract))
+  want = dict(hf_io.iter_hf_tensors(cfg, host, dtype=None))
+  got = _read_dir(path)  # asserts no tensor is written twice and the index names every file's tensors
+  assert sorted(got) == sorted(want)
+  for name, t in want.items():
+    np.testing.assert_array_equal(got[name], t, err_msg=name)
+  by_proc = [{n for f in files[p] for n in load_file(f)} for p in (0, 1)]
+  assert by_proc[0] and by_proc[1] and not by_proc[0] & by_proc[1]
