@@ -23,8 +23,8 @@ from absl import app, flags
 from flax import nnx
 
 from k2jax.model import K2Model, presets
-from k2jax.serve import EngineConfig, InferenceEngine, Request, SamplingOptions
-from k2jax.serve.runner import ModelRunner, sampling_arrays
+from k2jax.engine import EngineConfig, InferenceEngine, Request, SamplingOptions
+from k2jax.engine.runner import ModelRunner, sampling_arrays
 
 _GEN = flags.DEFINE_integer("gen", 32, "tokens generated per measurement")
 _TURN1 = flags.DEFINE_integer("turn1", 512, "first-turn prompt length for the multi-turn measurement")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from k2jax.data import chat
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.serve import protocol
-from k2jax.serve.engine import Completion, InferenceEngine, InvalidRequest, Request, SamplingOptions
+from k2jax.engine.inference import Completion, InferenceEngine, InvalidRequest, Request, SamplingOptions
 
 _COMMON = {
   "model",

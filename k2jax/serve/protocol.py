@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from k2jax.data.tokenizer import Tokenizer
-from k2jax.serve.engine import Completion, InvalidRequest, Request, SamplingOptions
+from k2jax.engine.inference import Completion, InvalidRequest, Request, SamplingOptions
 
 # sampling_params keys accepted only at the given neutral value.
 _NEUTRAL_SAMPLING = {

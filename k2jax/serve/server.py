@@ -26,7 +26,7 @@ from k2jax.data.tokenizer import BUNDLED_TOKENIZER, Tokenizer, load_tokenizer
 from k2jax.model.config import K2Config
 from k2jax.model.transformer import K2Model
 from k2jax.serve import openai_api, protocol
-from k2jax.serve.engine import EngineConfig, InferenceEngine, InvalidRequest, Request, SamplingOptions
+from k2jax.engine.inference import EngineConfig, InferenceEngine, InvalidRequest, Request, SamplingOptions
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import optax
 from k2jax.data import SFTDataConfig, SourceSpec, make_sft_iter
 from k2jax.data.synth import LLMConfig, SynthConfig, run_synth
 from k2jax.optim import muonclip
-from k2jax.rl.transport import RetryPolicy
+from k2jax.transport import RetryPolicy
 from k2jax.train import ModelDef, init_state, make_train_step
 from tests.agentic.scripted_llm import ScriptedLLM
 

@@ -9,7 +9,7 @@ from k2jax.rl.rewards.base import Completion, Prompt
 from k2jax.rl.rewards.judge import JudgeClient, JudgeConfig, llm_judge_reward
 from k2jax.rl.rewards.math import equivalent, extract_boxed, math_reward
 from k2jax.rl.rewards.rubric import RubricRewardConfig, rubric_group_reward
-from k2jax.rl.transport import RetryPolicy
+from k2jax.transport import RetryPolicy
 
 from .fake_openai_server import FakeOpenAIServer
 

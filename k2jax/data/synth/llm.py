@@ -1,6 +1,6 @@
 """The LLM client every synthesis role uses: any OpenAI-compatible `/v1/chat/completions` endpoint
 (the embedded k2jax server, SGLang, vLLM, a hosted API), with a concurrency limit, retries with
-backoff (`k2jax.rl.transport`), and counters of calls and invalid outputs.
+backoff (`k2jax.transport`), and counters of calls and invalid outputs.
 
 Invalid outputs (no JSON where JSON was asked for, wrong fields) are expected from weak models; the
 caller counts and drops them (`InvalidOutput`), never crashes. Transport failures that survive the
@@ -15,7 +15,7 @@ import json
 import threading
 from typing import Any, Sequence
 
-from k2jax.rl.transport import RetryPolicy, call_json
+from k2jax.transport import RetryPolicy, call_json
 
 
 class InvalidOutput(ValueError):

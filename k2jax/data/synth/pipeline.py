@@ -25,7 +25,7 @@ from k2jax.data.synth.judge import judge
 from k2jax.data.synth.llm import LLM, LLMConfig
 from k2jax.data.synth.store import StageStore, run_units
 from k2jax.data.synth.trajectories import make_trajectory
-from k2jax.rl.transport import RetryPolicy
+from k2jax.transport import RetryPolicy
 
 log = logging.getLogger(__name__)
 STAGES = ("tools", "agents", "tasks", "trajectories", "sft")

@@ -11,7 +11,7 @@ import re
 from typing import Any, Sequence
 
 from k2jax.rl.rewards.base import RewardResult
-from k2jax.rl.transport import RetryPolicy, call_json
+from k2jax.transport import RetryPolicy, call_json
 
 
 @dataclasses.dataclass(frozen=True)

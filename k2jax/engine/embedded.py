@@ -1,4 +1,4 @@
-"""The embedded k2jax inference engine (`k2jax.serve.InferenceEngine`) behind the RL `Engine` interface.
+"""The embedded k2jax inference engine (`k2jax.engine.InferenceEngine`) behind the RL `Engine` interface.
 
 Runs in the trainer's process, with no HTTP in between. Weight updates still go through disk exactly as
 with SGLang: `update_weights(path, version)` reads the HF safetensors directory written by
@@ -19,8 +19,8 @@ from flax import nnx
 from k2jax.api import model_from_state
 from k2jax.convert.overlay import overlay_hf_tensors
 from k2jax.model.transformer import K2Model
-from k2jax.rl.engine import Engine, GenerateRequest, GenerateResult
-from k2jax.serve.engine import EngineConfig, InferenceEngine, Request, SamplingOptions
+from k2jax.engine.base import Engine, GenerateRequest, GenerateResult
+from k2jax.engine.inference import EngineConfig, InferenceEngine, Request, SamplingOptions
 
 
 class EmbeddedEngine(Engine):

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from k2jax.serve import Request, SamplingOptions
+from k2jax.engine import Request, SamplingOptions
 
 GREEDY = SamplingOptions(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -16,11 +16,11 @@ def _prompt(n, seed):
   return tuple(int(t) for t in np.random.RandomState(seed).randint(0, 3800, n))
 
 
-def test_greedy_decode_equals_full_forward_argmax_and_logprobs(served):
+def test_greedy_decode_equals_full_forward_argmax_and_logprobs(local):
   prompt = _prompt(7, 0)
-  c = served.engine.generate(Request("greedy", prompt, GREEDY))
+  c = local.engine.generate(Request("greedy", prompt, GREEDY))
   assert len(c.output_ids) == 12 and c.finish == {"type": "length", "length": 12}
-  lp_TS = np.asarray(served.forward_logprobs(list(prompt) + c.output_ids))
+  lp_TS = np.asarray(local.forward_logprobs(list(prompt) + c.output_ids))
   for i, token in enumerate(c.output_ids):
     row = lp_TS[len(prompt) - 1 + i]
     assert token == int(np.argmax(row)), f"token {i}"
@@ -28,26 +28,26 @@ def test_greedy_decode_equals_full_forward_argmax_and_logprobs(served):
     assert c.top_logprobs[i][0][0] == token
 
 
-def test_sampled_logprobs_equal_forward_log_softmax(served):
+def test_sampled_logprobs_equal_forward_log_softmax(local):
   prompt = _prompt(9, 1)
-  c = served.engine.generate(
+  c = local.engine.generate(
     Request("sampled", prompt, SamplingOptions(max_new_tokens=10, temperature=1.0, seed=7, ignore_eos=True))
   )
-  lp_TS = np.asarray(served.forward_logprobs(list(prompt) + c.output_ids))
+  lp_TS = np.asarray(local.forward_logprobs(list(prompt) + c.output_ids))
   want = [lp_TS[len(prompt) - 1 + i, t] for i, t in enumerate(c.output_ids)]
   np.testing.assert_allclose(c.logprobs, want, atol=1e-4)
   # Same seed, same tokens; another seed gives another sample.
-  again = served.engine.generate(
+  again = local.engine.generate(
     Request("sampled2", prompt, SamplingOptions(max_new_tokens=10, temperature=1.0, seed=7, ignore_eos=True))
   )
-  other = served.engine.generate(
+  other = local.engine.generate(
     Request("sampled3", prompt, SamplingOptions(max_new_tokens=10, temperature=1.0, seed=8, ignore_eos=True))
   )
   assert again.output_ids == c.output_ids and other.output_ids != c.output_ids
 
 
-def test_continuous_batching_equals_one_at_a_time(served):
-  eng = served.engine
+def test_continuous_batching_equals_one_at_a_time(local):
+  eng = local.engine
   # 7 requests > 4 slots: some wait and join while others decode; lengths and budgets all differ.
   reqs = [
     Request(
@@ -77,8 +77,8 @@ def test_continuous_batching_equals_one_at_a_time(served):
     np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4)
 
 
-def test_prefix_reuse_gives_identical_outputs(served):
-  eng = served.engine
+def test_prefix_reuse_gives_identical_outputs(local):
+  eng = local.engine
   eng.flush_cache()
   turn1 = _prompt(10, 20)
   first = eng.generate(Request("t1", turn1, GREEDY))
@@ -94,8 +94,8 @@ def test_prefix_reuse_gives_identical_outputs(served):
   np.testing.assert_allclose(reused.logprobs, fresh.logprobs, atol=1e-4)
 
 
-def test_abort_returns_partial_output(served):
-  eng = served.engine
+def test_abort_returns_partial_output(local):
+  eng = local.engine
   prompt = _prompt(5, 30)
   budget = SamplingOptions(max_new_tokens=120, temperature=0.0, ignore_eos=True)
   running = eng.submit(Request("long", prompt, budget))
@@ -112,8 +112,8 @@ def test_abort_returns_partial_output(served):
   assert eng.abort("no-such-rid") == 0
 
 
-def test_abort_all_includes_waiting_requests(served):
-  eng = served.engine
+def test_abort_all_includes_waiting_requests(local):
+  eng = local.engine
   budget = SamplingOptions(max_new_tokens=100, temperature=0.0, ignore_eos=True)
   handles = [eng.submit(Request(f"many{i}", _prompt(4, 40 + i), budget)) for i in range(6)]
   while not handles[0].out:
@@ -124,8 +124,8 @@ def test_abort_all_includes_waiting_requests(served):
   assert any(len(c.output_ids) == 0 for c in done)  # 6 requests, 4 slots: some never started
 
 
-def test_stop_token_ids_and_eos(served):
-  eng = served.engine
+def test_stop_token_ids_and_eos(local):
+  eng = local.engine
   prompt = _prompt(6, 50)
   ref = eng.generate(Request("ref", prompt, GREEDY)).output_ids
   k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
@@ -136,8 +136,8 @@ def test_stop_token_ids_and_eos(served):
   assert c.finish == {"type": "stop", "matched": ref[k]}
 
 
-def test_max_new_tokens_zero_and_concurrent_rid(served):
-  eng = served.engine
+def test_max_new_tokens_zero_and_concurrent_rid(local):
+  eng = local.engine
   c = eng.generate(Request("zero", _prompt(3, 60), SamplingOptions(max_new_tokens=0)))
   assert c.output_ids == [] and c.finish["type"] == "length"
   h = eng.submit(Request("dup", _prompt(3, 61), SamplingOptions(max_new_tokens=60, temperature=0.0)))

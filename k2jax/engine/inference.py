@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from k2jax.model.transformer import K2Model
-from k2jax.serve.prefix_cache import PrefixCache
-from k2jax.serve.runner import ModelRunner, sampling_arrays
+from k2jax.engine.prefix_cache import PrefixCache
+from k2jax.engine.runner import ModelRunner, sampling_arrays
 
 log = logging.getLogger(__name__)
 

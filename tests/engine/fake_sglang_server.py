@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from safetensors.numpy import load_file
 
-from k2jax.rl.engine import Engine, GenerateRequest, SamplingParams
+from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
 
 FAULTS = (
   "malformed_json",

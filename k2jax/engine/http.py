@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any, Sequence
 
-from k2jax.rl.engine import FINISH_TYPES, Engine, GenerateRequest, GenerateResult
-from k2jax.rl.transport import RequestRejected, RetryPolicy, ServiceError, call_json
+from k2jax.engine.base import FINISH_TYPES, Engine, GenerateRequest, GenerateResult
+from k2jax.transport import RequestRejected, RetryPolicy, ServiceError, call_json
 
 
 @dataclasses.dataclass(frozen=True)

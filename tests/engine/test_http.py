@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from k2jax.rl.engine import GenerateRequest, SamplingParams
-from k2jax.rl.engines.fake import FakeEngine, FakeEngineConfig
-from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
-from k2jax.rl.transport import InvalidResponse, RequestRejected, RetryPolicy, ServiceUnreachable
+from k2jax.engine.base import GenerateRequest, SamplingParams
+from k2jax.engine.fake import FakeEngine, FakeEngineConfig
+from k2jax.engine.http import HttpEngine, HttpEngineConfig
+from k2jax.transport import InvalidResponse, RequestRejected, RetryPolicy, ServiceUnreachable
 
 from .fake_sglang_server import FakeSglangServer
 

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from k2jax.rl.engine import Engine, GenerateRequest, GenerateResult
+from k2jax.engine.base import Engine, GenerateRequest, GenerateResult
 
 
 @dataclasses.dataclass(frozen=True)
