@@ -5,11 +5,10 @@ continuous batching, prefix reuse) over `runner`, `decode`, `sampling` and `pref
 `routed` talk to SGLang-compatible servers; `fake` is a scripted engine for tests and benchmarks.
 """
 
-from k2jax.engine.base import FINISH_TYPES, Engine, GenerateRequest, GenerateResult, SamplingParams
-from k2jax.engine.embedded import EmbeddedEngine
+from k2jax.engine.base import FINISH_TYPES, Engine, GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
 from k2jax.engine.fake import FakeEngine, FakeEngineConfig
 from k2jax.engine.http import HttpEngine, HttpEngineConfig
-from k2jax.engine.inference import Completion, EngineConfig, InferenceEngine, InvalidRequest, Request, SamplingOptions
+from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.engine.routed import RoutedEngine
 
 __all__ = [
@@ -18,16 +17,12 @@ __all__ = [
   "GenerateRequest",
   "GenerateResult",
   "SamplingParams",
-  "EmbeddedEngine",
   "FakeEngine",
   "FakeEngineConfig",
   "HttpEngine",
   "HttpEngineConfig",
-  "Completion",
   "EngineConfig",
   "InferenceEngine",
   "InvalidRequest",
-  "Request",
-  "SamplingOptions",
   "RoutedEngine",
 ]

@@ -9,6 +9,7 @@ first) and generations are parsed back with the same module's `parse_assistant`,
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Callable
@@ -16,7 +17,8 @@ from typing import Any, Callable
 from k2jax.data import chat
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.serve import protocol
-from k2jax.engine.inference import Completion, InferenceEngine, InvalidRequest, Request, SamplingOptions
+from k2jax.engine.base import GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
+from k2jax.engine.inference import InferenceEngine
 
 _COMMON = {
   "model",
@@ -61,8 +63,8 @@ def completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, model
       "index": i,
       "text": protocol.output_text(c, opts, tok) if tok else "",
       "logprobs": _completion_logprobs(c, nlp, tok) if nlp is not None else None,
-      "finish_reason": c.finish["type"],
-      "matched_stop": c.finish.get("matched"),
+      "finish_reason": c.finish_reason,
+      "matched_stop": c.matched_stop,
     }
     choices.append(choice)
   return _envelope("cmpl", "text_completion", model_name, choices, results, sum(map(len, prompts)))
@@ -96,21 +98,21 @@ def chat_completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, 
         "index": i,
         "message": message,
         "finish_reason": finish,
-        "matched_stop": c.finish.get("matched"),
+        "matched_stop": c.matched_stop,
         "logprobs": {"content": _chat_logprobs(c, top, tok)} if want_lp else None,
       }
     )
   return _envelope("chatcmpl", "chat.completion", model_name, choices, results, len(ids))
 
 
-def _assistant_message(c: Completion, tok: Tokenizer, parse_tools: bool) -> tuple[dict, str]:
+def _assistant_message(c: GenerateResult, tok: Tokenizer, parse_tools: bool) -> tuple[dict, str]:
   ids = list(c.output_ids)
-  if isinstance(c.finish.get("matched"), int) and ids and ids[-1] == c.finish["matched"]:
+  if isinstance(c.matched_stop, int) and ids and ids[-1] == c.matched_stop:
     ids = ids[:-1]  # the stop token (<|im_end|>, [EOS]) is not part of the message
   parsed = chat.parse_assistant(ids, tokenizer=tok)
   text = protocol.output_text(c, protocol.TextOptions(), tok) if not parse_tools else parsed["content"]
   message = {"role": "assistant", "content": text}
-  finish = c.finish["type"]
+  finish = c.finish_reason
   if parse_tools and parsed.get("tool_calls"):
     message["tool_calls"] = parsed["tool_calls"]
     message["content"] = parsed["content"] or None
@@ -118,8 +120,8 @@ def _assistant_message(c: Completion, tok: Tokenizer, parse_tools: bool) -> tupl
   return message, finish
 
 
-def _sampling(body: dict, default_max: int, max_key: str) -> SamplingOptions:
-  return SamplingOptions(
+def _sampling(body: dict, default_max: int, max_key: str) -> SamplingParams:
+  return SamplingParams(
     max_new_tokens=protocol.get_int(body, max_key, default_max, lo=0),
     temperature=protocol.get_float(body, "temperature", 1.0, lo=0.0, field="temperature"),
     top_p=protocol.get_float(body, "top_p", 1.0, lo=0.0, lo_open=True, hi=1.0, field="top_p"),
@@ -131,7 +133,9 @@ def _sampling(body: dict, default_max: int, max_key: str) -> SamplingOptions:
   )
 
 
-def _run(engine: InferenceEngine, prompts: list[list[int]], sampling: SamplingOptions, body: dict) -> list[Completion]:
+def _run(
+  engine: InferenceEngine, prompts: list[list[int]], sampling: SamplingParams, body: dict
+) -> list[GenerateResult]:
   """Submits n samples per prompt (seeds seed, seed+1, ... when a seed is given) and waits for all."""
   n = protocol.get_int(body, "n", 1, lo=1, hi=engine.config.max_slots * 4)
   base = body.get("rid")
@@ -142,14 +146,14 @@ def _run(engine: InferenceEngine, prompts: list[list[int]], sampling: SamplingOp
   for ids in prompts:
     for j in range(n):
       seed = None if sampling.seed is None else sampling.seed + j
-      s = SamplingOptions(**{**sampling.__dict__, "seed": seed})
+      s = dataclasses.replace(sampling, seed=seed)
       rid = base if len(prompts) * n == 1 else f"{base}-{k}"
-      handles.append(_submit(engine, Request(rid, tuple(ids), s)))
+      handles.append(_submit(engine, GenerateRequest(rid, tuple(ids), s)))
       k += 1
   return [engine.wait(h) for h in handles]
 
 
-def _submit(engine: InferenceEngine, request: Request):
+def _submit(engine: InferenceEngine, request: GenerateRequest):
   try:
     return engine.submit(request)
   except InvalidRequest as e:  # engine fields are /generate's; name the OpenAI ones instead
@@ -170,7 +174,7 @@ def _completion_prompts(prompt: Any, tok: Tokenizer | None) -> list[list[int]]:
   return [tok.encode_with_specials(t) for t in texts]
 
 
-def _completion_logprobs(c: Completion, n: int, tok: Tokenizer | None) -> dict:
+def _completion_logprobs(c: GenerateResult, n: int, tok: Tokenizer | None) -> dict:
   name = _namer(tok)
   tokens = [name(t) for t in c.output_ids]
   offsets, pos = [], 0
@@ -179,20 +183,20 @@ def _completion_logprobs(c: Completion, n: int, tok: Tokenizer | None) -> dict:
     pos += len(t)
   return {
     "tokens": tokens,
-    "token_logprobs": list(c.logprobs),
+    "token_logprobs": list(c.output_logprobs),
     "text_offset": offsets,
     "top_logprobs": [{name(t): lp for t, lp in top[:n]} for top in c.top_logprobs],
   }
 
 
-def _chat_logprobs(c: Completion, n: int, tok: Tokenizer) -> list[dict]:
+def _chat_logprobs(c: GenerateResult, n: int, tok: Tokenizer) -> list[dict]:
   def entry(t: int, lp: float) -> dict:
     text = tok.token_name(t)
     return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": lp}
 
   return [
     {**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tt, tlp in top[:n]]}
-    for t, lp, top in zip(c.output_ids, c.logprobs, c.top_logprobs)
+    for t, lp, top in zip(c.output_ids, c.output_logprobs, c.top_logprobs)
   ]
 
 
@@ -200,7 +204,9 @@ def _namer(tok: Tokenizer | None) -> Callable[[int], str]:
   return tok.token_name if tok is not None else (lambda t: f"<|token_{t}|>")
 
 
-def _envelope(prefix: str, obj: str, model: str, choices: list, results: list[Completion], prompt_tokens: int) -> dict:
+def _envelope(
+  prefix: str, obj: str, model: str, choices: list, results: list[GenerateResult], prompt_tokens: int
+) -> dict:
   completion_tokens = sum(len(c.output_ids) for c in results)
   return {
     "id": f"{prefix}-{uuid.uuid4().hex}",

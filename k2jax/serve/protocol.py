@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from k2jax.data.tokenizer import Tokenizer
-from k2jax.engine.inference import Completion, InvalidRequest, Request, SamplingOptions
+from k2jax.engine.base import GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
 
 # sampling_params keys accepted only at the given neutral value.
 _NEUTRAL_SAMPLING = {
@@ -68,7 +68,7 @@ class TextOptions:
 
 @dataclasses.dataclass(frozen=True)
 class GenerateCall:
-  requests: list[Request]
+  requests: list[GenerateRequest]
   options: list[TextOptions]
   batch: bool
 
@@ -108,7 +108,7 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, max_top: int) -> Gene
   for i, (ids, rid, sp) in enumerate(zip(prompts, rids, sps)):
     field = "sampling_params" if not isinstance(body.get("sampling_params"), list) else f"sampling_params[{i}]"
     sampling, text_opts = parse_sampling(sp, field, tokenizer)
-    requests.append(Request(rid=rid, input_ids=tuple(ids), sampling=sampling))
+    requests.append(GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=sampling))
     options.append(
       dataclasses.replace(
         text_opts,
@@ -120,7 +120,7 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, max_top: int) -> Gene
   return GenerateCall(requests, options, batch)
 
 
-def parse_sampling(sp: Any, field: str, tokenizer: Tokenizer | None) -> tuple[SamplingOptions, TextOptions]:
+def parse_sampling(sp: Any, field: str, tokenizer: Tokenizer | None) -> tuple[SamplingParams, TextOptions]:
   if not isinstance(sp, dict):
     raise InvalidRequest(field, f"must be an object, got {type(sp).__name__}")
   known = {
@@ -145,7 +145,7 @@ def parse_sampling(sp: Any, field: str, tokenizer: Tokenizer | None) -> tuple[Sa
         f"{field}.{key}", f"not supported by the k2jax engine (only {_NEUTRAL_SAMPLING[key]!r}), got {value!r}"
       )
   f = lambda k: f"{field}.{k}"  # noqa: E731
-  sampling = SamplingOptions(
+  sampling = SamplingParams(
     max_new_tokens=get_int(sp, "max_new_tokens", 128, lo=0, field=f("max_new_tokens")),
     temperature=get_float(sp, "temperature", 1.0, lo=0.0, field=f("temperature")),
     top_p=get_float(sp, "top_p", 1.0, lo=0.0, field=f("top_p"), lo_open=True, hi=1.0),
@@ -162,20 +162,30 @@ def parse_sampling(sp: Any, field: str, tokenizer: Tokenizer | None) -> tuple[Sa
   return sampling, text
 
 
-def generate_response(c: Completion, opts: TextOptions, tokenizer: Tokenizer | None) -> dict:
-  """SGLang's non-streaming `/generate` answer for one request."""
+def finish_reason(c: GenerateResult) -> dict:
+  """SGLang's `meta_info.finish_reason` object for a result."""
+  if c.finish_reason == "stop":
+    return {"type": "stop", "matched": c.matched_stop}
+  if c.finish_reason == "length":
+    return {"type": "length", "length": len(c.output_ids)}
+  return {"type": "abort", "message": c.abort_message, "status_code": 200}
+
+
+def generate_response(c: GenerateResult, opts: TextOptions, tokenizer: Tokenizer | None, weight_version: int) -> dict:
+  """SGLang's non-streaming `/generate` answer for one request (`weight_version`: the server's, reported
+  when no token carries one)."""
   meta = {
     "id": c.rid,
-    "finish_reason": c.finish,
+    "finish_reason": finish_reason(c),
     "prompt_tokens": c.prompt_tokens,
     "completion_tokens": len(c.output_ids),
     "cached_tokens": c.cached_tokens,
-    "weight_version": str(c.weight_version),
+    "weight_version": str(c.weight_versions[-1] if c.weight_versions else weight_version),
     "e2e_latency": c.latency_s,
   }
   piece = (lambda t: tokenizer.token_name(t)) if (tokenizer and opts.return_text_in_logprobs) else (lambda t: None)
   if opts.return_logprob:
-    meta["output_token_logprobs"] = [[lp, t, piece(t)] for lp, t in zip(c.logprobs, c.output_ids)]
+    meta["output_token_logprobs"] = [[lp, t, piece(t)] for lp, t in zip(c.output_logprobs, c.output_ids)]
     if opts.top_logprobs_num:
       meta["output_top_logprobs"] = [
         [[lp, t, piece(t)] for t, lp in top[: opts.top_logprobs_num]] for top in c.top_logprobs
@@ -186,10 +196,10 @@ def generate_response(c: Completion, opts: TextOptions, tokenizer: Tokenizer | N
   return out
 
 
-def output_text(c: Completion, opts: TextOptions, tokenizer: Tokenizer) -> str:
+def output_text(c: GenerateResult, opts: TextOptions, tokenizer: Tokenizer) -> str:
   """Decoded output; a matched stop token or stop string (and what follows it) is trimmed."""
   ids = list(c.output_ids)
-  matched = c.finish.get("matched")
+  matched = c.matched_stop
   if not opts.no_stop_trim and isinstance(matched, int) and ids and ids[-1] == matched:
     ids = ids[:-1]
   if opts.skip_special_tokens:

@@ -14,19 +14,13 @@ import uuid
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-import jax
-import numpy as np
-from flax import nnx
-
 import k2jax
 from k2jax import jsonhttp
-from k2jax.api import model_from_state
-from k2jax.convert import overlay
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, Tokenizer, load_tokenizer
+from k2jax.engine.base import GenerateRequest, InvalidRequest, SamplingParams
+from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.model.config import K2Config
-from k2jax.model.transformer import K2Model
 from k2jax.serve import openai_api, protocol
-from k2jax.engine.inference import EngineConfig, InferenceEngine, InvalidRequest, Request, SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +41,6 @@ class Server:
     self.model_path = model_path
     model = k2jax.load(model_path)
     self.cfg: K2Config = model.cfg
-    self._served_state = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))  # host copy, for deltas
     self.tokenizer = resolve_tokenizer(model_path, tokenizer_path, self.cfg.vocab_size)
     self.model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
     self.engine = InferenceEngine(
@@ -111,10 +104,12 @@ class Server:
       for req in call.requests:
         handles.append(self.engine.submit(req))
     except InvalidRequest:
-      for h in handles:
-        self.engine.abort(h.request.rid)
+      self.engine.abort([h.request.rid for h in handles])
       raise
-    outs = [protocol.generate_response(self.engine.wait(h), o, self.tokenizer) for h, o in zip(handles, call.options)]
+    outs = [
+      protocol.generate_response(self.engine.wait(h), o, self.tokenizer, self.engine.weight_version)
+      for h, o in zip(handles, call.options)
+    ]
     return 200, outs if call.batch else outs[0]
 
   def abort_request(self, body: Any) -> tuple[int, Any]:
@@ -123,7 +118,10 @@ class Server:
     rid = body.get("rid")
     if not abort_all and (not isinstance(rid, str) or not rid):
       raise InvalidRequest("rid", "give a request id (string) or abort_all: true")
-    self.engine.abort(rid, abort_all=abort_all)
+    if abort_all:
+      self.engine.abort_all()
+    else:
+      self.engine.abort([rid])
     return 200, None
 
   def update_weights_from_disk(self, body: Any) -> tuple[int, Any]:
@@ -138,11 +136,10 @@ class Server:
     if body.get("load_format") not in (None, "auto"):
       raise InvalidRequest("load_format", f"only 'auto' is supported, got {body['load_format']!r}")
     if protocol.get_bool(body, "abort_all_requests", False):
-      self.engine.abort(abort_all=True)
+      self.engine.abort_all()
     try:
-      model = self._load_weights(path)
       new = self.engine.update_weights(
-        model, None if version is None else int(version), flush_cache=protocol.get_bool(body, "flush_cache", True)
+        path, None if version is None else int(version), flush_cache=protocol.get_bool(body, "flush_cache", True)
       )
     except (OSError, ValueError, KeyError) as e:  # missing files, bad config, shape mismatch
       return 400, {"success": False, "message": f"{path}: {e}", "num_paused_requests": 0}
@@ -154,19 +151,6 @@ class Server:
       "weight_version": str(new),
     }
 
-  def _load_weights(self, path: str) -> K2Model:
-    """A full model (HF dir or workdir), or a weight-sync delta overlaid on the served weights."""
-    if overlay.is_partial_hf_dir(path):
-      state = overlay.overlay_hf_tensors(self.cfg, self._served_state, path)
-      model = model_from_state(self.cfg, state)
-    else:
-      model = k2jax.load(path, param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype)
-      if model.cfg.replace(extra=()) != self.cfg.replace(extra=()):
-        raise ValueError("its config.json describes a different architecture than the served model")
-      state = nnx.to_pure_dict(nnx.state(model))
-    self._served_state = jax.tree.map(np.asarray, state)
-    return model
-
   def flush_cache(self, body: Any) -> tuple[int, Any]:
     self.engine.flush_cache()
     return 200, "Cache flushed."
@@ -175,11 +159,13 @@ class Server:
     """Like SGLang: a one-token generation when idle (proves the model runs), else just alive."""
     if self.engine.num_running():
       return 200, ""
-    done = self.engine.generate(
-      Request(f"health-{uuid.uuid4().hex}", (0,), SamplingOptions(max_new_tokens=1, temperature=0.0))
-    )
-    ok = done.finish["type"] != "abort"
-    return (200, "") if ok else (503, {"error": {"message": done.finish.get("message"), "code": 503}})
+    try:
+      self.engine.generate(
+        GenerateRequest(f"health-{uuid.uuid4().hex}", (0,), SamplingParams(max_new_tokens=1, temperature=0.0))
+      )
+    except RuntimeError as e:  # the engine failed or is closed
+      return 503, {"error": {"message": str(e), "code": 503}}
+    return 200, ""
 
   def model_info(self, body: Any) -> tuple[int, Any]:
     return 200, {

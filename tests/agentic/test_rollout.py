@@ -48,7 +48,6 @@ class Recording(Engine):
         (3,) * len(out),
         "stop" if out[-1] == TOK.special_ids["<|im_end|>"] else "length",
         len(request.input_ids),
-        len(out),
       )
     with self._lock:
       self.calls[request.rid] = (request, res)

@@ -39,6 +39,7 @@ def test_generate_roundtrip_matches_engine(server):
   assert res.output_logprobs == pytest.approx(direct.output_logprobs)
   assert res.finish_reason == "stop" and res.prompt_tokens == 3 and res.completion_tokens == 10
   assert res.weight_versions == (0,) * 10
+  assert res.matched_stop == direct.matched_stop == 1 and res.abort_message is None  # the fake's EOS id
 
 
 @pytest.mark.parametrize(
