@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "k2jax"
 # paths under k2jax/ (a subpackage such as "data.synth" is its own entry: the longest match wins); the
 # package root (`k2jax.load`, `k2jax.save_hf`) re-exports `api` and counts as it.
 LAYERS = (
-  ("sharding", "distributed", "transport", "jsonhttp"),
+  ("sharding", "distributed", "transport", "httpservice"),
   ("model", "sandbox", "llm_client"),
   ("convert", "optim"),
   ("api", "memory", "data"),

@@ -79,7 +79,7 @@ class GenerateResult:
   output_ids: tuple[int, ...]
   output_logprobs: tuple[float, ...]
   weight_versions: tuple[int, ...]  # policy version that produced each output token
-  finish_reason: FinishType
+  finish_reason: FinishType | None  # None only in a running request's snapshot (`InferenceEngine.progress`)
   prompt_tokens: int
   text: str | None = None
   matched_stop: int | str | None = None
@@ -97,7 +97,7 @@ class GenerateResult:
       )
     if self.top_logprobs and len(self.top_logprobs) != n:
       raise ValueError(f"GenerateResult {self.rid}: {len(self.top_logprobs)} top_logprobs rows for {n} output_ids")
-    if self.finish_reason not in FINISH_TYPES:
+    if self.finish_reason is not None and self.finish_reason not in FINISH_TYPES:
       raise ValueError(f"GenerateResult {self.rid}: finish_reason {self.finish_reason!r} not in {FINISH_TYPES}")
 
   @property

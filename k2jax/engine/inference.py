@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import secrets
 import threading
 import time
@@ -58,6 +59,14 @@ class _Live:
   error: str | None = None  # the engine failed: `wait` raises instead of returning
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   result: GenerateResult | None = None
+  on_update: Callable[[], None] | None = None  # called (scheduler thread) after each token and at the end
+
+  def notify(self) -> None:
+    if self.on_update is not None:
+      try:
+        self.on_update()
+      except Exception:  # a listener's failure is its own (e.g. its event loop closed)
+        log.exception("listener of %s failed", self.request.rid)
 
 
 class InferenceEngine(Engine):
@@ -98,11 +107,14 @@ class InferenceEngine(Engine):
     self._thread.start()
 
   # ---- public API -------------------------------------------------------------------------------
-  def submit(self, request: GenerateRequest) -> _Live:
-    """Queues `request` and returns its handle for `wait` (raises InvalidRequest for one that cannot run)."""
-    self._validate(request)
+  def submit(self, request: GenerateRequest, on_update: Callable[[], None] | None = None) -> _Live:
+    """Queues `request` and returns its handle for `wait`/`progress` (raises InvalidRequest for one that
+    cannot run). `on_update` (optional) is called from the scheduler after every new token and when the
+    request finishes (streaming, disconnect checks), and must not block."""
+    self.check(request)
     s = request.sampling
-    live = _Live(request, seed=secrets.randbits(32) if s.seed is None else s.seed % 2**32, t0=time.monotonic())
+    seed = secrets.randbits(32) if s.seed is None else s.seed % 2**32
+    live = _Live(request, seed=seed, t0=time.monotonic(), on_update=on_update)
     with self._cv:
       if self._closed:
         raise RuntimeError("engine is closed")
@@ -123,6 +135,24 @@ class InferenceEngine(Engine):
     if live.error is not None:
       raise RuntimeError(f"engine failed on request {live.request.rid!r}: {live.error}")
     return live.result
+
+  def progress(self, live: _Live) -> GenerateResult:
+    """The request so far (finish_reason None while it runs); its final result once done."""
+    if live.done.is_set():
+      return live.result
+    n = min(len(live.out), len(live.logprobs), len(live.versions), len(live.tops))  # out is appended first
+    req = live.request
+    return GenerateResult(
+      rid=req.rid,
+      output_ids=tuple(live.out[:n]),
+      output_logprobs=tuple(live.logprobs[:n]),
+      weight_versions=tuple(live.versions[:n]),
+      finish_reason=None,
+      prompt_tokens=len(req.input_ids),
+      top_logprobs=tuple(live.tops[:n]),
+      cached_tokens=live.cached,
+      latency_s=time.monotonic() - live.t0,
+    )
 
   def generate(self, request: GenerateRequest) -> GenerateResult:
     return self.wait(self.submit(request))
@@ -240,6 +270,14 @@ class InferenceEngine(Engine):
       self._prefill(free[0], live)
 
   def _prefill(self, slot: int, live: _Live) -> None:
+    try:
+      self._prefill_row(slot, live)
+    except Exception as e:  # one request's prefill failed: fail it alone, the others keep running
+      log.exception("prefill of %s failed", live.request.rid)
+      with self._cv:
+        self._fail(live, slot, f"engine error: {type(e).__name__}: {e}")
+
+  def _prefill_row(self, slot: int, live: _Live) -> None:
     tokens = list(live.request.input_ids)
     common, row = self._prefix.lookup(tokens)
     reuse = min(common, len(tokens) - 1)  # at least one token must run to produce logits
@@ -259,7 +297,12 @@ class InferenceEngine(Engine):
     for i, live in enumerate(self._slots):
       if live is not None:
         live.fed.append(live.out[-1])
-        self._emit(i, live, out, i)
+        try:
+          self._emit(i, live, out, i)
+        except Exception as e:  # e.g. a stop string this request's detokenizer chokes on
+          log.exception("request %s failed", live.request.rid)
+          with self._cv:
+            self._fail(live, i, f"engine error: {type(e).__name__}: {e}")
 
   def _sampling(self, lives: Sequence[_Live | None]):
     params = [(l.request.sampling, l.seed, len(l.out)) if l is not None else (SamplingParams(), 0, 0) for l in lives]
@@ -282,6 +325,8 @@ class InferenceEngine(Engine):
     finish = self._finish_reason(live, token)
     if finish is not None:
       self._release(slot, live, *finish)
+    else:
+      live.notify()
 
   def _finish_reason(self, live: _Live, token: int) -> tuple[str, int | str | None] | None:
     s = live.request.sampling
@@ -326,11 +371,20 @@ class InferenceEngine(Engine):
     )
     self._by_rid.pop(req.rid, None)
     live.done.set()
+    live.notify()
+
+  def _fail(self, live: _Live, slot: int | None, message: str) -> None:
+    """Fails one request (caller holds the lock): `wait` raises, `progress` shows an abort with `message`."""
+    n = min(len(live.out), len(live.logprobs), len(live.versions), len(live.tops))  # a step may have failed midway
+    del live.out[n:], live.logprobs[n:], live.versions[n:], live.tops[n:]
+    live.error = live.abort_message = message
+    if slot is not None:
+      self._slots[slot] = None
+    self._complete(live, "abort")
 
   def _fail_all(self, message: str) -> None:
     for live in list(self._waiting) + [s for s in self._slots if s is not None]:
-      live.error = message
-      self._complete(live, "abort")
+      self._fail(live, None, message)
     self._waiting.clear()
     self._slots = [None] * self.config.max_slots
     for fn, box in self._ops:
@@ -359,11 +413,12 @@ class InferenceEngine(Engine):
       box["error"] = e
     box["done"].set()
 
-  def _validate(self, request: GenerateRequest) -> None:
-    ids, s, max_len = request.input_ids, request.sampling, self.config.max_seq_len
-    bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+  def check(self, request: GenerateRequest) -> None:
+    """Raises InvalidRequest naming the field when the engine cannot run `request` (nothing is queued)."""
+    ids, s, max_len, vocab = request.input_ids, request.sampling, self.config.max_seq_len, self.cfg.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-      raise InvalidRequest("input_ids", f"token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
+      raise InvalidRequest("input_ids", f"token ids {bad[:5]} outside [0, {vocab})")
     if len(ids) >= max_len:
       raise InvalidRequest(
         "input_ids",
@@ -375,5 +430,14 @@ class InferenceEngine(Engine):
         "sampling_params.max_new_tokens",
         f"{len(ids)} prompt tokens + max_new_tokens {s.max_new_tokens} exceed the maximum sequence length {max_len}",
       )
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+      raise InvalidRequest("sampling_params.temperature", f"must be a finite number >= 0, got {s.temperature}")
+    if not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
+      raise InvalidRequest("sampling_params.top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.top_k > vocab:  # <= 0 means no limit; beyond the vocab the sampler's top-k would overflow
+      raise InvalidRequest("sampling_params.top_k", f"must be <= the vocab size {vocab} (or -1), got {s.top_k}")
+    bad_stop = [t for t in s.stop_token_ids if not 0 <= t < vocab]
+    if bad_stop:
+      raise InvalidRequest("sampling_params.stop_token_ids", f"token ids {bad_stop[:5]} outside [0, {vocab})")
     if s.stop and self._detokenize is None:
       raise InvalidRequest("sampling_params.stop", "stop strings need a tokenizer; this server has none")

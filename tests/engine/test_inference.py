@@ -183,3 +183,29 @@ def test_closed_engine_raises_instead_of_returning_a_result():
   eng.close()
   with pytest.raises(RuntimeError, match="closed"):
     eng.generate(GenerateRequest("late", (1, 2, 3), GREEDY))
+
+
+def test_a_failing_request_fails_alone(local, monkeypatch):
+  """A request whose prefill raises (here: a poisoned prompt) fails (`wait` raises, `progress` shows an
+  abort naming the error); the requests running and queued beside it finish normally."""
+  engine = local.engine
+  real = engine._runner.prefill
+  poison = 3799
+
+  def prefill(slot, tokens, start, sampling):
+    if poison in tokens:
+      raise FloatingPointError("poisoned prompt")
+    return real(slot, tokens, start, sampling)
+
+  monkeypatch.setattr(engine._runner, "prefill", prefill)
+  ref = engine.generate(GenerateRequest("ref", _prompt(5, 3), GREEDY)).output_ids
+  good = [engine.submit(GenerateRequest(f"good{i}", _prompt(5, 3), GREEDY)) for i in range(3)]
+  bad = engine.submit(GenerateRequest("bad", (1, 2, poison), GREEDY))
+  late = engine.submit(GenerateRequest("late", _prompt(5, 3), GREEDY))
+  with pytest.raises(RuntimeError, match="poisoned prompt"):
+    engine.wait(bad, timeout=120)
+  failed = engine.progress(bad)
+  assert failed.finish_reason == "abort" and "poisoned prompt" in failed.abort_message
+  for live in good + [late]:
+    c = engine.wait(live, timeout=120)
+    assert c.finish_reason == "length" and c.output_ids == ref
