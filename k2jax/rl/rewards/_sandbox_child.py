@@ -8,10 +8,12 @@ Started by `sandbox.py` as the sandbox uid with argv[1] = a JSON object. Isolate
 3. the child builds a new root on a tmpfs: the interpreter and system libraries bind-mounted read-only,
    /dev/{null,zero,random,urandom}, a fresh /proc, and the run's temp dir as the only writable path;
    it moves that root over / and chroots into it (the caller's files are not in the view at all);
-4. rlimits (CPU, address space, file size, open files, processes of this user namespace, no core),
-   capability bounding set emptied, no_new_privs, a new session; then exec the program.
-The launcher waits and reports `EXIT n` / `SIGNAL n` (or `SETUP why` when isolation failed) on a status
-pipe the program never holds. Unisolated runs (the explicit unsafe mode) do steps 2 and 4 only.
+4. capability bounding set emptied, no_new_privs; PID 1 forks the program, which takes a new session,
+   sets rlimits (CPU, address space, file size, open files, processes of this user namespace, no core)
+   and execs the interpreter on the entry file.
+PID 1 waits and reports `EXIT n` / `SIGNAL n` (or `SETUP why` when isolation failed) on a status pipe
+the program never holds, then exits, which ends the namespace. Unisolated runs (the explicit unsafe
+mode) skip steps 1 and 3, and the launcher's child is the program.
 """
 
 import ctypes
@@ -143,7 +145,7 @@ def drop_privileges(last):
 
 
 def set_limits():
-  nproc = cfg["max_processes"] + (1 if cfg["isolate"] else 0)  # the launcher counts in the namespace too
+  nproc = cfg["max_processes"] + (2 if cfg["isolate"] else 0)  # the launcher and PID 1 count in the namespace
   for name, soft, hard in (
     ("RLIMIT_CPU", cfg["cpu_time_s"], cfg["cpu_time_s"] + 1),
     ("RLIMIT_AS", cfg["memory_bytes"], cfg["memory_bytes"]),
@@ -156,17 +158,37 @@ def set_limits():
 
 
 def child(cap_last):
+  """Isolated: PID 1 of the namespace, builds the root, then runs the program as its child and reports.
+
+  The program is not PID 1 itself: the kernel drops signals without a handler sent to a namespace's
+  init, which would turn SIGXCPU and abort() into hangs. Unisolated, this process is the program."""
   try:
     _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
-    if cfg["isolate"]:
-      build_root(_ro_paths())
-      drop_privileges(cap_last)
-    os.setsid()  # kill(0, ...) from the program reaches only its own session
+    if not cfg["isolate"]:
+      program()
+    build_root(_ro_paths())
+    drop_privileges(cap_last)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the program may signal PID 1 only where it has a handler
+    pid = os.fork()
+    if pid == 0:
+      os.setsid()  # kill(0, ...) from the program reaches only its own session
+      program()
+  except (SetupError, OSError, ValueError) as e:
+    status.write(f"SETUP {e}\n")
+    os._exit(2)
+  os.close(cfg["report_fd"])
+  _, st = os.waitpid(pid, 0)
+  status.write(f"SIGNAL {os.WTERMSIG(st)}\n" if os.WIFSIGNALED(st) else f"EXIT {os.WEXITSTATUS(st)}\n")
+  os._exit(0)  # PID 1 exits: the kernel kills whatever the program left behind
+
+
+def program():
+  try:
     os.chdir(cfg["workdir"])
     set_limits()
     exe = os.path.realpath(sys.executable)  # a venv's symlink may point outside the new root's view
     os.execve(exe, [exe, *cfg["argv"][1:]], cfg["env"])
-  except (SetupError, OSError, ValueError) as e:
+  except (OSError, ValueError) as e:
     status.write(f"SETUP {e}\n")
     os._exit(2)
 
@@ -183,13 +205,13 @@ def main():
       cap_last = int(f.read())
   except (OSError, ValueError):
     cap_last = 40  # CAP_CHECKPOINT_RESTORE, the highest as of Linux 6.x
-  pid = os.fork()  # until the child's setsid both share the process group the caller kills at the deadline
+  pid = os.fork()  # the program's setsid aside, all share the process group the caller kills at the deadline
   if pid == 0:
     child(cap_last)
   os.close(cfg["report_fd"])
   for fd in (0, 1, 2):
     os.close(fd)
-  _, st = os.waitpid(pid, 0)
+  _, st = os.waitpid(pid, 0)  # isolated: PID 1 reported the program's status first, this line is ignored
   status.write(f"SIGNAL {os.WTERMSIG(st)}\n" if os.WIFSIGNALED(st) else f"EXIT {os.WEXITSTATUS(st)}\n")
 
 

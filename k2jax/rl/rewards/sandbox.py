@@ -191,7 +191,7 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
   _kill_group(proc.pid)  # the launcher's death takes the namespace's PID 1, and with it every process inside
   proc.wait()
   with os.fdopen(status_r) as f:
-    status = f.read().split(maxsplit=1)
+    status = (f.readline() or "").split(maxsplit=1)
   report.join(timeout=10.0)  # EOF once the last process holding the pipe is gone
   out, err = (_read_capped(os.path.join(io_dir, n), config.max_output_bytes) for n in ("stdout", "stderr"))
   if status and status[0] == "SETUP":
