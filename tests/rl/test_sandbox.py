@@ -167,6 +167,10 @@ def test_verdict_parts_never_enter_the_sandbox():
   # Unbounded operations on the program's values stay in the sandbox: `[0] * value` would size our allocation.
   s = split_test("assert [0] * n() == [0, 0] and math.isclose(f(x=1), 0.5, rel_tol=1e-3)")
   assert [src for kind, src in s.steps] == ["[0] * n()", "f(x=1)"]
+  s = split_test("expected = (987654321, [1])\nn = len(expected)\nassert add(2, 3) == expected and n == 2")
+  assert s.steps == (("eval", "add(2, 3)"),) and "987654321" not in json.dumps(s.steps)
+  s = split_test("x = [5]\nx.append(f())\nassert x == [5, 3]")  # mutated by a sandbox statement: moves there
+  assert s.steps == (("exec", "x = [5]"), ("exec", "x.append(f())"), ("eval", "x"))
   with pytest.raises(ValueError, match="test 3: no top-level assert"):
     split_test("def check(candidate):\n    assert candidate(1) == 2\ncheck(add)", "test 3")
   with pytest.raises(ValueError, match="not valid Python"):
@@ -180,9 +184,10 @@ def test_values_cross_as_plain_data_only():
     "assert pair() == (1, [2.5, 'x'], {'k': {3}}, b'z', None, True)",
     "assert pair()[0] == 1 and len(pair()) == 6",
     "assert big() > 0",
+    "want = (1, [2.5, 'x'], {'k': {3}}, b'z', None, True)\nassert pair() == want",
   ]
   r = run_tests(code, tests, CFG)
-  assert [ok for ok, _ in r.info["outcomes"]] == [True, True, False], r
+  assert [ok for ok, _ in r.info["outcomes"]] == [True, True, False, True], r
   assert "unencodable" in r.info["outcomes"][2][1] or "ValueError" in r.info["outcomes"][2][1]
 
 

@@ -5,7 +5,8 @@ A test is Python source whose top-level `assert` statements are the checks: `ass
 - what needs the solution (calls into it, names it defines, the statements before an assert) goes into
   the sandbox, which evaluates it and writes the values to its report pipe as JSON of plain data;
 - the rest of each assert (the comparison and the expected values) never enters the sandbox: it is
-  evaluated here, on the decoded values, from a whitelist of node types and builtins.
+  evaluated here, on the decoded values, from a whitelist of node types and builtins. Constants the
+  test assigns (`expected = [1, 3]`) stay here too, unless a later statement for the sandbox uses them.
 So the verdict never comes from the program: whatever it prints or writes to the report pipe can only
 supply values for its own calls, and values cross as plain data (None, bool, int, float, str, bytes,
 list, tuple, dict, set, by exact type), so an object whose `__eq__` is always True cannot cross.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import dataclasses
 import json
 import math
@@ -118,11 +120,17 @@ def split_test(source: str, name: str = "test") -> SplitTest:
     raise ValueError(f"{name}: not valid Python ({e})") from e
   steps: list[tuple[str, str]] = []
   checks = []
+  consts: dict[str, ast.expr] = {}  # `expected = [1, 2]`: kept here, so the sandbox never sees it
   for stmt in module.body:
     if isinstance(stmt, ast.Assert):
-      expr = ast.fix_missing_locations(ast.Expression(_Splitter(steps).outside(stmt.test)))
+      test = _Inline(consts).visit(stmt.test)
+      expr = ast.fix_missing_locations(ast.Expression(_Splitter(steps).outside(test)))
       checks.append(compile(expr, f"<{name}>", "eval"))
-    else:
+    elif _is_const_assign(stmt, consts):
+      consts[stmt.targets[0].id] = _Inline(consts).visit(stmt.value)
+    else:  # a statement that uses a constant may change it: from here on it lives in the sandbox
+      for used in sorted({n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)} & set(consts)):
+        steps.append(("exec", f"{used} = {ast.unparse(consts.pop(used))}"))
       steps.append(("exec", ast.unparse(stmt)))
   if not checks:
     raise ValueError(
@@ -206,6 +214,27 @@ class _Splitter:
       if all(k.arg is not None for k in node.keywords):
         return [(node, "args")] + [(k, "value") for k in node.keywords]
     return None
+
+
+class _Inline(ast.NodeTransformer):
+  """Replaces names of the test's own constants with their literal values."""
+
+  def __init__(self, consts: dict[str, ast.expr]):
+    self.consts = consts
+
+  def visit_Name(self, node: ast.Name) -> ast.expr:
+    if isinstance(node.ctx, ast.Load) and node.id in self.consts:
+      return ast.copy_location(copy.deepcopy(self.consts[node.id]), node)
+    return node
+
+
+def _is_const_assign(stmt: ast.stmt, consts: dict[str, ast.expr]) -> bool:
+  """`name = <value computable here without the solution>` (a literal, or safe calls on literals)."""
+  if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+    return False
+  probe: list[tuple[str, str]] = []
+  _Splitter(probe).outside(_Inline(consts).visit(copy.deepcopy(stmt.value)))
+  return not probe
 
 
 def _safe_callee(func: ast.expr) -> bool:
