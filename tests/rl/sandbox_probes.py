@@ -174,15 +174,15 @@ def run_probe(name, run_tests, config, workdir, uid=None):
 
 
 def main(package_root):
-  """As a script: load k2jax's reward modules alone (no jax) from `package_root` and run every probe."""
+  """As a script: load k2jax's sandbox modules alone (no jax) from `package_root` and run every probe."""
   import types
 
-  for name in ("k2jax", "k2jax.rl", "k2jax.rl.rewards"):
+  for name in ("k2jax", "k2jax.sandbox"):
     mod = types.ModuleType(name)
     mod.__path__ = [os.path.join(package_root, *name.split("."))]
     sys.modules[name] = mod
-  from k2jax.rl.rewards.code import CodeRewardConfig, run_tests
-  from k2jax.rl.rewards.sandbox import SandboxConfig
+  from k2jax.sandbox.code import CodeRewardConfig, run_tests
+  from k2jax.sandbox.runner import SandboxConfig
 
   config = CodeRewardConfig(SandboxConfig(cpu_time_s=5, wall_time_s=30, memory_bytes=256 * 2**20))
   out = {"uid": os.getuid()}

@@ -16,10 +16,11 @@ import threading
 
 import pytest
 
-from k2jax.rl.rewards import sandbox
 from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.code import CodeRewardConfig, code_reward, run_tests, split_test
-from k2jax.rl.rewards.sandbox import SandboxConfig, SandboxUnavailable, run_python
+from k2jax.rl.rewards.code import code_reward
+from k2jax.sandbox import runner as sandbox
+from k2jax.sandbox.code import CodeRewardConfig, run_tests, split_test
+from k2jax.sandbox.runner import SandboxConfig, SandboxUnavailable, run_python
 from tests.rl import sandbox_probes
 
 # Generous wall limits: the CI machine is shared, so CPU seconds accrue slower than wall seconds.
@@ -103,8 +104,8 @@ def test_probes_as_an_unprivileged_caller(open_dir):
   tmp_path = open_dir
   python = sandbox._python_for(SB.uid)
   pkg = tmp_path / "pkg"
-  for rel in ("base.py", "code.py", "sandbox.py", "_sandbox_child.py"):
-    dst = pkg / "k2jax" / "rl" / "rewards" / rel
+  for rel in ("code.py", "runner.py", "_child.py"):
+    dst = pkg / "k2jax" / "sandbox" / rel
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(os.path.join(os.path.dirname(sandbox.__file__), rel), dst)
   shutil.copy(sandbox_probes.__file__, pkg / "sandbox_probes.py")

@@ -1,6 +1,6 @@
 """The sandbox launcher (standard library only): build the kernel's isolation, then exec the program.
 
-Started by `sandbox.py` as the sandbox uid with argv[1] = a JSON object. Isolated runs:
+Started by `runner.py` as the sandbox uid with argv[1] = a JSON object. Isolated runs:
 1. unshare user, mount, PID, network, IPC, UTS and cgroup namespaces; map the calling uid to uid 1000
    inside (never 0, so the exec below clears every capability);
 2. fork: the child is PID 1 of the new PID namespace (it cannot see or signal anything outside it, and

@@ -1,6 +1,6 @@
 """Run untrusted Python in a fresh process that the kernel isolates; refuse when it cannot.
 
-Every run gets its own user, mount, PID, network, IPC and UTS namespaces (`_sandbox_child.py` builds
+Every run gets its own user, mount, PID, network, IPC and UTS namespaces (`_child.py` builds
 them with unshare(2); no privilege needed where unprivileged user namespaces are enabled):
 - filesystem: a new root holding only the interpreter and system libraries (read-only), four /dev
   nodes, its own /proc, and the run's temp dir, the only writable path. The caller's files, the tests
@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 
-_CHILD = pathlib.Path(__file__).with_name("_sandbox_child.py")
+_CHILD = pathlib.Path(__file__).with_name("_child.py")
 ISOLATED_LAYERS = ("userns", "mountns", "pidns", "netns", "ipcns", "readonly_root", "no_caps", "rlimits")
 
 
