@@ -71,7 +71,7 @@ def flash_attention(
   """
   if impl not in IMPLS:
     raise ValueError(f"flash_attention: impl must be one of {IMPLS}, got {impl!r}")
-  B, T, H, Kq = q_BTHK.shape
+  B, T, H, _ = q_BTHK.shape
   if k_BTHK.shape != q_BTHK.shape:
     raise ValueError(f"flash_attention: k has shape {k_BTHK.shape}, expected q's {q_BTHK.shape}")
   if v_BTHV.shape[:3] != (B, T, H):
@@ -324,8 +324,8 @@ def _backward(q, k, v, seg_BT, do, lse_BHT, di_BHT, params):
 
   def specs(q_block, kv_block):
     """In-specs for `args` given index maps (grid ids) -> q block / kv block."""
-    qi = lambda b, h, x, y: (b, h, q_block(x, y), 0)  # noqa: E731
-    ki = lambda b, h, x, y: (b, h, kv_block(x, y), 0)  # noqa: E731
+    qi = lambda b, h, x, y: (b, h, q_block(x, y), 0)
+    ki = lambda b, h, x, y: (b, h, kv_block(x, y), 0)
     return [
       pl.BlockSpec((None, None, bq, Kq), qi),
       pl.BlockSpec((None, None, bk, Kq), ki),
@@ -425,7 +425,7 @@ def _xla_forward(q, k, v, seg_BT, params):
 
 
 def _xla_backward(q, k, v, seg_BT, do, lse_BHT, di_BHT, params):
-  B, H, T, Kq = q.shape
+  B, H, T, _ = q.shape
   blocks, logits = _xla_blocks(q, k, v, seg_BT, params)
 
   def step(dq, blk):
