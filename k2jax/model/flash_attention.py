@@ -176,6 +176,18 @@ def _segment_tiles(seg_BT):
   )
 
 
+def _blocks_run(T, bq, bk):
+  """Number of (q block, kv block) pairs at or below the causal diagonal: the blocks computed."""
+  return sum(min(T // bk, ((i + 1) * bq - 1) // bk + 1) for i in range(T // bq))
+
+
+def _cost(arrays, B, H, T, bq, bk, flops_per_pair: int, exps_per_pair: int):
+  """XLA cannot see inside a kernel: its cost analysis (FLOPs, AOT reports, scheduling) reads this."""
+  pairs = B * H * _blocks_run(T, bq, bk) * bq * bk
+  nbytes = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays)
+  return pl.CostEstimate(flops=pairs * flops_per_pair, transcendentals=pairs * exps_per_pair, bytes_accessed=nbytes)
+
+
 def _compiler_params(*semantics):
   return pltpu.CompilerParams(dimension_semantics=semantics)
 
@@ -258,6 +270,7 @@ def _forward(q, k, v, seg_BT, params):
     ),
     out_shape=out_shape,
     compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
+    cost_estimate=_cost([q, k, v, *out_shape], B, H, T, bq, bk, 2 * (Kq + Dv), 1),
     interpret=params.interpret,
     name="k2jax_flash_mla_fwd",
   )(q, k, v, qseg, kvseg)
@@ -349,6 +362,7 @@ def _backward(q, k, v, seg_BT, do, lse_BHT, di_BHT, params):
     ),
     out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
     compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
+    cost_estimate=_cost([*args[:3], do, q], B, H, T, bq, bk, 2 * (2 * Kq + Dv), 1),
     interpret=params.interpret,
     name="k2jax_flash_mla_dq",
   )(*args)
@@ -368,6 +382,7 @@ def _backward(q, k, v, seg_BT, do, lse_BHT, di_BHT, params):
     ),
     out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
     compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
+    cost_estimate=_cost([*args[:3], do, k, v], B, H, T, bq, bk, 2 * (2 * Kq + 2 * Dv), 1),
     interpret=params.interpret,
     name="k2jax_flash_mla_dkv",
   )(*args)

@@ -220,7 +220,10 @@ def test_model_flash_equals_einsum_and_qk_clip_clips_the_same_heads():
   np.testing.assert_array_equal(max1 > tau, max0 > tau)
   spec = QKClipSpec.from_config(CFG)
   params = jax.tree.map(jnp.asarray, nnx.to_pure_dict(p0))
-  clipped0, clipped1 = qk_clip(params, jnp.asarray(max0), spec, tau), qk_clip(params, jnp.asarray(max1), spec, tau)
+  clipped0, clipped1 = (
+    qk_clip(params, jnp.asarray(max0), spec, tau=tau),
+    qk_clip(params, jnp.asarray(max1), spec, tau=tau),
+  )
   for a, b, before in zip(jax.tree.leaves(clipped1), jax.tree.leaves(clipped0), jax.tree.leaves(params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=0)
     # Exactly the same columns changed.
