@@ -91,7 +91,8 @@ def flash_attention(
   q, k, v = (jnp.swapaxes(_pad_time(x, Tp, 0), 1, 2) for x in (q_BTHK, k_BTHK, v_BTHV))
   seg_BT = _pad_time(segment_ids_BT.astype(jnp.int32), Tp, 0)
   o_BHTV, max_logit_H = _flash(q, k, v, seg_BT, params)
-  return jnp.swapaxes(o_BHTV, 1, 2)[:, :T], max_logit_H
+  # A statistic (QK-Clip's input): no gradient flows through it, so callers may pmax it under grad.
+  return jnp.swapaxes(o_BHTV, 1, 2)[:, :T], lax.stop_gradient(max_logit_H)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -138,6 +139,14 @@ def _lanes(x, n):
   return jnp.tile(x, (1, -(-n // NUM_LANES)))[:, :n]
 
 
+def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
+  """float32-accumulated matmul of a block. float32 operands follow jax's default matmul precision, as
+  the einsum path does; bfloat16 ones take the MXU's native pass (Mosaic rejects an fp32-precision
+  contraction of bfloat16 operands, e.g. under jax_default_matmul_precision='highest')."""
+  precision = lax.Precision.DEFAULT if a.dtype == jnp.bfloat16 else None
+  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
 def _needed(i, j, bq, bk):
   """Whether kv block j has a key at or below the causal diagonal of q block i."""
   return j * bk <= (i + 1) * bq - 1
@@ -164,7 +173,7 @@ def _valid(qseg_ref, kvseg_ref, i, j, bq, bk):
 
 def _logits(q_ref, k_ref, qseg_ref, kvseg_ref, i, j, params):
   """Masked float32 logits of one block: -inf where query i*bq+r may not attend key j*bk+c."""
-  s = lax.dot_general(q_ref[...], k_ref[...], _TRANS_B, preferred_element_type=jnp.float32) * params.scale
+  s = _dot(q_ref[...], k_ref[...], _TRANS_B) * params.scale
   return jnp.where(_valid(qseg_ref, kvseg_ref, i, j, params.block_q, params.block_k), s, -jnp.inf)
 
 
@@ -214,7 +223,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, mx_ref
     alpha = jnp.exp(m_prev - m_safe)
     p = jnp.exp(s - _lanes(m_safe, bk))
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-    pv = jnp.dot(p.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
+    pv = _dot(p.astype(v_ref.dtype), v_ref[...])
     acc_sc[...] = _lanes(alpha, Dv) * acc_sc[...] + pv
     m_sc[...] = m_next
 
@@ -290,9 +299,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, lse_ref, di_ref, do_ref
   def _step():
     s = _logits(q_ref, k_ref, qseg_ref, kvseg_ref, i, j, params)
     p = jnp.exp(s - _lanes(lse_ref[...], bk))
-    dp = lax.dot_general(do_ref[...], v_ref[...], _TRANS_B, preferred_element_type=jnp.float32)
+    dp = _dot(do_ref[...], v_ref[...], _TRANS_B)
     ds = p * (dp - _lanes(di_ref[...], bk))
-    dq_sc[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=jnp.float32)
+    dq_sc[...] += _dot(ds.astype(k_ref.dtype), k_ref[...])
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
@@ -315,10 +324,10 @@ def _dkv_kernel(
     s = _logits(q_ref, k_ref, qseg_ref, kvseg_ref, i, j, params)
     p = jnp.exp(s - _lanes(lse_ref[...], bk))  # [bq, bk]
     do = do_ref[...]
-    dv_sc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
-    dp = lax.dot_general(do, v_ref[...], _TRANS_B, preferred_element_type=jnp.float32)
+    dv_sc[...] += _dot(p.T.astype(do.dtype), do)
+    dp = _dot(do, v_ref[...], _TRANS_B)
     ds = p * (dp - _lanes(di_ref[...], bk))
-    dk_sc[...] += jnp.dot(ds.T.astype(q_ref.dtype), q_ref[...], preferred_element_type=jnp.float32)
+    dk_sc[...] += _dot(ds.T.astype(q_ref.dtype), q_ref[...])
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _finish():

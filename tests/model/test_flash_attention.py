@@ -254,12 +254,7 @@ def test_sharded_flash_equals_unsharded():
 
 def test_compiles_for_tpu_where_libtpu_imports():
   """Lower and compile the kernel's forward and backward for a v5p chip (no TPU needed, libtpu is)."""
-  try:
-    from jax.experimental import topologies
-
-    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
-  except Exception as e:  # noqa: BLE001 - any failure here means no usable libtpu
-    pytest.skip(f"no TPU compiler here (libtpu does not import or make a v5p topology: {type(e).__name__})")
+  devices = _tpu_devices()
   mesh = jax.sharding.Mesh(np.array(devices[:1]), ("x",))
   sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   shapes = [((1, 300, 2, 192), jnp.bfloat16)] * 2 + [((1, 300, 2, 128), jnp.bfloat16)] * 2 + [((1, 300), jnp.int32)]
@@ -272,3 +267,33 @@ def test_compiles_for_tpu_where_libtpu_imports():
   with jax.set_mesh(mesh):
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)).lower(q, k, v, w, seg).compile()
   assert compiled.as_text().count("tpu_custom_call") == 3  # forward, dq, dk/dv
+
+
+def _tpu_devices():
+  try:
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
+  except Exception as e:  # noqa: BLE001 - any failure here means no usable libtpu
+    pytest.skip(f"no TPU compiler here (libtpu does not import or make a v5p topology: {type(e).__name__}: {e})")
+
+
+@pytest.mark.slow
+def test_model_auto_attention_compiles_the_kernel_for_a_tpu_mesh():
+  """From this CPU host, `attention='auto'` under a v5p mesh (heads over `tensor`) takes the kernel."""
+  mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2}, devices=_tpu_devices())
+  cfg = presets.get("tiny", compute_dtype="bfloat16")
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0))))
+  shardings = sharding.param_shardings(state, mesh, "fsdp_ep_tp")
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+  batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp", "expert")))
+  ids = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=batch)
+
+  def loss(state, ids):
+    out = nnx.merge(graphdef, state)(ids, (ids > 0).astype(jnp.int32))
+    return jnp.mean(out.logits**2), out.max_logits
+
+  with sharding.use(mesh, "fsdp_ep_tp"):
+    compiled = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(state, ids).compile()
+  # forward, dq and dk/dv kernels, once per layer stack (dense, MoE)
+  assert compiled.as_text().count("tpu_custom_call") == 6
