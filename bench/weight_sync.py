@@ -28,10 +28,9 @@ from flax import nnx
 
 from k2jax.api import model_from_state
 from k2jax.model import K2Model, presets
-from k2jax.rl.engines.embedded import EmbeddedEngine
-from k2jax.rl.engines.fake import FakeEngine, FakeEngineConfig
+from k2jax.engine.inference import EngineConfig, InferenceEngine
+from k2jax.engine.fake import FakeEngine, FakeEngineConfig
 from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
-from k2jax.serve.engine import EngineConfig
 
 
 class _Recorder(FakeEngine):
@@ -54,7 +53,7 @@ def main():
   model = jax.jit(lambda: nnx.state(K2Model(cfg, rngs=nnx.Rngs(0))))()
   state = nnx.to_pure_dict(model)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  engine = EmbeddedEngine(model_from_state(cfg, state), EngineConfig(max_slots=1, max_seq_len=16))
+  engine = InferenceEngine(model_from_state(cfg, state), EngineConfig(max_slots=1, max_seq_len=16))
   root = args.dir or tempfile.mkdtemp(prefix="k2jax_weight_sync_")
   colocated = WeightSync(WeightSyncConfig(os.path.join(root, "colocated")), engine, cfg)
   remote = WeightSync(
@@ -66,7 +65,7 @@ def main():
   def t_colocated():
     t0 = time.perf_counter()
     colocated.push(state)
-    jax.block_until_ready(engine._state)
+    jax.block_until_ready(engine._params)
     return time.perf_counter() - t0
 
   def t_remote():

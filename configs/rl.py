@@ -78,6 +78,7 @@ def _tiny() -> config_dict.ConfigDict:
   c.model.compute_dtype = "float32"  # matmuls/activations ("bfloat16" on accelerators)
   c.model.scan_layers = True  # lax.scan over stacked layers
   c.model.remat_policy = "none"  # none | full | dots | dots_no_batch
+  c.model.attention = "auto"  # attention kernel, as configs/k2.py
 
   c.mesh = config_dict.ConfigDict()  # device mesh and rules preset, exactly as configs/k2.py
   c.mesh.rules = "fsdp"  # k2jax.sharding rules preset: fsdp | fsdp_ep | fsdp_ep_tp
@@ -110,7 +111,7 @@ def _tiny() -> config_dict.ConfigDict:
   c.rollout.top_p = 1.0  # nucleus sampling (1 = off)
   c.rollout.max_concurrency = 64  # rollout threads = in-flight engine requests
 
-  c.engine = config_dict.ConfigDict()  # embedded engine only (k2jax.serve.EngineConfig)
+  c.engine = config_dict.ConfigDict()  # embedded engine only (k2jax.engine.EngineConfig)
   c.engine.max_slots = 32  # requests decoded together
   c.engine.max_seq_len = 64  # prompt + response tokens per request
 

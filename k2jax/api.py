@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k2jax.convert import hf as hf_io
+from k2jax.convert.export_dir import recover
 from k2jax.model.config import K2Config
 from k2jax.model.transformer import K2Model
 from k2jax.train.init_from import source_config, source_state
@@ -26,6 +27,7 @@ def load(path: str, **k2jax_fields) -> K2Model:
 
   k2jax_fields override execution knobs, e.g. `load(p, compute_dtype='bfloat16', scan_layers=False)`.
   """
+  recover(path)  # an export that died between its two renames on a filesystem without RENAME_EXCHANGE
   cfg = source_config(path, **k2jax_fields)
   return model_from_state(cfg, source_state(path, cfg))
 

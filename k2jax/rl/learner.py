@@ -38,16 +38,15 @@ from k2jax.model.config import ConfigError, K2Config
 from k2jax.optim import QKClipSpec, muonclip
 from k2jax.rl import batching, rl_step
 from k2jax.rl.algo import K2LossConfig, rollout_metrics, select_old_logprobs
-from k2jax.rl.engine import Engine, GenerateRequest, SamplingParams
-from k2jax.rl.engines.embedded import EmbeddedEngine, copy_to
-from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
-from k2jax.rl.engines.routed import RoutedEngine
+from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
+from k2jax.engine.http import HttpEngine, HttpEngineConfig
+from k2jax.engine.routed import RoutedEngine
 from k2jax.rl.ptx import PTXConfig, PTXSet
 from k2jax.rl.rewards.base import Completion, per_sample
 from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
 from k2jax.rl.tasks import TASK_NAME, ArithmeticTask, ArithmeticTaskConfig, MathJsonlTask, strip_stop
-from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
-from k2jax.serve.engine import EngineConfig
+from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig, copy_to
+from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.train import core
 from k2jax.train.checkpoint import merge_dicts
 from k2jax.train.config import MeshSpec, mesh_shape, mesh_spec
@@ -215,9 +214,7 @@ def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
       "serves one process only, so a multi-process run needs a remote engine (SGLang) URL"
     )
   served = copy_to(state, SingleDeviceSharding(jax.local_devices()[0]))
-  return EmbeddedEngine(
-    model_from_state(lc.model, served), lc.engine, eos_token_ids=lc.rollout.stop_token_ids, decode=decode
-  )
+  return InferenceEngine(model_from_state(lc.model, served), lc.engine, eos_token_ids=lc.rollout.stop_token_ids)
 
 
 class Learner:

@@ -1,8 +1,9 @@
 """Hand the trainer's weights to the rollout engine after an update, without a host round trip.
 
-Colocated (an engine in this process with `update_params`, e.g. the embedded engine): the engine gets the
-model's pure state dict as device arrays and copies them onto its own devices (resharding when its
-placement differs from the trainer's mesh). Nothing goes to the host, nothing to disk.
+Colocated (an engine in this process with `update_weights_from_params`, e.g. `k2jax.engine.InferenceEngine`):
+the engine gets a device-to-device copy of the model's pure state dict on its own placement (`serve_sharding`,
+resharded from the trainer's mesh; a copy because the next train step donates the trainer's arrays).
+Nothing goes to the host, nothing to disk.
 
 Remote (SGLang over HTTP): HF safetensors on storage both sides see, then `/update_weights_from_disk`.
 Every JAX process writes only the tensors it owns, straight from its devices, one HF tensor at a time:
@@ -35,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from k2jax.convert.hf import _get
 from k2jax.convert.layout import Entry, entries
@@ -79,10 +80,13 @@ class WeightSync:
   `engine` is None on the processes of a multi-process run that do not talk to the engine (all but 0).
   """
 
-  def __init__(self, config: WeightSyncConfig, engine: Any, model: K2Config, *, initial_version: int = 0):
+  def __init__(
+    self, config: WeightSyncConfig, engine: Any, model: K2Config, *, initial_version: int = 0, serve_sharding=None
+  ):
     self.config, self.engine, self.model = config, engine, model
     self.version = initial_version
-    self.colocated = callable(getattr(engine, "update_params", None))
+    self.colocated = callable(getattr(engine, "update_weights_from_params", None))
+    self.serve_sharding = serve_sharding or SingleDeviceSharding(jax.local_devices()[0])
     self._hashes: dict[str, tuple[int, int]] = {}
     self._plan: list[_Chunk] | None = None
     self._hash_fn = None
@@ -92,7 +96,7 @@ class WeightSync:
     """Hands `state` (the model's pure state dict, sharded device arrays) to the engine; returns the version."""
     if self.colocated:
       self.version += 1
-      self.engine.update_params(state, self.version)
+      self.engine.update_weights_from_params(copy_to(state, self.serve_sharding), self.version)
       return self.version
     return self._push_remote(state, full)
 
@@ -306,6 +310,21 @@ def _mesh(leaf) -> Mesh:
     return s.mesh
   devices = sorted(s.device_set, key=lambda d: d.id) if s is not None else [jax.devices()[0]]
   return Mesh(np.asarray(devices), ("x",))
+
+
+def copy_to(state, shardings):
+  """`state` copied device to device onto `shardings` (a sharding or a tree of them); no result shares a
+  buffer with `state`, so the trainer may donate its arrays afterwards."""
+  return jax.tree.map(_own_copy, state, jax.device_put(state, shardings, may_alias=False))
+
+
+def _own_copy(src, dst):
+  """`dst`, copied when it still shares a buffer with `src` (device_put hands back the source's own
+  shard when moving a replicated array onto one of its devices, whatever `may_alias` says)."""
+  src_buffers = {s.data.unsafe_buffer_pointer() for s in src.addressable_shards}
+  if any(s.data.unsafe_buffer_pointer() in src_buffers for s in dst.addressable_shards):
+    return jnp.copy(dst)
+  return dst
 
 
 def _barrier(name: str) -> None:

@@ -15,11 +15,9 @@ import jax
 
 from k2jax.convert import hf as hf_io
 from k2jax.convert import workdir as wd
-from k2jax.model.config import ConfigError, K2Config
+from k2jax.model.config import EXEC_FIELDS, ConfigError, K2Config
 from k2jax.train.checkpoint import split_dict
 from k2jax.train.step import TrainState, init_state
-
-EXEC_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy")
 
 
 def source_kind(src: str) -> str:

@@ -20,11 +20,10 @@ from k2jax.api import model_from_state
 from k2jax.convert import hf as hf_io
 from k2jax.convert import workdir as wd
 from k2jax.model import K2Model, presets
-from k2jax.rl.engines.embedded import EmbeddedEngine
+from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.rl.weight_sync import INDEX_NAME
-from k2jax.serve.engine import EngineConfig
 
-from .fake_sglang_server import FakeSglangServer
+from tests.engine.fake_sglang_server import FakeSglangServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # RL runs in subprocesses (compile-bound)
@@ -143,7 +142,7 @@ def test_two_processes_train_checkpoint_push_then_one_resumes(tmp_path):
   cache = str(tmp_path / "jax_cache")
   workdir = str(tmp_path / "w")
   cfg = presets.get("tiny")
-  served = EmbeddedEngine(
+  served = InferenceEngine(
     model_from_state(cfg, nnx.to_pure_dict(nnx.state(K2Model(cfg, rngs=nnx.Rngs(9))))),
     EngineConfig(max_slots=32, max_seq_len=64),
   )
@@ -180,7 +179,7 @@ def test_two_processes_train_checkpoint_push_then_one_resumes(tmp_path):
     assert len(names) == len(set(names)) and sorted(names) == sorted(want) == sorted(index)
     # Every push after it reached the engine: it serves exactly the final checkpoint's weights.
     _, final = _params(workdir)
-    served_now = served._state
+    served_now = served._params
     for path, x in jax.tree_util.tree_flatten_with_path(final)[0]:
       y = served_now
       for k in path:

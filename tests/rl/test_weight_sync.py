@@ -22,12 +22,11 @@ from k2jax.api import model_from_state
 from k2jax.convert import hf as hf_io
 from k2jax.model import K2Model, presets
 from k2jax.rl import rl_step
-from k2jax.rl.engine import GenerateRequest, SamplingParams
-from k2jax.rl.engines.embedded import EmbeddedEngine
-from k2jax.rl.engines.fake import FakeEngine, FakeEngineConfig
-from k2jax.rl.transport import RequestRejected
+from k2jax.engine.base import GenerateRequest, SamplingParams
+from k2jax.engine.inference import EngineConfig, InferenceEngine
+from k2jax.engine.fake import FakeEngine, FakeEngineConfig
+from k2jax.transport import RequestRejected
 from k2jax.rl.weight_sync import INDEX_NAME, WeightSync, WeightSyncConfig
-from k2jax.serve.engine import EngineConfig
 from k2jax.train.checkpoint import merge_dicts, split_dict
 from k2jax.train.step import ModelDef
 
@@ -123,7 +122,7 @@ def test_failed_update_rolls_back(tmp_path):
 @pytest.mark.slow
 def test_colocated_push_serves_trainer_weights_without_files(tmp_path):
   cfg, host = _model()
-  engine = EmbeddedEngine(model_from_state(cfg, host), EngineConfig(max_slots=2, max_seq_len=32))
+  engine = InferenceEngine(model_from_state(cfg, host), EngineConfig(max_slots=2, max_seq_len=32))
   root = tmp_path / "weights"
   sync = WeightSync(WeightSyncConfig(str(root)), engine, cfg)
   assert sync.colocated
