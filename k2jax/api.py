@@ -1,16 +1,42 @@
-"""Top-level entry points: `k2jax.load(path)` and `k2jax.save_hf(model, dir)`."""
+"""Top-level entry points: `k2jax.load(path)` and `k2jax.save_hf(model, dir)`, and the model-source resolver
+every loop uses (workdir | HF dir; re-exported by `k2jax.train`)."""
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k2jax.convert import hf as hf_io
+from k2jax.convert import workdir as wd
 from k2jax.convert.export_dir import recover
-from k2jax.model.config import K2Config
+from k2jax.model.config import EXEC_FIELDS, K2Config
 from k2jax.model.transformer import K2Model
-from k2jax.train.init_from import source_config, source_state
+
+
+def source_kind(src: str) -> str:
+  """'workdir' or 'hf' for a model directory; FileNotFoundError naming both markers otherwise."""
+  if wd.is_workdir(src):
+    return "workdir"
+  if os.path.isfile(os.path.join(src, "config.json")):
+    return "hf"
+  raise FileNotFoundError(f"{src}: neither a k2jax workdir ({wd.MODEL_CONFIG}) nor an HF directory (config.json)")
+
+
+def source_config(src: str, **exec_kw) -> K2Config:
+  """The architecture stored in `src` (workdir or HF dir), with execution knobs `exec_kw` applied."""
+  if source_kind(src) == "workdir":
+    return wd.read_model_config(src, **exec_kw)
+  return hf_io.read_config(src, **exec_kw)
+
+
+def source_state(src: str, cfg: K2Config) -> dict:
+  """The model's full pure state dict (Params + RouterBias) stored in `src`, as `cfg` lays it out."""
+  if source_kind(src) == "workdir":
+    return wd.restore_model_state(src, hf_io.abstract_state(cfg))[1]
+  return hf_io.load_hf(src, **{k: getattr(cfg, k) for k in EXEC_FIELDS})[1]
 
 
 def model_from_state(cfg: K2Config, state: dict) -> K2Model:

@@ -13,34 +13,11 @@ import os
 
 import jax
 
-from k2jax.convert import hf as hf_io
+from k2jax.api import source_config, source_state
 from k2jax.convert import workdir as wd
 from k2jax.model.config import EXEC_FIELDS, ConfigError, K2Config
 from k2jax.train.checkpoint import split_dict
 from k2jax.train.step import TrainState, init_state
-
-
-def source_kind(src: str) -> str:
-  """'workdir' or 'hf' for a model directory; FileNotFoundError naming both markers otherwise."""
-  if wd.is_workdir(src):
-    return "workdir"
-  if os.path.isfile(os.path.join(src, "config.json")):
-    return "hf"
-  raise FileNotFoundError(f"{src}: neither a k2jax workdir ({wd.MODEL_CONFIG}) nor an HF directory (config.json)")
-
-
-def source_config(src: str, **exec_kw) -> K2Config:
-  """The architecture stored in `src` (workdir or HF dir), with execution knobs `exec_kw` applied."""
-  if source_kind(src) == "workdir":
-    return wd.read_model_config(src, **exec_kw)
-  return hf_io.read_config(src, **exec_kw)
-
-
-def source_state(src: str, cfg: K2Config) -> dict:
-  """The model's full pure state dict (Params + RouterBias) stored in `src`, as `cfg` lays it out."""
-  if source_kind(src) == "workdir":
-    return wd.restore_model_state(src, hf_io.abstract_state(cfg))[1]
-  return hf_io.load_hf(src, **{k: getattr(cfg, k) for k in EXEC_FIELDS})[1]
 
 
 def resolve_model(preset_cfg: K2Config, init_from: str, *, key: str) -> K2Config:
