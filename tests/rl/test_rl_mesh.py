@@ -30,13 +30,13 @@ pytestmark = pytest.mark.slow  # one fwd+bwd+Muon compile per preset
 def _setup():
   cfg = presets.get("tiny", num_hidden_layers=2)  # one dense + one MoE layer
   sched = optax.constant_schedule(0.01)
-  opt = muonclip(sched, qk_clip_tau=1.0, qk_clip_spec=QKClipSpec.from_config(cfg))  # tau 1: clipping fires
+  opt = muonclip(sched, qk_clip_tau=1e-3, qk_clip_spec=QKClipSpec.from_config(cfg))  # tiny tau: clipping fires
   make = lambda: K2Model(cfg, rngs=nnx.Rngs(3))
   state = jax.device_get(init_state(make(), opt))
   mdef = ModelDef.from_model(nnx.eval_shape(make))
   loss_cfg = K2LossConfig(tau=1.0, ptx_coef=0.1, old_logprobs="trainer")
   grads = rl_step.make_rl_grads(mdef, loss_cfg, num_groups=GROUPS)
-  step = rl_step.make_rl_step(mdef, opt, sched, loss_cfg, num_groups=GROUPS, bias_update_rate=0.01, qk_clip_tau=1.0)
+  step = rl_step.make_rl_step(mdef, opt, sched, loss_cfg, num_groups=GROUPS, bias_update_rate=0.01, qk_clip_tau=1e-3)
 
   def both(state, batch, old_BT, ptx):
     loss, _, g = grads(state.params, state.bias, batch, old_BT, ptx)
