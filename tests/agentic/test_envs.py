@@ -9,9 +9,9 @@ import signal
 import pytest
 
 from k2jax.agentic import Guard, GuardConfig
-from k2jax.rl.envs import EnvPool, EnvPoolConfig, EnvService, RemoteEnvConfig, RemoteEnvironment
-from k2jax.rl.envs.code import CodeEnv
-from k2jax.rl.envs.simulated import SimToolsEnv
+from k2jax.agentic.envs import EnvPool, EnvPoolConfig, EnvService, RemoteEnvConfig, RemoteEnvironment
+from k2jax.agentic.envs.code import CodeEnv
+from k2jax.agentic.envs.simulated import SimToolsEnv
 
 TASK = {
   "id": "t1",

@@ -10,8 +10,8 @@ from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import load_tokenizer
 from k2jax.rl.engine import Engine, GenerateResult
 from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
-from k2jax.rl.envs import EnvService, RemoteEnvConfig, RemoteEnvironment
-from k2jax.rl.envs.simulated import SimToolsEnv
+from k2jax.agentic.envs import EnvService, RemoteEnvConfig, RemoteEnvironment
+from k2jax.agentic.envs.simulated import SimToolsEnv
 
 TASK = {
   "id": "t",

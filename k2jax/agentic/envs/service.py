@@ -10,7 +10,7 @@ One process serves many episodes (one `Environment` instance each, steps of one 
 all sharing one `Guard` (rate limits and the concurrency cap are per process). Episodes idle for
 `episode_ttl_s` are dropped. Built on the standard library's ThreadingHTTPServer like k2jax.serve.
 
-  python -m k2jax.rl.envs --env=sim_tools --port=8080 [--egress_allow=host:port,...]
+  python -m k2jax.agentic.envs --env=sim_tools --port=8080 [--egress_allow=host:port,...]
 prints `READY <port>` once serving (the pool reads it). With no --egress_allow the process has no
 outbound network at all (`install_egress_hook`).
 """
@@ -26,15 +26,15 @@ from typing import Any, Callable
 
 from k2jax import jsonhttp
 from k2jax.agentic.guards import Guard, GuardConfig
-from k2jax.rl.envs.base import Environment
+from k2jax.agentic.envs.base import Environment
 
 log = logging.getLogger(__name__)
 
 
 def env_factories() -> dict[str, Callable[[Guard], Environment]]:
   """Environments a service can host, by name (imported lazily: the code env pulls the sandbox)."""
-  from k2jax.rl.envs.code import CodeEnv
-  from k2jax.rl.envs.simulated import SimToolsEnv
+  from k2jax.agentic.envs.code import CodeEnv
+  from k2jax.agentic.envs.simulated import SimToolsEnv
 
   return {"sim_tools": lambda g: SimToolsEnv(g), "code": lambda g: CodeEnv(g)}
 
