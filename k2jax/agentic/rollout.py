@@ -245,3 +245,31 @@ def to_rollout_batch(
     iteration=iteration,
     temperature=temperature,
   )
+
+
+class EpisodeRunner:
+  """RL episodes by environment name: `runner(task, env, rid, engine, temperature=, seed=, budget=)`.
+
+  The engine is passed per call so the RL rollout manager can hand in its own wrapper (it tracks request
+  ids to abort them); `env_factories` maps environment names to `Environment` factories (`EnvServices`)."""
+
+  def __init__(
+    self, tokenizer: Tokenizer, env_factories: Mapping[str, Callable[[], Environment]], config: MultiTurnConfig
+  ):
+    self.tok, self.factories, self.config = tokenizer, dict(env_factories), config
+
+  def __call__(
+    self,
+    task: Mapping[str, Any],
+    env: str,
+    rid: str,
+    engine: Engine,
+    *,
+    temperature: float,
+    seed: int,
+    budget: int,
+  ) -> Trajectory:
+    if env not in self.factories:
+      raise KeyError(f"no environment service for {env!r} (have {sorted(self.factories)})")
+    runner = MultiTurnRunner(engine, self.tok, self.factories[env], self.config)
+    return runner.run_episode(task, rid, temperature=temperature, seed=seed, response_budget=budget)

@@ -26,6 +26,15 @@ class Sample:
   finish: str | None = None  # "stop" | "length" once done
   truncated: bool = False
   segments: int = 0  # engine calls that contributed tokens
+  # Multi-turn episodes: the environment's first observation (the prompt actually sent), the loss mask over
+  # the response (0 on tool results and user turns) and the episode's end (env_reward, end, env details).
+  episode_prompt: tuple[int, ...] | None = None
+  mask: list[int] | None = None
+  info: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def prompt_ids(self) -> tuple[int, ...]:
+    return self.episode_prompt if self.episode_prompt is not None else self.prompt.input_ids
 
   @property
   def done(self) -> bool:
@@ -36,6 +45,7 @@ class Sample:
     n = len(self.output_ids)
     self.output_ids, self.logprobs, self.versions, self.text_parts = [], [], [], []
     self.finish, self.truncated, self.segments = None, False, 0
+    self.episode_prompt, self.mask, self.info = None, None, {}
     return n
 
 
@@ -56,7 +66,7 @@ class Group:
 
 def completion_of(sample: Sample, decode) -> Completion:
   text = decode(sample.output_ids) if decode is not None else "".join(sample.text_parts)
-  return Completion(tuple(sample.output_ids), text, sample.finish or "abort", sample.truncated)
+  return Completion(tuple(sample.output_ids), text, sample.finish or "abort", sample.truncated, dict(sample.info))
 
 
 def build_batch(
@@ -68,15 +78,16 @@ def build_batch(
   iteration: int,
   temperature: float,
 ) -> RolloutBatch:
-  """Right-pads prompt+response of every sample; subtracts the truncation penalty (K2 §3.2.3 budget control)."""
+  """Right-pads prompt+response of every sample; subtracts the truncation penalty (K2 §3.2.3 budget control).
+  Episode samples keep their loss mask (environment tokens inside the response are not trained)."""
   samples = [s for g in groups for s in g.samples]
   rows = []
   for s in samples:
-    P, R = len(s.prompt.input_ids), len(s.output_ids)
+    P, R = len(s.prompt_ids), len(s.output_ids)
     rows.append(
       (
-        list(s.prompt.input_ids) + s.output_ids,
-        [0.0] * P + [1.0] * R,
+        list(s.prompt_ids) + s.output_ids,
+        [0.0] * P + ([1.0] * R if s.mask is None else [float(m) for m in s.mask]),
         [0.0] * P + list(s.logprobs),
         [-1] * P + list(s.versions),
       )
@@ -87,7 +98,7 @@ def build_batch(
     **pad_token_rows(rows, pad_id=pad_id),
     rewards_B=raw_B - truncation_penalty * truncated_B.astype(np.float32),
     group_ids_B=np.repeat(np.arange(len(groups), dtype=np.int32), [len(g.samples) for g in groups]),
-    prompt_lengths_B=np.array([len(s.prompt.input_ids) for s in samples], np.int32),
+    prompt_lengths_B=np.array([len(s.prompt_ids) for s in samples], np.int32),
     response_lengths_B=np.array([len(s.output_ids) for s in samples], np.int32),
     truncated_B=truncated_B,
     tasks=tuple(s.prompt.task for s in samples),
