@@ -126,6 +126,7 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
 
   c.log = config_dict.ConfigDict()
   c.log.tensorboard = False  # also write TensorBoard events to WORKDIR/tb
+  c.log.rollouts = False  # also write every sample's tokens and loss mask to WORKDIR/rollouts.jsonl
 
   c.eval = config_dict.ConfigDict()
   c.eval.every = 10  # greedy accuracy on every distinct prompt each N iterations (0 = off)
@@ -168,3 +169,4 @@ def _agentic_tiny(c: config_dict.ConfigDict) -> None:
   c.warm_start.batch_size = 4
   c.eval.every = 0
   c.checkpoint.every = 2
+  c.log.rollouts = True

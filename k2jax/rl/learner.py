@@ -45,6 +45,7 @@ from k2jax.rl.ptx import PTXConfig, PTXSet
 from k2jax.rl import tasks as tasks_lib
 from k2jax.rl.rewards.base import Completion
 from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
+from k2jax.rl.samples import append_rollouts
 from k2jax.rl.task_runtime import TaskRuntime, TaskRuntimeConfig, runtime_config
 from k2jax.rl.tasks import TASK_NAME, ArithmeticTaskConfig, MathJsonlTask, TaskSet, strip_stop
 from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
@@ -88,6 +89,7 @@ class LearnerConfig:
   checkpoint_keep: int
   tensorboard: bool
   eval_every: int
+  log_rollouts: bool = False  # every sample's tokens and loss mask to W/rollouts.jsonl
   task_runtime: TaskRuntimeConfig = TaskRuntimeConfig()  # rewards (judge) and agentic episodes (env services)
 
   @property
@@ -147,6 +149,7 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     checkpoint_keep=c.checkpoint.keep,
     tensorboard=c.log.tensorboard,
     eval_every=c.eval.every,
+    log_rollouts=c.log.rollouts,
     task_runtime=runtime_config(c),
   )
   mixed = len(c.tasks) > 0  # tasks.* sections (validated by tasks.task_specs) replace the single task.*
@@ -354,6 +357,8 @@ class Learner:
     lc, t0 = self.lc, time.perf_counter()
     version = self.sync.version
     batch, rstats = self.manager.collect(version)
+    if lc.log_rollouts:
+      append_rollouts(os.path.join(self.workdir, "rollouts.jsonl"), batch, version)
     t1 = time.perf_counter()
     arrays, dropped = batching.to_train_arrays(
       batch, rows=lc.rows, seq_len=lc.seq_len, vocab_size=lc.model.vocab_size, version=version

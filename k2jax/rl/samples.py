@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from concurrent.futures import Future
 from typing import Sequence
 
@@ -105,3 +106,23 @@ def build_batch(
     iteration=iteration,
     temperature=temperature,
   )
+
+
+def append_rollouts(path: str, batch: RolloutBatch, weight_version: int) -> None:
+  """Appends every sample of `batch` to the jsonl at `path`: task, reward, prompt length, tokens and loss mask
+  (prompt and response), so masks and rewards can be inspected per sample after a run."""
+  with open(path, "a", encoding="utf-8") as f:
+    for b in range(len(batch.rewards_B)):
+      n = int(batch.prompt_lengths_B[b] + batch.response_lengths_B[b])
+      record = {
+        "iteration": batch.iteration,
+        "weight_version": weight_version,
+        "task": batch.tasks[b],
+        "group": int(batch.group_ids_B[b]),
+        "reward": float(batch.rewards_B[b]),
+        "truncated": bool(batch.truncated_B[b]),
+        "prompt_length": int(batch.prompt_lengths_B[b]),
+        "tokens": batch.tokens_BT[b, :n].tolist(),
+        "loss_mask": batch.loss_mask_BT[b, :n].astype(int).tolist(),
+      }
+      f.write(json.dumps(record) + "\n")
