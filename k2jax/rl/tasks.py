@@ -346,6 +346,8 @@ def task_specs(config: config_dict.ConfigDict) -> list[dict]:
       specs.append(spec)
   else:
     t = config.task
+    if t.kind not in ("arith", "math_jsonl"):
+      raise ConfigError(f"task.kind: {t.kind!r} is not one of arith, math_jsonl (or use tasks.<name> sections)")
     kind, name = ("arith", TASK_NAME) if t.kind == "arith" else ("jsonl", MathJsonlTask.name)
     reward = "exact" if t.kind == "arith" else "math"
     specs = [{"name": name, "kind": kind, "reward": reward, "path": t.path, "env": "", "budget": t.budget, "weight": 1}]
