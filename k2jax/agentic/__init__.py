@@ -21,7 +21,6 @@ from k2jax.agentic.rollout import (
   TokenAgent,
   Trajectory,
   Turn,
-  to_rollout_batch,
 )
 from k2jax.agentic.tools import (
   Impact,
@@ -65,5 +64,4 @@ __all__ = [
   "MultiTurnRunner",
   "Trajectory",
   "Turn",
-  "to_rollout_batch",
 ]

@@ -12,8 +12,9 @@ k2-rl-and-serving.md §4.1; verl and Agent-R1 saw decode -> re-encode drift). If
 Since each request's prompt is the previous request plus a few tokens, engines with prefix reuse
 (SGLang's radix cache, k2jax.serve's prefix cache) prefill only the new tokens. Episodes run
 concurrently on a thread pool (the engine clients are blocking and thread-safe); the reward is the
-environment's at the end (task rubric or verifier). `to_rollout_batch` turns trajectories into the
-RL learner's `RolloutBatch` (loss mask = generated tokens only).
+environment's at the end (task rubric or verifier). The RL side turns trajectories into its
+`RolloutBatch` (`k2jax.rl.samples.to_rollout_batch`; the rollout manager runs episodes through
+`EpisodeRunner`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,9 @@ import logging
 import zlib
 from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
-
 from k2jax.data.chat import parse_assistant, render_chat
 from k2jax.data.tokenizer import Tokenizer
-from k2jax.rl.engine import Engine, GenerateRequest, RolloutBatch, SamplingParams, pad_token_rows
+from k2jax.rl.engine import Engine, GenerateRequest, SamplingParams
 from k2jax.agentic.envs.base import Environment
 from k2jax.agentic.loop import StopEpisode, run_tool_loop
 from k2jax.rl.transport import ServiceError
@@ -213,38 +212,6 @@ class TokenAgent:
     traj.loss_mask += [int(trained)] * len(ids)
     traj.logprobs += [0.0] * len(ids)
     traj.versions += [-1] * len(ids)
-
-
-def to_rollout_batch(
-  trajectories: Sequence[Trajectory],
-  *,
-  group_ids: Sequence[int] | None = None,
-  pad_id: int = 0,
-  iteration: int = 0,
-  temperature: float = 1.0,
-) -> RolloutBatch:
-  """Right-padded `RolloutBatch`; loss mask 1 only on generated tokens (tool results and user turns 0).
-
-  Failed trajectories (engine or environment errors) must be filtered out by the caller first: their
-  reward says nothing about the policy.
-  """
-  bad = [t.task_id for t in trajectories if t.failed]
-  if bad:
-    raise ValueError(f"to_rollout_batch: failed trajectories {bad[:5]} must be dropped first")
-  B = len(trajectories)
-  rows = [(t.tokens, t.loss_mask, t.logprobs, t.versions) for t in trajectories]
-  gids = np.arange(B, dtype=np.int32) if group_ids is None else np.asarray(group_ids, np.int32)
-  return RolloutBatch(
-    **pad_token_rows(rows, pad_id=pad_id),
-    rewards_B=np.array([t.reward for t in trajectories], np.float32),
-    group_ids_B=gids,
-    prompt_lengths_B=np.array([t.prompt_length for t in trajectories], np.int32),
-    response_lengths_B=np.array([len(t.tokens) - t.prompt_length for t in trajectories], np.int32),
-    truncated_B=np.array([t.truncated for t in trajectories], bool),
-    tasks=tuple(t.task for t in trajectories),
-    iteration=iteration,
-    temperature=temperature,
-  )
 
 
 class EpisodeRunner:

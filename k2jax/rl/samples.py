@@ -9,6 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
+from k2jax.agentic.rollout import Trajectory
 from k2jax.rl.engine import RolloutBatch, pad_token_rows
 from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
 
@@ -126,3 +127,35 @@ def append_rollouts(path: str, batch: RolloutBatch, weight_version: int) -> None
         "loss_mask": batch.loss_mask_BT[b, :n].astype(int).tolist(),
       }
       f.write(json.dumps(record) + "\n")
+
+
+def to_rollout_batch(
+  trajectories: Sequence[Trajectory],
+  *,
+  group_ids: Sequence[int] | None = None,
+  pad_id: int = 0,
+  iteration: int = 0,
+  temperature: float = 1.0,
+) -> RolloutBatch:
+  """Right-padded `RolloutBatch`; loss mask 1 only on generated tokens (tool results and user turns 0).
+
+  Failed trajectories (engine or environment errors) must be filtered out by the caller first: their
+  reward says nothing about the policy.
+  """
+  bad = [t.task_id for t in trajectories if t.failed]
+  if bad:
+    raise ValueError(f"to_rollout_batch: failed trajectories {bad[:5]} must be dropped first")
+  B = len(trajectories)
+  rows = [(t.tokens, t.loss_mask, t.logprobs, t.versions) for t in trajectories]
+  gids = np.arange(B, dtype=np.int32) if group_ids is None else np.asarray(group_ids, np.int32)
+  return RolloutBatch(
+    **pad_token_rows(rows, pad_id=pad_id),
+    rewards_B=np.array([t.reward for t in trajectories], np.float32),
+    group_ids_B=gids,
+    prompt_lengths_B=np.array([t.prompt_length for t in trajectories], np.int32),
+    response_lengths_B=np.array([len(t.tokens) - t.prompt_length for t in trajectories], np.int32),
+    truncated_B=np.array([t.truncated for t in trajectories], bool),
+    tasks=tuple(t.task for t in trajectories),
+    iteration=iteration,
+    temperature=temperature,
+  )

@@ -5,7 +5,8 @@ import threading
 
 import numpy as np
 
-from k2jax.agentic.rollout import MultiTurnConfig, MultiTurnRunner, to_rollout_batch
+from k2jax.agentic.rollout import MultiTurnConfig, MultiTurnRunner
+from k2jax.rl.samples import to_rollout_batch
 from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import load_tokenizer
 from k2jax.rl.engine import Engine, GenerateResult
