@@ -147,7 +147,7 @@ def _agentic_tiny(c: config_dict.ConfigDict) -> None:
     ("instruction", "jsonl", "instruction", 12),
     ("judge", "jsonl", "judge", 8),
     ("rubric", "jsonl", "rubric", 8),
-    ("sim_tools", "agentic", "env", 48),
+    ("sim_tools", "agentic", "env", 128),
   ):
     t = config_dict.ConfigDict()
     t.kind, t.reward, t.budget, t.weight = kind, reward, budget, 1
@@ -163,9 +163,9 @@ def _agentic_tiny(c: config_dict.ConfigDict) -> None:
   c.agentic.max_new_tokens_per_turn = 24
   c.engine.max_slots = 16
   c.engine.max_seq_len = 512  # the rubric judge's pairwise prompt (~400 tokens with two answers) + its reply
-  c.train.seq_len = 160  # agentic: ~90 prompt tokens + the 48-token budget
+  c.train.seq_len = 224  # agentic: ~90 prompt tokens + the 128-token budget
   c.loss.ptx_coef = 0.0
-  c.warm_start.steps = 12
+  c.warm_start.steps = 20
   c.warm_start.batch_size = 4
   c.eval.every = 0
   c.checkpoint.every = 2

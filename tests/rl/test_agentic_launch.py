@@ -13,7 +13,7 @@ import pytest
 from k2jax.data.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TASKS = {"math": 12, "code": 16, "instruction": 12, "judge": 8, "rubric": 8, "sim_tools": 48}  # name -> budget
+TASKS = {"math": 12, "code": 16, "instruction": 12, "judge": 8, "rubric": 8, "sim_tools": 128}  # name -> budget
 
 pytestmark = pytest.mark.slow  # one compiled RL run of the tiny model (warm start, RL step, engine)
 

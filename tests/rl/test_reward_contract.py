@@ -184,7 +184,7 @@ def test_agentic_tiny_config_builds_every_kind_with_its_budget():
     "rubric": "rubric",
     "sim_tools": "env",
   }
-  assert dict(task_budgets(c)) == {"code": 16, "instruction": 12, "judge": 8, "math": 12, "rubric": 8, "sim_tools": 48}
+  assert dict(task_budgets(c)) == {"code": 16, "instruction": 12, "judge": 8, "math": 12, "rubric": 8, "sim_tools": 128}
   assert sorted(tasks.prompt(i).task for i in range(6)) == sorted(tasks.reward_kinds)  # one of each per 6 prompts
   assert tasks.envs == ["sim_tools"] and tasks.needs_judge
   # The warm start teaches the demo tool call after the environment's first observation.
