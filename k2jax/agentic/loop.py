@@ -21,7 +21,7 @@ import dataclasses
 from typing import Any, Mapping, Protocol
 
 from k2jax.agentic.envs.base import Environment
-from k2jax.rl.transport import ServiceError
+from k2jax.transport import ServiceError
 
 ENDS = ("env_done", "max_turns", "budget", "abort", "env_error", "engine_error")
 

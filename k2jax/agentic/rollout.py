@@ -10,7 +10,7 @@ k2-rl-and-serving.md §4.1; verl and Agent-R1 saw decode -> re-encode drift). If
 `<|im_end|>` (length, EOS) the runner closes it with an `<|im_end|>` that is not trained.
 
 Since each request's prompt is the previous request plus a few tokens, engines with prefix reuse
-(SGLang's radix cache, k2jax.serve's prefix cache) prefill only the new tokens. Episodes run
+(SGLang's radix cache, k2jax.engine's prefix cache) prefill only the new tokens. Episodes run
 concurrently on a thread pool (the engine clients are blocking and thread-safe); the reward is the
 environment's at the end (task rubric or verifier). The RL side turns trajectories into its
 `RolloutBatch` (`k2jax.rl.samples.to_rollout_batch`; the rollout manager runs episodes through
@@ -27,10 +27,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 from k2jax.data.chat import parse_assistant, render_chat
 from k2jax.data.tokenizer import Tokenizer
-from k2jax.rl.engine import Engine, GenerateRequest, SamplingParams
+from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
 from k2jax.agentic.envs.base import Environment
 from k2jax.agentic.loop import StopEpisode, run_tool_loop
-from k2jax.rl.transport import ServiceError
+from k2jax.transport import ServiceError
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,8 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Sequence
 
-from k2jax.rl.engine import Engine, GenerateRequest, GenerateResult, RolloutBatch, SamplingParams
+from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, SamplingParams
+from k2jax.rl.rollout_batch import RolloutBatch
 from k2jax.rl.rewards.base import GroupRewardFn, Prompt
 from k2jax.rl.samples import Group, Sample, build_batch, completion_of
 
@@ -314,7 +315,7 @@ class _TrackedEngine:
     m = self._m
     with m._lock:
       if m._stopping.is_set():
-        return GenerateResult(request.rid, (), (), (), "abort", len(request.input_ids), 0)
+        return GenerateResult(request.rid, (), (), (), "abort", prompt_tokens=len(request.input_ids))
       m._active.add(request.rid)
     try:
       return m.engine.generate(request)

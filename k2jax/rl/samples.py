@@ -5,15 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from k2jax.rl.engine import RolloutBatch, pad_token_rows
+from k2jax.agentic.rollout import Trajectory
+from k2jax.rl.rollout_batch import RolloutBatch, pad_token_rows
 from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
-
-if TYPE_CHECKING:  # annotation only: agentic imports rl.transport until it moves below both
-  from k2jax.agentic.rollout import Trajectory
 
 
 @dataclasses.dataclass
@@ -132,7 +130,7 @@ def append_rollouts(path: str, batch: RolloutBatch, weight_version: int) -> None
 
 
 def to_rollout_batch(
-  trajectories: Sequence["Trajectory"],
+  trajectories: Sequence[Trajectory],
   *,
   group_ids: Sequence[int] | None = None,
   pad_id: int = 0,

@@ -15,11 +15,11 @@ from ml_collections import config_dict
 from k2jax.agentic.envs.services import EnvServices, EnvServicesConfig, parse_urls
 from k2jax.agentic.rollout import EpisodeRunner, MultiTurnConfig
 from k2jax.data.tokenizer import Tokenizer
+from k2jax.llm_client import ChatClient, ChatConfig
 from k2jax.model.config import ConfigError
-from k2jax.rl.engine import Engine
+from k2jax.engine.base import Engine
 from k2jax.rl.rewards.base import GroupRewardFn
 from k2jax.rl.rewards.contract import EngineJudge, RewardConfig
-from k2jax.rl.rewards.judge import JudgeClient, JudgeConfig
 from k2jax.rl.tasks import TaskSet
 
 
@@ -73,7 +73,9 @@ class TaskRuntime:
     judge = None
     if tasks.needs_judge:
       judge = (
-        JudgeClient(JudgeConfig(config.judge_url, model=config.judge_model, max_tokens=config.judge_max_tokens))
+        ChatClient(
+          ChatConfig(config.judge_url, model=config.judge_model, temperature=0.0, max_tokens=config.judge_max_tokens)
+        )
         if config.judge_url
         else EngineJudge(engine, tokenizer, config.judge_max_tokens)
       )

@@ -9,8 +9,8 @@ from k2jax.agentic.rollout import MultiTurnConfig, MultiTurnRunner
 from k2jax.rl.samples import to_rollout_batch
 from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import load_tokenizer
-from k2jax.rl.engine import Engine, GenerateResult
-from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
+from k2jax.engine.base import Engine, GenerateResult
+from k2jax.engine.http import HttpEngine, HttpEngineConfig
 from k2jax.agentic.envs import EnvService, RemoteEnvConfig, RemoteEnvironment
 from k2jax.agentic.envs.simulated import SimToolsEnv
 
@@ -49,7 +49,6 @@ class Recording(Engine):
         (3,) * len(out),
         "stop" if out[-1] == TOK.special_ids["<|im_end|>"] else "length",
         len(request.input_ids),
-        len(out),
       )
     with self._lock:
       self.calls[request.rid] = (request, res)

@@ -12,7 +12,7 @@ from k2jax.agentic.envs.simulated import SimToolsEnv
 from k2jax.agentic.rollout import EpisodeRunner, MultiTurnConfig
 from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import load_tokenizer
-from k2jax.rl.engine import Engine, GenerateResult
+from k2jax.engine.base import Engine, GenerateResult
 from k2jax.rl.rewards.base import Completion, Prompt
 from k2jax.rl.rewards.contract import REWARD_KINDS, EngineJudge, RewardConfig, make_reward
 from k2jax.rl.rollout import RolloutConfig, RolloutManager
@@ -40,7 +40,7 @@ class ScriptedJudge:
   def __init__(self, score="7"):
     self.score, self.seen = score, []
 
-  def chat(self, messages):
+  def text(self, messages):
     text = messages[-1]["content"]
     self.seen.append(text)
     if "[[A]]" in text:  # pairwise rubric comparison
@@ -133,7 +133,7 @@ class ScriptEngine(Engine):
     finish = "stop" if out and out[-1] in request.sampling.stop_token_ids else "length"
     out = out[: request.sampling.max_new_tokens]
     return GenerateResult(
-      request.rid, out, (-0.5,) * len(out), (1,) * len(out), finish, len(request.input_ids), len(out)
+      request.rid, out, (-0.5,) * len(out), (1,) * len(out), finish, prompt_tokens=len(request.input_ids)
     )
 
   def abort(self, rids):

@@ -11,7 +11,7 @@ the prompt's task data, and a missing field is an error naming the prompt, the k
   rubric       data["rubrics"] (optional human rubrics): K2 self-critique pairwise ranking within the group
   env          completion.info["env_reward"]: the environment's reward at the end of a multi-turn episode
 
-The judge is anything with `chat(messages) -> str`: `JudgeClient` (an OpenAI-compatible endpoint) or
+The judge is anything with `text(messages) -> str`: `llm_client.ChatClient` (an OpenAI-compatible endpoint) or
 `EngineJudge` (the rollout engine itself, e.g. the embedded engine, greedy and token-level).
 """
 
@@ -23,7 +23,7 @@ from typing import Callable, Protocol, Sequence
 
 from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import Tokenizer
-from k2jax.rl.engine import Engine, GenerateRequest, SamplingParams
+from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
 from k2jax.rl.rewards import instruction
 from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResult, per_sample
 from k2jax.rl.rewards.code import code_reward
@@ -37,7 +37,7 @@ JUDGE_KINDS = ("judge", "rubric")
 
 
 class ChatJudge(Protocol):
-  def chat(self, messages: Sequence[dict]) -> str: ...
+  def text(self, messages: Sequence[dict]) -> str: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,7 @@ class EngineJudge:
     self._stop = (sp["<|im_end|>"], tokenizer.eos_id)
     self._ids = itertools.count()  # next() on a count is atomic in CPython: unique request ids across threads
 
-  def chat(self, messages: Sequence[dict]) -> str:
+  def text(self, messages: Sequence[dict]) -> str:
     ids, _ = render_chat(list(messages), tokenizer=self.tok, add_generation_prompt=True)
     sampling = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0, stop_token_ids=self._stop)
     res = self.engine.generate(GenerateRequest(f"judge/{id(self)}/{next(self._ids)}", tuple(ids), sampling))
