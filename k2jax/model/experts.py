@@ -64,8 +64,9 @@ def expert_ffn(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
 
 
 def grouped_dot(x_MD, w_EDF, group_sizes_E):
-  """`jax.lax.ragged_dot`, except on CPU where it costs E dense matmuls: there the tiled kernel."""
-  if jax.default_backend() == "cpu":
+  """`jax.lax.ragged_dot`, except on CPU where it costs E dense matmuls: there the tiled kernel.
+  The platform is the compile target's (the active mesh's devices), not the host's."""
+  if sharding_lib.platform() == "cpu":
     return grouped_matmul.grouped_matmul(
       x_MD, w_EDF, group_sizes_E, grouped_matmul.default_tile(x_MD.shape[0], w_EDF.shape[0])
     )
