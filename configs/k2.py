@@ -69,6 +69,7 @@ def _base() -> config_dict.ConfigDict:
   c.model.compute_dtype = "float32"  # activations / matmuls (bfloat16 on accelerators)
   c.model.scan_layers = True  # lax.scan over stacked layers (one compiled layer body)
   c.model.remat_policy = "none"  # none | full | dots | dots_no_batch
+  c.model.moe_dispatch = "auto"  # EP all-to-all: auto (ragged on TPU/GPU, fixed on CPU) | fixed | ragged
 
   c.data = config_dict.ConfigDict()
   c.data.kind = "pretrain"  # pretrain (packed documents) | sft (chat, assistant-only loss)

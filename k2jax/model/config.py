@@ -15,9 +15,10 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+MOE_DISPATCHES = ("auto", "fixed", "ragged")
 
 # k2jax-only fields: never written to config.json.
-_K2JAX_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy", "extra")
+_K2JAX_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy", "moe_dispatch", "extra")
 # HF keys derived from others or meaningless here; accepted on input, not kept in `extra`.
 _IGNORED_HF_KEYS = (
   "rope_parameters",
@@ -93,6 +94,10 @@ class K2Config:
   compute_dtype: str = "float32"
   scan_layers: bool = True
   remat_policy: str = "none"
+  # Expert-parallel all-to-all (expert_parallel.py): 'ragged' sends exactly the routed rows (TPU/GPU),
+  # 'fixed' a dropless worst-case buffer per destination (XLA:CPU has no ragged-all-to-all);
+  # 'auto' picks ragged where the compile target's platform has it.
+  moe_dispatch: str = "auto"
   extra: tuple[tuple[str, str], ...] = ()  # unknown HF keys -> JSON-encoded values
 
   def __post_init__(self):
@@ -251,6 +256,7 @@ def validate(c: K2Config) -> None:
   _need(not c.tie_word_embeddings, "tie_word_embeddings", "K2 unties embedding and LM head")
   _need(c.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
   _need(c.remat_policy in REMAT_POLICIES, "remat_policy", f"one of {REMAT_POLICIES}, got {c.remat_policy!r}")
+  _need(c.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", f"one of {MOE_DISPATCHES}, got {c.moe_dispatch!r}")
   for name in ("param_dtype", "compute_dtype"):
     _need(getattr(c, name) in ("float32", "bfloat16"), name, f"float32 or bfloat16, got {getattr(c, name)!r}")
   rope = c.rope

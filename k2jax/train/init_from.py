@@ -20,7 +20,7 @@ from k2jax.train.checkpoint import split_dict
 from k2jax.train.config import TrainConfig
 from k2jax.train.step import TrainState, init_state
 
-_EXEC_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy")
+_EXEC_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy", "moe_dispatch")
 
 
 def model_config_for_run(tc: TrainConfig, workdir: str | None = None) -> K2Config:
