@@ -128,8 +128,13 @@ def ep_experts(
   ep_name = ep_axes[0] if len(ep_axes) == 1 else (ep_axes or None)
   w_in, w_out = P(ep_name, None, tp), P(ep_name, tp, None)
   fn = functools.partial(_local_moe, ep_axis=ep_name, ep=ep, tp_axis=tp, ragged=ragged)
+  # Cast to the compute dtype before shard_map gathers the fsdp shards: the all-gather, the gathered
+  # copy and the weight gradients' reduce-scatter are then bf16, not float32 (K2: 4.2 GB instead of
+  # 8.4 GB per MoE layer and device at EP 8).
+  dt = x_ND.dtype
+  weights = (w_gate_EDF.astype(dt), w_up_EDF.astype(dt), w_down_EFD.astype(dt))
   return jax.shard_map(fn, mesh=ctx.mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=tok)(
-    x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD
+    x_ND, weights_Nk, idx_Nk, *weights
   )
 
 

@@ -106,8 +106,9 @@ def _shard_bytes(tree) -> int:
   return total
 
 
-def compile_step(config: config_dict.ConfigDict, slice_name: str) -> dict:
-  """Compile `run()`'s train step of `config` for TPU slice `slice_name`; returns the report dict."""
+def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: bool = False) -> dict:
+  """Compile `run()`'s train step of `config` for TPU slice `slice_name`; returns the report dict
+  (with the compiled HLO text under 'hlo' when `keep_hlo`; `format_report` leaves it out)."""
   from k2jax.train import loop  # noqa: PLC0415 (loop pulls in checkpointing and data: only when compiling)
 
   tc = from_config_dict(config)
@@ -171,10 +172,12 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str) -> dict:
   report["xla_cost_flops_loop_bodies_once"] = float(cost.get("flops", 0.0))
   report["xla_cost_bytes_accessed_loop_bodies_once"] = float(cost.get("bytes accessed", 0.0))
   stats = hlo_stats.hlo_stats(compiled.as_text())
+  report["unknown_trip_counts"] = stats.pop("unknown_trip_counts")
   report["flops_per_device"] = stats.pop("matmul_flops")
   for kind in hlo_stats.COLLECTIVES:
     report[f"{kind}_bytes_per_device"] = stats.pop(f"{kind}_bytes")
-  report["unknown_trip_counts"] = stats.pop("unknown_trip_counts")
+  if keep_hlo:
+    report["hlo"] = compiled.as_text()
   report["headroom_gib_per_device"] = round((s.hbm_bytes - peak) / GIB, 2)
   report["fits"] = peak <= s.hbm_bytes
   return report
@@ -198,4 +201,4 @@ def planner_over_xla(config: config_dict.ConfigDict, report: dict) -> float:
 def format_report(report: dict) -> str:
   """`key=value` lines; booleans lower case (fits=true|false)."""
   fmt = lambda v: str(v).lower() if isinstance(v, bool) else f"{v:.6e}" if isinstance(v, float) and v > 1e6 else v  # noqa: E731
-  return "\n".join(f"{k}={fmt(v)}" for k, v in report.items())
+  return "\n".join(f"{k}={fmt(v)}" for k, v in report.items() if k != "hlo")

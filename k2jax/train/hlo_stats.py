@@ -162,7 +162,7 @@ def multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str
           n = 1
         visit(body, times * n)
         visit(cond, times * (n + 1))
-      else:
+      elif not ins.op.endswith(("-done", "-update")):  # async-done/-update name their start's computation
         for callee in ins.callees:
           visit(callee, times)
 
