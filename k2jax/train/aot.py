@@ -194,6 +194,8 @@ def planner_over_xla(config: config_dict.ConfigDict, report: dict) -> float:
     seq_len=tc.data.seq_len,
     num_devices=report["num_devices"],
     device_memory_bytes=report["hbm_bytes_per_device"],
+    num_microbatches=tc.data.num_microbatches,
+    accelerator=True,
   )
   return p["total_bytes_per_device"] / (report["peak_gib_per_device"] * GIB)
 
