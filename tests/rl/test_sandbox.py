@@ -8,8 +8,9 @@ import threading
 import pytest
 
 from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.code import CodeRewardConfig, code_reward, run_tests
-from k2jax.rl.rewards.sandbox import SandboxConfig, run_python
+from k2jax.rl.rewards.code import code_reward
+from k2jax.sandbox.code import CodeRewardConfig, run_tests
+from k2jax.sandbox.runner import SandboxConfig, run_python
 
 # Generous wall limits: the CI machine is shared, so CPU seconds accrue slower than wall seconds.
 SB = SandboxConfig(cpu_time_s=1, wall_time_s=30, memory_bytes=128 * 2**20, file_size_bytes=2**20)

@@ -145,3 +145,28 @@ def test_max_new_tokens_zero_and_concurrent_rid(served):
     eng.submit(Request("dup", _prompt(3, 61), SamplingOptions(max_new_tokens=4)))
   eng.abort("dup")
   eng.wait(h, timeout=60)
+
+
+def test_a_failing_request_fails_alone(served, monkeypatch):
+  """A request whose prefill raises (here: a poisoned prompt) fails with a 500 abort; the requests running
+  and queued beside it finish normally."""
+  engine = served.engine
+  real = engine._runner.prefill
+  poison = 3799
+
+  def prefill(slot, tokens, start, sampling):
+    if poison in tokens:
+      raise FloatingPointError("poisoned prompt")
+    return real(slot, tokens, start, sampling)
+
+  monkeypatch.setattr(engine._runner, "prefill", prefill)
+  ref = engine.generate(Request("ref", _prompt(5, 3), GREEDY)).output_ids
+  good = [engine.submit(Request(f"good{i}", _prompt(5, 3), GREEDY)) for i in range(3)]
+  bad = engine.submit(Request("bad", (1, 2, poison), GREEDY))
+  late = engine.submit(Request("late", _prompt(5, 3), GREEDY))
+  failed = engine.wait(bad, timeout=120)
+  assert failed.finish["type"] == "abort" and failed.finish["status_code"] == 500
+  assert "poisoned prompt" in failed.finish["message"]
+  for live in good + [late]:
+    c = engine.wait(live, timeout=120)
+    assert c.finish == {"type": "length", "length": 12} and c.output_ids == ref

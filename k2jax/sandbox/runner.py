@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-_CHILD = pathlib.Path(__file__).with_name("_sandbox_child.py")
+_CHILD = pathlib.Path(__file__).with_name("_child.py")
 VIOLATION_EXIT = 113
 
 

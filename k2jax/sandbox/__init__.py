@@ -1,0 +1,10 @@
+"""Running untrusted programs (model-written code) in an isolated process, and grading them against tests.
+
+Lower than `rl` and `agentic`: rewards (`k2jax.rl.rewards`) and the code environment (`k2jax.agentic`) both
+use it.
+"""
+
+from k2jax.sandbox.code import CodeRewardConfig, Graded, extract_code, run_tests
+from k2jax.sandbox.runner import SandboxConfig, SandboxResult, run_python
+
+__all__ = ["CodeRewardConfig", "Graded", "SandboxConfig", "SandboxResult", "extract_code", "run_python", "run_tests"]
