@@ -2,10 +2,11 @@
 matmul FLOPs, each instruction counted as many times as it runs (while-loop trip counts multiplied in).
 
 Why parse the text: XLA's `cost_analysis()` counts a while-loop body once, so a scanned 61-layer model
-inside a 32-microbatch scan reports the FLOPs of one layer of one microbatch. Trip counts are read from
-each loop's condition (`compare(counter, constant N), direction=LT`, the form `lax.scan` and
-`fori_loop` lower to; the counter starts at 0); a loop whose count cannot be read counts once and is
-reported in `unknown_trip_counts`.
+inside a 32-microbatch scan reports the FLOPs of one layer of one microbatch. A loop runs
+ceil((N - start) / step) times: N from its condition (`compare(counter, constant N), direction=LT`,
+the form `lax.scan` and `fori_loop` lower to), start from the loop's initial tuple, step from the
+body's counter update (XLA:TPU peels and unrolls loops, so start 1 and step 2 occur); a loop whose
+count cannot be read counts once and is reported in `unknown_trip_counts`.
 
 Bytes per collective instruction (per device, per execution):
   all-gather          the gathered result          reduce-scatter, all-reduce   the operand
@@ -90,10 +91,11 @@ def _operand_names(args: str) -> list[str]:
 
 
 class _Instr:
-  __slots__ = ("name", "shape", "op", "args", "callees")
+  __slots__ = ("name", "shape", "op", "args", "callees", "root")
 
-  def __init__(self, name, shape, op, args, callees):
+  def __init__(self, name, shape, op, args, callees, root=False):
     self.name, self.shape, self.op, self.args, self.callees = name, shape, op, args, callees
+    self.root = root
 
 
 def parse(hlo_text: str) -> tuple[dict[str, list[_Instr]], str, dict[str, str]]:
@@ -122,25 +124,56 @@ def parse(hlo_text: str) -> tuple[dict[str, list[_Instr]], str, dict[str, str]]:
     callees = _CALLS.findall(args)
     for branches in _BRANCHES.findall(args):
       callees += re.findall(r"%?([\w.\-]+)", branches)
-    comps[current].append(_Instr(name, shape, op, args, callees))
+    comps[current].append(_Instr(name, shape, op, args, callees, line.lstrip().startswith("ROOT")))
   if entry is None:
     raise ValueError("HLO text has no ENTRY computation")
   return comps, entry, shapes
 
 
-def _trip_count(cond: list[_Instr]) -> int | None:
-  consts = {}
-  for ins in cond:
-    if ins.op == "constant":
-      m = re.match(r"\s*(-?\d+)\s*\)", ins.args)
-      if m:
-        consts[ins.name] = int(m.group(1))
-  for ins in cond:
-    if ins.op == "compare" and "direction=LT" in ins.args:
-      ops = _operand_names(ins.args)
-      if len(ops) == 2 and ops[1] in consts:
-        return consts[ops[1]]
-  return None
+def _constant(name: str, by_name: dict[str, _Instr]) -> int | None:
+  """Integer value of `name`, following copies/bitcasts/converts to a scalar constant."""
+  ins = by_name.get(name)
+  while ins is not None and ins.op in ("copy", "bitcast", "convert"):
+    ins = by_name.get(_operand_names(ins.args)[0])
+  if ins is None or ins.op != "constant":
+    return None
+  m = re.match(r"\s*(-?\d+)\s*\)", ins.args)
+  return int(m.group(1)) if m else None
+
+
+def _tuple_index(name: str, by_name: dict[str, _Instr]) -> int | None:
+  ins = by_name.get(name)
+  while ins is not None and ins.op in ("copy", "bitcast"):
+    ins = by_name.get(_operand_names(ins.args)[0])
+  if ins is None or ins.op != "get-tuple-element":
+    return None
+  m = re.search(r"index=(\d+)", ins.args)
+  return int(m.group(1)) if m else None
+
+
+def _trip_count(loop: _Instr, comps: dict[str, list[_Instr]], by_name: dict[str, _Instr]) -> int | None:
+  cond = comps.get(re.search(r"\bcondition=%?([\w.\-]+)", loop.args).group(1), [])
+  body = comps.get(re.search(r"\bbody=%?([\w.\-]+)", loop.args).group(1), [])
+  compare = next((i for i in reversed(cond) if i.op == "compare" and "direction=LT" in i.args), None)
+  if compare is None:
+    return None
+  lhs, rhs = (_operand_names(compare.args) + [None, None])[:2]
+  limit, index = _constant(rhs, by_name), _tuple_index(lhs, by_name)
+  if limit is None or index is None:
+    return None
+  init = by_name.get(_operand_names(loop.args)[0])
+  root = next((i for i in body if i.root), None)
+  if init is None or init.op != "tuple" or root is None or root.op != "tuple":
+    return None
+  start = _constant(_operand_names(init.args)[index], by_name)
+  update = by_name.get(_operand_names(root.args)[index])
+  step = None
+  if update is not None and update.op == "add":
+    a, b = _operand_names(update.args)[:2]
+    step = _constant(b, by_name) if _tuple_index(a, by_name) == index else _constant(a, by_name)
+  if start is None or not step or step < 0:
+    return None
+  return max(0, -(-(limit - start) // step))
 
 
 def multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str, int], int]:
@@ -148,6 +181,7 @@ def multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str
   whose trip count could not be read (counted once)."""
   mult: dict[str, int] = {}
   unknown = 0
+  by_name = {ins.name: ins for instrs in comps.values() for ins in instrs}
 
   def visit(name: str, times: int):
     nonlocal unknown
@@ -156,7 +190,7 @@ def multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str
       if ins.op == "while":
         body = re.search(r"\bbody=%?([\w.\-]+)", ins.args).group(1)
         cond = re.search(r"\bcondition=%?([\w.\-]+)", ins.args).group(1)
-        n = _trip_count(comps.get(cond, []))
+        n = _trip_count(ins, comps, by_name)
         if n is None:
           unknown += 1
           n = 1

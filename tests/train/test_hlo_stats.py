@@ -70,6 +70,13 @@ def test_collective_bytes_and_flops_count_each_execution():
   assert s["matmul_flops"] == 7 * 2 * 32 * 64 * 32
 
 
+def test_peeled_and_unrolled_loop_counts_its_real_trips():
+  # XLA peels the first iteration (counter starts at 1) and unrolls by 2: ceil((7 - 1) / 2) = 3 trips.
+  text = HLO.replace("%zero = s32[] constant(0)", "%zero = s32[] constant(1)")
+  s = hlo_stats.hlo_stats(text.replace("%constant.1 = s32[] constant(1)", "%constant.1 = s32[] constant(2)"))
+  assert s["unknown_trip_counts"] == 0 and s["all-reduce_bytes"] == 3 * 32 * 64 * 2
+
+
 def test_unreadable_trip_count_counts_once_and_is_reported():
   s = hlo_stats.hlo_stats(HLO.replace("constant(7)", "parameter(1)"))
   assert s["unknown_trip_counts"] == 1 and s["all-reduce_bytes"] == 32 * 64 * 2
