@@ -23,7 +23,8 @@ from flax import nnx
 
 import k2jax
 from k2jax.model import K2Model, presets
-from k2jax.serve import EngineConfig, Request, SamplingOptions, Server
+from k2jax.engine import EngineConfig, GenerateRequest, SamplingParams
+from k2jax.serve import Server
 
 _REQUESTS = flags.DEFINE_integer("requests", 512, "requests per level and repetition")
 _NEW = flags.DEFINE_integer("new_tokens", 8, "tokens sampled per request")
@@ -59,9 +60,9 @@ def http_run(server: Server, clients: int, n: int, new: int) -> dict:
 
 def direct_run(server: Server, n: int, new: int) -> float:
   engine = server.engine
-  sampling = SamplingOptions(max_new_tokens=new, ignore_eos=True)
+  sampling = SamplingParams(max_new_tokens=new, ignore_eos=True)
   t0 = time.perf_counter()
-  lives = [engine.submit(Request(f"d{i}-{time.time_ns()}", (1 + i % 97, 2, 3, 4), sampling)) for i in range(n)]
+  lives = [engine.submit(GenerateRequest(f"d{i}-{time.time_ns()}", (1 + i % 97, 2, 3, 4), sampling)) for i in range(n)]
   for live in lives:
     engine.wait(live)
   return n / (time.perf_counter() - t0)

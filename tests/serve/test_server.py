@@ -442,8 +442,8 @@ def bigram_dir(served, bigram_args, tmp_path_factory):
 
 def test_k2jax_rl_http_client_accepts_our_answers(served):
   """The RL side's SGLang client (which validates every field) talks to this server unchanged."""
-  from k2jax.rl.engine import GenerateRequest, SamplingParams
-  from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
+  from k2jax.engine.base import GenerateRequest, SamplingParams
+  from k2jax.engine.http import HttpEngine, HttpEngineConfig
 
   client = HttpEngine(HttpEngineConfig(url=served.server.url))
   assert client.health() and client.model_info()["model_path"]
