@@ -34,6 +34,7 @@ def report(config: config_dict.ConfigDict) -> str:
       micro_tokens // n_dev,
       seq_len=tc.data.seq_len,
       topology=tc.topology,
+      num_microbatches=tc.data.num_microbatches,
     )
     lines.append(f"topology={tc.topology}")
     lines.append(memory.format_plan(plan))

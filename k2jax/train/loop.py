@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from flax import nnx
@@ -46,55 +46,75 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
   mesh = sharding.make_mesh(mesh_shape)
   preset = tc.mesh.rules
   with sharding.use(mesh, preset):
-    # Model and optimizer (abstract: nothing allocated yet).
-    schedule = _schedule(tc)
-    tau = tc.optim.qk_clip_tau if tc.optim.qk_clip_tau > 0 else None
-    o = tc.optim
-    optimizer = muonclip(
-      schedule,
-      weight_decay=o.weight_decay,
-      momentum=o.momentum,
-      adam_b1=o.adam_b1,
-      adam_b2=o.adam_b2,
-      adam_eps=o.adam_eps,
-      qk_clip_tau=tau,
-      qk_clip_spec=QKClipSpec.from_config(tc.model),
-    )
-    build = lambda: K2Model(tc.model, rngs=nnx.Rngs(tc.seed))
-    abstract_model = nnx.eval_shape(build)
-    abstract_state = jax.eval_shape(lambda: init_state(build(), optimizer))
-    shardings = state_shardings(abstract_model, abstract_state, mesh, preset)
+    # Model, optimizer and the jitted step (abstract: nothing allocated yet).
+    parts = build_step(tc, mesh, preset)
     # Data.
     it = inputs.make_iterator(tc.data, tc.model.vocab_size)
     # Restore (or initialise).
     if jax.process_index() == 0:
       wd.write_model_config(tc.model, workdir)
     ckpt = Checkpointer(workdir, keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
-    restored = ckpt.restore_latest(abstract_like(abstract_state, shardings), it)
+    restored = ckpt.restore_latest(abstract_like(parts.abstract_state, parts.shardings), it)
     meta = {}
     if restored is None:
-      state = initial_state(tc, build, optimizer, shardings)
+      state = initial_state(tc, parts.build, parts.optimizer, parts.shardings)
     else:
       state, meta = restored.state, restored.meta
       say(f"resumed from {ckpt.directory}/{int(state.step)}")
       if not restored.data_restored:
         it = inputs.make_iterator(tc.data, tc.model.vocab_size, seed_offset=int(state.step))
-    # Step.
-    step_fn = jax.jit(
-      make_train_step(
-        ModelDef.from_model(abstract_model),
-        optimizer,
-        schedule,
-        num_microbatches=tc.data.num_microbatches,
-        bias_update_rate=tc.optim.bias_update_rate,
-        qk_clip_tau=tau,
-      ),
-      in_shardings=(shardings, sharding.batch_sharding(mesh, preset)),
-      out_shardings=(shardings, None),
-      donate_argnums=0,
-    )
     # Loop.
-    return _Loop(tc, workdir, step_fn, ckpt, mesh, preset, meta, peak).run(state, it)
+    return _Loop(tc, workdir, parts.step_fn, ckpt, mesh, preset, meta, peak).run(state, it)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+  """What `run()` compiles and feeds: the jitted step, its optimizer and the state's shardings."""
+
+  optimizer: Any
+  schedule: Any
+  build: Callable[[], K2Model]  # builds the model (random init, seed tc.seed)
+  abstract_state: TrainState
+  shardings: TrainState
+  batch_sharding: Any
+  step_fn: Any  # jax.jit(train_step) with in/out shardings and the state donated
+
+
+def build_step(tc: TrainConfig, mesh, preset: str) -> StepParts:
+  """The jitted train step of `run()` over `mesh` (call under `sharding.use(mesh, preset)`; allocates
+  nothing). `launch/train.py --aot` compiles exactly this for a TPU topology (k2jax.train.aot)."""
+  schedule = _schedule(tc)
+  tau = tc.optim.qk_clip_tau if tc.optim.qk_clip_tau > 0 else None
+  o = tc.optim
+  optimizer = muonclip(
+    schedule,
+    weight_decay=o.weight_decay,
+    momentum=o.momentum,
+    adam_b1=o.adam_b1,
+    adam_b2=o.adam_b2,
+    adam_eps=o.adam_eps,
+    qk_clip_tau=tau,
+    qk_clip_spec=QKClipSpec.from_config(tc.model),
+  )
+  build = lambda: K2Model(tc.model, rngs=nnx.Rngs(tc.seed))  # noqa: E731
+  abstract_model = nnx.eval_shape(build)
+  abstract_state = jax.eval_shape(lambda: init_state(build(), optimizer))
+  shardings = state_shardings(abstract_model, abstract_state, mesh, preset)
+  batch_sharding = sharding.batch_sharding(mesh, preset)
+  step_fn = jax.jit(
+    make_train_step(
+      ModelDef.from_model(abstract_model),
+      optimizer,
+      schedule,
+      num_microbatches=tc.data.num_microbatches,
+      bias_update_rate=tc.optim.bias_update_rate,
+      qk_clip_tau=tau,
+    ),
+    in_shardings=(shardings, batch_sharding),
+    out_shardings=(shardings, None),
+    donate_argnums=0,
+  )
+  return StepParts(optimizer, schedule, build, abstract_state, shardings, batch_sharding, step_fn)
 
 
 def _schedule(tc: TrainConfig):
