@@ -8,9 +8,10 @@ setup(
   description="Kimi K2 (MLA + MoE + MuonClip) in JAX/Flax NNX: pretrain, post-train, serve, export.",
   python_requires=">=3.11",
   packages=find_packages(include=["k2jax", "k2jax.*"]),
-  # Tested here: Python 3.11 with jax 0.10.x on CPU. GPU and TPU installs are untested (see BUILD.md).
+  # Tested here: Python 3.11 with jax 0.10.x on CPU; Python 3.12 with jax[tpu] 0.12.0.1 (libtpu 0.0.50)
+  # for ahead-of-time TPU compiles only (`launch/train.py --aot`). Running on GPU/TPU is untested (BUILD.md).
   install_requires=[
-    "jax>=0.10.0,<0.12",
+    "jax>=0.10.0,<0.13",
     "flax>=0.12.0,<0.14",
     "optax>=0.2.8,<0.3",
     "orbax-checkpoint>=0.11.0,<0.14",
@@ -45,6 +46,8 @@ setup(
       "ruff>=0.6",
     ],
     "torch": ["torch==2.13.0", "transformers>=5.0,<6"],
+    # TPU VMs, and AOT compiles for TPU slices from any Linux host (Python >= 3.12 for these wheels).
+    "tpu": ["jax[tpu]==0.12.0.1"],
     "sglang": ["sglang>=0.5"],
   },
 )

@@ -72,6 +72,7 @@ def _base() -> config_dict.ConfigDict:
   # auto | einsum | flash: auto = the Pallas flash kernel (linear memory in seq_len, returns QK-Clip's max
   # logit) when compiling for TPU (GPU: its plain-JAX blocked fallback), the einsum path on CPU.
   c.model.attention = "auto"
+  c.model.moe_dispatch = "auto"  # EP all-to-all: auto (ragged on TPU/GPU, fixed on CPU) | fixed | ragged
 
   c.data = config_dict.ConfigDict()
   c.data.kind = "pretrain"  # pretrain (packed documents) | sft (chat, assistant-only loss)

@@ -37,9 +37,12 @@ class Topology:
 
 
 TOPOLOGIES: dict[str, Topology] = {
-  # v5p: 95 GiB HBM per chip, one JAX device per chip; v5p-1024 = 1024 TensorCores = 512 chips.
+  # v5p: 95.73 GiB HBM per chip as XLA:TPU allocates it (k2jax.train.aot), one JAX device per chip;
+  # v5p-1024 = 1024 TensorCores = 512 chips.
   # EP 8 x FSDP 64 follows MaxText's Kimi recipe (reference §7: ici_fsdp 64, ici_expert 8).
-  "v5p-1024": Topology(512, 95 * 2**30, {"fsdp": 64, "expert": 8}, "fsdp_ep", "TPU v5p-1024: 512 chips x 95 GiB HBM"),
+  "v5p-1024": Topology(
+    512, int(95.73 * 2**30), {"fsdp": 64, "expert": 8}, "fsdp_ep", "TPU v5p-1024: 512 chips x 95 GiB HBM"
+  ),
   # 32 nodes x 8 H200 (141 GB HBM3e each); EP within a node keeps the all-to-all on NVLink.
   "h200-32x8": Topology(
     256, 141 * 10**9, {"fsdp": 32, "expert": 8}, "fsdp_ep", "32 nodes x 8 NVIDIA H200: 256 GPUs x 141 GB HBM"
@@ -64,6 +67,8 @@ def plan(
   device_memory_bytes: int | None = None,
   num_devices: int | None = None,
   mu_dtype=None,
+  num_microbatches: int = 1,
+  accelerator: bool | None = None,
 ) -> dict:
   """Per-device memory of training `model_cfg` under `rules_preset` on a mesh of `mesh_shape`.
 
@@ -73,6 +78,9 @@ def plan(
     topology: a TOPOLOGIES name: gives num_devices and device_memory_bytes.
     device_memory_bytes, num_devices: explicit values (override the topology's).
     mu_dtype: Muon/AdamW first-moment dtype (None: the parameter dtype), as given to `muonclip`.
+    num_microbatches: > 1 holds a float32 gradient accumulator beside each microbatch's gradients.
+    accelerator: whether the plan is for TPU/GPU (EP 'auto' dispatch is ragged there); None: true
+      when `topology` is given, else this host's backend.
   Returns a dict of ints (bytes per device, parameter counts) plus `fits` (bool or None when no
   device memory is known).
   """
@@ -102,8 +110,13 @@ def plan(
     _shard_bytes(x, specs[path_name(p)], sizes, path_name(p))
     for p, x in jax.tree_util.tree_flatten_with_path(trained)[0]
   )
-  act = activation_bytes(model_cfg, sizes, rules_preset, batch_per_device_tokens, seq_len)
-  total = params_bytes + grads_bytes + opt_bytes + act
+  grad_accum = grads_bytes if num_microbatches > 1 else 0
+  gathered = gathered_layer_bytes(model_cfg, shapes, specs, sizes)
+  if accelerator is None:
+    accelerator = topo is not None or jax.default_backend() in expert_parallel.RAGGED_PLATFORMS
+  ragged = model_cfg.moe_dispatch == "ragged" or (model_cfg.moe_dispatch == "auto" and accelerator)
+  act = activation_bytes(model_cfg, sizes, rules_preset, batch_per_device_tokens, seq_len, ragged=ragged)
+  total = params_bytes + grads_bytes + grad_accum + opt_bytes + gathered + act
   return dict(
     num_devices=n_dev,
     mesh=",".join(f"{a}={s}" for a, s in sizes.items()),
@@ -112,7 +125,9 @@ def plan(
     seq_len=seq_len,
     params_bytes_per_device=params_bytes,
     grads_bytes_per_device=grads_bytes,
+    grad_accum_bytes_per_device=grad_accum,
     opt_bytes_per_device=opt_bytes,
+    gathered_bytes_per_device=gathered,
     act_bytes_per_device=act,
     total_bytes_per_device=total,
     device_memory_bytes=mem,
@@ -127,13 +142,36 @@ def format_plan(p: dict) -> str:
   return "\n".join(lines)
 
 
-def activation_bytes(cfg: K2Config, sizes: Mapping[str, int], preset: str, tokens: int, seq_len: int) -> int:
+def gathered_layer_bytes(cfg: K2Config, shapes: dict, specs: dict, sizes: Mapping[str, int]) -> int:
+  """One layer's weights as FSDP all-gathers them for its forward and backward, per device: the
+  gathered copy in the compute dtype, its gradient before the reduce-scatter, and the next layer's
+  copy prefetched meanwhile (3 copies of the largest layer kind; only fsdp shards are gathered)."""
+  c = jnp.dtype(cfg.compute_dtype).itemsize
+  per_kind: dict[str, int] = {}
+  for name, x in shapes.items():
+    kind = name.split(".")[0]
+    if kind not in ("dense_layers", "moe_layers") or len(x.shape) < 2:
+      continue
+    entries = tuple(specs[name]) + (None,) * len(x.shape)
+    kept = [
+      d // math.prod(sizes[a] for a in sharding_lib.spec_mesh_axes(e) if a != "fsdp")
+      for d, e in zip(x.shape[1:], entries[1:])
+    ]
+    per_kind[kind] = per_kind.get(kind, 0) + math.prod(kept) * c
+  return 3 * max(per_kind.values(), default=0)
+
+
+def activation_bytes(
+  cfg: K2Config, sizes: Mapping[str, int], preset: str, tokens: int, seq_len: int, *, ragged: bool = False
+) -> int:
   """Estimated activation bytes held for the backward pass, per device.
 
   Per token and layer (c = compute dtype bytes; widths divided by their `tensor` sharding):
     attention: c*(2D + 2Rq + 2H(Kn+Kr) + 2(Rkv+Kr) + H(Kn+V) + HV) + (4 + c)*H*seq_len
                (float32 logits and compute-dtype probabilities: the plain XLA attention path)
-    MoE:       c*(D + o*k*(2D + 3F) + 3Fs) + 4E (router scores), o = EP padding overhead
+    MoE:       c*(D + o*k*(2D + 3F) + 3Fs) + 4E (router scores), o = EP worst-case rows over real
+               rows (both dispatches receive into a dropless worst-case buffer); ragged EP sends
+               exact rows: c*(D + k*D + o*k*(D + 3F) + 3Fs) + 4E
     dense FFN: c*(D + 3F_dense)
   Remat: 'none' and 'dots' keep every layer; 'dots_no_batch' drops the attention score terms
   (batched dots); 'full' keeps only each layer's input (c*D) plus one layer recomputed in backward.
@@ -155,7 +193,9 @@ def activation_bytes(cfg: K2Config, sizes: Mapping[str, int], preset: str, token
     else 1.0
   )
   F, Fs = cfg.moe_intermediate_size / tp("expert_mlp"), cfg.moe_intermediate_size * cfg.n_shared_experts
-  moe = c * (D + o * cfg.num_experts_per_tok * (2 * D + 3 * F) + 3 * Fs / tp("shared_mlp")) + 4 * cfg.n_routed_experts
+  k = cfg.num_experts_per_tok
+  routed = k * D + o * k * (D + 3 * F) if ragged else o * k * (2 * D + 3 * F)
+  moe = c * (D + routed + 3 * Fs / tp("shared_mlp")) + 4 * cfg.n_routed_experts
   dense = c * (D + 3 * cfg.intermediate_size / tp("mlp"))
   per_layer = {"dense": attn + scores + dense, "moe": attn + scores + moe}
   if cfg.remat_policy == "dots_no_batch":

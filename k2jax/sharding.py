@@ -305,6 +305,33 @@ def current() -> Context | None:
   return ctx if ctx is not None and ctx.mesh.size > 1 else None
 
 
+def platform(target=None) -> str:
+  """'cpu', 'gpu' or 'tpu': the platform a computation is compiled for, to choose kernels by.
+
+  `target` is a Mesh or a sequence of devices; by default the active k2jax mesh (`use`, any size), else
+  jax's active (abstract) mesh (`jax.set_mesh`, also inside `jit`), else jax's default backend.
+  Ahead-of-time compilation for a TPU topology from a CPU host traces under a mesh of TPU devices while
+  `jax.default_backend()` says 'cpu': kernels follow the mesh.
+  """
+  if target is None:
+    ctx = _CTX.get()
+    if ctx is not None:
+      target = ctx.mesh
+    else:
+      abstract = jax.sharding.get_abstract_mesh()
+      device = None if abstract.empty else getattr(abstract, "abstract_device", None)
+      return _platform_name(getattr(device, "platform", None) or jax.default_backend())
+  devices = target.devices.flat if isinstance(target, Mesh) else target
+  kinds = {_platform_name(d.platform) for d in devices}
+  if len(kinds) != 1:
+    raise ShardingError(f"platform: devices span platforms {sorted(kinds)}; one mesh must be one platform")
+  return kinds.pop()
+
+
+def _platform_name(p: str) -> str:
+  return "gpu" if p in ("cuda", "rocm", "gpu") else p
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """`with_sharding_constraint` of activation `x` by logical `names`; identity with no active mesh."""
   ctx = current()

@@ -1,7 +1,9 @@
 """Pretrain or fine-tune Kimi K2: `python launch/train.py --config=configs/k2.py:tiny --workdir=W`.
 
 Resumes from W's latest checkpoint. `--dry_run` prints parameter counts (and the memory plan for
-`config.topology`) from shapes alone, allocating nothing. Multi-host: set the coordinator flags (or
+`config.topology`) from shapes alone, allocating nothing. `--aot=v5p-1024` compiles the real step for that
+TPU slice on this host (needs libtpu, see BUILD.md) and prints XLA's per-device memory, FLOPs and
+collective bytes; it exits 1 when the step does not fit the chips' HBM. Multi-host: set the coordinator flags (or
 let the cluster's environment do it, see BUILD.md) and run the same command on every host.
 """
 
@@ -16,6 +18,9 @@ from ml_collections import config_flags  # noqa: E402
 config_flags.DEFINE_config_file("config", None, "configs/k2.py:<variant>", lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard events.")
 flags.DEFINE_bool("dry_run", False, "Print params_total/params_activated (+ memory plan) and exit.")
+flags.DEFINE_string(
+  "aot", None, "Compile the step for a TPU slice (e.g. v5p-1024) without TPUs; print memory/FLOPs/collectives."
+)
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (else K2JAX_COORDINATOR or the cluster).")
 flags.DEFINE_integer("num_processes", None, "Total JAX processes (multi-host).")
 flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
@@ -28,6 +33,14 @@ def main(argv):
 
   if FLAGS.dry_run:
     print(dryrun.report(FLAGS.config))
+    return
+  if FLAGS.aot:
+    from k2jax.train import aot
+
+    report = aot.compile_step(FLAGS.config, FLAGS.aot)
+    print(aot.format_report(report), flush=True)
+    if not report["fits"]:
+      sys.exit(1)
     return
   if not FLAGS.workdir:
     raise app.UsageError("--workdir is required (unless --dry_run)")

@@ -17,10 +17,11 @@ SUPPORTED_ROPE_TYPES = ("default", "yarn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # "auto": the Pallas flash kernel when compiling for TPU or GPU, the einsum path on CPU (model/mla.py).
 ATTENTION_KINDS = ("auto", "einsum", "flash")
+MOE_DISPATCHES = ("auto", "fixed", "ragged")
 
 # Execution knobs: how to run the architecture, never written to config.json. A key of that name in a
 # config.json is not one of ours: it is kept verbatim in `extra` like any unknown HF key.
-EXEC_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy", "attention")
+EXEC_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy", "attention", "moe_dispatch")
 _K2JAX_FIELDS = EXEC_FIELDS + ("extra",)
 # HF keys derived from others or meaningless here; accepted on input, not kept in `extra`.
 _IGNORED_HF_KEYS = (
@@ -98,6 +99,10 @@ class K2Config:
   scan_layers: bool = True
   remat_policy: str = "none"
   attention: str = "auto"  # auto | einsum | flash (ATTENTION_KINDS)
+  # Expert-parallel all-to-all (expert_parallel.py): 'ragged' sends exactly the routed rows (TPU/GPU),
+  # 'fixed' a dropless worst-case buffer per destination (XLA:CPU has no ragged-all-to-all);
+  # 'auto' picks ragged where the compile target's platform has it.
+  moe_dispatch: str = "auto"
   extra: tuple[tuple[str, str], ...] = ()  # unknown HF keys -> JSON-encoded values
 
   def __post_init__(self):
@@ -257,6 +262,7 @@ def validate(c: K2Config) -> None:
   _need(c.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
   _need(c.remat_policy in REMAT_POLICIES, "remat_policy", f"one of {REMAT_POLICIES}, got {c.remat_policy!r}")
   _need(c.attention in ATTENTION_KINDS, "attention", f"one of {ATTENTION_KINDS}, got {c.attention!r}")
+  _need(c.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", f"one of {MOE_DISPATCHES}, got {c.moe_dispatch!r}")
   for name in ("param_dtype", "compute_dtype"):
     _need(getattr(c, name) in ("float32", "bfloat16"), name, f"float32 or bfloat16, got {getattr(c, name)!r}")
   rope = c.rope

@@ -14,7 +14,7 @@ Two attention paths compute the same function (`cfg.attention`, resolved by `att
           from the kernel's running max. On TPU the Pallas kernel; on GPU its plain-JAX blocked
           fallback; on CPU the Pallas kernel in interpret mode (slow: tests only).
 "auto" takes flash when the computation is compiled for TPU or GPU and einsum on CPU. The platform
-is the compile target's (`target_platform`), not `jax.default_backend()`: compiling for a TPU
+is the compile target's (`k2jax.sharding.platform`), not `jax.default_backend()`: compiling for a TPU
 topology from a CPU host must pick the TPU kernel.
 Rows with no valid key (padding, segment id 0) output exactly 0 on both paths.
 """
@@ -65,7 +65,7 @@ class MLA(nnx.Module):
     c_BTR, k_rope_BSK = self.latent_and_rope_key(x_BTD, cos_BTk, sin_BTk)
     kv_BTHK = (c_BTR @ self.w_kv_b[...].astype(dt)).reshape(B, T, H, Kn + V)
     k_nope_BSHK, v_BSHV = kv_BTHK[..., :Kn], kv_BTHK[..., Kn:]
-    impl = attention_impl(cfg.attention, x_BTD)
+    impl = attention_impl(cfg.attention)
     if impl == "einsum":
       out_BTHV, max_logit_H = einsum_attention(
         q_nope_BTHK, q_rope_BTHK, k_nope_BSHK, k_rope_BSK, v_BSHV, segment_ids_BT, self.scale
@@ -129,31 +129,9 @@ def flash_mla_attention(q_nope_BTHK, q_rope_BTHK, k_nope_BSHK, k_rope_BSK, v_BSH
   return sharded_flash_attention(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, scale, impl)
 
 
-def target_platform(x=None) -> str:
-  """'cpu', 'gpu' or 'tpu': the platform the computation is compiled for.
-
-  The active mesh (`jax.set_mesh`, which `k2jax.sharding.use` enters) decides, also inside `jit` and
-  when compiling for a TPU topology from a CPU host; else the devices of a concrete array `x`; else
-  jax's default backend.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-  if device is not None and getattr(device, "platform", None):
-    return _platform_name(device.platform)
-  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-    kinds = {d.platform for d in x.devices()}
-    if len(kinds) == 1:
-      return _platform_name(kinds.pop())
-  return _platform_name(jax.default_backend())
-
-
-def _platform_name(p: str) -> str:
-  return "gpu" if p in ("cuda", "rocm", "gpu") else p
-
-
-def attention_impl(kind: str, x=None) -> str:
-  """`cfg.attention` -> 'einsum', 'pallas', 'pallas_interpret' or 'xla' for the target platform."""
-  platform = target_platform(x)
+def attention_impl(kind: str) -> str:
+  """`cfg.attention` -> 'einsum', 'pallas', 'pallas_interpret' or 'xla' for the compile target's platform."""
+  platform = sharding_lib.platform()
   if kind == "einsum" or (kind == "auto" and platform == "cpu"):
     return "einsum"
   if kind not in ("auto", "flash"):

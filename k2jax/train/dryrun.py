@@ -24,11 +24,19 @@ def report(config: config_dict.ConfigDict) -> str:
     seq_len=tc.data.seq_len,
     tokens_per_step=tc.data.global_batch_size * tc.data.seq_len,
     tokens_per_pass=micro_rows * tc.data.seq_len,
+    num_microbatches=tc.data.num_microbatches,
   )
 
 
 def plan_report(
-  model: K2Config, mesh: MeshSpec, topology: str, *, seq_len: int, tokens_per_step: int, tokens_per_pass: int
+  model: K2Config,
+  mesh: MeshSpec,
+  topology: str,
+  *,
+  seq_len: int,
+  tokens_per_step: int,
+  tokens_per_pass: int,
+  num_microbatches: int = 1,
 ) -> str:
   """Counts and (with a topology) the per-device memory plan of one forward/backward over
   `tokens_per_pass` tokens (all rows whose activations live at once), shared by every loop."""
@@ -50,6 +58,7 @@ def plan_report(
       tokens_per_pass // n_dev,
       seq_len=seq_len,
       topology=topology,
+      num_microbatches=num_microbatches,
     )
     lines.append(f"topology={topology}")
     lines.append(memory.format_plan(plan))

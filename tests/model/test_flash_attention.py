@@ -152,7 +152,7 @@ def test_auto_follows_the_target_platform_not_the_host():
     seen = []
 
     def f(x):  # decided while tracing, as the model does
-      seen.append(mla.attention_impl(kind, x))
+      seen.append(mla.attention_impl(kind))
       return x
 
     with jax.sharding.use_abstract_mesh(abstract):

@@ -31,9 +31,9 @@ def test_plan_matches_real_sharded_params_and_optimizer_state(preset, mesh_shape
   shardings = sharding.opt_state_shardings(jax.eval_shape(opt.init, params), params, mesh, preset)
   opt_state = jax.jit(opt.init, out_shardings=shardings)(params)
   assert p["opt_bytes_per_device"] == _device0_bytes(opt_state)
-  assert p["total_bytes_per_device"] == sum(
-    p[k] for k in ("params_bytes_per_device", "grads_bytes_per_device", "opt_bytes_per_device", "act_bytes_per_device")
-  )
+  terms = ("params", "grads", "grad_accum", "opt", "gathered", "act")
+  assert p["total_bytes_per_device"] == sum(p[f"{k}_bytes_per_device"] for k in terms)
+  assert p["grad_accum_bytes_per_device"] == 0  # one microbatch: no accumulator
   assert p["fits"] is True
   lines = memory.format_plan(p).splitlines()
   assert lines[-1] == "fits=True" and f"opt_bytes_per_device={p['opt_bytes_per_device']}" in lines

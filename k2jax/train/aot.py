@@ -1,0 +1,206 @@
+"""Compile the real train step for a TPU slice on a host without TPUs: `launch/train.py --aot=v5p-1024`.
+
+The step is `loop.build_step`'s, the one `run()` jits, traced under a mesh over the slice's
+compile-only devices (`jax.experimental.topologies`, needs libtpu: `pip install -e '.[tpu]'`), so
+every kernel choice follows the TPU target (`sharding.platform`). XLA:TPU then reports per-device
+memory (`memory_analysis`), and the compiled HLO gives collective bytes and matmul FLOPs per step
+(`hlo_stats`). A step that does not fit fails XLA's own HBM check at compile time; its message gives
+the bytes required, reported as `fits=false`.
+
+  r = compile_step(get_config("1t"), "v5p-1024")
+  print(format_report(r))        # key=value lines, ending in fits=true|false
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+from ml_collections import config_dict
+
+from k2jax import memory, sharding
+from k2jax.train import hlo_stats
+from k2jax.train.config import TrainConfig, check_runtime, from_config_dict
+from k2jax.train.step import BATCH_KEYS
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+  """A TPU slice as libtpu names it, plus the HBM per device that XLA:TPU compiles against."""
+
+  topology: str  # libtpu topology, e.g. 'v5:8x8x8' (chips per axis)
+  chip_config: str  # 'megacore': one JAX device per chip with two TensorCores (v4, v5p)
+  num_devices: int
+  hbm_bytes: int  # XLA's per-device limit, read from its CompileTimeHbmOom message ("available HBM")
+
+
+# XLA:TPU's available HBM per device (libtpu 0.0.50): v5p 95.73 GiB, v6e 31.24, v5e 15.75, v4 30.75.
+_HBM = {"v5": 95.73, "v6e": 31.24, "v5e": 15.75, "v4": 30.75}
+# Slice shapes (chips per axis) of the Cloud TPU accelerator types; vN-C counts TensorCores on v4/v5p.
+_SHAPES_3D = {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8", 512: "4x8x8"}
+_SHAPES_3D |= {1024: "8x8x8", 2048: "8x8x16", 4096: "8x16x16", 8192: "16x16x16"}
+_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
+
+def tpu_slice(name: str) -> TpuSlice:
+  """'v5p-1024' | 'v4-128' | 'v6e-256' | 'v5e-64' -> TpuSlice (a clear error for anything else)."""
+  m = re.fullmatch(r"(v5p|v4|v6e|v5e|v5litepod)-(\d+)", name)
+  if m:
+    gen, n = ("v5e" if m.group(1) == "v5litepod" else m.group(1)), int(m.group(2))
+    if gen in ("v5p", "v4") and n in _SHAPES_3D:
+      chip = "v5" if gen == "v5p" else "v4"
+      return TpuSlice(f"{chip}:{_SHAPES_3D[n]}", "megacore", n // 2, int(_HBM[chip] * GIB))
+    if gen in ("v6e", "v5e") and n in _SHAPES_2D:
+      return TpuSlice(f"{gen}:{_SHAPES_2D[n]}", "default", n, int(_HBM[gen] * GIB))
+  known = [f"v5p-{n}" for n in _SHAPES_3D] + [f"v4-{n}" for n in _SHAPES_3D]
+  known += [f"{g}-{n}" for g in ("v6e", "v5e") for n in _SHAPES_2D]
+  raise ValueError(f"--aot: unknown TPU slice {name!r}; known: {', '.join(known)}")
+
+
+def slice_devices(s: TpuSlice) -> list:
+  """Compile-only devices of slice `s` (no TPU needed; libtpu must import)."""
+  # Compiling only: another process holding libtpu's lockfile (a TPU job, a second compile) is fine.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # noqa: PLC0415 (initialises the TPU plugin)
+
+  bounds = (1, 1, 1) if s.num_devices == 1 else (2, 2, 1)
+  desc = topologies.get_topology_desc(
+    s.topology, "tpu", chip_config_name=s.chip_config, chips_per_host_bounds=bounds, num_slices=1
+  )
+  return list(desc.devices)
+
+
+def libtpu_available() -> str | None:
+  """None when libtpu imports, else why not (tests skip with this)."""
+  try:
+    import libtpu  # noqa: F401, PLC0415
+  except ImportError as e:
+    return (
+      f"libtpu does not import ({e}); install jax[tpu] (Python >= 3.12 for jax 0.12 wheels): pip install -e '.[tpu]'"
+    )
+  return None
+
+
+def _abstract_batch(tc: TrainConfig, batch_sharding) -> dict:
+  shape = (tc.data.global_batch_size, tc.data.seq_len)
+  return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding) for k in BATCH_KEYS}
+
+
+def _abstract_with_shardings(abstract, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+
+
+def _shard_bytes(tree) -> int:
+  """Per-device bytes of a tree of ShapeDtypeStructs with NamedShardings."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shard = x.sharding.shard_shape(x.shape)
+    total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
+  return total
+
+
+def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: bool = False) -> dict:
+  """Compile `run()`'s train step of `config` for TPU slice `slice_name`; returns the report dict
+  (with the compiled HLO text under 'hlo' when `keep_hlo`; `format_report` leaves it out)."""
+  from k2jax.train import loop  # noqa: PLC0415 (loop pulls in checkpointing and data: only when compiling)
+
+  tc = from_config_dict(config)
+  s = tpu_slice(slice_name)
+  devices = slice_devices(s)
+  mesh_shape = check_runtime(tc, len(devices), 1)
+  mesh = sharding.make_mesh(mesh_shape, devices=devices)
+  preset = tc.mesh.rules
+  t0 = time.perf_counter()
+  with sharding.use(mesh, preset):
+    parts = loop.build_step(tc, mesh, preset)
+    state = _abstract_with_shardings(parts.abstract_state, parts.shardings)
+    lowered = parts.step_fn.lower(state, _abstract_batch(tc, parts.batch_sharding))
+  report = {
+    "slice": slice_name,
+    "topology": s.topology,
+    "num_devices": len(devices),
+    "mesh": ",".join(f"{a}={n}" for a, n in mesh_shape.items()),
+    "rules_preset": preset,
+    "platform": sharding.platform(mesh),
+    "num_layers": tc.model.num_hidden_layers,
+    "num_microbatches": tc.data.num_microbatches,
+    "tokens_per_device_per_microbatch": tc.data.global_batch_size
+    * tc.data.seq_len
+    // (tc.data.num_microbatches * len(devices)),
+    "state_bytes_per_device": _shard_bytes(state),
+    "hbm_bytes_per_device": s.hbm_bytes,
+  }
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    oom = re.search(r"required for HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", str(e))
+    if oom is None:
+      raise
+    report["compile_s"] = round(time.perf_counter() - t0, 1)
+    report["xla_required_temp_gib_per_device"] = float(oom.group(1))
+    report["xla_available_gib_per_device"] = float(oom.group(2))
+    report["peak_gib_per_device"] = round(report["state_bytes_per_device"] / GIB + float(oom.group(1)), 2)
+    report["fits"] = False
+    return report
+  report["compile_s"] = round(time.perf_counter() - t0, 1)
+  mem = compiled.memory_analysis()
+  peak = (
+    mem.argument_size_in_bytes
+    + mem.output_size_in_bytes
+    - mem.alias_size_in_bytes
+    + mem.temp_size_in_bytes
+    + mem.generated_code_size_in_bytes
+  )
+  report.update(
+    argument_bytes_per_device=mem.argument_size_in_bytes,
+    output_bytes_per_device=mem.output_size_in_bytes,
+    alias_bytes_per_device=mem.alias_size_in_bytes,
+    temp_bytes_per_device=mem.temp_size_in_bytes,
+    peak_bytes_per_device=peak,
+    peak_gib_per_device=round(peak / GIB, 2),
+    temp_gib_per_device=round(mem.temp_size_in_bytes / GIB, 2),
+  )
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  report["xla_cost_flops_loop_bodies_once"] = float(cost.get("flops", 0.0))
+  report["xla_cost_bytes_accessed_loop_bodies_once"] = float(cost.get("bytes accessed", 0.0))
+  stats = hlo_stats.hlo_stats(compiled.as_text())
+  report["unknown_trip_counts"] = stats.pop("unknown_trip_counts")
+  report["flops_per_device"] = stats.pop("matmul_flops")
+  for kind in hlo_stats.COLLECTIVES:
+    report[f"{kind}_bytes_per_device"] = stats.pop(f"{kind}_bytes")
+  if keep_hlo:
+    report["hlo"] = compiled.as_text()
+  report["headroom_gib_per_device"] = round((s.hbm_bytes - peak) / GIB, 2)
+  report["fits"] = peak <= s.hbm_bytes
+  return report
+
+
+def planner_over_xla(config: config_dict.ConfigDict, report: dict) -> float:
+  """k2jax.memory.plan's per-device total over XLA's peak for the same config and mesh."""
+  tc = from_config_dict(config)
+  p = memory.plan(
+    tc.model,
+    {a: int(n) for a, n in (kv.split("=") for kv in report["mesh"].split(","))},
+    tc.mesh.rules,
+    report["tokens_per_device_per_microbatch"],
+    seq_len=tc.data.seq_len,
+    num_devices=report["num_devices"],
+    device_memory_bytes=report["hbm_bytes_per_device"],
+    num_microbatches=tc.data.num_microbatches,
+    accelerator=True,
+  )
+  return p["total_bytes_per_device"] / (report["peak_gib_per_device"] * GIB)
+
+
+def format_report(report: dict) -> str:
+  """`key=value` lines; booleans lower case (fits=true|false)."""
+  fmt = lambda v: str(v).lower() if isinstance(v, bool) else f"{v:.6e}" if isinstance(v, float) and v > 1e6 else v  # noqa: E731
+  return "\n".join(f"{k}={fmt(v)}" for k, v in report.items() if k != "hlo")

@@ -1,0 +1,67 @@
+"""Compiling the real train step for TPU slices without TPUs (k2jax.train.aot, `launch/train.py --aot`).
+
+These need libtpu (`pip install -e '.[tpu]'`: jax[tpu] 0.12 wheels, Python >= 3.12); where it does not
+import (CI's Python 3.11 with jax 0.10) they skip, saying so. Each compiles a tiny step for XLA:TPU.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from k2jax.train import aot
+
+_WHY = aot.libtpu_available()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _tiny(**overrides):
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import k2  # noqa: PLC0415
+
+  c = k2.get_config("tiny")
+  with c.unlocked():
+    for key, value in overrides.items():
+      section, name = key.split(".")
+      c[section][name] = value
+  return c
+
+
+def test_tiny_fsdp_ep_compiles_for_v5p8_with_ragged_all_to_all():
+  r = aot.compile_step(_tiny(**{"mesh.rules": "fsdp_ep", "mesh.expert": 4}), "v5p-8", keep_hlo=True)
+  assert r["platform"] == "tpu" and r["num_devices"] == 4 and r["fits"] is True
+  hlo = r["hlo"]
+  assert "ragged-all-to-all" in hlo and r["ragged-all-to-all_bytes_per_device"] > 0
+  # No fixed-size expert buffer: the only all-to-all left is none at all, or the int32 counts.
+  n, k, D = 16 * 64 // 4, 2, 64  # tokens per device, picks, hidden
+  fixed_buffer = f"f32[4,{n * k},{D}]"
+  assert fixed_buffer not in hlo
+  assert r["all-to-all_bytes_per_device"] < n * k * D * 4
+  # Exactly the routed rows travel: 2 MoE layers x 4 trips (there and back, forward and backward) of
+  # n*k rows, each row padded by XLA:TPU from D=64 to 128 lanes of float32.
+  assert r["ragged-all-to-all_bytes_per_device"] == 2 * 4 * n * k * 128 * 4
+  # Donated state: the outputs alias the arguments, so the peak is arguments + temporaries (+ code).
+  assert r["alias_bytes_per_device"] >= r["state_bytes_per_device"] * 0.99
+  assert r["peak_bytes_per_device"] >= r["argument_bytes_per_device"] + r["temp_bytes_per_device"]
+
+
+def test_aot_launcher_prints_fits_false_and_exits_nonzero_when_it_does_not_fit():
+  # 4M tokens of float32 logits over 4 v5e chips (15.75 GiB each): far past HBM.
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "launch", "train.py"),
+    "--config=" + os.path.join(ROOT, "configs", "k2.py") + ":tiny",
+    "--aot=v5e-4",
+    "--config.data.seq_len=1024",
+    "--config.data.global_batch_size=4096",
+  ]
+  p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert p.returncode == 1, p.stderr[-3000:]
+  lines = dict(line.split("=", 1) for line in p.stdout.splitlines() if "=" in line)
+  assert lines["fits"] == "false" and lines["slice"] == "v5e-4"
+  assert float(lines["xla_available_gib_per_device"]) == 15.75
+  assert float(lines["peak_gib_per_device"]) > 15.75
+  with pytest.raises(ValueError, match="unknown TPU slice 'v5p-7'"):
+    aot.tpu_slice("v5p-7")

@@ -1,0 +1,84 @@
+"""hlo_stats on a hand-written compiled-HLO module: loop trip counts multiply, async wrappers count once."""
+
+import pytest
+
+from k2jax.train import hlo_stats
+
+HLO = """HloModule jit_step, is_scheduled=true
+
+%async_computation (p0: f32[12,16], p1: f32[40,16], p2: s32[4], p3: s32[4], p4: s32[4], p5: s32[4]) -> f32[40,16] {
+  %p0 = f32[12,16]{1,0} parameter(0)
+  %p1 = f32[40,16]{1,0} parameter(1)
+  %p2 = s32[4]{0} parameter(2)
+  %p3 = s32[4]{0} parameter(3)
+  %p4 = s32[4]{0} parameter(4)
+  %p5 = s32[4]{0} parameter(5)
+  ROOT %ragged-all-to-all.1 = f32[40,16]{1,0} ragged-all-to-all(%p0, %p1, %p2, %p3, %p4, %p5), replica_groups={{0,1,2,3}}
+}
+
+%body (param.1: (s32[], bf16[8,32], bf16[32,64])) -> (s32[], bf16[8,32], bf16[32,64]) {
+  %param.1 = (s32[], bf16[8,32]{1,0}, bf16[32,64]{1,0}) parameter(0)
+  %gte.0 = s32[] get-tuple-element(%param.1), index=0
+  %gte.1 = bf16[8,32]{1,0} get-tuple-element(%param.1), index=1
+  %gte.2 = bf16[32,64]{1,0} get-tuple-element(%param.1), index=2
+  %all-gather-start.1 = (bf16[8,32]{1,0}, bf16[32,32]{1,0}) all-gather-start(%gte.1), dimensions={0}
+  %all-gather-done.1 = bf16[32,32]{1,0} all-gather-done(%all-gather-start.1)
+  %dot.1 = bf16[32,64]{1,0} dot(%all-gather-done.1, %gte.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %all-reduce.1 = bf16[32,64]{1,0} all-reduce(%dot.1), replica_groups={{0,1,2,3}}, to_apply=%add
+  %constant.1 = s32[] constant(1)
+  %add.1 = s32[] add(%gte.0, %constant.1)
+  ROOT %tuple.1 = (s32[], bf16[8,32]{1,0}, bf16[32,64]{1,0}) tuple(%add.1, %gte.1, %all-reduce.1)
+}
+
+%cond (param.2: (s32[], bf16[8,32], bf16[32,64])) -> pred[] {
+  %param.2 = (s32[], bf16[8,32]{1,0}, bf16[32,64]{1,0}) parameter(0)
+  %gte.3 = s32[] get-tuple-element(%param.2), index=0
+  %constant.2 = s32[] constant(7)
+  ROOT %lt.1 = pred[] compare(%gte.3, %constant.2), direction=LT
+}
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %sum = bf16[] add(%a, %b)
+}
+
+ENTRY %main (Arg_0: bf16[8,32], Arg_1: bf16[32,64], Arg_2: f32[12,16], Arg_3: s32[4]) -> f32[40,16] {
+  %Arg_0 = bf16[8,32]{1,0} parameter(0)
+  %Arg_1 = bf16[32,64]{1,0} parameter(1)
+  %Arg_2 = f32[12,16]{1,0} parameter(2)
+  %Arg_3 = s32[4]{0} parameter(3)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[8,32]{1,0}, bf16[32,64]{1,0}) tuple(%zero, %Arg_0, %Arg_1)
+  %while.1 = (s32[], bf16[8,32]{1,0}, bf16[32,64]{1,0}) while(%init), condition=%cond, body=%body
+  %buf = f32[40,16]{1,0} broadcast(%zero), dimensions={}
+  %async-start.1 = ((f32[12,16]{1,0}, f32[40,16]{1,0}, s32[4]{0}, s32[4]{0}, s32[4]{0}, s32[4]{0}), f32[40,16]{1,0}) async-start(%Arg_2, %buf, %Arg_3, %Arg_3, %Arg_3, %Arg_3), calls=%async_computation
+  ROOT %async-done.1 = f32[40,16]{1,0} async-done(%async-start.1), calls=%async_computation
+}
+"""
+
+
+def test_collective_bytes_and_flops_count_each_execution():
+  s = hlo_stats.hlo_stats(HLO)
+  assert s["unknown_trip_counts"] == 0
+  # 7 iterations: all-gather result 32x32 bf16 (the start's operand half excluded), all-reduce 32x64 bf16.
+  assert s["all-gather_bytes"] == 7 * 32 * 32 * 2
+  assert s["all-reduce_bytes"] == 7 * 32 * 64 * 2
+  # The async pair names its computation twice; it runs once. min(operand 12 rows, buffer 40 rows).
+  assert s["ragged-all-to-all_bytes"] == 12 * 16 * 4
+  assert s["all-to-all_bytes"] == s["reduce-scatter_bytes"] == s["collective-permute_bytes"] == 0
+  assert s["matmul_flops"] == 7 * 2 * 32 * 64 * 32
+
+
+def test_peeled_and_unrolled_loop_counts_its_real_trips():
+  # XLA peels the first iteration (counter starts at 1) and unrolls by 2: ceil((7 - 1) / 2) = 3 trips.
+  text = HLO.replace("%zero = s32[] constant(0)", "%zero = s32[] constant(1)")
+  s = hlo_stats.hlo_stats(text.replace("%constant.1 = s32[] constant(1)", "%constant.1 = s32[] constant(2)"))
+  assert s["unknown_trip_counts"] == 0 and s["all-reduce_bytes"] == 3 * 32 * 64 * 2
+
+
+def test_unreadable_trip_count_counts_once_and_is_reported():
+  s = hlo_stats.hlo_stats(HLO.replace("constant(7)", "parameter(1)"))
+  assert s["unknown_trip_counts"] == 1 and s["all-reduce_bytes"] == 32 * 64 * 2
+  with pytest.raises(ValueError, match="no ENTRY"):
+    hlo_stats.hlo_stats("HloModule empty\n")
