@@ -13,6 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+from k2jax import compile_cache  # noqa: E402
 
 from k2jax.serve import EngineConfig, Server  # noqa: E402
 
@@ -29,10 +30,12 @@ _TOKENIZER = flags.DEFINE_string(
   "when the vocab matches; 'none' = token ids only.",
 )
 _NAME = flags.DEFINE_string("served_model_name", None, "Model name in OpenAI responses (default: dir name).")
+_COMPILE_CACHE = compile_cache.define_flag()
 
 
 def main(argv):
   del argv
+  compile_cache.enable(_COMPILE_CACHE.value)
   logging.basicConfig(level=logging.INFO)
   config = EngineConfig(max_slots=_SLOTS.value, max_seq_len=_MAX_LEN.value, prefix_cache_entries=_PREFIX.value)
   server = Server(

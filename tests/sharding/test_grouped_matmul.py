@@ -83,7 +83,7 @@ def test_random_group_sizes_and_every_capacity_branch():
     sizes = np.bincount(rng.choice(E, n, p=rng.dirichlet(alpha * np.ones(E))), minlength=E).astype(np.int32)
     _assert_matches(x, w, jnp.asarray(sizes), dy)
   caps = capacities(M, E)
-  assert caps == (0, 8, 16, 32, 48, 64, 72)
+  assert caps == (0, 8, 16, 32, 64, 72)
   for i, c in enumerate(caps):
     sizes = jnp.asarray([c, c, c, min(c, M - 3 * c)] if c else [M, 0, 0, 0], jnp.int32)
     assert int(choose_capacity(sizes, M, 8)) == i, (c, sizes)
