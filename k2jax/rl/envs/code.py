@@ -1,4 +1,4 @@
-"""A code environment on top of the RL sandbox (`k2jax.rl.rewards.sandbox`).
+"""A code environment on top of the RL sandbox (`k2jax.sandbox.runner`).
 
 Tools: `run_python(code, stdin?)` runs a program in the sandbox and returns its exit status, stdout and
 stderr (read-only for the world: every run gets a fresh temp dir, no network, rlimits); `submit(code)`
@@ -15,8 +15,8 @@ from typing import Any, Mapping
 from k2jax.agentic.guards import Guard, GuardConfig
 from k2jax.agentic.tools import Impact, ToolRegistry, ToolSpec
 from k2jax.rl.envs.base import StepResult, ToolEnvironment
-from k2jax.rl.rewards.code import CodeRewardConfig, extract_code, run_tests
-from k2jax.rl.rewards.sandbox import SandboxConfig, run_python
+from k2jax.sandbox.code import CodeRewardConfig, extract_code, run_tests
+from k2jax.sandbox.runner import SandboxConfig, run_python
 
 _CODE = {"type": "string", "minLength": 1, "maxLength": 20000}
 TOOLS = (

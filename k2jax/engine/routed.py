@@ -10,8 +10,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from k2jax.rl.engine import Engine, GenerateRequest, GenerateResult
-from k2jax.rl.engines.http import HttpEngine
+from k2jax.engine.base import Engine, GenerateRequest, GenerateResult
+from k2jax.engine.http import HttpEngine
 
 
 class RoutedEngine(Engine):

@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any, Sequence
 
-from k2jax.rl.engine import FINISH_TYPES, Engine, GenerateRequest, GenerateResult
-from k2jax.rl.transport import RequestRejected, RetryPolicy, ServiceError, call_json
+from k2jax.engine.base import FINISH_TYPES, Engine, GenerateRequest, GenerateResult
+from k2jax.transport import RequestRejected, RetryPolicy, ServiceError, call_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +183,10 @@ def parse_generate_response(body: Any, request: GenerateRequest, default_version
     weight_versions=(version,) * n,
     finish_reason=finish["type"],
     prompt_tokens=meta["prompt_tokens"],
-    completion_tokens=n,
     text=text,
+    matched_stop=finish.get("matched") if isinstance(finish.get("matched"), (int, str)) else None,
+    abort_message=str(finish.get("message")) if finish["type"] == "abort" else None,
+    cached_tokens=meta["cached_tokens"] if _is_int(meta.get("cached_tokens")) else 0,
   )
 
 

@@ -1,0 +1,443 @@
+"""The in-process JAX engine: continuous batching over fixed slots, prefix reuse, aborts, weight swaps.
+
+It implements `Engine` directly: the HTTP server (`k2jax.serve`), RL rollouts and agentic episodes call
+the same object. One scheduler thread owns the model and the cache. Callers (HTTP handler threads, RL
+rollout threads) `submit` requests and wait on them (`generate` does both). Each scheduler iteration, between two decode steps:
+  1. runs queued control operations (weight swap, cache flush),
+  2. finishes requests whose abort was asked for (they return their partial output),
+  3. admits waiting requests into free slots: copy the longest cached prefix, prefill the rest,
+     sample the first token,
+  4. runs one decode step over all slots and appends one token to each running request.
+Requests therefore join and leave between decode steps, while the decode step keeps one shape.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import secrets
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+from flax import nnx
+
+from k2jax import api
+from k2jax.convert import overlay
+from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
+from k2jax.engine.prefix_cache import PrefixCache
+from k2jax.engine.runner import ModelRunner, sampling_arrays
+from k2jax.model.transformer import K2Model
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  max_slots: int = 8  # requests decoded together (the decode batch)
+  max_seq_len: int = 2048  # prompt + generated tokens per request (cache row length)
+  min_prefill_bucket: int = 16  # prefill lengths are padded to min_bucket * 2^i
+  prefix_cache_entries: int = 16  # finished sequences kept for prefix reuse (0 disables)
+  num_top_logprobs: int = 8  # top logprobs reported per token
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+  request: GenerateRequest
+  seed: int
+  t0: float
+  fed: list[int] = dataclasses.field(default_factory=list)  # tokens whose keys are in the slot's row
+  out: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  tops: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
+  cached: int = 0
+  abort_message: str | None = None
+  error: str | None = None  # the engine failed: `wait` raises instead of returning
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  result: GenerateResult | None = None
+  on_update: Callable[[], None] | None = None  # called (scheduler thread) after each token and at the end
+
+  def notify(self) -> None:
+    if self.on_update is not None:
+      try:
+        self.on_update()
+      except Exception:  # a listener's failure is its own (e.g. its event loop closed)
+        log.exception("listener of %s failed", self.request.rid)
+
+
+class InferenceEngine(Engine):
+  """Serves one K2 model. Thread-safe: `submit`/`generate`/`abort`/`update_weights` from any thread."""
+
+  def __init__(
+    self,
+    model: K2Model,
+    config: EngineConfig = EngineConfig(),
+    *,
+    eos_token_ids: Sequence[int] = (),
+    detokenize: Callable[[list[int]], str] | None = None,
+  ):
+    max_len = min(config.max_seq_len, model.cfg.max_position_embeddings)
+    self.config = dataclasses.replace(config, max_seq_len=max_len)
+    self.cfg = model.cfg
+    self.eos_token_ids = tuple(eos_token_ids)
+    self._detokenize = detokenize
+    self._runner = ModelRunner(
+      model,
+      num_slots=config.max_slots,
+      max_len=max_len,
+      num_top=config.num_top_logprobs,
+      min_bucket=config.min_prefill_bucket,
+    )
+    # The served parameters as a pure dict (the runner's own arrays, no copy): weight-sync deltas overlay it.
+    self._params = nnx.to_pure_dict(nnx.state(model))
+    self._update_lock = threading.Lock()  # one weight update at a time (the overlay reads _params)
+    self._prefix = PrefixCache(config.prefix_cache_entries)
+    self._cv = threading.Condition()
+    self._waiting: collections.deque[_Live] = collections.deque()
+    self._slots: list[_Live | None] = [None] * config.max_slots
+    self._by_rid: dict[str, _Live] = {}
+    self._ops: list[tuple[Callable[[], object], dict]] = []
+    self._closed = False
+    self.weight_version = 0
+    self._thread = threading.Thread(target=self._loop, name="k2jax-engine", daemon=True)
+    self._thread.start()
+
+  # ---- public API -------------------------------------------------------------------------------
+  def submit(self, request: GenerateRequest, on_update: Callable[[], None] | None = None) -> _Live:
+    """Queues `request` and returns its handle for `wait`/`progress` (raises InvalidRequest for one that
+    cannot run). `on_update` (optional) is called from the scheduler after every new token and when the
+    request finishes (streaming, disconnect checks), and must not block."""
+    self.check(request)
+    s = request.sampling
+    seed = secrets.randbits(32) if s.seed is None else s.seed % 2**32
+    live = _Live(request, seed=seed, t0=time.monotonic(), on_update=on_update)
+    with self._cv:
+      if self._closed:
+        raise RuntimeError("engine is closed")
+      if request.rid in self._by_rid:
+        raise InvalidRequest("rid", f"request {request.rid!r} is already in flight")
+      self._by_rid[request.rid] = live
+      if s.max_new_tokens == 0:
+        self._complete(live, "length")
+      else:
+        self._waiting.append(live)
+        self._cv.notify_all()
+    return live
+
+  def wait(self, live: _Live, timeout: float | None = None) -> GenerateResult:
+    """The finished request's result; raises RuntimeError when the engine failed while running it."""
+    if not live.done.wait(timeout):
+      raise TimeoutError(f"request {live.request.rid!r} not finished after {timeout}s")
+    if live.error is not None:
+      raise RuntimeError(f"engine failed on request {live.request.rid!r}: {live.error}")
+    return live.result
+
+  def progress(self, live: _Live) -> GenerateResult:
+    """The request so far (finish_reason None while it runs); its final result once done."""
+    if live.done.is_set():
+      return live.result
+    n = min(len(live.out), len(live.logprobs), len(live.versions), len(live.tops))  # out is appended first
+    req = live.request
+    return GenerateResult(
+      rid=req.rid,
+      output_ids=tuple(live.out[:n]),
+      output_logprobs=tuple(live.logprobs[:n]),
+      weight_versions=tuple(live.versions[:n]),
+      finish_reason=None,
+      prompt_tokens=len(req.input_ids),
+      top_logprobs=tuple(live.tops[:n]),
+      cached_tokens=live.cached,
+      latency_s=time.monotonic() - live.t0,
+    )
+
+  def generate(self, request: GenerateRequest) -> GenerateResult:
+    return self.wait(self.submit(request))
+
+  def abort(self, rids: Sequence[str]) -> int:
+    """Asks these requests to return now (finish_reason abort); returns how many were in flight."""
+    with self._cv:
+      targets = [self._by_rid[rid] for rid in rids if rid in self._by_rid]
+      self._abort(targets, "Aborted by request")
+    return len(targets)
+
+  def abort_all(self) -> int:
+    with self._cv:
+      targets = list(self._by_rid.values())
+      self._abort(targets, "Aborted (abort_all)")
+    return len(targets)
+
+  def update_weights(self, model_path: str, weight_version: int | None = None, *, flush_cache: bool = True) -> int:
+    """Serves the weights in `model_path` from the next decode step on; returns the new weight version.
+
+    `model_path` is a weight-sync delta (an HF safetensors index without config.json, holding only the
+    tensors that changed: they replace those tensors of the served weights), or a whole HF directory
+    or k2jax workdir of the same architecture. A failed load raises and changes nothing.
+    """
+    with self._update_lock:
+      if overlay.is_partial_hf_dir(model_path):
+        params = overlay.overlay_hf_tensors(self.cfg, self._params, model_path)
+      else:
+        model = api.load(model_path, param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype)
+        if model.cfg.replace(extra=()) != self.cfg.replace(extra=()):
+          raise ValueError("its config.json describes a different architecture than the served model")
+        params = nnx.to_pure_dict(nnx.state(model))
+      return self._swap(params, weight_version, flush_cache)
+
+  def update_weights_from_params(
+    self, params: dict, weight_version: int | None = None, *, flush_cache: bool = True
+  ) -> int:
+    """Serves `params` (the model's pure state dict, k2jax layout) from the next decode step on.
+
+    Arrays already on device are served as they are: a colocated trainer hands its weights over with
+    no host copy and no file. The engine then reads these arrays until the next update, so a train step
+    that donates its state must hand over copies.
+    """
+    with self._update_lock:
+      return self._swap(params, weight_version, flush_cache)
+
+  def flush_cache(self) -> None:
+    self._run_op(self._prefix.clear)
+
+  def num_running(self) -> int:
+    with self._cv:
+      return len(self._by_rid)
+
+  def close(self) -> None:
+    with self._cv:
+      self._closed = True
+      self._cv.notify_all()
+    self._thread.join(timeout=60)
+
+  def _abort(self, targets: list[_Live], message: str) -> None:
+    """Marks `targets` aborted (caller holds the lock); waiting ones finish now, running ones next step."""
+    for live in targets:
+      live.abort_message = message
+      if live in self._waiting:
+        self._waiting.remove(live)
+        self._complete(live, "abort")
+    self._cv.notify_all()
+
+  def _swap(self, params: dict, weight_version: int | None, flush_cache: bool) -> int:
+    """Swaps in `params` between decode steps. Running requests continue on the new weights (SGLang's
+    default); every token records the version that produced it. The prefix cache holds keys computed by
+    the old weights, so it is flushed unless asked otherwise."""
+    model = api.model_from_state(self.cfg, params)
+
+    def swap():
+      self._runner.set_model(model)
+      self._params = params
+      if flush_cache:
+        self._prefix.clear()
+      self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+      return self.weight_version
+
+    return self._run_op(swap)
+
+  # ---- scheduler --------------------------------------------------------------------------------
+  def _loop(self) -> None:
+    while True:
+      with self._cv:
+        while not (self._closed or self._waiting or self._ops or any(self._slots)):
+          self._cv.wait()
+        if self._closed:
+          self._fail_all("engine shut down")
+          return
+        ops, self._ops = self._ops, []
+      try:
+        for fn, box in ops:
+          self._run_boxed(fn, box)
+        self._finish_aborted()
+        self._admit()
+        if any(self._slots):
+          self._decode_step()
+      except Exception as e:  # a failed step must not strand waiting callers
+        log.exception("engine step failed")
+        with self._cv:
+          self._fail_all(f"engine error: {type(e).__name__}: {e}")
+
+  def _admit(self) -> None:
+    while True:
+      with self._cv:
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        if not free or not self._waiting:
+          return
+        live = self._waiting.popleft()
+        self._slots[free[0]] = live
+      self._prefill(free[0], live)
+
+  def _prefill(self, slot: int, live: _Live) -> None:
+    try:
+      self._prefill_row(slot, live)
+    except Exception as e:  # one request's prefill failed: fail it alone, the others keep running
+      log.exception("prefill of %s failed", live.request.rid)
+      with self._cv:
+        self._fail(live, slot, f"engine error: {type(e).__name__}: {e}")
+
+  def _prefill_row(self, slot: int, live: _Live) -> None:
+    tokens = list(live.request.input_ids)
+    common, row = self._prefix.lookup(tokens)
+    reuse = min(common, len(tokens) - 1)  # at least one token must run to produce logits
+    if reuse > 0:
+      self._runner.write_row(slot, row)
+    live.cached, live.fed = reuse, tokens
+    out = self._runner.prefill(slot, tokens[reuse:], reuse, self._sampling([live]))
+    self._emit(slot, live, out, 0)
+
+  def _decode_step(self) -> None:
+    n = self.config.max_slots
+    tokens_N, positions_N = np.zeros(n, np.int32), np.full(n, self.config.max_seq_len, np.int32)
+    for i, live in enumerate(self._slots):
+      if live is not None:
+        tokens_N[i], positions_N[i] = live.out[-1], len(live.fed)
+    out = self._runner.decode(tokens_N, positions_N, self._sampling(self._slots))
+    for i, live in enumerate(self._slots):
+      if live is not None:
+        live.fed.append(live.out[-1])
+        try:
+          self._emit(i, live, out, i)
+        except Exception as e:  # e.g. a stop string this request's detokenizer chokes on
+          log.exception("request %s failed", live.request.rid)
+          with self._cv:
+            self._fail(live, i, f"engine error: {type(e).__name__}: {e}")
+
+  def _sampling(self, lives: Sequence[_Live | None]):
+    params = [(l.request.sampling, l.seed, len(l.out)) if l is not None else (SamplingParams(), 0, 0) for l in lives]
+    return sampling_arrays(
+      [p[0].temperature for p in params],
+      [p[0].top_p for p in params],
+      [p[0].top_k for p in params],
+      [p[1] for p in params],
+      [p[2] for p in params],
+    )
+
+  def _emit(self, slot: int, live: _Live, out, i: int) -> None:
+    """Appends row i's sampled token to `live`; finishes the request when a stop condition holds."""
+    token = int(out.tokens[i])
+    live.out.append(token)
+    live.logprobs.append(float(out.logprobs[i]))
+    live.versions.append(self.weight_version)
+    k = len(out.top_ids[i])
+    live.tops.append(tuple((int(out.top_ids[i][j]), float(out.top_logprobs[i][j])) for j in range(k)))
+    finish = self._finish_reason(live, token)
+    if finish is not None:
+      self._release(slot, live, *finish)
+    else:
+      live.notify()
+
+  def _finish_reason(self, live: _Live, token: int) -> tuple[str, int | str | None] | None:
+    s = live.request.sampling
+    if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
+      return "stop", token
+    if s.stop and self._detokenize is not None:
+      text = self._detokenize(live.out)
+      for stop in s.stop:
+        if stop in text:
+          return "stop", stop
+    if len(live.out) >= s.max_new_tokens:
+      return "length", None
+    return None
+
+  def _finish_aborted(self) -> None:
+    for i, live in enumerate(self._slots):
+      if live is not None and live.abort_message is not None:
+        self._release(i, live, "abort")
+
+  def _release(self, slot: int, live: _Live, reason: str, matched: int | str | None = None) -> None:
+    if self._prefix.capacity and live.fed:
+      self._prefix.insert(live.fed, self._runner.read_row(slot))
+    with self._cv:
+      self._slots[slot] = None
+      self._complete(live, reason, matched)
+
+  def _complete(self, live: _Live, reason: str, matched: int | str | None = None) -> None:
+    """Publishes the result (caller holds the lock)."""
+    req = live.request
+    live.result = GenerateResult(
+      rid=req.rid,
+      output_ids=tuple(live.out),
+      output_logprobs=tuple(live.logprobs),
+      weight_versions=tuple(live.versions),
+      finish_reason=reason,
+      prompt_tokens=len(req.input_ids),
+      matched_stop=matched,
+      abort_message=live.abort_message if reason == "abort" else None,
+      top_logprobs=tuple(live.tops),
+      cached_tokens=live.cached,
+      latency_s=time.monotonic() - live.t0,
+    )
+    self._by_rid.pop(req.rid, None)
+    live.done.set()
+    live.notify()
+
+  def _fail(self, live: _Live, slot: int | None, message: str) -> None:
+    """Fails one request (caller holds the lock): `wait` raises, `progress` shows an abort with `message`."""
+    n = min(len(live.out), len(live.logprobs), len(live.versions), len(live.tops))  # a step may have failed midway
+    del live.out[n:], live.logprobs[n:], live.versions[n:], live.tops[n:]
+    live.error = live.abort_message = message
+    if slot is not None:
+      self._slots[slot] = None
+    self._complete(live, "abort")
+
+  def _fail_all(self, message: str) -> None:
+    for live in list(self._waiting) + [s for s in self._slots if s is not None]:
+      self._fail(live, None, message)
+    self._waiting.clear()
+    self._slots = [None] * self.config.max_slots
+    for fn, box in self._ops:
+      box["error"] = RuntimeError(message)
+      box["done"].set()
+    self._ops = []
+
+  # ---- control operations -------------------------------------------------------------------------
+  def _run_op(self, fn: Callable[[], object]):
+    box = {"done": threading.Event()}
+    with self._cv:
+      if self._closed:
+        raise RuntimeError("engine is closed")
+      self._ops.append((fn, box))
+      self._cv.notify_all()
+    box["done"].wait()
+    if "error" in box:
+      raise box["error"]
+    return box.get("result")
+
+  @staticmethod
+  def _run_boxed(fn, box) -> None:
+    try:
+      box["result"] = fn()
+    except Exception as e:  # handed back to the caller of _run_op
+      box["error"] = e
+    box["done"].set()
+
+  def check(self, request: GenerateRequest) -> None:
+    """Raises InvalidRequest naming the field when the engine cannot run `request` (nothing is queued)."""
+    ids, s, max_len, vocab = request.input_ids, request.sampling, self.config.max_seq_len, self.cfg.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+      raise InvalidRequest("input_ids", f"token ids {bad[:5]} outside [0, {vocab})")
+    if len(ids) >= max_len:
+      raise InvalidRequest(
+        "input_ids",
+        f"prompt of {len(ids)} tokens is too long: the maximum sequence "
+        f"length is {max_len} tokens (prompt + new tokens)",
+      )
+    if len(ids) + s.max_new_tokens > max_len:
+      raise InvalidRequest(
+        "sampling_params.max_new_tokens",
+        f"{len(ids)} prompt tokens + max_new_tokens {s.max_new_tokens} exceed the maximum sequence length {max_len}",
+      )
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+      raise InvalidRequest("sampling_params.temperature", f"must be a finite number >= 0, got {s.temperature}")
+    if not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
+      raise InvalidRequest("sampling_params.top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.top_k > vocab:  # <= 0 means no limit; beyond the vocab the sampler's top-k would overflow
+      raise InvalidRequest("sampling_params.top_k", f"must be <= the vocab size {vocab} (or -1), got {s.top_k}")
+    bad_stop = [t for t in s.stop_token_ids if not 0 <= t < vocab]
+    if bad_stop:
+      raise InvalidRequest("sampling_params.stop_token_ids", f"token ids {bad_stop[:5]} outside [0, {vocab})")
+    if s.stop and self._detokenize is None:
+      raise InvalidRequest("sampling_params.stop", "stop strings need a tokenizer; this server has none")

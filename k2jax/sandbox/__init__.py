@@ -1,0 +1,21 @@
+"""Running untrusted programs (model-written code) in an isolated process, and grading them against tests.
+
+Lower than `rl` and `agentic`: rewards (`k2jax.rl.rewards`) and the code environment (`k2jax.agentic`) both
+use it.
+"""
+
+from k2jax.sandbox.code import CodeRewardConfig, Graded, extract_code, run_tests, split_test
+from k2jax.sandbox.runner import SandboxConfig, SandboxResult, SandboxUnavailable, isolation_error, run_python
+
+__all__ = [
+  "CodeRewardConfig",
+  "Graded",
+  "SandboxConfig",
+  "SandboxResult",
+  "SandboxUnavailable",
+  "extract_code",
+  "isolation_error",
+  "run_python",
+  "run_tests",
+  "split_test",
+]
