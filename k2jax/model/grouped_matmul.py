@@ -7,9 +7,9 @@ Why hand-written: on XLA:CPU (jax 0.10) `ragged_dot` lowers to one dense matmul 
 input against all E experts stacked, [M, E*D] @ [E*D, F]: E times the useful FLOPs. GPU/TPU keep
 `ragged_dot` (native grouped matmul); see `experts.expert_ffn`.
 
-Layout, chosen by measurement (bench/moe.py; small width, 16384 rows, E=64, D=1024, F=512, 2 cores):
+Layout, chosen by measurement (one grouped matmul, interleaved reps; 16384 rows, E=64, D=1024, F=512, 2 cores):
 fwd+bwd of one batched `dot_general` over a padded [E, C, D] stack runs at ~90% of the dense matmul's
-rate at C=256 rows per expert but ~55% at C=32, and a loop of 32-row tiles at ~60%; the previous
+rate at C=256 rows per expert but ~45% at C=32, and a loop of 32-row tiles at ~60%; the previous
 kernel (per-expert loops of masked tiles, `lax.map` for the weight gradient) ran at ~50%. So:
 
   * bulk: the first C rows of every group go through ONE batched dot_general per direction
