@@ -23,7 +23,7 @@ from k2jax.agentic.rollout import MultiTurnConfig, MultiTurnRunner  # noqa: E402
 from k2jax.data.tokenizer import load_tokenizer  # noqa: E402
 from k2jax.model import K2Model, presets  # noqa: E402
 from k2jax.engine import EngineConfig, InferenceEngine  # noqa: E402
-from k2jax.rl.envs.simulated import SimToolsEnv  # noqa: E402
+from k2jax.agentic.envs.simulated import SimToolsEnv  # noqa: E402
 
 _CONC = flags.DEFINE_list("concurrency", ["1", "16", "128"], "Concurrent episodes to measure.")
 _TURNS = flags.DEFINE_integer("turns", 3, "Assistant turns per episode.")

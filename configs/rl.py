@@ -11,14 +11,28 @@ pushes its full weights once at start, then only changed tensors after every upd
 `tiny` trains the tiny model from scratch on "1+b" (b in 0..8; the answer is the digit that follows b):
 a format-only warm start (random answers: teaches "digit then [EOS]", nothing about which digit) leaves it
 at chance (~1/9), then RL with the exact-match reward alone raises the reward (BUILD.md has the figures).
+
+`agentic_tiny` mixes six task types in every batch, each with its own token budget and reward kind
+(data/rl/agentic_tiny/): math, code (unit tests in the sandbox), instruction following, an LLM judge,
+the K2 rubric reward (both judged by the embedded engine itself unless `reward.judge_url` is set) and a
+multi-turn tool-use task against a `sim_tools` environment service, which the learner starts itself
+(a subprocess on a free port, stopped at exit) unless `agentic.env_urls` names one:
+
+  python launch/rl.py --config=configs/rl.py:agentic_tiny --workdir=/tmp/rl_agentic \
+      --config.agentic.env_urls=sim_tools=http://127.0.0.1:8080   # python -m k2jax.agentic.envs --port=8080
 """
+
+import os
 
 from ml_collections import config_dict
 
+TASK_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "rl", "agentic_tiny")
+VARIANTS = ("tiny", "agentic_tiny")
+
 
 def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
-  if arg != "tiny":
-    raise ValueError(f"configs/rl.py: unknown variant {arg!r}; known: tiny")
+  if arg not in VARIANTS:
+    raise ValueError(f"configs/rl.py: unknown variant {arg!r}; known: {', '.join(VARIANTS)}")
   c = config_dict.ConfigDict()
   c.seed = 0  # model init and warm-start sampling
   c.iterations = 60  # RL iterations (one rollout batch each)
@@ -38,7 +52,24 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
   c.task.seed = 0  # prompt stream (prompt i is a function of (seed, i))
   c.task.template = "{a}+{b}"  # prompt text ({a}, {b} = operands); ends on b so a tiny model reads it
   c.task.budget = 4  # total response tokens per sample over all its segments (K2 budget control)
-  c.task.truncation_penalty = 0.5  # subtracted from the reward of samples that hit the budget
+  c.task.truncation_penalty = 0.5  # subtracted from the reward of samples that hit the budget (all tasks)
+
+  # Mixed task batches: tasks.<name> = {kind, reward, path, env, budget, weight} replaces the single `task`
+  # (kind "arith" still reads task.a_min.. and task.template). k2jax/rl/tasks.py:task_specs has the keys.
+  c.tasks = config_dict.ConfigDict()
+
+  c.reward = config_dict.ConfigDict()  # k2jax/rl/rewards/contract.py (the one reward contract)
+  c.reward.judge_url = ""  # OpenAI-compatible endpoint for judge/rubric rewards ("" = the rollout engine)
+  c.reward.judge_model = "default"  # model name sent to judge_url
+  c.reward.judge_max_tokens = 64  # judge reply length
+  c.reward.judge_criteria = ""  # judge criteria for prompts without data["criteria"] ("" = the default)
+
+  c.agentic = config_dict.ConfigDict()  # multi-turn episodes (k2jax/agentic): env services and turn limits
+  c.agentic.env_urls = ""  # "sim_tools=http://host:port,..."; an env without a URL gets a local service
+  c.agentic.local_workers = 1  # service processes started per environment without a URL
+  c.agentic.max_turns = 4  # assistant turns per episode (a task's max_turns may lower it)
+  c.agentic.max_new_tokens_per_turn = 64  # per engine call; the task budget caps the whole response
+  c.agentic.step_timeout_s = 60.0  # an env reset/step slower than this fails the episode (dropped)
 
   c.rollout = config_dict.ConfigDict()
   c.rollout.engine_url = ""  # "" = embedded engine in-process; else an SGLang /generate server
@@ -95,9 +126,47 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
 
   c.log = config_dict.ConfigDict()
   c.log.tensorboard = False  # also write TensorBoard events to WORKDIR/tb
+  c.log.rollouts = False  # also write every sample's tokens and loss mask to WORKDIR/rollouts.jsonl
 
   c.eval = config_dict.ConfigDict()
   c.eval.every = 10  # greedy accuracy on every distinct prompt each N iterations (0 = off)
 
+  if arg == "agentic_tiny":
+    _agentic_tiny(c)
   c.lock()
   return c
+
+
+def _agentic_tiny(c: config_dict.ConfigDict) -> None:
+  """Six task types, one group of each per batch; a warm start on the tool-call demos of the sim_tools task
+  teaches the random tiny model the call format, so episodes reach tool results (masked out of the loss)."""
+  c.iterations = 2
+  for name, kind, reward, budget in (
+    ("math", "jsonl", "math", 12),
+    ("code", "jsonl", "code", 16),
+    ("instruction", "jsonl", "instruction", 12),
+    ("judge", "jsonl", "judge", 8),
+    ("rubric", "jsonl", "rubric", 8),
+    ("sim_tools", "agentic", "env", 128),
+  ):
+    t = config_dict.ConfigDict()
+    t.kind, t.reward, t.budget, t.weight = kind, reward, budget, 1
+    t.path = os.path.join(TASK_DATA, f"{name}.jsonl")
+    t.env = "sim_tools" if kind == "agentic" else ""
+    c.tasks[name] = t
+  c.task.truncation_penalty = 0.0
+  c.rollout.group_size = 2
+  c.rollout.target_groups = c.rollout.launch_groups = 6  # = the number of task types: every kind in every batch
+  c.rollout.partial_rollout = False
+  c.reward.judge_max_tokens = 8
+  c.agentic.max_turns = 3
+  c.agentic.max_new_tokens_per_turn = 24
+  c.engine.max_slots = 16
+  c.engine.max_seq_len = 512  # the rubric judge's pairwise prompt (~400 tokens with two answers) + its reply
+  c.train.seq_len = 224  # agentic: ~90 prompt tokens + the 128-token budget
+  c.loss.ptx_coef = 0.0
+  c.warm_start.steps = 20
+  c.warm_start.batch_size = 4
+  c.eval.every = 0
+  c.checkpoint.every = 2
+  c.log.rollouts = True

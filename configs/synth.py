@@ -17,7 +17,7 @@ from ml_collections import config_dict
 
 VARIANTS = ("tiny", "default")
 EXAMPLE_MCP_TOOLS = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "k2jax", "data", "synth", "examples", "mcp_tools.json"
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "k2jax", "synth", "examples", "mcp_tools.json"
 )
 
 

@@ -1,7 +1,10 @@
 """RL post-training (K2 §3.2.3): `python launch/rl.py --config=configs/rl.py:tiny --workdir=W`.
 
-With no `--config.rollout.engine_url` the embedded k2jax engine runs in-process; with a URL rollouts
-come from that SGLang-compatible server (see launch/sglang_server.sh and BUILD.md "RL with SGLang").
+`--config=configs/rl.py:agentic_tiny` mixes six task types per batch (math, code, instruction following,
+judge, rubric, multi-turn tool use against an env service it starts itself unless
+`--config.agentic.env_urls` names one). With no `--config.rollout.engine_url` the embedded k2jax engine
+runs in-process; with a URL rollouts come from that SGLang-compatible server (see
+launch/sglang_server.sh and BUILD.md "RL with SGLang").
 Resumes from the latest checkpoint in W; writes W/metrics.jsonl and W/checkpoints/<iteration>/.
 """
 

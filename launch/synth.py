@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from k2jax.data.synth import from_config_dict, run_synth  # noqa: E402
+from k2jax.synth import from_config_dict, run_synth  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/synth.py:tiny")
 _OUT = flags.DEFINE_string("out", None, "Output directory (stage jsonl files; reruns resume).", required=True)

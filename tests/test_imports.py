@@ -10,7 +10,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "k2jax"
 
 # Lowest first. A package may import only packages of strictly lower layers (and itself). Entries are
-# paths under k2jax/ (a subpackage such as "data.synth" is its own entry: the longest match wins); the
+# paths under k2jax/ (a subpackage may be its own entry: the longest match wins); the
 # package root (`k2jax.load`, `k2jax.save_hf`) re-exports `api` and counts as it.
 LAYERS = (
   ("sharding", "distributed", "transport", "httpservice"),
@@ -19,16 +19,13 @@ LAYERS = (
   ("api", "memory", "data"),
   ("engine", "train"),
   ("serve", "agentic"),
-  ("rl", "data.synth"),  # synthesis drives agentic tools and the multi-turn loop, like RL rollouts
+  ("rl", "synth"),  # synthesis drives agentic tools and the multi-turn loop, like RL rollouts
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 # Known edges that point the wrong way, each with who removes it. The test fails when one disappears,
 # so this list only shrinks.
-PENDING = {
-  ("k2jax.agentic.rollout", "k2jax.rl.envs.base"): "issue 11 item 5: environments move from rl/envs to agentic",
-  ("k2jax.agentic.rollout", "k2jax.rl.rollout_batch"): "issue 11 item 5: the RL record is built on the rl side",
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -97,14 +94,14 @@ def test_the_checker_resolves_relative_and_submodule_imports(tmp_path):
   src = tmp_path / "probe.py"
   src.write_text(
     "from . import http\nfrom .base import Engine\nfrom ..model import config\nimport k2jax\nfrom k2jax import load\n"
-    "import numpy\nif True:\n  from k2jax.data.synth import llm\n"
+    "import numpy\nif True:\n  from k2jax.synth import llm\n"
   )
   assert _imported(src, "k2jax.engine.probe") == {
     "k2jax.engine.http",
     "k2jax.engine.base",
     "k2jax.model.config",
     "k2jax",
-    "k2jax.data.synth.llm",
+    "k2jax.synth.llm",
   }
-  assert _layer_key("k2jax.data.synth.llm") == "data.synth" and _layer_key("k2jax.data.chat") == "data"
+  assert _layer_key("k2jax.synth.llm") == "synth" and _layer_key("k2jax.data.chat") == "data"
   assert _layer_key("k2jax") == "api" and _layer_key("k2jax.engine.http") == "engine"

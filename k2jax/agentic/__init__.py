@@ -1,5 +1,6 @@
-"""Agentic tool use: tool registry (MCP / OpenAI forms), call parsing and validation, action guards,
-and multi-turn token-in/token-out rollouts against environments."""
+"""Agentic tool use: tool registry (MCP / OpenAI forms), call parsing and validation, action guards, the
+environments and their services (`envs/`), and the one multi-turn tool loop (`loop.py`) that RL rollouts
+(token-in/token-out, `rollout.py`) and synthesis dialogues (`k2jax.synth`) both run."""
 
 from k2jax.agentic.calls import ParsedTurn, ToolCall, ToolError, parse_openai_calls, parse_turn, validate_call
 from k2jax.agentic.guards import (
@@ -12,7 +13,15 @@ from k2jax.agentic.guards import (
   deny_all,
   install_egress_hook,
 )
-from k2jax.agentic.rollout import MultiTurnConfig, MultiTurnRunner, Trajectory, Turn, to_rollout_batch
+from k2jax.agentic.loop import Agent, EpisodeEnd, StopEpisode, run_tool_loop
+from k2jax.agentic.rollout import (
+  EpisodeRunner,
+  MultiTurnConfig,
+  MultiTurnRunner,
+  TokenAgent,
+  Trajectory,
+  Turn,
+)
 from k2jax.agentic.tools import (
   Impact,
   ToolRegistry,
@@ -45,9 +54,14 @@ __all__ = [
   "load_tool_dicts",
   "sanitize_name",
   "tool_from_dict",
+  "Agent",
+  "EpisodeEnd",
+  "StopEpisode",
+  "run_tool_loop",
+  "EpisodeRunner",
+  "TokenAgent",
   "MultiTurnConfig",
   "MultiTurnRunner",
   "Trajectory",
   "Turn",
-  "to_rollout_batch",
 ]

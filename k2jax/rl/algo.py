@@ -142,7 +142,11 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
   G = batch.num_groups
   std_G = np.array([r_B[batch.group_ids_B == g].std() for g in range(G)])
   versions = batch.weight_versions_BT[batch.loss_mask_BT > 0]
+  tasks_B = np.array(batch.tasks)
+  per_task = {f"reward_mean/{t}": float(r_B[tasks_B == t].mean()) for t in sorted(set(batch.tasks))}
+  per_task.update({f"num_samples/{t}": float(np.sum(tasks_B == t)) for t in sorted(set(batch.tasks))})
   return {
+    **per_task,
     "reward_mean": float(r_B.mean()),
     "reward_std": float(r_B.std()),
     "response_length_mean": float(len_B.mean()),

@@ -41,9 +41,12 @@ from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
 from k2jax.engine.http import HttpEngine, HttpEngineConfig
 from k2jax.engine.routed import RoutedEngine
 from k2jax.rl.ptx import PTXConfig, PTXSet
-from k2jax.rl.rewards.base import Completion, per_sample
+from k2jax.rl import tasks as tasks_lib
+from k2jax.rl.rewards.base import Completion
 from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
-from k2jax.rl.tasks import TASK_NAME, ArithmeticTask, ArithmeticTaskConfig, MathJsonlTask, strip_stop
+from k2jax.rl.samples import append_rollouts
+from k2jax.rl.task_runtime import TaskRuntime, TaskRuntimeConfig, runtime_config
+from k2jax.rl.tasks import TASK_NAME, ArithmeticTaskConfig, MathJsonlTask, TaskSet, strip_stop
 from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
 from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.train.checkpoint import merge_dicts, split_dict
@@ -85,6 +88,8 @@ class LearnerConfig:
   checkpoint_keep: int
   tensorboard: bool
   eval_every: int
+  log_rollouts: bool = False  # every sample's tokens and loss mask to W/rollouts.jsonl
+  task_runtime: TaskRuntimeConfig = TaskRuntimeConfig()  # rewards (judge) and agentic episodes (env services)
 
   @property
   def rows(self) -> int:
@@ -104,7 +109,7 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     launch_groups=r.launch_groups,
     partial_rollout=r.partial_rollout,
     max_staleness=r.max_staleness,
-    task_budgets=((TASK_NAMES.get(c.task.kind, c.task.kind), c.task.budget),),
+    task_budgets=tasks_lib.task_budgets(c),
     truncation_penalty=c.task.truncation_penalty,
     temperature=TemperatureSchedule(r.temperature, r.temperature_final, r.temperature_half_life),
     top_p=r.top_p,
@@ -143,13 +148,16 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     checkpoint_keep=c.checkpoint.keep,
     tensorboard=c.log.tensorboard,
     eval_every=c.eval.every,
+    log_rollouts=c.log.rollouts,
+    task_runtime=runtime_config(c),
   )
+  mixed = len(c.tasks) > 0  # tasks.* sections (validated by tasks.task_specs) replace the single task.*
   for key, ok in (
     ("iterations", lc.iterations >= 1),
     ("optim.lr", lc.lr > 0),
-    ("task.kind", lc.task_kind in TASK_NAMES),
-    ("task.path", lc.task_kind != "math_jsonl" or os.path.isfile(lc.task_path)),
-    ("warm_start.steps", lc.task_kind == "arith" or lc.warm_start_steps == 0),
+    ("task.kind", mixed or lc.task_kind in TASK_NAMES),
+    ("task.path", mixed or lc.task_kind != "math_jsonl" or os.path.isfile(lc.task_path)),
+    ("warm_start.steps", mixed or lc.task_kind == "arith" or lc.warm_start_steps == 0),
     ("optim.updates_per_batch", lc.updates_per_batch >= 1),
     ("warm_start.steps", lc.warm_start_steps >= 0),
     ("checkpoint.every", lc.checkpoint_every >= 1),
@@ -176,16 +184,12 @@ def _model_config(m: config_dict.ConfigDict) -> K2Config:
 def run(config: config_dict.ConfigDict, workdir: str) -> dict:
   """RL-train per `config` in `workdir`, resuming from its latest checkpoint. Returns the last metrics."""
   tok = load_tokenizer(config.tokenizer_path or BUNDLED_TOKENIZER)
-  # A chat-templated task also ends an answer at the end of the assistant turn.
-  stop_ids = (tok.eos_id,) if config.task.kind == "arith" else (tok.eos_id, tok.special_ids["<|im_end|>"])
-  lc = from_config_dict(config, workdir, stop_ids)
+  task = tasks_lib.make_tasks(config, tok)
+  lc = from_config_dict(config, workdir, tasks_lib.stop_ids(task, tok))
   if tok.vocab_size != lc.model.vocab_size:
     raise ConfigError(
       f"tokenizer_path: {tok.path} has {tok.vocab_size} tokens, the model's vocab_size is {lc.model.vocab_size}"
     )
-  task = (
-    ArithmeticTask(lc.task, tok.encode, tok.eos_id) if lc.task_kind == "arith" else MathJsonlTask(lc.task_path, tok)
-  )
   learner = Learner(lc, workdir, task, strip_stop(tok.decode, lc.rollout.stop_token_ids))
   try:
     return learner.train()
@@ -209,9 +213,9 @@ def make_engine(lc: LearnerConfig, state: TrainState, decode) -> Engine:
 class Learner:
   """Holds the train state, the engine, the rollout manager and the weight sync for one run."""
 
-  def __init__(
-    self, lc: LearnerConfig, workdir: str, task: ArithmeticTask | MathJsonlTask, decode, engine: Engine | None = None
-  ):
+  def __init__(self, lc: LearnerConfig, workdir: str, task, decode, engine: Engine | None = None):
+    """`task`: a `tasks.TaskSet` (`tasks.make_tasks`) or one task (a set of one)."""
+    task = task if isinstance(task, TaskSet) else TaskSet([(task, 1)])
     self.lc, self.workdir, self.task, self.decode = lc, os.path.abspath(workdir), task, decode
     # Model and optimizer: warm-start LR for the first warm_start_steps updates, then the RL LR.
     self.schedule = optax.join_schedules(
@@ -258,8 +262,14 @@ class Learner:
     # Engine, weight sync, rollouts.
     self.engine = engine or make_engine(lc, self.state, decode)
     self.sync = WeightSync(lc.sync, self.engine, initial_version=self.meta["weight_version"])
+    self.runtime = TaskRuntime(task, lc.task_runtime, self.engine, load_tokenizer(lc.tokenizer_path))
     self.manager = RolloutManager(
-      lc.rollout, self.engine, self._prompts(self.meta["prompts_drawn"]), per_sample(task.reward), decode=decode
+      lc.rollout,
+      self.engine,
+      self._prompts(self.meta["prompts_drawn"]),
+      self.runtime.reward_fn,
+      decode=decode,
+      episodes=self.runtime.episodes,
     )
     self.log = MetricsLogger(
       self.workdir,
@@ -346,6 +356,8 @@ class Learner:
     lc, t0 = self.lc, time.perf_counter()
     version = self.sync.version
     batch, rstats = self.manager.collect(version)
+    if lc.log_rollouts:
+      append_rollouts(os.path.join(self.workdir, "rollouts.jsonl"), batch, version)
     t1 = time.perf_counter()
     arrays, dropped = batching.to_train_arrays(
       batch, rows=lc.rows, seq_len=lc.seq_len, vocab_size=lc.model.vocab_size, version=version
@@ -426,11 +438,11 @@ class Learner:
   def evaluate(self) -> float:
     """Greedy exact-match accuracy over every distinct prompt of the task, through the engine."""
     prompts = self.task.all_prompts()
-    budget = self.lc.rollout.budget(self.task.name)
-    sampling = SamplingParams(max_new_tokens=budget, temperature=0.0, stop_token_ids=self.lc.rollout.stop_token_ids)
 
     def one(i_p):
       i, p = i_p
+      budget = self.lc.rollout.budget(p.task)
+      sampling = SamplingParams(max_new_tokens=budget, temperature=0.0, stop_token_ids=self.lc.rollout.stop_token_ids)
       res = self.engine.generate(GenerateRequest(f"eval/{self.meta['iteration']}/{i}", p.input_ids, sampling))
       text = self.decode(res.output_ids) if self.decode else (res.text or "")
       done = Completion(res.output_ids, text, res.finish_reason, res.finish_reason == "length")
@@ -445,6 +457,7 @@ class Learner:
 
   def close(self) -> None:
     self.manager.close()
+    self.runtime.close()
     self.log.close()
     self.ckpt.close()
     self.engine.close()

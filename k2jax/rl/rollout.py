@@ -14,6 +14,14 @@ Each iteration `collect(weight_version)`:
    next iteration (K1.5 partial rollouts, reference §1.5); without it they are dropped.
 Groups completed beyond M wait in the buffer for the next batch. Samples stopped by the budget are truncated
 and their reward lowered by `truncation_penalty` (K2 §3.2.3).
+
+Prompts of agentic tasks (`data["episode"]`, `data["env"]`) run as multi-turn episodes instead of one
+generation: `episodes` (an `agentic.rollout.EpisodeRunner`) runs the agentic tool loop against the
+environment with the task's budget over the whole response (generated turns and environment answers).
+The response keeps the episode's loss mask (tool results and user turns 0); trailing environment tokens
+that no generated token follows are cut (nothing in them is trained). An aborted episode restarts from
+the prompt next iteration: an environment's state cannot be carried over like a token prefix. A failed
+episode (environment or engine error) keeps no tokens, so the batch check drops it (`span`).
 """
 
 from __future__ import annotations
@@ -23,9 +31,9 @@ import itertools
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
+from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, SamplingParams
 from k2jax.rl.rollout_batch import RolloutBatch
 from k2jax.rl.rewards.base import GroupRewardFn, Prompt
 from k2jax.rl.samples import Group, Sample, build_batch, completion_of
@@ -87,9 +95,12 @@ class RolloutManager:
     prompts: Iterator[Prompt],
     reward_fn: GroupRewardFn,
     decode: Callable[[Sequence[int]], str] | None = None,
+    episodes: Callable[..., Any] | None = None,
   ):
     self.config = config
     self.engine = engine
+    self._episodes = episodes
+    self._tracked = _TrackedEngine(self)
     self._prompts = iter(prompts)
     self._reward_fn = reward_fn
     self._decode = decode
@@ -162,7 +173,8 @@ class RolloutManager:
     oldest_ok = weight_version - self.config.max_staleness
     for g in groups:
       for s in g.samples:
-        if s.versions and min(s.versions) < oldest_ok:
+        sampled = [v for v in s.versions if v >= 0]  # environment tokens carry no version
+        if sampled and min(sampled) < oldest_ok:
           stats["stale_tokens_dropped"] += s.reset()
           stats["stale_samples_restarted"] += 1
           if g.rewards is not None:
@@ -208,6 +220,8 @@ class RolloutManager:
   def _advance(self, s: Sample, uid: int, temperature: float, version: int) -> None:
     """Generates `s` until it stops, exhausts its budget, or the manager is stopping."""
     budget = self.config.budget(s.prompt.task)
+    if "episode" in s.prompt.data:
+      return self._run_episode(s, uid, temperature, version, budget)
     while not s.done:
       left = budget - len(s.output_ids)
       if left <= 0:  # resumed with nothing left (slime: budget 0 -> truncated)
@@ -243,6 +257,38 @@ class RolloutManager:
         s.finish = res.finish_reason
         s.truncated = res.finish_reason == "length"
 
+  def _run_episode(self, s: Sample, uid: int, temperature: float, version: int, budget: int) -> None:
+    if self._episodes is None:
+      raise ValueError(f"prompt {s.prompt.prompt_id} is an agentic episode but the rollout has no episode runner")
+    if self._stopping.is_set():
+      return
+    rid = f"{s.prompt.prompt_id}/g{uid}/s{s.index}/v{version}"
+    traj = self._episodes(
+      s.prompt.data["episode"],
+      s.prompt.data["env"],
+      rid,
+      self._tracked,
+      temperature=temperature,
+      seed=s.seed,
+      budget=budget,
+    )
+    if traj.end == "abort":
+      s.reset()
+      return
+    P = traj.prompt_length
+    out, mask = traj.tokens[P:], traj.loss_mask[P:]
+    while mask and not mask[-1]:
+      out, mask = out[:-1], mask[:-1]
+    keep = 0 if traj.failed else len(out)
+    s.episode_prompt = tuple(traj.tokens[:P])
+    s.output_ids, s.mask = list(out[:keep]), list(mask[:keep])
+    s.logprobs, s.versions = list(traj.logprobs[P : P + keep]), list(traj.versions[P : P + keep])
+    s.segments = len(traj.turns)
+    s.finish, s.truncated = ("length" if traj.truncated else "stop"), traj.truncated
+    s.info = {"env_reward": float(traj.reward), "end": traj.end, "turns": len(traj.turns)}
+    if traj.failed:
+      s.info["error"] = str(traj.info.get("error", ""))[:300]
+
   def _score(self, g: Group) -> None:
     if g.rewards is None:
       completions = [completion_of(s, self._decode) for s in g.samples]
@@ -256,6 +302,29 @@ class RolloutManager:
       return {"partial_tokens_kept": kept, "samples_aborted": aborted, "tokens_discarded": 0}
     self._buffer = extra
     return {"partial_tokens_kept": 0, "samples_aborted": aborted, "tokens_discarded": kept}
+
+
+class _TrackedEngine:
+  """The manager's engine as episodes see it: each request id is registered for aborts, and no request
+  starts once the manager is stopping (it returns an empty `abort` result instead)."""
+
+  def __init__(self, manager: "RolloutManager"):
+    self._m = manager
+
+  def generate(self, request: GenerateRequest) -> GenerateResult:
+    m = self._m
+    with m._lock:
+      if m._stopping.is_set():
+        return GenerateResult(request.rid, (), (), (), "abort", prompt_tokens=len(request.input_ids))
+      m._active.add(request.rid)
+    try:
+      return m.engine.generate(request)
+    finally:
+      with m._lock:
+        m._active.discard(request.rid)
+
+  def abort(self, rids: Sequence[str]) -> None:
+    self._m.engine.abort(rids)
 
 
 def _checked_rewards(fn: GroupRewardFn, prompt: Prompt, completions) -> list:

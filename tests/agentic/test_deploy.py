@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import yaml
 
-from k2jax.rl.envs.service import env_factories
+from k2jax.agentic.envs.service import env_factories
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy"
 
@@ -44,8 +44,8 @@ def test_manifests_match_the_services():
     labels = d["spec"]["template"]["metadata"]["labels"]
     assert all(labels.get(k) == v for k, v in policy["spec"]["podSelector"]["matchLabels"].items())
   dockerfile = (DEPLOY / "Dockerfile").read_text()
-  assert re.search(r'ENTRYPOINT \["python", "-m", "k2jax.rl.envs"', dockerfile)
-  assert (pathlib.Path(__file__).resolve().parents[2] / "k2jax/rl/envs/__main__.py").is_file()
+  assert re.search(r'ENTRYPOINT \["python", "-m", "k2jax.agentic.envs"', dockerfile)
+  assert (pathlib.Path(__file__).resolve().parents[2] / "k2jax/agentic/envs/__main__.py").is_file()
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")

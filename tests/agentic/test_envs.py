@@ -11,9 +11,9 @@ import pytest
 import requests
 
 from k2jax.agentic import Guard, GuardConfig
-from k2jax.rl.envs import EnvPool, EnvPoolConfig, EnvService, RemoteEnvConfig, RemoteEnvironment
-from k2jax.rl.envs.code import CodeEnv
-from k2jax.rl.envs.simulated import SimToolsEnv
+from k2jax.agentic.envs import EnvPool, EnvPoolConfig, EnvService, RemoteEnvConfig, RemoteEnvironment
+from k2jax.agentic.envs.code import CodeEnv
+from k2jax.agentic.envs.simulated import SimToolsEnv
 from k2jax.sandbox.runner import isolation_error
 
 TASK = {

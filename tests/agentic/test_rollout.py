@@ -5,13 +5,14 @@ import threading
 
 import numpy as np
 
-from k2jax.agentic.rollout import MultiTurnConfig, MultiTurnRunner, to_rollout_batch
+from k2jax.agentic.rollout import MultiTurnConfig, MultiTurnRunner
+from k2jax.rl.samples import to_rollout_batch
 from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import load_tokenizer
 from k2jax.engine.base import Engine, GenerateResult
 from k2jax.engine.http import HttpEngine, HttpEngineConfig
-from k2jax.rl.envs import EnvService, RemoteEnvConfig, RemoteEnvironment
-from k2jax.rl.envs.simulated import SimToolsEnv
+from k2jax.agentic.envs import EnvService, RemoteEnvConfig, RemoteEnvironment
+from k2jax.agentic.envs.simulated import SimToolsEnv
 
 TASK = {
   "id": "t",

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 from k2jax.data import SFTDataConfig, SourceSpec, make_sft_iter
-from k2jax.data.synth import SynthConfig, run_synth
+from k2jax.synth import SynthConfig, run_synth
 from k2jax.llm_client import ChatConfig
 from k2jax.optim import muonclip
 from k2jax.train import ModelDef, init_state, make_train_step

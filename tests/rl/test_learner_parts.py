@@ -172,7 +172,7 @@ def test_math_jsonl_task(tmp_path):
   with pytest.raises(ValueError, match="warm start"):
     task.format_examples(1, np.random.default_rng(0))
   path.write_text('{"question": "no answer"}\n')
-  with pytest.raises(ValueError, match=r"math.jsonl:1: a math record needs"):
+  with pytest.raises(ValueError, match=r"math.jsonl:1: a math record needs \[.answer.\]"):
     MathJsonlTask(str(path), tok)
 
 

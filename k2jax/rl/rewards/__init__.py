@@ -2,6 +2,7 @@
 
 from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResult, per_sample
 from k2jax.rl.rewards.code import code_reward
+from k2jax.rl.rewards.contract import REWARD_KINDS, EngineJudge, RewardConfig, make_reward
 from k2jax.sandbox.code import CodeRewardConfig, run_tests
 from k2jax.rl.rewards.instruction import instruction_reward
 from k2jax.rl.rewards.judge import llm_judge_reward

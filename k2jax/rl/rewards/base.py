@@ -32,6 +32,7 @@ class Completion:
   text: str
   finish_reason: str  # "stop" or "length"
   truncated: bool  # hit the task's total token budget
+  info: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # episodes: env_reward, end, env details
 
 
 # A group reward scores the K completions of one prompt together (needed by pairwise judges).

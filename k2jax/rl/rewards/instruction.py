@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from k2jax.rl.rewards.base import RewardResult
 
@@ -134,6 +134,38 @@ class LetterCase:
       raise ValueError(f"LetterCase.case must be 'lower' or 'upper', got {self.case!r}")
     ok = text == (text.lower() if self.case == "lower" else text.upper())
     return ok, f"{'all' if ok else 'not all'} {self.case}case"
+
+
+CONSTRAINTS = {
+  "word_count": WordCount,
+  "char_count": CharCount,
+  "include_keywords": IncludeKeywords,
+  "exclude_keywords": ExcludeKeywords,
+  "json_format": JsonFormat,
+  "bullet_count": BulletCount,
+  "paragraph_count": ParagraphCount,
+  "starts_with": StartsWith,
+  "ends_with": EndsWith,
+  "no_commas": NoCommas,
+  "letter_case": LetterCase,
+}
+
+
+def constraints_from_dicts(specs: Sequence[Mapping[str, Any]]) -> list[Constraint]:
+  """Task data -> constraints: `[{"kind": "word_count", "max_words": 50}, {"kind": "no_commas"}, ...]`."""
+  if not isinstance(specs, (list, tuple)) or not specs:
+    raise ValueError(f"instruction constraints must be a non-empty list of objects, got {specs!r:.200}")
+  out = []
+  for i, spec in enumerate(specs):
+    kind = spec.get("kind") if isinstance(spec, Mapping) else None
+    if kind not in CONSTRAINTS:
+      raise ValueError(f"constraints[{i}]: unknown kind {kind!r}; known: {sorted(CONSTRAINTS)}")
+    params = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items() if k != "kind"}
+    try:
+      out.append(CONSTRAINTS[kind](**params))
+    except TypeError as e:
+      raise ValueError(f"constraints[{i}] ({kind}): {e}") from None
+  return out
 
 
 def instruction_reward(text: str, constraints: Sequence[Constraint]) -> RewardResult:

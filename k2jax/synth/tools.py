@@ -17,8 +17,8 @@ import re
 from typing import Sequence
 
 from k2jax.agentic.tools import ToolSpecError, load_tool_dicts, sanitize_name, tool_from_dict
-from k2jax.data.synth.llm import LLM
-from k2jax.data.synth.store import StageStore
+from k2jax.synth.llm import LLM
+from k2jax.synth.store import StageStore
 
 DOMAINS_PROMPT = """ROLE: domain_generator
 You design application domains for AI agents that use tools. For the category below, list {n} distinct

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from k2jax.rl.envs.base import Environment, StepResult
+from k2jax.agentic.envs.base import Environment, StepResult
 from k2jax.transport import RetryPolicy, ServiceError, call_json
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from k2jax.data.chat import ChatFormatError, normalize_messages
-from k2jax.data.synth.llm import LLM
+from k2jax.synth.llm import LLM
 
 JUDGE_PROMPT = """ROLE: judge
 You grade an AI agent's conversation against the task rubric. Check every success criterion and

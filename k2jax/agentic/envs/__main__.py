@@ -1,4 +1,4 @@
-"""`python -m k2jax.rl.envs --env=sim_tools --port=8080 [--egress_allow=host:port,...]`: one env service.
+"""`python -m k2jax.agentic.envs --env=sim_tools --port=8080 [--egress_allow=host:port,...]`: one env service.
 
 Prints `READY <port>` once serving. Without --egress_allow the process may open no outbound connection.
 """
@@ -6,7 +6,7 @@ Prints `READY <port>` once serving. Without --egress_allow the process may open 
 from absl import app, flags
 
 from k2jax.agentic.guards import install_egress_hook
-from k2jax.rl.envs.service import EnvService
+from k2jax.agentic.envs.service import EnvService
 
 _ENV = flags.DEFINE_string("env", "sim_tools", "Environment to host (sim_tools | code).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Bind address (0.0.0.0 in a container).")

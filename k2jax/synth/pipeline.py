@@ -19,12 +19,12 @@ import json
 import logging
 import os
 
-from k2jax.data.synth import agents as agents_lib
-from k2jax.data.synth import tools as tools_lib
-from k2jax.data.synth.judge import judge
-from k2jax.data.synth.llm import LLM
-from k2jax.data.synth.store import StageStore, run_units
-from k2jax.data.synth.trajectories import make_trajectory
+from k2jax.synth import agents as agents_lib
+from k2jax.synth import tools as tools_lib
+from k2jax.synth.judge import judge
+from k2jax.synth.llm import LLM
+from k2jax.synth.store import StageStore, run_units
+from k2jax.synth.trajectories import make_trajectory
 from k2jax.llm_client import ChatConfig
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ import threading
 import time
 from typing import Any, Mapping
 
-from k2jax.rl.envs.base import Environment, StepResult
-from k2jax.rl.envs.client import RemoteEnvConfig, RemoteEnvironment
+from k2jax.agentic.envs.base import Environment, StepResult
+from k2jax.agentic.envs.client import RemoteEnvConfig, RemoteEnvironment
 from k2jax.transport import ServiceError
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class _Worker:
     cmd = [
       sys.executable,
       "-m",
-      "k2jax.rl.envs",
+      "k2jax.agentic.envs",
       f"--env={self.config.env}",
       "--port=0",
       f"--egress_allow={','.join(self.config.egress_allow)}",

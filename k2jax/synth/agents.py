@@ -13,7 +13,7 @@ import hashlib
 import json
 import random
 
-from k2jax.data.synth.llm import LLM
+from k2jax.synth.llm import LLM
 
 AGENT_PROMPT = """ROLE: agent_designer
 You write the system prompt of an AI agent that uses the tools listed below. Give it a role,

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from k2jax.agentic.guards import Guard, GuardConfig, ToolFailure
 from k2jax.agentic.tools import Impact, ToolRegistry, ToolSpec
-from k2jax.rl.envs.base import ToolEnvironment
+from k2jax.agentic.envs.base import ToolEnvironment
 
 _STR = {"type": "string", "minLength": 1, "maxLength": 200}
 

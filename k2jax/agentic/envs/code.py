@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from k2jax.agentic.guards import Guard, GuardConfig
 from k2jax.agentic.tools import Impact, ToolRegistry, ToolSpec
-from k2jax.rl.envs.base import StepResult, ToolEnvironment
+from k2jax.agentic.envs.base import StepResult, ToolEnvironment
 from k2jax.sandbox.code import CodeRewardConfig, extract_code, run_tests
 from k2jax.sandbox.runner import SandboxConfig, run_python
 

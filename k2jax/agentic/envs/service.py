@@ -12,7 +12,7 @@ with 429 so the caller backs off: at most `max_episodes` live episodes (idle one
 `episode_ttl_s`) and at most `max_running_steps` steps (each may run a sandbox) at once. FastAPI on
 uvicorn like k2jax.serve (`k2jax.httpservice`); steps run on worker threads.
 
-  python -m k2jax.rl.envs --env=sim_tools --port=8080 [--egress_allow=host:port,...]
+  python -m k2jax.agentic.envs --env=sim_tools --port=8080 [--egress_allow=host:port,...]
 prints `READY <port>` once serving (the pool reads it). With no --egress_allow the process has no
 outbound network at all (`install_egress_hook`).
 """
@@ -30,16 +30,16 @@ import fastapi
 
 from k2jax import httpservice
 from k2jax.agentic.guards import Guard, GuardConfig
+from k2jax.agentic.envs.base import Environment
 from k2jax.httpservice import HttpError, HttpLimits
-from k2jax.rl.envs.base import Environment
 
 log = logging.getLogger(__name__)
 
 
 def env_factories() -> dict[str, Callable[[Guard], Environment]]:
   """Environments a service can host, by name (imported lazily: the code env pulls the sandbox)."""
-  from k2jax.rl.envs.code import CodeEnv
-  from k2jax.rl.envs.simulated import SimToolsEnv
+  from k2jax.agentic.envs.code import CodeEnv
+  from k2jax.agentic.envs.simulated import SimToolsEnv
 
   return {"sim_tools": lambda g: SimToolsEnv(g), "code": lambda g: CodeEnv(g)}
 

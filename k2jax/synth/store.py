@@ -10,7 +10,7 @@ import threading
 from typing import Callable, Sequence
 
 from k2jax.data.sources import end_torn_line
-from k2jax.data.synth.llm import InvalidOutput
+from k2jax.synth.llm import InvalidOutput
 
 
 class StageStore:
