@@ -16,16 +16,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
+from k2jax import compile_cache  # noqa: E402
 
 from k2jax.rl import learner  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:tiny", "RL config file and variant.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, weight pushes).", required=True)
+_COMPILE_CACHE = compile_cache.define_flag()
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  compile_cache.enable(_COMPILE_CACHE.value)
   final = learner.run(_CONFIG.value, _WORKDIR.value)
   print(json.dumps({k: final[k] for k in ("step", "reward_mean", "eval_accuracy") if k in final}))
 
