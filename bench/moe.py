@@ -1,24 +1,26 @@
 """One MoE layer vs a dense SwiGLU of the same activated FLOPs: forward+backward time ratios.
 
-  python bench/moe.py [--reps=3]
+  python bench/moe.py [--reps=5]
 
 The dense baseline has width (num_experts_per_tok + n_shared_experts) * moe_intermediate_size, so
 both sides do the same expert matmul FLOPs per token (the MoE also pays its router, D x E, and the
-sort/dispatch). Both are timed in the same run: on one device, then under each sharding preset on 8
-fake CPU devices (the dense layer sharded by the same preset). Also printed: the EP fixed-size
-all-to-all padding overhead (rows sent / real token copies) and, on one device, `ragged_dot`'s cost
-relative to the grouped-matmul kernel the CPU path uses. Last line: `moe_over_dense=<ratio>` for the
-small width on one device.
+sort/dispatch). Every ratio is the median over `reps` interleaved repetitions (MoE, dense, MoE, ...)
+with its min-max spread (bench/interleave.py). One-device figures come from a subprocess with one
+CPU device (`--one_device`); the per-preset figures from this process's 8 fake CPU devices (the dense
+layer sharded by the same preset). Also printed: the EP fixed-size all-to-all padding overhead (rows
+sent / real token copies) and, on one device, `ragged_dot`'s cost relative to the grouped-matmul
+kernel the CPU path uses. Last line: `moe_over_dense=<ratio>` for the small width on one device.
 """
 
 import os
+import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+ONE_DEVICE = "--one_device" in sys.argv
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={1 if ONE_DEVICE else 8}")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,6 +32,8 @@ from k2jax import sharding  # noqa: E402
 from k2jax.model import expert_parallel, grouped_matmul, presets  # noqa: E402
 from k2jax.model.block import MoE  # noqa: E402
 from k2jax.model.layers import SwiGLU  # noqa: E402
+
+import interleave  # noqa: E402  bench/interleave.py
 
 # (batch, length) per width: 2048 tokens -> 512 (tiny) / 256 (small) token copies per expert. Fewer
 # rows per expert make the MoE weight-bandwidth bound (E x the dense layer's weights and weight grads).
@@ -59,42 +63,42 @@ def _loss(graphdef, state, x, cot, moe: bool):
   return jnp.sum(out * cot)
 
 
-def time_fwd_bwd(graphdef, state, x, cot, moe: bool, reps: int) -> float:
+def fwd_bwd(graphdef, state, x, cot, moe: bool):
+  """A blocking call of the compiled (and warmed-up) forward+backward."""
   fn = jax.jit(jax.grad(functools.partial(_loss, graphdef, moe=moe), argnums=(0, 1)))
   jax.block_until_ready(fn(state, x, cot))  # compile + warm-up
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(state, x, cot))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return lambda: jax.block_until_ready(fn(state, x, cot))
 
 
-def run_width(width: str, reps: int) -> float:
+def one_device_width(width: str, reps: int) -> None:
+  ((moe_g, moe_s), (dense_g, dense_s)), x, cot = build(width)
+  t = interleave.time_interleaved(
+    {"moe": fwd_bwd(moe_g, moe_s, x, cot, True), "dense": fwd_bwd(dense_g, dense_s, x, cot, False)}, reps
+  )
+  print(
+    f"{width}_1dev_moe_ms={interleave.median_ms(t['moe'])} {width}_1dev_dense_ms={interleave.median_ms(t['dense'])}"
+  )
+  print(interleave.fmt(f"{width}_1dev_moe_over_dense", interleave.ratio(t, "moe", "dense"), reps), flush=True)
+
+
+def eight_device_width(width: str, reps: int) -> None:
   ((moe_g, moe_s), (dense_g, dense_s)), x, cot = build(width)
   cfg = presets.get(width)
-  t_moe = time_fwd_bwd(moe_g, moe_s, x, cot, True, reps)
-  t_dense = time_fwd_bwd(dense_g, dense_s, x, cot, False, reps)
-  print(f"{width}_1dev_moe_ms={1e3 * t_moe:.2f}")
-  print(f"{width}_1dev_dense_ms={1e3 * t_dense:.2f}")
-  ratio_1dev = t_moe / t_dense
-  print(f"{width}_1dev_moe_over_dense={ratio_1dev:.3f}")
   for preset, mesh_shape in MESHES.items():
     mesh = sharding.make_mesh(mesh_shape)
     place = lambda s: jax.device_put(s, sharding.param_shardings(s, mesh, preset))  # noqa: E731
     xs = jax.device_put((x, cot), NamedSharding(mesh, sharding.logical_to_spec(("act_batch", None, None), preset)))
     with sharding.use(mesh, preset):
-      t_moe = time_fwd_bwd(moe_g, place(moe_s), *xs, True, reps)
-      t_dense = time_fwd_bwd(dense_g, place(dense_s), *xs, False, reps)
+      fns = {"moe": fwd_bwd(moe_g, place(moe_s), *xs, True), "dense": fwd_bwd(dense_g, place(dense_s), *xs, False)}
+      t = interleave.time_interleaved(fns, reps)
       ctx = sharding.current()
-    print(f"{width}_{preset}_8dev_moe_over_dense={t_moe / t_dense:.3f}")
+    print(interleave.fmt(f"{width}_{preset}_8dev_moe_over_dense", interleave.ratio(t, "moe", "dense"), reps))
     if ctx.axis_size("experts") > 1:
       overhead = expert_parallel.expected_padding_overhead(cfg, ctx, x.shape[0] * x.shape[1])
-      print(f"{width}_{preset}_8dev_a2a_padding_overhead={overhead:.2f}")
-  return ratio_1dev
+      print(f"{width}_{preset}_8dev_a2a_padding_overhead={overhead:.2f}", flush=True)
 
 
-def ragged_dot_over_kernel(reps: int) -> float:
+def ragged_dot_over_kernel(reps: int) -> None:
   """fwd+bwd of one grouped matmul at the small width (1024 rows): ragged_dot over the kernel."""
   cfg = presets.get("small")
   E, D, F, M = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, 1024
@@ -103,29 +107,41 @@ def ragged_dot_over_kernel(reps: int) -> float:
   w = jnp.asarray(0.05 * rng.standard_normal((E, D, F)), jnp.float32)
   sizes = jnp.asarray(np.bincount(rng.integers(0, E, M), minlength=E), jnp.int32)
   tile = grouped_matmul.default_tile(M, E)
-  out = {}
+  fns = {}
   for name, mm in (
     ("ragged_dot", jax.lax.ragged_dot),
     ("kernel", lambda a, b, s: grouped_matmul.grouped_matmul(a, b, s, tile)),
   ):
     fn = jax.jit(jax.grad(lambda a, b, mm=mm: jnp.sum(mm(a, b, sizes) ** 2), argnums=(0, 1)))
     jax.block_until_ready(fn(x, w))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-      jax.block_until_ready(fn(x, w))
-    out[name] = (time.perf_counter() - t0) / reps
-  return out["ragged_dot"] / out["kernel"]
+    fns[name] = lambda fn=fn: jax.block_until_ready(fn(x, w))
+  t = interleave.time_interleaved(fns, reps)
+  print(interleave.fmt("small_ragged_dot_over_cpu_kernel", interleave.ratio(t, "ragged_dot", "kernel"), reps))
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--one_device", action="store_true", help="internal: the one-device half")
+  parser.add_argument("--widths", default=",".join(SHAPES))
   args = parser.parse_args()
+  widths = args.widths.split(",")
+  if args.one_device:
+    print(f"backend={jax.default_backend()} devices={jax.device_count()}")
+    if jax.default_backend() == "cpu":
+      ragged_dot_over_kernel(args.reps)
+    for width in widths:
+      one_device_width(width, args.reps)
+    return
+  lines = interleave.one_device_subprocess(__file__, "--one_device", f"--reps={args.reps}", f"--widths={args.widths}")
   print(f"backend={jax.default_backend()} devices={jax.device_count()}")
-  if jax.default_backend() == "cpu":
-    print(f"small_ragged_dot_over_cpu_kernel={ragged_dot_over_kernel(args.reps):.2f}")
-  ratios = {width: run_width(width, args.reps) for width in SHAPES}
-  print(f"moe_over_dense={ratios['small']:.3f}")
+  for width in widths:
+    eight_device_width(width, args.reps)
+  one = dict(kv.split("=", 1) for line in lines for kv in line.split() if "=" in kv)
+  for width in widths:
+    print(f"{width}_moe_over_dense={one[f'{width}_1dev_moe_over_dense']}")
+  if "small" in widths:
+    print(f"moe_over_dense={one['small_1dev_moe_over_dense']}")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from k2jax import compile_cache  # noqa: E402
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:tiny", "RL config file and variant.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, weight pushes).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print params and the per-device memory plan, then exit.")
 _COORD = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (else K2JAX_COORDINATOR).")
 _NPROC = flags.DEFINE_integer("num_processes", None, "Total JAX processes (multi-host).")
 _PID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
+_COMPILE_CACHE = compile_cache.define_flag()
 
 
 def main(argv):
@@ -42,6 +45,7 @@ def main(argv):
 
   distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  compile_cache.enable(_COMPILE_CACHE.value)
   final = learner.run(_CONFIG.value, _WORKDIR.value)
   if final:
     print(json.dumps({k: final[k] for k in ("step", "reward_mean", "eval_accuracy") if k in final}))

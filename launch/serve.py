@@ -14,6 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+from k2jax import compile_cache  # noqa: E402
 
 from k2jax.engine import EngineConfig  # noqa: E402
 from k2jax.httpservice import HttpLimits  # noqa: E402
@@ -38,10 +39,12 @@ _API_KEY = flags.DEFINE_string(
 _WEIGHTS_ROOT = flags.DEFINE_string(
   "weights_root", None, "/update_weights_from_disk loads only paths inside this dir (default: the model's parent)."
 )
+_COMPILE_CACHE = compile_cache.define_flag()
 
 
 def main(argv):
   del argv
+  compile_cache.enable(_COMPILE_CACHE.value)
   logging.basicConfig(level=logging.INFO)
   config = EngineConfig(max_slots=_SLOTS.value, max_seq_len=_MAX_LEN.value, prefix_cache_entries=_PREFIX.value)
   server = Server(

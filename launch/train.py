@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
+from k2jax import compile_cache  # noqa: E402
 
 config_flags.DEFINE_config_file("config", None, "configs/k2.py:<variant>", lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard events.")
@@ -24,11 +25,13 @@ flags.DEFINE_string(
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (else K2JAX_COORDINATOR or the cluster).")
 flags.DEFINE_integer("num_processes", None, "Total JAX processes (multi-host).")
 flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
+_COMPILE_CACHE = compile_cache.define_flag()
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   del argv
+  compile_cache.enable(_COMPILE_CACHE.value)
   from k2jax.train import dryrun, loop
 
   if FLAGS.dry_run:

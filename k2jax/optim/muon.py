@@ -93,6 +93,46 @@ def newton_schulz(x, *, steps=5, coeffs=DEFAULT_NS_COEFFS, eps=1e-7, dtype=None)
   return jnp.swapaxes(x_MN, -1, -2) if tall else x_MN
 
 
+def stacked_newton_schulz(tree, **ns):
+  """`newton_schulz` of every leaf, same-shape matrices of different leaves in ONE batch.
+
+  Leaves whose wide orientation ([..., A, B], A <= B) has the same shape, dtype and sharding are
+  stacked on a new leading axis, so each NS product is one batched dot_general over all of them
+  (e.g. an MoE layer's w_gate^T, w_up^T and w_down: [3, L, E, A, B]), not one per leaf. The stack
+  adds an axis and moves no data between devices (batch and matrix axes keep their sharding).
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  groups: dict = {}
+  for i, x in enumerate(leaves):
+    tall = x.shape[-2] > x.shape[-1]
+    wide_shape = x.shape[:-2] + ((x.shape[-1], x.shape[-2]) if tall else x.shape[-2:])
+    groups.setdefault((wide_shape, x.dtype, _wide_sharding(x, tall)), []).append((i, tall))
+  out = list(leaves)
+  for members in groups.values():
+    if len(members) == 1:
+      i, _ = members[0]
+      out[i] = newton_schulz(leaves[i], **ns)
+      continue
+    wide = [jnp.swapaxes(leaves[i], -1, -2) if tall else leaves[i] for i, tall in members]
+    ortho = newton_schulz(jnp.stack(wide), **ns)
+    for j, (i, tall) in enumerate(members):
+      out[i] = jnp.swapaxes(ortho[j], -1, -2) if tall else ortho[j]
+  return jax.tree.unflatten(treedef, out)
+
+
+def _wide_sharding(x, tall: bool):
+  """Hashable (mesh, spec) of x's sharding in the wide orientation (matrix axes swapped if tall)."""
+  sharding = jax.typeof(x).sharding
+  spec = getattr(sharding, "spec", None)
+  if spec is None:
+    return None
+  spec = tuple(spec) + (None,) * (x.ndim - len(spec))
+  if tall:
+    spec = spec[:-2] + (spec[-1], spec[-2])
+  mesh = getattr(sharding, "mesh", None)
+  return (tuple(getattr(mesh, "shape", {}).items()) if mesh is not None else None, spec)
+
+
 def _explicit_gather_matrix_axes(x):
   """On an explicit-sharding mesh, gather the matrix axes (batch axes keep their sharding).
 
@@ -153,7 +193,7 @@ def scale_by_muon(
     ns_in = jax.tree.map(lambda m, g: momentum * m + g, mu, updates) if nesterov else mu
     ns = dict(steps=ns_steps, coeffs=ns_coeffs, eps=ns_eps, dtype=ns_dtype)
     if owners is None:
-      ortho = jax.tree.map(lambda x: newton_schulz(x, **ns), ns_in)
+      ortho = stacked_newton_schulz(ns_in, **ns)
     else:
       ortho = _owner_newton_schulz(ns_in, owners, ns)
     out = jax.tree.map(lambda o, g: _rescale(o, rms_scale, rms_mode).astype(g.dtype), ortho, updates)

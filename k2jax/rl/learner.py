@@ -110,7 +110,7 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
   """ConfigDict -> LearnerConfig (the one boundary); errors name the config key."""
   m = c.model
   try:
-    preset = presets.get(m.preset, **{k: m[k] for k in EXEC_FIELDS})
+    preset = presets.get(m.preset, **{k: m[k] for k in EXEC_FIELDS if k in m})
   except KeyError as e:
     raise ConfigError(f"model.preset: {e.args[0]}") from None
   model = resolve_model(preset, m.init_from, key="model.init_from")
@@ -486,7 +486,7 @@ def dry_run(config: config_dict.ConfigDict) -> str:
   holds the rollout rows and the PTX rows at once."""
   m = config.model
   try:
-    preset = presets.get(m.preset, **{k: m[k] for k in EXEC_FIELDS})
+    preset = presets.get(m.preset, **{k: m[k] for k in EXEC_FIELDS if k in m})
   except KeyError as e:
     raise ConfigError(f"model.preset: {e.args[0]}") from None
   model = resolve_model(preset, m.init_from, key="model.init_from")

@@ -8,6 +8,7 @@ import pytest
 from conftest import synthetic_params
 
 from k2jax.optim import label_params, muonclip, newton_schulz, scale_by_muon
+from k2jax.optim.muon import stacked_newton_schulz
 from k2jax.optim.labels import ADAMW
 
 A, B, C = 3.4445, -4.7750, 2.0315
@@ -94,6 +95,43 @@ def test_batch_axes_are_independent_matrices():
   one = jnp.stack([jnp.stack([newton_schulz(x[i, j]) for j in range(3)]) for i in range(2)])
   np.testing.assert_allclose(batched, one, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(batched[0, 0], ref_ns(np.asarray(x[0, 0], np.float64)), atol=2e-5)
+
+
+def _eqns(jaxpr, name):
+  """Equations of primitive `name` in jaxpr and its sub-jaxprs (pjit, custom_jvp, ...)."""
+  found = []
+  for e in jaxpr.eqns:
+    if e.primitive.name == name:
+      found.append(e)
+      continue
+    for p in e.params.values():
+      sub = getattr(p, "jaxpr", p)
+      if isinstance(sub, jax.extend.core.Jaxpr):
+        found += _eqns(sub, name)
+  return found
+
+
+def test_expert_matrices_share_one_batched_matmul_per_ns_product():
+  """An MoE layer's w_gate, w_up [L, E, D, F] and w_down [L, E, F, D]: one stack, one dot each."""
+  rng = np.random.default_rng(4)
+  tree = {
+    "w_gate": rng.standard_normal((2, 3, 8, 5)),
+    "w_up": rng.standard_normal((2, 3, 8, 5)),
+    "w_down": rng.standard_normal((2, 3, 5, 8)),
+    "other": rng.standard_normal((4, 6)),
+  }
+  tree = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), tree)
+  got = stacked_newton_schulz(tree)
+  for name, x in tree.items():
+    np.testing.assert_allclose(got[name], newton_schulz(x), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got["w_down"][1, 2], ref_ns(np.asarray(tree["w_down"][1, 2], np.float64)), atol=2e-5)
+  jaxpr = jax.make_jaxpr(lambda t: stacked_newton_schulz({k: t[k] for k in ("w_gate", "w_up", "w_down")}))(tree)
+  loops = _eqns(jaxpr.jaxpr, "scan") + _eqns(jaxpr.jaxpr, "while")
+  assert len(loops) == 1  # one NS loop for the three leaves
+  body = loops[0].params.get("jaxpr") or loops[0].params["body_jaxpr"]
+  dots = _eqns(body.jaxpr, "dot_general")
+  assert len(dots) == 3  # X X^T, G G, (bG + cG^2) X: each one batched dot over [3, L, E]
+  assert all(d.outvars[0].aval.shape[:3] == (3, 2, 3) for d in dots)
 
 
 def test_first_step_agrees_with_optax_contrib():

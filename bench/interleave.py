@@ -1,0 +1,53 @@
+"""Interleaved timing for bench/: A B A B ... repetitions, ratios as median with min-max spread.
+
+Timing A's reps, then B's, lets a neighbour's load land on one side only; interleaving exposes both
+sides to the same load, and the per-rep ratio A_i / B_i cancels most of it. Single-device figures
+come from `one_device_subprocess` (a fresh process with one CPU device), never from a process whose
+8 fake devices share the cores.
+"""
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def time_interleaved(fns: dict, reps: int) -> dict[str, list[float]]:
+  """Seconds per call of each blocking fn, `reps` rounds of one call each in dict order."""
+  times = {name: [] for name in fns}
+  for _ in range(reps):
+    for name, fn in fns.items():
+      t = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t)
+  return times
+
+
+def ratio(times: dict[str, list[float]], a: str, b: str) -> tuple[float, float, float]:
+  """(median, min, max) over reps of times[a][i] / times[b][i]."""
+  r = [x / y for x, y in zip(times[a], times[b])]
+  return statistics.median(r), min(r), max(r)
+
+
+def fmt(name: str, r: tuple[float, float, float], reps: int) -> str:
+  """`name=<median> name_spread=[min,max] reps=<n>`: one parseable line."""
+  return f"{name}={r[0]:.3f} {name}_spread=[{r[1]:.3f},{r[2]:.3f}] reps={reps}"
+
+
+def median_ms(times: list[float]) -> str:
+  return f"{1e3 * statistics.median(times):.1f}[{1e3 * min(times):.1f},{1e3 * max(times):.1f}]"
+
+
+def one_device_subprocess(script: str, *args: str) -> list[str]:
+  """Run `python script *args` with one CPU device; echo and return its stdout lines."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  p = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, check=False)
+  if p.returncode:
+    raise RuntimeError(f"{script} {' '.join(args)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+  lines = p.stdout.splitlines()
+  for line in lines:
+    print(line, flush=True)
+  return lines
