@@ -202,6 +202,10 @@ def make_engine(lc: LearnerConfig, state: TrainState, decode) -> Engine:
     if lc.worker_urls:  # the router only forwards /generate: updates and aborts go to each worker
       engine = RoutedEngine(engine, [HttpEngine(HttpEngineConfig(u)) for u in lc.worker_urls])
     engine.wait_until_healthy(timeout_s=600)
+    # Pushing weights and stamping tokens with versions the server confirms; over-sampling aborts stragglers.
+    engine.capabilities().require(
+      "RL with weight sync", lc.engine_url, weight_update=True, weight_version=True, abort=True
+    )
     return engine
   model = model_from_state(lc.model, merge_dicts(state.params, state.bias))
   return EmbeddedEngine(model, lc.engine, eos_token_ids=lc.rollout.stop_token_ids, decode=decode)
