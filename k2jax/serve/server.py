@@ -7,6 +7,7 @@ time. Errors in a request's content answer 400 with `{"error": {"message", "para
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import threading
@@ -90,6 +91,8 @@ class Server:
       "health_generate": self.health,
       "get_model_info": self.model_info,
       "model_info": self.model_info,
+      "get_server_info": self.server_info,
+      "server_info": self.server_info,
       "v1/models": self.list_models,
       "v1/completions": lambda b: (200, openai_api.completions(b, self.engine, self.tokenizer, self.model_name)),
       "v1/chat/completions": lambda b: (
@@ -192,6 +195,23 @@ class Server:
       "max_seq_len": self.engine.config.max_seq_len,
       "max_running_requests": self.engine.config.max_slots,
       "preferred_sampling_params": None,
+    }
+
+  def server_info(self, body: Any) -> tuple[int, Any]:
+    """Identity and capabilities for the RL client's handshake (SGLang's route; `engine` names k2jax)."""
+    c = self.engine.config
+    return 200, {
+      "engine": "k2jax",
+      "version": importlib.metadata.version("k2jax"),
+      "capabilities": {
+        "weight_update": ["disk"],
+        "weight_version": True,
+        "seeded_sampling": True,  # keyed by (seed, position): resumed requests continue exactly
+        "abort": True,
+      },
+      "model_path": self.model_path,
+      "max_running_requests": c.max_slots,
+      "max_seq_len": c.max_seq_len,
     }
 
   def list_models(self, body: Any) -> tuple[int, Any]:
