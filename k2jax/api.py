@@ -9,6 +9,7 @@ from flax import nnx
 
 from k2jax.convert import hf as hf_io
 from k2jax.convert import workdir as wd
+from k2jax.convert.tokenizer import export_tokenizer
 from k2jax.model.config import K2Config
 from k2jax.model.transformer import K2Model
 
@@ -42,6 +43,18 @@ def load(path: str, **k2jax_fields) -> K2Model:
   raise FileNotFoundError(f"{path}: neither a k2jax workdir ({wd.MODEL_CONFIG}) nor an HF directory (config.json)")
 
 
-def save_hf(model: K2Model, dst: str, *, dtype: str | None = None, max_shard_bytes: int = 4 << 30) -> None:
-  """Write `model` to `dst` in the published Kimi-K2 HF layout (float32 or bfloat16)."""
+def save_hf(
+  model: K2Model,
+  dst: str,
+  *,
+  dtype: str | None = None,
+  max_shard_bytes: int = 4 << 30,
+  tokenizer_from: str | None = None,
+) -> None:
+  """Write `model` to `dst` in the published Kimi-K2 HF layout (float32 or bfloat16), with its tokenizer.
+
+  The tokenizer files (`k2jax/convert/tokenizer.py`) come from `tokenizer_from`'s `tiktoken.model` when
+  it has one, else from the bundled BPE when the vocabulary fits, so the export serves text on its own.
+  """
   hf_io.save_hf(model.cfg, nnx.to_pure_dict(nnx.state(model)), dst, dtype=dtype, max_shard_bytes=max_shard_bytes)
+  export_tokenizer(dst, model.cfg.vocab_size, src=tokenizer_from)
