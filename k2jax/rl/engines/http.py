@@ -66,10 +66,11 @@ class HttpEngine(Engine):
     self._lock = threading.Lock()
     self._counters: collections.Counter[str] = collections.Counter()
     self._capabilities: EngineCapabilities | None = None
+    self._probe_lock = threading.Lock()  # the probe talks to the server: not under the counters' lock
 
   def capabilities(self) -> EngineCapabilities:
     """The server's identity and capabilities (probed on the first call, then cached)."""
-    with self._lock:
+    with self._probe_lock:
       if self._capabilities is None:
         c = self.config
         self._capabilities = probe_capabilities(self._base, self._headers, c.control_timeout_s, c.retry)
