@@ -29,6 +29,9 @@ setup(
     "rich>=13",
     "tensorboardX>=2.6",
     "matplotlib>=3.8",
+    "fastapi>=0.110",
+    "uvicorn>=0.30",
+    "pydantic>=2.7",
   ],
   extras_require={
     "test": [

@@ -3,7 +3,8 @@
   python launch/serve.py --model=PATH --port=30000 [--max_running_requests=8 --max_seq_len=2048]
 
 Routes: /generate, /update_weights_from_disk, /flush_cache, /abort_request, /health, /get_model_info,
-/v1/completions, /v1/chat/completions, /v1/models.
+/v1/completions, /v1/chat/completions (both with `stream: true`), /v1/models. With --api_key, the routes
+that change state need `Authorization: Bearer <key>`.
 """
 
 import logging
@@ -14,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from k2jax.httpservice import HttpLimits  # noqa: E402
 from k2jax.serve import EngineConfig, Server  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "k2jax workdir or HF directory (config.json + safetensors).", required=True)
@@ -29,6 +31,12 @@ _TOKENIZER = flags.DEFINE_string(
   "when the vocab matches; 'none' = token ids only.",
 )
 _NAME = flags.DEFINE_string("served_model_name", None, "Model name in OpenAI responses (default: dir name).")
+_API_KEY = flags.DEFINE_string(
+  "api_key", None, "Bearer token required on state-changing routes (weight updates, abort, flush); SGLang's --api-key."
+)
+_WEIGHTS_ROOT = flags.DEFINE_string(
+  "weights_root", None, "/update_weights_from_disk loads only paths inside this dir (default: the model's parent)."
+)
 
 
 def main(argv):
@@ -42,6 +50,8 @@ def main(argv):
     port=_PORT.value,
     tokenizer_path=_TOKENIZER.value,
     served_model_name=_NAME.value,
+    limits=HttpLimits(api_key=_API_KEY.value),
+    weights_root=_WEIGHTS_ROOT.value,
   )
   print(f"serving {_MODEL.value} at {server.url}", flush=True)
   try:

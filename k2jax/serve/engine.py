@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import secrets
 import threading
 import time
@@ -67,14 +68,15 @@ class Request:
 
 @dataclasses.dataclass
 class Completion:
-  """A finished request. `finish` is SGLang's finish_reason dict ({type: stop|length|abort, ...})."""
+  """A request's result. `finish` is SGLang's finish_reason dict ({type: stop|length|abort, ...}), None
+  while the request still runs (`InferenceEngine.progress`)."""
 
   rid: str
   prompt_tokens: int
   output_ids: list[int]
   logprobs: list[float]
   top_logprobs: list[list[tuple[int, float]]]
-  finish: dict
+  finish: dict | None
   cached_tokens: int
   weight_version: int
   latency_s: float
@@ -93,6 +95,14 @@ class _Live:
   abort_message: str | None = None
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   completion: Completion | None = None
+  on_update: Callable[[], None] | None = None  # called (scheduler thread) after each token and at the end
+
+  def notify(self) -> None:
+    if self.on_update is not None:
+      try:
+        self.on_update()
+      except Exception:  # a listener's failure is its own (e.g. its event loop closed)
+        log.exception("listener of %s failed", self.request.rid)
 
 
 class InferenceEngine:
@@ -130,10 +140,13 @@ class InferenceEngine:
     self._thread.start()
 
   # ---- public API -------------------------------------------------------------------------------
-  def submit(self, request: Request) -> _Live:
-    self._validate(request)
+  def submit(self, request: Request, on_update: Callable[[], None] | None = None) -> _Live:
+    """Queues `request`; `on_update` (optional) is called from the scheduler after every new token and
+    when the request finishes (streaming, disconnect checks), and must not block."""
+    self.check(request)
     s = request.sampling
-    live = _Live(request, seed=secrets.randbits(32) if s.seed is None else s.seed % 2**32, t0=time.monotonic())
+    seed = secrets.randbits(32) if s.seed is None else s.seed % 2**32
+    live = _Live(request, seed=seed, t0=time.monotonic(), on_update=on_update)
     with self._cv:
       if self._closed:
         raise RuntimeError("engine is closed")
@@ -151,6 +164,24 @@ class InferenceEngine:
     if not live.done.wait(timeout):
       raise TimeoutError(f"request {live.request.rid!r} not finished after {timeout}s")
     return live.completion
+
+  def progress(self, live: _Live) -> Completion:
+    """The request so far (`finish` None while it runs); its final result once done."""
+    if live.done.is_set():
+      return live.completion
+    n = min(len(live.out), len(live.logprobs), len(live.tops))  # the scheduler appends out first
+    req = live.request
+    return Completion(
+      rid=req.rid,
+      prompt_tokens=len(req.input_ids),
+      output_ids=live.out[:n],
+      logprobs=live.logprobs[:n],
+      top_logprobs=live.tops[:n],
+      finish=None,
+      cached_tokens=live.cached,
+      weight_version=self.weight_version,
+      latency_s=time.monotonic() - live.t0,
+    )
 
   def generate(self, request: Request) -> Completion:
     return self.wait(self.submit(request))
@@ -229,6 +260,15 @@ class InferenceEngine:
       self._prefill(free[0], live)
 
   def _prefill(self, slot: int, live: _Live) -> None:
+    try:
+      self._prefill_row(slot, live)
+    except Exception as e:  # one request's prefill failed: fail it alone, the others keep running
+      log.exception("prefill of %s failed", live.request.rid)
+      with self._cv:
+        self._slots[slot] = None
+        self._complete(live, _abort_reason(f"engine error: {type(e).__name__}: {e}", status_code=500))
+
+  def _prefill_row(self, slot: int, live: _Live) -> None:
     tokens = list(live.request.input_ids)
     common, row = self._prefix.lookup(tokens)
     reuse = min(common, len(tokens) - 1)  # at least one token must run to produce logits
@@ -248,7 +288,13 @@ class InferenceEngine:
     for i, live in enumerate(self._slots):
       if live is not None:
         live.fed.append(live.out[-1])
-        self._emit(i, live, out, i)
+        try:
+          self._emit(i, live, out, i)
+        except Exception as e:  # e.g. a stop string this request's detokenizer chokes on
+          log.exception("request %s failed", live.request.rid)
+          with self._cv:
+            self._slots[i] = None
+            self._complete(live, _abort_reason(f"engine error: {type(e).__name__}: {e}", status_code=500))
 
   def _sampling(self, lives: Sequence[_Live | None]):
     # Keyed by the sampled token's position in prompt + output, so a resumed request continues exactly.
@@ -276,6 +322,8 @@ class InferenceEngine:
     finish = self._finish_reason(live, token)
     if finish is not None:
       self._release(slot, live, finish)
+    else:
+      live.notify()
 
   def _finish_reason(self, live: _Live, token: int) -> dict | None:
     s = live.request.sampling
@@ -318,6 +366,7 @@ class InferenceEngine:
     )
     self._by_rid.pop(req.rid, None)
     live.done.set()
+    live.notify()
 
   def _fail_all(self, message: str) -> None:
     for live in list(self._waiting) + [s for s in self._slots if s is not None]:
@@ -350,13 +399,14 @@ class InferenceEngine:
       box["error"] = e
     box["done"].set()
 
-  def _validate(self, request: Request) -> None:
-    ids, s, max_len = request.input_ids, request.sampling, self.config.max_seq_len
+  def check(self, request: Request) -> None:
+    """Raises InvalidRequest naming the field when the engine cannot run `request` (nothing is queued)."""
+    ids, s, max_len, vocab = request.input_ids, request.sampling, self.config.max_seq_len, self.cfg.vocab_size
     if not ids:
       raise InvalidRequest("input_ids", "the prompt is empty")
-    bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+    bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-      raise InvalidRequest("input_ids", f"token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
+      raise InvalidRequest("input_ids", f"token ids {bad[:5]} outside [0, {vocab})")
     if len(ids) >= max_len:
       raise InvalidRequest(
         "input_ids",
@@ -370,6 +420,15 @@ class InferenceEngine:
       )
     if s.max_new_tokens < 0:
       raise InvalidRequest("sampling_params.max_new_tokens", f"must be >= 0, got {s.max_new_tokens}")
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+      raise InvalidRequest("sampling_params.temperature", f"must be a finite number >= 0, got {s.temperature}")
+    if not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
+      raise InvalidRequest("sampling_params.top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.top_k > vocab:  # <= 0 means no limit; beyond the vocab the sampler's top-k would overflow
+      raise InvalidRequest("sampling_params.top_k", f"must be <= the vocab size {vocab} (or -1), got {s.top_k}")
+    bad_stop = [t for t in s.stop_token_ids if not 0 <= t < vocab]
+    if bad_stop:
+      raise InvalidRequest("sampling_params.stop_token_ids", f"token ids {bad_stop[:5]} outside [0, {vocab})")
     if s.stop and self._detokenize is None:
       raise InvalidRequest("sampling_params.stop", "stop strings need a tokenizer; this server has none")
 

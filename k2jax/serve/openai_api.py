@@ -9,98 +9,147 @@ first) and generations are parsed back with the same module's `parse_assistant`,
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Literal
 
+from pydantic import Field
+
+from k2jax import httpservice
 from k2jax.data import chat
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.serve import protocol
 from k2jax.serve.engine import Completion, InferenceEngine, InvalidRequest, Request, SamplingOptions
 
-_COMMON = {
-  "model",
-  "max_tokens",
-  "temperature",
-  "top_p",
-  "n",
-  "stop",
-  "seed",
-  "stream",
-  "user",
-  "presence_penalty",
-  "frequency_penalty",
-  "logit_bias",
-  "top_k",
-  "stop_token_ids",
-  "ignore_eos",
-  "rid",
-  "stream_options",
-}
-_NEUTRAL = {
-  "presence_penalty": 0,
-  "frequency_penalty": 0,
-  "logit_bias": None,
-  "stream": False,
-  "echo": False,
-  "suffix": None,
-  "best_of": 1,
-  "stream_options": None,
-}
+
+class _OpenAIBody(httpservice.StrictBody):
+  """Fields common to both endpoints; SGLang's extras (`top_k`, `stop_token_ids`, `ignore_eos`, `rid`)."""
+
+  model: str | None = None
+  max_tokens: int | None = Field(None, ge=0)
+  temperature: float | None = Field(None, ge=0.0, le=1e4)
+  top_p: float | None = Field(None, gt=0.0, le=1.0)
+  n: int | None = Field(None, ge=1)
+  stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
+  seed: int | None = None
+  stream: bool | None = None
+  stream_options: dict | None = None
+  user: str | None = None
+  presence_penalty: Literal[0, 0.0] | None = None
+  frequency_penalty: Literal[0, 0.0] | None = None
+  logit_bias: None = None
+  top_k: int | None = Field(None, ge=-1)
+  stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+  ignore_eos: bool | None = None
+  rid: str | None = None
 
 
-def completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, model_name: str) -> dict:
-  _check_keys(body, _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"})
-  prompts = _completion_prompts(body.get("prompt"), tok)
-  nlp = protocol.get_int(body, "logprobs", None, lo=0, hi=engine.config.num_top_logprobs)
-  opts = protocol.TextOptions()
-  results = _run(engine, prompts, _sampling(body, 16, "max_tokens"), body)
-  choices = []
-  for i, c in enumerate(results):
-    choice = {
-      "index": i,
-      "text": protocol.output_text(c, opts, tok) if tok else "",
-      "logprobs": _completion_logprobs(c, nlp, tok) if nlp is not None else None,
-      "finish_reason": c.finish["type"],
-      "matched_stop": c.finish.get("matched"),
-    }
-    choices.append(choice)
-  return _envelope("cmpl", "text_completion", model_name, choices, results, sum(map(len, prompts)))
+_Ids = list[Annotated[int, Field(ge=0)]]
 
 
-def chat_completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, model_name: str) -> dict:
-  _check_keys(
-    body,
-    _COMMON
-    | {"messages", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs", "max_completion_tokens"},
-  )
-  if tok is None:
-    raise InvalidRequest("messages", "chat needs a tokenizer; this server has none")
-  tools = body.get("tools")
-  choice_mode = body.get("tool_choice") or "auto"
-  if choice_mode not in ("auto", "none"):
-    raise InvalidRequest("tool_choice", f"only 'auto' and 'none' are supported, got {choice_mode!r}")
-  try:
-    ids, _ = chat.render_chat(body.get("messages"), tools, tokenizer=tok, add_generation_prompt=True)
-  except chat.ChatFormatError as e:
-    raise InvalidRequest(e.field, str(e).split(": ", 1)[-1]) from e
-  want_lp = protocol.get_bool(body, "logprobs", False)
-  top = protocol.get_int(body, "top_logprobs", 0, lo=0, hi=engine.config.num_top_logprobs)
-  key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-  results = _run(engine, [ids], _sampling(body, engine.config.max_seq_len - len(ids), key), body)
-  choices = []
-  for i, c in enumerate(results):
-    message, finish = _assistant_message(c, tok, parse_tools=bool(tools) and choice_mode == "auto")
-    choices.append(
+class CompletionBody(_OpenAIBody):
+  prompt: str | list[str] | _Ids | list[_Ids]
+  logprobs: int | None = Field(None, ge=0)
+  echo: Literal[False] | None = None
+  suffix: None = None
+  best_of: Literal[1] | None = None
+
+
+class ChatBody(_OpenAIBody):
+  messages: list[dict]
+  tools: list[dict] | None = None
+  tool_choice: Literal["auto", "none"] | None = None
+  parallel_tool_calls: bool | None = None
+  logprobs: bool | None = None
+  top_logprobs: int | None = Field(None, ge=0)
+  max_completion_tokens: int | None = Field(None, ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenAICall:
+  """A parsed OpenAI request: the engine requests to run and how to answer with their results."""
+
+  requests: list[Request]
+  stream: bool
+  respond: Callable[[list[Completion]], dict]  # the whole (non-streaming) response body
+  chunk: Callable[[str, str | None], dict]  # one SSE chunk: (text delta, finish_reason or None)
+  stops: tuple[str, ...]  # stop strings: streamed text holds back what could still become one
+
+
+def completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, model_name: str) -> OpenAICall:
+  b = _parse(CompletionBody, body)
+  prompts = _completion_prompts(b.prompt, tok)
+  if b.logprobs is not None and b.logprobs > engine.config.num_top_logprobs:
+    raise InvalidRequest("logprobs", f"must be in [0, {engine.config.num_top_logprobs}], got {b.logprobs}")
+  sampling = _sampling(b, b.max_tokens, 16)
+  call_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+  def respond(results: list[Completion]) -> dict:
+    choices = [
       {
         "index": i,
-        "message": message,
-        "finish_reason": finish,
+        "text": protocol.output_text(c, protocol.TextOptions(), tok) if tok else "",
+        "logprobs": _completion_logprobs(c, b.logprobs, tok) if b.logprobs is not None else None,
+        "finish_reason": c.finish["type"],
         "matched_stop": c.finish.get("matched"),
-        "logprobs": {"content": _chat_logprobs(c, top, tok)} if want_lp else None,
       }
-    )
-  return _envelope("chatcmpl", "chat.completion", model_name, choices, results, len(ids))
+      for i, c in enumerate(results)
+    ]
+    return _envelope(call_id, created, "text_completion", model_name, choices, results, sum(map(len, prompts)))
+
+  def chunk(delta: str, finish: str | None) -> dict:
+    choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+    return {"id": call_id, "object": "text_completion", "created": created, "model": model_name, "choices": [choice]}
+
+  requests = _requests(engine, prompts, sampling, b)
+  return OpenAICall(requests, bool(b.stream), respond, chunk, sampling.stop)
+
+
+def chat_completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, model_name: str) -> OpenAICall:
+  b = _parse(ChatBody, body)
+  if tok is None:
+    raise InvalidRequest("messages", "chat needs a tokenizer; this server has none")
+  try:
+    ids, _ = chat.render_chat(b.messages, b.tools, tokenizer=tok, add_generation_prompt=True)
+  except chat.ChatFormatError as e:
+    raise InvalidRequest(e.field, str(e).split(": ", 1)[-1]) from e
+  top = b.top_logprobs or 0
+  if top > engine.config.num_top_logprobs:
+    raise InvalidRequest("top_logprobs", f"must be in [0, {engine.config.num_top_logprobs}], got {top}")
+  parse_tools = bool(b.tools) and (b.tool_choice or "auto") == "auto"
+  max_new = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+  sampling = _sampling(b, max_new, engine.config.max_seq_len - len(ids))
+  call_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+  def respond(results: list[Completion]) -> dict:
+    choices = []
+    for i, c in enumerate(results):
+      message, finish = _assistant_message(c, tok, parse_tools)
+      choices.append(
+        {
+          "index": i,
+          "message": message,
+          "finish_reason": finish,
+          "matched_stop": c.finish.get("matched"),
+          "logprobs": {"content": _chat_logprobs(c, top, tok)} if b.logprobs else None,
+        }
+      )
+    return _envelope(call_id, created, "chat.completion", model_name, choices, results, len(ids))
+
+  def chunk(delta: str, finish: str | None) -> dict:
+    choice = {"index": 0, "delta": {"role": "assistant", "content": delta} if delta else {}, "finish_reason": finish}
+    return {
+      "id": call_id,
+      "object": "chat.completion.chunk",
+      "created": created,
+      "model": model_name,
+      "choices": [choice],
+    }
+
+  if b.stream and parse_tools:
+    raise InvalidRequest("stream", "streaming with tools is not supported; send stream: false to get tool_calls")
+  return OpenAICall(_requests(engine, [ids], sampling, b), bool(b.stream), respond, chunk, sampling.stop)
 
 
 def _assistant_message(c: Completion, tok: Tokenizer, parse_tools: bool) -> tuple[dict, str]:
@@ -118,53 +167,59 @@ def _assistant_message(c: Completion, tok: Tokenizer, parse_tools: bool) -> tupl
   return message, finish
 
 
-def _sampling(body: dict, default_max: int, max_key: str) -> SamplingOptions:
+def _parse(model, body: Any):
+  if not isinstance(body, dict):
+    raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
+  return httpservice.validate(model, body, "")
+
+
+def _sampling(b: _OpenAIBody, max_new: int | None, default_max: int) -> SamplingOptions:
   return SamplingOptions(
-    max_new_tokens=protocol.get_int(body, max_key, default_max, lo=0),
-    temperature=protocol.get_float(body, "temperature", 1.0, lo=0.0, field="temperature"),
-    top_p=protocol.get_float(body, "top_p", 1.0, lo=0.0, lo_open=True, hi=1.0, field="top_p"),
-    top_k=protocol.get_int(body, "top_k", -1),
-    stop=tuple(protocol.str_list(body.get("stop"), "stop")),
-    stop_token_ids=tuple(protocol.int_list(body.get("stop_token_ids"), "stop_token_ids")),
-    ignore_eos=protocol.get_bool(body, "ignore_eos", False),
-    seed=protocol.get_int(body, "seed", None),
+    max_new_tokens=default_max if max_new is None else max_new,
+    temperature=1.0 if b.temperature is None else b.temperature,
+    top_p=1.0 if b.top_p is None else b.top_p,
+    top_k=-1 if b.top_k is None else b.top_k,
+    stop=(b.stop,) if isinstance(b.stop, str) else tuple(b.stop or ()),
+    stop_token_ids=tuple(b.stop_token_ids or ()),
+    ignore_eos=bool(b.ignore_eos),
+    seed=b.seed,
   )
 
 
-def _run(engine: InferenceEngine, prompts: list[list[int]], sampling: SamplingOptions, body: dict) -> list[Completion]:
-  """Submits n samples per prompt (seeds seed, seed+1, ... when a seed is given) and waits for all."""
-  n = protocol.get_int(body, "n", 1, lo=1, hi=engine.config.max_slots * 4)
-  base = body.get("rid")
-  if base is not None and not isinstance(base, str):
-    raise InvalidRequest("rid", f"must be a string, got {base!r}")
-  base = base or uuid.uuid4().hex
-  handles, k = [], 0
+def _requests(engine: InferenceEngine, prompts: list[list[int]], sampling: SamplingOptions, b: _OpenAIBody):
+  """n samples per prompt (seeds seed, seed+1, ... when a seed is given), checked by the engine."""
+  n = b.n or 1
+  if n > engine.config.max_slots * 4:
+    raise InvalidRequest("n", f"must be in [1, {engine.config.max_slots * 4}], got {n}")
+  if b.stream and n * len(prompts) != 1:
+    raise InvalidRequest("stream", "streaming takes one prompt and n = 1")
+  base = b.rid or uuid.uuid4().hex
+  requests = []
   for ids in prompts:
     for j in range(n):
       seed = None if sampling.seed is None else sampling.seed + j
-      s = SamplingOptions(**{**sampling.__dict__, "seed": seed})
-      rid = base if len(prompts) * n == 1 else f"{base}-{k}"
-      handles.append(_submit(engine, Request(rid, tuple(ids), s)))
-      k += 1
-  return [engine.wait(h) for h in handles]
-
-
-def _submit(engine: InferenceEngine, request: Request):
-  try:
-    return engine.submit(request)
-  except InvalidRequest as e:  # engine fields are /generate's; name the OpenAI ones instead
-    field = {"input_ids": "prompt", "sampling_params.max_new_tokens": "max_tokens"}.get(e.field, e.field)
-    raise InvalidRequest(field, str(e).split(": ", 1)[-1]) from e
+      rid = base if len(prompts) * n == 1 else f"{base}-{len(requests)}"
+      request = Request(rid, tuple(ids), dataclasses.replace(sampling, seed=seed))
+      try:
+        engine.check(request)
+      except InvalidRequest as e:  # engine fields are /generate's; name the OpenAI ones instead
+        field = {"input_ids": "prompt", "sampling_params.max_new_tokens": "max_tokens"}.get(e.field, e.field)
+        raise InvalidRequest(field.replace("sampling_params.", ""), str(e).split(": ", 1)[-1]) from e
+      requests.append(request)
+  return requests
 
 
 def _completion_prompts(prompt: Any, tok: Tokenizer | None) -> list[list[int]]:
-  if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-    return [protocol.int_list(p, f"prompt[{i}]", required=True) for i, p in enumerate(prompt)]
-  if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-    return [prompt]
+  if not prompt:
+    raise InvalidRequest("prompt", "must be a string, a list of strings, or token id list(s), not empty")
+  if all(isinstance(p, list) for p in prompt):
+    for i, p in enumerate(prompt):
+      if not p:
+        raise InvalidRequest(f"prompt[{i}]", "must not be empty")
+    return [list(p) for p in prompt]
+  if all(isinstance(p, int) for p in prompt):
+    return [list(prompt)]
   texts = [prompt] if isinstance(prompt, str) else prompt
-  if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-    raise InvalidRequest("prompt", "must be a string, a list of strings, or token id list(s)")
   if tok is None:
     raise InvalidRequest("prompt", "this server has no tokenizer; send token ids")
   return [tok.encode_with_specials(t) for t in texts]
@@ -200,12 +255,14 @@ def _namer(tok: Tokenizer | None) -> Callable[[int], str]:
   return tok.token_name if tok is not None else (lambda t: f"<|token_{t}|>")
 
 
-def _envelope(prefix: str, obj: str, model: str, choices: list, results: list[Completion], prompt_tokens: int) -> dict:
+def _envelope(
+  call_id: str, created: int, obj: str, model: str, choices: list, results: list[Completion], prompt_tokens: int
+) -> dict:
   completion_tokens = sum(len(c.output_ids) for c in results)
   return {
-    "id": f"{prefix}-{uuid.uuid4().hex}",
+    "id": call_id,
     "object": obj,
-    "created": int(time.time()),
+    "created": created,
     "model": model,
     "choices": choices,
     "usage": {
@@ -214,13 +271,3 @@ def _envelope(prefix: str, obj: str, model: str, choices: list, results: list[Co
       "total_tokens": prompt_tokens + completion_tokens,
     },
   }
-
-
-def _check_keys(body: Any, known: set[str]) -> None:
-  if not isinstance(body, dict):
-    raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
-  for key, value in body.items():
-    if key not in known:
-      raise InvalidRequest(key, "unknown or unsupported field")
-    if key in _NEUTRAL and value is not None and value != _NEUTRAL[key]:
-      raise InvalidRequest(key, f"not supported by the k2jax engine (only {_NEUTRAL[key]!r}), got {value!r}")

@@ -1,39 +1,64 @@
 """The HTTP server: SGLang's API (`/generate`, weight updates, abort, cache, health, info) plus OpenAI's.
 
-Built on the standard library's `ThreadingHTTPServer`: every request gets a thread that blocks on the
-engine, which is exactly the engine's concurrency model, and k2jax then needs no web framework at run
-time. Errors in a request's content answer 400 with `{"error": {"message", "param"}}` naming the field.
+FastAPI on uvicorn (`k2jax.httpservice`), as SGLang serves. Handlers are coroutines that never block the
+event loop: they submit to the engine, whose scheduler thread wakes them after every token, so a
+connection costs no thread and thousands can wait at once. When a client disconnects, its requests are
+aborted at once and their cache slots freed. `stream: true` on `/generate` and on the OpenAI endpoints
+answers with server-sent events. Errors answer 4xx with `{"error": {"message", "param", ...}}` naming
+the field; with an `api_key`, the routes that change state need `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
+import json
 import logging
 import os
-import threading
 import uuid
-from http.server import ThreadingHTTPServer
-from typing import Any
+from typing import Annotated, AsyncIterator, Callable, Literal
 
+import fastapi
 import jax
 import numpy as np
+from fastapi import responses
 from flax import nnx
+from pydantic import Field
 
 import k2jax
-from k2jax import jsonhttp
+from k2jax import httpservice
 from k2jax.api import model_from_state
 from k2jax.convert import overlay
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, Tokenizer, load_tokenizer
+from k2jax.httpservice import HttpLimits
 from k2jax.model.config import K2Config
 from k2jax.model.transformer import K2Model
 from k2jax.serve import openai_api, protocol
-from k2jax.serve.engine import EngineConfig, InferenceEngine, InvalidRequest, Request, SamplingOptions
+from k2jax.serve.engine import Completion, EngineConfig, InferenceEngine, InvalidRequest, Request, SamplingOptions
 
 log = logging.getLogger(__name__)
 
 
+class AbortBody(httpservice.StrictBody):
+  rid: str | None = None
+  abort_all: bool = False
+
+
+class UpdateWeightsBody(httpservice.StrictBody):
+  model_path: str = Field(min_length=1)
+  weight_version: int | Annotated[str, Field(pattern=r"^-?[0-9]+$")] | None = None  # SGLang sends a string
+  load_format: Literal["auto"] | None = None
+  abort_all_requests: bool = False
+  flush_cache: bool = True
+
+
 class Server:
-  """Loads a model (HF dir or k2jax workdir), runs an `InferenceEngine` and answers HTTP on host:port."""
+  """Loads a model (HF dir or k2jax workdir), runs an `InferenceEngine` and answers HTTP on host:port.
+
+  `weights_root`: `/update_weights_from_disk` loads only paths inside it (default: the directory that
+  holds the served model), so the route is neither a file reader nor an existence oracle for the rest
+  of the machine.
+  """
 
   def __init__(
     self,
@@ -44,6 +69,8 @@ class Server:
     port: int = 30000,
     tokenizer_path: str | None = "auto",
     served_model_name: str | None = None,
+    limits: HttpLimits = HttpLimits(),
+    weights_root: str | None = None,
   ):
     self.model_path = model_path
     model = k2jax.load(model_path)
@@ -51,111 +78,226 @@ class Server:
     self._served_state = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))  # host copy, for deltas
     self.tokenizer = resolve_tokenizer(model_path, tokenizer_path, self.cfg.vocab_size)
     self.model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
+    self.weights_root = os.path.realpath(weights_root or os.path.dirname(os.path.abspath(model_path)))
     self.engine = InferenceEngine(
       model,
       engine_config,
       eos_token_ids=eos_ids(self.cfg, self.tokenizer),
       detokenize=self.tokenizer.decode if self.tokenizer else None,
     )
-    self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
-    self._httpd.daemon_threads = True
-    self._thread: threading.Thread | None = None
+    self.app = self._routes(httpservice.make_app("k2jax", limits, field_errors=(InvalidRequest,)))
+    self._http = httpservice.Service(self.app, host=host, port=port, limits=limits, name="k2jax-http")
 
   @property
   def url(self) -> str:
-    host, port = self._httpd.server_address[:2]
-    return f"http://{host}:{port}"
+    return self._http.url
 
   def start(self) -> "Server":
     """Serves on a background thread (tests, the embedded RL engine)."""
-    self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True, name="k2jax-http")
-    self._thread.start()
+    self._http.start()
     return self
 
   def serve_forever(self) -> None:
-    self._httpd.serve_forever()
+    self._http.serve_forever()
 
   def close(self) -> None:
-    self._httpd.shutdown()
-    self._httpd.server_close()
+    self._http.close()
     self.engine.close()
 
-  # ---- routes: (method, path) -> handler(body) -> (status, payload) ---------------------------------
-  def route(self, method: str, path: str, body: Any) -> tuple[int, Any]:
-    routes = {
-      "generate": self.generate,
-      "abort_request": self.abort_request,
-      "update_weights_from_disk": self.update_weights_from_disk,
-      "flush_cache": self.flush_cache,
-      "health": self.health,
-      "health_generate": self.health,
-      "get_model_info": self.model_info,
-      "model_info": self.model_info,
-      "get_server_info": self.server_info,
-      "server_info": self.server_info,
-      "v1/models": self.list_models,
-      "v1/completions": lambda b: (200, openai_api.completions(b, self.engine, self.tokenizer, self.model_name)),
-      "v1/chat/completions": lambda b: (
-        200,
-        openai_api.chat_completions(b, self.engine, self.tokenizer, self.model_name),
-      ),
-    }
-    post_only = ("generate", "abort_request", "update_weights_from_disk", "v1/completions", "v1/chat/completions")
-    if path not in routes:
-      return 404, {"error": {"message": f"no route /{path}", "code": 404}}
-    if method == "GET" and path in post_only:
-      return 405, {"error": {"message": f"/{path} needs POST", "code": 405}}
-    return routes[path](body)
+  # ---- routes ----------------------------------------------------------------------------------------
+  def _routes(self, app: fastapi.FastAPI) -> fastapi.FastAPI:
+    auth = [fastapi.Depends(httpservice.require_api_key)]
+    app.post("/generate")(self.generate)
+    app.post("/v1/completions")(self.completions)
+    app.post("/v1/chat/completions")(self.chat_completions)
+    app.post("/abort_request", dependencies=auth)(self.abort_request)
+    app.post("/update_weights_from_disk", dependencies=auth)(self.update_weights_from_disk)
+    app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=auth)(self.flush_cache)
+    for path in ("/health", "/health_generate"):
+      app.get(path)(self.health)
+    for path in ("/get_model_info", "/model_info"):
+      app.get(path)(self.model_info)
+    for path in ("/get_server_info", "/server_info"):
+      app.get(path)(self.server_info)
+    app.get("/v1/models")(self.list_models)
+    return app
 
-  def generate(self, body: Any) -> tuple[int, Any]:
-    call = protocol.parse_generate(body, self.tokenizer, self.engine.config.num_top_logprobs)
-    handles = []
-    try:
-      for req in call.requests:
-        handles.append(self.engine.submit(req))
-    except InvalidRequest:
-      for h in handles:
-        self.engine.abort(h.request.rid)
-      raise
-    outs = [protocol.generate_response(self.engine.wait(h), o, self.tokenizer) for h, o in zip(handles, call.options)]
-    return 200, outs if call.batch else outs[0]
+  async def generate(self, request: fastapi.Request):
+    call = protocol.parse_generate(
+      await httpservice.read_json(request), self.tokenizer, self.engine.config.num_top_logprobs
+    )
+    for req in call.requests:
+      self.engine.check(req)
+    if call.stream:
+      (req,), (opts,) = call.requests, call.options
+      render = lambda c: protocol.generate_response(c, opts, self.tokenizer)  # noqa: E731
+      return _sse(self._stream(req, lambda c, done: [render(c)]))
+    results = await self._run(request, call.requests)
+    outs = [protocol.generate_response(c, o, self.tokenizer) for c, o in zip(results, call.options)]
+    return outs if call.batch else outs[0]
 
-  def abort_request(self, body: Any) -> tuple[int, Any]:
-    body = body or {}
-    abort_all = protocol.get_bool(body, "abort_all", False)
-    rid = body.get("rid")
-    if not abort_all and (not isinstance(rid, str) or not rid):
+  async def completions(self, request: fastapi.Request):
+    call = openai_api.completions(await httpservice.read_json(request), self.engine, self.tokenizer, self.model_name)
+    return await self._openai(request, call)
+
+  async def chat_completions(self, request: fastapi.Request):
+    body = await httpservice.read_json(request)
+    call = openai_api.chat_completions(body, self.engine, self.tokenizer, self.model_name)
+    return await self._openai(request, call)
+
+  async def abort_request(self, request: fastapi.Request):
+    body = httpservice.validate(AbortBody, await httpservice.read_json(request) or {})
+    if not body.abort_all and not body.rid:
       raise InvalidRequest("rid", "give a request id (string) or abort_all: true")
-    self.engine.abort(rid, abort_all=abort_all)
-    return 200, None
+    self.engine.abort(body.rid, abort_all=body.abort_all)
+    return responses.Response(status_code=200)
 
-  def update_weights_from_disk(self, body: Any) -> tuple[int, Any]:
-    if not isinstance(body, dict):
-      raise InvalidRequest("body", "must be a JSON object")
-    path = body.get("model_path")
-    if not isinstance(path, str) or not path:
-      raise InvalidRequest("model_path", "required: an HF directory or a k2jax workdir")
-    version = body.get("weight_version")
-    if version is not None and not str(version).lstrip("-").isdigit():
-      raise InvalidRequest("weight_version", f"must be an integer (or its string), got {version!r}")
-    if body.get("load_format") not in (None, "auto"):
-      raise InvalidRequest("load_format", f"only 'auto' is supported, got {body['load_format']!r}")
-    if protocol.get_bool(body, "abort_all_requests", False):
+  async def update_weights_from_disk(self, request: fastapi.Request):
+    body = httpservice.validate(UpdateWeightsBody, await httpservice.read_json(request))
+    path = os.path.realpath(body.model_path)
+    if os.path.commonpath([path, self.weights_root]) != self.weights_root:
+      msg = f"model_path must be inside the server's weights root {self.weights_root} (launch flag --weights_root)"
+      return responses.JSONResponse({"success": False, "message": msg, "num_paused_requests": 0}, status_code=403)
+    if body.abort_all_requests:
       self.engine.abort(abort_all=True)
+    version = None if body.weight_version is None else int(body.weight_version)
     try:
-      model = self._load_weights(path)
-      new = self.engine.update_weights(
-        model, None if version is None else int(version), flush_cache=protocol.get_bool(body, "flush_cache", True)
-      )
+      new = await asyncio.to_thread(self._update_weights, path, version, body.flush_cache)
     except (OSError, ValueError, KeyError) as e:  # missing files, bad config, shape mismatch
-      return 400, {"success": False, "message": f"{path}: {e}", "num_paused_requests": 0}
-    self.model_path = path
-    return 200, {
+      message = f"{body.model_path}: {e}"
+      return responses.JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, 400)
+    self.model_path = body.model_path
+    return {
       "success": True,
-      "message": f"loaded {path} as weight version {new}",
+      "message": f"loaded {body.model_path} as weight version {new}",
       "num_paused_requests": 0,
       "weight_version": str(new),
     }
+
+  async def flush_cache(self):
+    await asyncio.to_thread(self.engine.flush_cache)
+    return responses.PlainTextResponse("Cache flushed.")
+
+  async def health(self, request: fastapi.Request):
+    """Like SGLang: a one-token generation when idle (proves the model runs), else just alive."""
+    if self.engine.num_running():
+      return responses.Response(status_code=200)
+    probe = Request(f"health-{uuid.uuid4().hex}", (0,), SamplingOptions(max_new_tokens=1, temperature=0.0))
+    (done,) = await self._run(request, [probe])
+    if done.finish["type"] == "abort":
+      return httpservice.error_response(503, str(done.finish.get("message")))
+    return responses.Response(status_code=200)
+
+  async def model_info(self):
+    return {
+      "model_path": self.model_path,
+      "tokenizer_path": self.tokenizer.path if self.tokenizer else None,
+      "is_generation": True,
+      "weight_version": str(self.engine.weight_version),
+      "model_type": self.cfg.model_type,
+      "architectures": list(self.cfg.architectures),
+      "max_seq_len": self.engine.config.max_seq_len,
+      "max_running_requests": self.engine.config.max_slots,
+      "preferred_sampling_params": None,
+    }
+
+  async def server_info(self):
+    """Identity and capabilities for the RL client's handshake (SGLang's route; `engine` names k2jax)."""
+    return {
+      "engine": "k2jax",
+      "version": importlib.metadata.version("k2jax"),
+      "capabilities": {
+        "weight_update": ["disk"],
+        "weight_version": True,
+        "seeded_sampling": True,  # keyed by (seed, position): resumed requests continue exactly
+        "abort": True,
+      },
+      "model_path": self.model_path,
+      "max_running_requests": self.engine.config.max_slots,
+      "max_seq_len": self.engine.config.max_seq_len,
+    }
+
+  async def list_models(self):
+    return {
+      "object": "list",
+      "data": [{"id": self.model_name, "object": "model", "owned_by": "k2jax", "root": self.model_path}],
+    }
+
+  # ---- running requests --------------------------------------------------------------------------------
+  async def _run(self, request: fastapi.Request, reqs: list[Request]) -> list[Completion]:
+    """Runs `reqs` to completion; aborts them all if the client goes away first."""
+    loop, changed = asyncio.get_running_loop(), asyncio.Event()
+    lives = self._submit(reqs, lambda: loop.call_soon_threadsafe(changed.set))
+    watcher = asyncio.create_task(self._abort_on_disconnect(request, [r.rid for r in reqs]))
+    try:
+      while not all(live.done.is_set() for live in lives):
+        await changed.wait()
+        changed.clear()
+    finally:
+      watcher.cancel()
+      for live in lives:  # cancelled (server shutting down): nothing may keep decoding for nobody
+        if not live.done.is_set():
+          self.engine.abort(live.request.rid)
+    return [live.completion for live in lives]
+
+  async def _stream(self, req: Request, render: Callable[[Completion, bool], list[dict]]) -> AsyncIterator[dict]:
+    """Yields render(progress, finished) after every new token; aborts the request if the stream is dropped."""
+    loop, changed = asyncio.get_running_loop(), asyncio.Event()
+    (live,) = self._submit([req], lambda: loop.call_soon_threadsafe(changed.set))
+    sent = -1
+    try:
+      while True:
+        done = live.done.is_set()
+        progress = self.engine.progress(live)
+        if done or len(progress.output_ids) > sent:
+          sent = len(progress.output_ids)
+          for chunk in render(progress, done):
+            yield chunk
+        if done:
+          return
+        await changed.wait()
+        changed.clear()
+    finally:  # client disconnected (the response is cancelled) or finished
+      if not live.done.is_set():
+        self.engine.abort(req.rid)
+
+  async def _openai(self, request: fastapi.Request, call: openai_api.OpenAICall):
+    if not call.stream:
+      return call.respond(await self._run(request, call.requests))
+    (req,) = call.requests
+    text = _TextDeltas(self.tokenizer, call.stops)
+
+    def render(c: Completion, done: bool) -> list[dict]:
+      if not done:
+        delta = text.advance(c)
+        return [call.chunk(delta, None)] if delta else []
+      final = call.respond([c])["choices"][0]
+      delta = text.finish(final.get("text", (final.get("message") or {}).get("content") or ""))
+      return ([call.chunk(delta, None)] if delta else []) + [call.chunk("", final["finish_reason"])]
+
+    return _sse(self._stream(req, render))
+
+  def _submit(self, reqs: list[Request], on_update: Callable[[], None]) -> list:
+    lives = []
+    try:
+      for req in reqs:
+        lives.append(self.engine.submit(req, on_update))
+    except InvalidRequest:
+      for live in lives:
+        self.engine.abort(live.request.rid)
+      raise
+    return lives
+
+  async def _abort_on_disconnect(self, request: fastapi.Request, rids: list[str]) -> None:
+    # The body has been read, so the next ASGI message can only be the client's disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+      pass
+    for rid in rids:
+      self.engine.abort(rid)
+
+  def _update_weights(self, path: str, version: int | None, flush_cache: bool) -> int:
+    model = self._load_weights(path)
+    return self.engine.update_weights(model, version, flush_cache=flush_cache)
 
   def _load_weights(self, path: str) -> K2Model:
     """A full model (HF dir or workdir), or a weight-sync delta overlaid on the served weights."""
@@ -170,55 +312,38 @@ class Server:
     self._served_state = jax.tree.map(np.asarray, state)
     return model
 
-  def flush_cache(self, body: Any) -> tuple[int, Any]:
-    self.engine.flush_cache()
-    return 200, "Cache flushed."
 
-  def health(self, body: Any) -> tuple[int, Any]:
-    """Like SGLang: a one-token generation when idle (proves the model runs), else just alive."""
-    if self.engine.num_running():
-      return 200, ""
-    done = self.engine.generate(
-      Request(f"health-{uuid.uuid4().hex}", (0,), SamplingOptions(max_new_tokens=1, temperature=0.0))
-    )
-    ok = done.finish["type"] != "abort"
-    return (200, "") if ok else (503, {"error": {"message": done.finish.get("message"), "code": 503}})
+class _TextDeltas:
+  """Streamed text: the part of the decoded output that can no longer change (no half UTF-8 character,
+  nothing that could still turn into a stop string, which the final text trims)."""
 
-  def model_info(self, body: Any) -> tuple[int, Any]:
-    return 200, {
-      "model_path": self.model_path,
-      "tokenizer_path": self.tokenizer.path if self.tokenizer else None,
-      "is_generation": True,
-      "weight_version": str(self.engine.weight_version),
-      "model_type": self.cfg.model_type,
-      "architectures": list(self.cfg.architectures),
-      "max_seq_len": self.engine.config.max_seq_len,
-      "max_running_requests": self.engine.config.max_slots,
-      "preferred_sampling_params": None,
-    }
+  def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...]):
+    self.tokenizer, self.hold = tokenizer, max((len(s) for s in stops), default=1) - 1
+    self.sent = ""
 
-  def server_info(self, body: Any) -> tuple[int, Any]:
-    """Identity and capabilities for the RL client's handshake (SGLang's route; `engine` names k2jax)."""
-    c = self.engine.config
-    return 200, {
-      "engine": "k2jax",
-      "version": importlib.metadata.version("k2jax"),
-      "capabilities": {
-        "weight_update": ["disk"],
-        "weight_version": True,
-        "seeded_sampling": True,  # keyed by (seed, position): resumed requests continue exactly
-        "abort": True,
-      },
-      "model_path": self.model_path,
-      "max_running_requests": c.max_slots,
-      "max_seq_len": c.max_seq_len,
-    }
+  def advance(self, c: Completion) -> str:
+    if self.tokenizer is None:
+      return ""
+    text = protocol.output_text(c, protocol.TextOptions(), self.tokenizer).rstrip("\ufffd")
+    stable = text[: len(text) - self.hold] if self.hold else text
+    if not stable.startswith(self.sent) or len(stable) == len(self.sent):
+      return ""
+    delta, self.sent = stable[len(self.sent) :], stable
+    return delta
 
-  def list_models(self, body: Any) -> tuple[int, Any]:
-    return 200, {
-      "object": "list",
-      "data": [{"id": self.model_name, "object": "model", "owned_by": "k2jax", "root": self.model_path}],
-    }
+  def finish(self, final: str) -> str:
+    return final[len(self.sent) :] if final.startswith(self.sent) else ""
+
+
+def _sse(chunks: AsyncIterator[dict]) -> responses.StreamingResponse:
+  """Server-sent events as SGLang and OpenAI send them: `data: <json>` per chunk, then `data: [DONE]`."""
+
+  async def events():
+    async for chunk in chunks:
+      yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
+
+  return responses.StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def resolve_tokenizer(model_path: str, tokenizer_path: str | None, vocab_size: int) -> Tokenizer | None:
@@ -248,12 +373,3 @@ def eos_ids(cfg: K2Config, tok: Tokenizer | None) -> tuple[int, ...]:
   if tok is not None:
     ids |= {tok.eos_id, tok.special_ids["<|im_end|>"]}
   return tuple(sorted(ids))
-
-
-def _make_handler(server: Server):
-  return jsonhttp.make_handler(
-    server.route,
-    bad_request=InvalidRequest,
-    log=log,
-    bad_request_body=lambda e: {"error": {"message": str(e), "type": "BadRequestError", "param": e.field, "code": 400}},
-  )

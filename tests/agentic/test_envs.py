@@ -5,8 +5,10 @@ import concurrent.futures
 import json
 import os
 import signal
+import time
 
 import pytest
+import requests
 
 from k2jax.agentic import Guard, GuardConfig
 from k2jax.rl.envs import EnvPool, EnvPoolConfig, EnvService, RemoteEnvConfig, RemoteEnvironment
@@ -122,3 +124,33 @@ def test_pool_restarts_dead_and_hung_workers():
       assert r.done and r.reward == 0.0 and "env_error" in r.info
     assert pool.restarts == 2
     check_episode(play(pool.episode()))  # the restarted workers serve again
+
+
+def test_service_caps_episodes_and_expires_idle_ones():
+  """Unclosed episodes cannot pile up: a cap answers 429, and idle episodes expire."""
+  service = EnvService("sim_tools", max_episodes=3, episode_ttl_s=0.5).start()
+  try:
+    reset = lambda: requests.post(f"{service.url}/reset", json={"task": TASK}, timeout=30)  # noqa: E731
+    assert [reset().status_code for _ in range(3)] == [200, 200, 200]
+    full = reset()
+    assert full.status_code == 429 and "cap" in full.json()["error"]["message"]
+    time.sleep(0.6)
+    assert reset().status_code == 200  # the three idle ones expired
+    assert service.num_episodes() == 1
+    bad = requests.post(f"{service.url}/step", json={"episode_id": 5, "action": {}}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "episode_id"
+    deep = requests.post(f"{service.url}/reset", data=b"[" * 100_000, timeout=30)
+    assert deep.status_code == 400
+  finally:
+    service.close()
+
+
+def test_service_caps_running_steps():
+  service = EnvService("sim_tools", max_running_steps=0).start()
+  try:
+    ep = requests.post(f"{service.url}/reset", json={"task": TASK}, timeout=30).json()["episode_id"]
+    step = {"episode_id": ep, "action": {"role": "assistant", "content": "hi"}}
+    r = requests.post(f"{service.url}/step", json=step, timeout=30)
+    assert r.status_code == 429 and "steps running" in r.json()["error"]["message"]
+  finally:
+    service.close()

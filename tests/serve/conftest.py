@@ -9,6 +9,7 @@ from flax import nnx
 
 import k2jax
 from k2jax.model import K2Model, presets
+from k2jax.httpservice import HttpLimits
 from k2jax.serve import EngineConfig, Server
 
 MAX_LEN = 128
@@ -40,7 +41,10 @@ def served(tmp_path_factory):
   hf_dir = str(tmp_path_factory.mktemp("tiny_hf"))
   k2jax.save_hf(model, hf_dir)
   server = Server(
-    hf_dir, engine_config=EngineConfig(max_slots=4, max_seq_len=MAX_LEN, prefix_cache_entries=8), port=0
+    hf_dir,
+    engine_config=EngineConfig(max_slots=4, max_seq_len=MAX_LEN, prefix_cache_entries=8),
+    port=0,
+    limits=HttpLimits(read_timeout_s=2.0, max_body_bytes=1 << 20),
   ).start()
   yield Served(server, model, hf_dir)
   server.close()

@@ -1,7 +1,12 @@
 """The HTTP API: SGLang /generate fields, stop strings, weight updates, bad requests, the openai client,
 and OpenAI tool calls produced by a model whose weights were set to emit one."""
 
+import concurrent.futures
+import dataclasses
 import json
+import os
+import socket
+import time
 
 import numpy as np
 import openai
@@ -13,6 +18,8 @@ import k2jax
 from k2jax.api import model_from_state
 from k2jax.data import chat
 from k2jax.model import K2Model
+
+from .conftest import MAX_LEN
 
 
 def _post(served, route, body, status=200):
@@ -81,8 +88,13 @@ def test_update_weights_from_disk_changes_outputs_and_version(served, bigram_dir
     res = _post(served, "update_weights_from_disk", {"model_path": served.hf_dir})
   assert res["success"] and res["weight_version"] == "6"  # no version given: incremented
   assert _greedy(served, [3, 1, 4, 1, 5])["output_ids"] == before["output_ids"]
-  bad = _post(served, "update_weights_from_disk", {"model_path": "/nonexistent/dir"}, status=400)
-  assert bad["success"] is False and "/nonexistent/dir" in bad["message"]
+  missing = os.path.join(os.path.dirname(served.hf_dir), "not-there")
+  bad = _post(served, "update_weights_from_disk", {"model_path": missing}, status=400)
+  assert bad["success"] is False and missing in bad["message"]
+  # Outside the weights root: refused before the path is touched (no existence oracle, no file reads).
+  for path in ("/nonexistent/dir", "/etc", served.hf_dir + "/../../.."):
+    bad = _post(served, "update_weights_from_disk", {"model_path": path}, status=403)
+    assert bad["success"] is False and "weights root" in bad["message"]
 
 
 BAD = [
@@ -102,7 +114,25 @@ BAD = [
   ("generate", {"input_ids": [1, 2], "sampling_params": {"colour": 1}}, "sampling_params.colour"),
   ("generate", {"input_ids": [1, 2], "rid": 5}, "rid"),
   ("generate", {"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
-  ("generate", {"input_ids": [1, 2], "stream": True}, "stream"),
+  ("generate", {"input_ids": [[1, 2], [3]], "stream": True}, "stream"),
+  (
+    "generate",
+    {"input_ids": [1, 2], "sampling_params": {"top_k": 2**40, "max_new_tokens": 4}},
+    "sampling_params.top_k",
+  ),
+  (
+    "generate",
+    {"input_ids": [1, 2], "sampling_params": {"temperature": 1e300, "max_new_tokens": 4}},
+    "sampling_params.temperature",
+  ),
+  ("generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": True}}, "sampling_params.max_new_tokens"),
+  (
+    "generate",
+    {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [-1], "max_new_tokens": 4}},
+    "sampling_params.stop_token_ids[0]",
+  ),
+  ("v1/completions", {"model": "m", "prompt": "hi", "top_k": 2**40}, "top_k"),
+  ("v1/completions", {"model": "m", "prompt": "hi", "n": 10**6}, "n"),
   ("generate", {"input_ids": [1, 2], "bogus": 1}, "bogus"),
   ("update_weights_from_disk", {}, "model_path"),
   ("abort_request", {}, "rid"),
@@ -127,6 +157,161 @@ def test_bad_requests_get_400_naming_the_field(served, route, body, field):
 def test_invalid_json_body(served):
   r = requests.post(f"{served.server.url}/generate", data=b"{not json", timeout=30)
   assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+
+
+@pytest.mark.parametrize(
+  "raw,field",
+  [
+    (b'{"input_ids": [1, 2], "sampling_params": {"temperature": NaN}}', "body"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"top_p": Infinity}}', "body"),
+    (b"[" * 100_000 + b"]" * 100_000, "body"),
+  ],
+  ids=["nan", "infinity", "deep"],
+)
+def test_non_finite_and_deep_json_are_400(served, raw, field):
+  r = requests.post(f"{served.server.url}/generate", data=raw, timeout=30)
+  assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def _raw_http(served, head: bytes, body: bytes = b"", wait_s: float = 10.0) -> bytes:
+  host, port = served.server.url.removeprefix("http://").split(":")
+  with socket.create_connection((host, int(port)), timeout=wait_s) as sock:
+    sock.sendall(head + body)
+    return sock.recv(4096)
+
+
+def test_malformed_http_framing_and_limits(served):
+  limits = served.server.app.state.limits
+  status = lambda reply: int(reply.split(b" ", 2)[1])  # noqa: E731
+  assert status(_raw_http(served, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")) == 400
+  big = limits.max_body_bytes + 1
+  head = f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {big}\r\n\r\n"
+  assert status(_raw_http(served, head.encode(), b"{")) == 413
+  # A half-sent body: 408 after the read timeout, and meanwhile other requests are served.
+  t0 = time.monotonic()
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    slow = pool.submit(_raw_http, served, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n", b"{")
+    assert _greedy(served, [1, 2, 3], n=2)["meta_info"]["completion_tokens"] == 2
+    assert status(slow.result()) == 408
+  assert time.monotonic() - t0 >= limits.read_timeout_s * 0.9
+
+
+def test_bad_request_never_affects_others(served):
+  """Requests that would break an engine step are refused at the door; the good ones beside them finish."""
+  ref = _greedy(served, [7, 8, 9], n=8)["output_ids"]
+  bad_bodies = [
+    {"input_ids": [1, 2], "sampling_params": {"top_k": 2**40, "max_new_tokens": 4}},
+    {"input_ids": [1, 2], "sampling_params": {"top_k": served.model.cfg.vocab_size + 1}},
+    {"input_ids": [1, 2], "sampling_params": {"temperature": -1}},
+  ]
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    good = [pool.submit(_greedy, served, [7, 8, 9], 8) for _ in range(4)]
+    bad = [pool.submit(requests.post, f"{served.server.url}/generate", json=b, timeout=60) for b in bad_bodies]
+    assert all(r.result().status_code == 400 for r in bad)
+    assert all(g.result()["output_ids"] == ref for g in good)
+
+
+def test_api_key_guards_state_changing_routes(served):
+  server = served.server
+  limits = server.app.state.limits
+  server.app.state.limits = dataclasses.replace(limits, api_key="s3cret")
+  try:
+    for route, body in (("flush_cache", None), ("abort_request", {"abort_all": True})):
+      r = requests.post(f"{server.url}/{route}", json=body, timeout=30)
+      assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+      r = requests.post(f"{server.url}/{route}", json=body, headers={"Authorization": "Bearer wrong"}, timeout=30)
+      assert r.status_code == 401
+      r = requests.post(f"{server.url}/{route}", json=body, headers={"Authorization": "Bearer s3cret"}, timeout=30)
+      assert r.status_code == 200, r.text
+    r = requests.post(f"{server.url}/update_weights_from_disk", json={"model_path": served.hf_dir}, timeout=60)
+    assert r.status_code == 401
+    assert _greedy(served, [1, 2], n=2)["meta_info"]["completion_tokens"] == 2  # generation needs no key
+  finally:
+    server.app.state.limits = limits
+
+
+def _sse_events(response) -> list:
+  events = []
+  for line in response.iter_lines():
+    if line.startswith(b"data: "):
+      payload = line[len(b"data: ") :]
+      events.append(payload.decode() if payload == b"[DONE]" else json.loads(payload))
+  return events
+
+
+def test_generate_streams_server_sent_events(served):
+  ref = _greedy(served, [4, 5, 6], n=10)
+  body = {
+    "input_ids": [4, 5, 6],
+    "stream": True,
+    "return_logprob": True,
+    "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True},
+  }
+  with requests.post(f"{served.server.url}/generate", json=body, stream=True, timeout=120) as r:
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _sse_events(r)
+  assert events[-1] == "[DONE]"
+  chunks = events[:-1]
+  assert len(chunks) >= 2  # more than one event: tokens arrive as they are sampled
+  lengths = [len(c["output_ids"]) for c in chunks]
+  assert lengths == sorted(lengths) and lengths[-1] == 10
+  assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+  assert chunks[-1]["output_ids"] == ref["output_ids"]
+  assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+
+
+def test_openai_client_streams_chat_token_by_token(served):
+  client = openai.OpenAI(base_url=f"{served.server.url}/v1", api_key="unused")
+  messages = [{"role": "user", "content": "Say something"}]
+  args = dict(model="tiny", messages=messages, temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+  whole = client.chat.completions.create(**args)
+  deltas, finish = [], None
+  for chunk in client.chat.completions.create(stream=True, **args):
+    deltas.append(chunk.choices[0].delta.content or "")
+    finish = chunk.choices[0].finish_reason or finish
+  assert "".join(deltas) == whole.choices[0].message.content
+  assert sum(1 for d in deltas if d) >= 2 and finish == "length"
+
+
+def test_disconnected_clients_free_their_slots(served):
+  """Clients that go away mid-generation: their requests are aborted, slots free within a second."""
+  url = served.server.url
+  max_new = MAX_LEN - 8
+  socks = []
+  for i in range(16):
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    body = json.dumps(
+      {"input_ids": [1, 2, 3, i + 4], "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}}
+    )
+    sock.sendall(
+      f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+    )
+    socks.append(sock)
+  deadline = time.monotonic() + 60
+  while served.engine.num_running() < 16 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert served.engine.num_running() == 16
+  for sock in socks:
+    sock.close()
+  t0 = time.monotonic()
+  while served.engine.num_running() and time.monotonic() - t0 < 5:
+    time.sleep(0.01)
+  assert served.engine.num_running() == 0, "aborted requests still hold slots"
+  assert time.monotonic() - t0 < 1.0
+  assert _greedy(served, [1, 2], n=2)["meta_info"]["completion_tokens"] == 2
+
+
+def test_many_concurrent_generates_without_errors(served):
+  def one(i):
+    body = {"input_ids": [1 + i % 50, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    return requests.post(f"{served.server.url}/generate", json=body, timeout=300)
+
+  with concurrent.futures.ThreadPoolExecutor(256) as pool:
+    replies = list(pool.map(one, range(256)))
+  assert [r.status_code for r in replies] == [200] * 256
+  assert all(r.json()["meta_info"]["completion_tokens"] == 2 for r in replies)
+  assert served.engine.num_running() == 0
 
 
 def test_openai_client_completions_and_chat(served):
