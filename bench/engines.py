@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -64,9 +65,21 @@ def start_sglang_jax(python: str, model: str) -> tuple[subprocess.Popen, str]:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   cmd = [python, "-m", "sgl_jax.launch_server", "--model-path", model, "--host", "127.0.0.1", "--port", str(port)]
-  cmd += ["--device", "cpu", "--tp-size", "1", "--dtype", "float32", "--skip-server-warmup", *SMALL_CPU]
+  cmd += [
+    "--device",
+    "cpu",
+    "--tp-size",
+    "1",
+    "--dtype",
+    "float32",
+    "--skip-server-warmup",
+    "--attention-backend",
+    "native",
+    *SMALL_CPU,
+  ]
   log = open(os.path.join(model, "sglang_jax.log"), "w")
-  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
   url = f"http://127.0.0.1:{port}"
   deadline = time.monotonic() + 1800
   while True:
@@ -123,9 +136,13 @@ def main():
     print(f"embedded_update_weights_from_disk_s={np.median(updates):.3f} [{min(updates):.3f}, {max(updates):.3f}]")
   finally:
     server.close()
-    if proc is not None:
-      proc.terminate()
-      proc.wait(30)
+    if proc is not None:  # the launcher's scheduler and detokenizer children share its process group
+      os.killpg(proc.pid, signal.SIGTERM)
+      time.sleep(5)
+      try:
+        os.killpg(proc.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass  # the whole group is gone already
 
 
 if __name__ == "__main__":

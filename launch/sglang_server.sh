@@ -114,6 +114,9 @@ server_cmd() {  # $1 = port, $2 = sglang-jax device indexes ("" = all); fills th
   else
     if [[ -n "$2" ]]; then CMD+=(--device-indexes ${2//,/ }); fi
     if (( DETERMINISTIC )); then CMD+=(--enable-deterministic-sampling); fi
+    # On CPU its default `fa` falls back to native attention after the absorbed-MLA path was already chosen,
+    # and native attention cannot write the MLA cache; `native` up front picks the decompressed (MHA) path.
+    if [[ "$DEVICE" == cpu ]]; then CMD+=(--attention-backend native); fi
   fi
   if (( NNODES > 1 )); then CMD+=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --dist-init-addr "$DIST_INIT_ADDR"); fi
   CMD+=("${EXTRA[@]}")

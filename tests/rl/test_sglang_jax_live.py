@@ -6,8 +6,10 @@ skip and say so. The server is started once per module (its compiles take minute
 """
 
 import os
+import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -46,8 +48,9 @@ def live(tmp_path_factory):
   log = open(os.path.join(export, "server.log"), "w")
   cmd = [PYTHON, "-m", "sgl_jax.launch_server", "--model-path", export, "--host", "127.0.0.1", "--port", str(port)]
   cmd += ["--device", "cpu", "--tp-size", "1", "--dtype", "float32", "--enable-deterministic-sampling"]
-  cmd += ["--trust-remote-code", "--skip-server-warmup", *SMALL_CPU]
-  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  cmd += ["--trust-remote-code", "--skip-server-warmup", "--attention-backend", "native", *SMALL_CPU]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
   client = HttpEngine(HttpEngineConfig(f"http://127.0.0.1:{port}", generate_timeout_s=600))
   try:
     deadline = time.monotonic() + 1200
@@ -57,12 +60,16 @@ def live(tmp_path_factory):
         pytest.fail(f"sglang-jax did not come up (rc {proc.poll()}):\n{open(log.name).read()[-3000:]}")
       time.sleep(2)
     yield client, model
-  finally:
-    proc.terminate()
+  finally:  # the launcher leaves its scheduler and detokenizer processes behind: stop its whole group
+    os.killpg(proc.pid, signal.SIGTERM)
     try:
       proc.wait(30)
     except subprocess.TimeoutExpired:
-      proc.kill()
+      pass
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass  # the whole group is gone already
     log.close()
 
 
@@ -101,3 +108,25 @@ def test_seeded_resume_continues_exactly(live):
     GenerateRequest("rest", PROMPTS[1] + full.output_ids[:cut], SamplingParams(40 - cut, temperature=1.0, seed=77))
   )
   assert full.output_ids[:cut] + rest.output_ids == full.output_ids
+
+
+def test_queued_requests_aborted_before_prefill_come_back_empty(live):
+  """8 running slots (--max-running-requests 8) and 12 requests: the 4 still queued get "Abort before prefill"."""
+  client, _ = live
+  before = client.metrics().get("abort_before_prefill", 0)
+  out = {}
+
+  def run(rid):
+    out[rid] = client.generate(GenerateRequest(rid, (5, 6, 7), SamplingParams(max_new_tokens=400, seed=1)))
+
+  threads = [threading.Thread(target=run, args=(f"q{i}",)) for i in range(12)]
+  for t in threads:
+    t.start()
+  time.sleep(3)
+  client.abort([f"q{i}" for i in range(12)])
+  for t in threads:
+    t.join(300)
+  assert sorted(out) == sorted(f"q{i}" for i in range(12))
+  assert all(r.finish_reason == "abort" for r in out.values())
+  empty = sum(1 for r in out.values() if not r.output_ids)
+  assert empty >= 1 and client.metrics()["abort_before_prefill"] - before == empty
