@@ -78,7 +78,8 @@ def start_sglang_jax(python: str, model: str) -> tuple[subprocess.Popen, str]:
     *SMALL_CPU,
   ]
   log = open(os.path.join(model, "sglang_jax.log"), "w")
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  # One CPU device: the test session's XLA_FLAGS (8 host devices) would not fit its 1x1 mesh.
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
   url = f"http://127.0.0.1:{port}"
   deadline = time.monotonic() + 1800

@@ -49,7 +49,8 @@ def live(tmp_path_factory):
   cmd = [PYTHON, "-m", "sgl_jax.launch_server", "--model-path", export, "--host", "127.0.0.1", "--port", str(port)]
   cmd += ["--device", "cpu", "--tp-size", "1", "--dtype", "float32", "--enable-deterministic-sampling"]
   cmd += ["--trust-remote-code", "--skip-server-warmup", "--attention-backend", "native", *SMALL_CPU]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  # One CPU device: the test session's XLA_FLAGS (8 host devices) would not fit its 1x1 mesh.
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
   client = HttpEngine(HttpEngineConfig(f"http://127.0.0.1:{port}", generate_timeout_s=600))
   try:
