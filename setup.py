@@ -32,6 +32,7 @@ setup(
     "fastapi>=0.110",
     "uvicorn>=0.30",
     "pydantic>=2.7",
+    "openai>=1.50",  # k2jax.llm_client: rephrasing, synthesis, the RL judge
   ],
   extras_require={
     "test": [
@@ -40,7 +41,6 @@ setup(
       "hypothesis>=6.100",
       "torch==2.13.0",
       "transformers>=5.0,<6",
-      "openai>=1.50",
       "requests>=2.31",
       "ruff>=0.6",
     ],

@@ -22,9 +22,8 @@ from flax import nnx  # noqa: E402
 from k2jax.agentic.rollout import MultiTurnConfig, MultiTurnRunner  # noqa: E402
 from k2jax.data.tokenizer import load_tokenizer  # noqa: E402
 from k2jax.model import K2Model, presets  # noqa: E402
-from k2jax.rl.engines.embedded import EmbeddedEngine  # noqa: E402
+from k2jax.engine import EngineConfig, InferenceEngine  # noqa: E402
 from k2jax.rl.envs.simulated import SimToolsEnv  # noqa: E402
-from k2jax.serve import EngineConfig  # noqa: E402
 
 _CONC = flags.DEFINE_list("concurrency", ["1", "16", "128"], "Concurrent episodes to measure.")
 _TURNS = flags.DEFINE_integer("turns", 3, "Assistant turns per episode.")
@@ -74,20 +73,20 @@ def main(argv):
   del argv
   tok = load_tokenizer()
   model = K2Model(presets.get("tiny"), rngs=nnx.Rngs(0))
-  engine = EmbeddedEngine(
+  engine = InferenceEngine(
     model,
     EngineConfig(
       max_slots=_SLOTS.value, max_seq_len=1024, min_prefill_bucket=32, prefix_cache_entries=4 * _SLOTS.value + 32
     ),
     eos_token_ids=(tok.eos_id, tok.special_ids["<|im_end|>"]),
   )
-  counter = PrefillCounter(engine.engine)
+  counter = PrefillCounter(engine)
   try:
     for conc in [int(c) for c in _CONC.value]:
       cfg = MultiTurnConfig(max_turns=_TURNS.value, max_new_tokens_per_turn=_NEW.value, concurrency=conc, seed=1)
       runner = MultiTurnRunner(engine, tok, SimToolsEnv, cfg)
       runner.run(tasks(min(conc, 8), f"warm{conc}-"), rid_prefix=f"warm{conc}")  # compile buckets first
-      engine.engine.flush_cache()
+      engine.flush_cache()
       counter.take()
       n = max(4, conc) if conc > 1 else 4
       t0 = time.perf_counter()

@@ -23,8 +23,8 @@ from absl import app, flags
 from flax import nnx
 
 from k2jax.model import K2Model, presets
-from k2jax.serve import EngineConfig, InferenceEngine, Request, SamplingOptions
-from k2jax.serve.runner import ModelRunner, sampling_arrays
+from k2jax.engine import EngineConfig, GenerateRequest, InferenceEngine, SamplingParams
+from k2jax.engine.runner import ModelRunner, sampling_arrays
 
 _GEN = flags.DEFINE_integer("gen", 32, "tokens generated per measurement")
 _TURN1 = flags.DEFINE_integer("turn1", 512, "first-turn prompt length for the multi-turn measurement")
@@ -70,15 +70,15 @@ def multiturn(model, turn1: int, gen: int) -> dict[str, float]:
   eng = InferenceEngine(model, EngineConfig(max_slots=2, max_seq_len=turn1 + 2 * gen + 64, prefix_cache_entries=4))
 
   def turn2(tag: str, flush: bool, new_tokens: int):
-    sampling = SamplingOptions(max_new_tokens=gen, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_new_tokens=gen, temperature=0.0, ignore_eos=True)
     hist = tuple(rng.randint(0, 4000, turn1).tolist())
-    first = eng.generate(Request(f"{tag}-1", hist, sampling))
+    first = eng.generate(GenerateRequest(f"{tag}-1", hist, sampling))
     if flush:
       eng.flush_cache()
     prompt = hist + tuple(first.output_ids) + tuple(rng.randint(0, 4000, 32).tolist())
     t0 = time.perf_counter()
     done = eng.generate(
-      Request(f"{tag}-2", prompt, SamplingOptions(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+      GenerateRequest(f"{tag}-2", prompt, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
     )
     return time.perf_counter() - t0, done.cached_tokens
 

@@ -28,8 +28,9 @@ from flax import nnx
 
 import k2jax
 from k2jax.model import K2Model, presets
-from k2jax.rl.transport import RetryPolicy, call_json
-from k2jax.serve import EngineConfig, Server
+from k2jax.transport import RetryPolicy, call_json
+from k2jax.engine.inference import EngineConfig
+from k2jax.serve import Server
 
 CONCURRENCY = (1, 8, 32)
 SMALL_CPU = (

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from k2jax.rl.engines.fake import FakeEngine, FakeEngineConfig
+from k2jax.engine.fake import FakeEngine, FakeEngineConfig
 from k2jax.rl.rewards.base import Prompt, RewardResult, per_sample
 from k2jax.rl.rollout import RolloutConfig, RolloutManager
 

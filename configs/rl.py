@@ -54,7 +54,7 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
   c.rollout.top_p = 1.0  # nucleus sampling (1 = off)
   c.rollout.max_concurrency = 64  # rollout threads = in-flight engine requests
 
-  c.engine = config_dict.ConfigDict()  # embedded engine only (k2jax.serve.EngineConfig)
+  c.engine = config_dict.ConfigDict()  # embedded engine only (k2jax.engine.EngineConfig)
   c.engine.max_slots = 32  # requests decoded together
   c.engine.max_seq_len = 64  # prompt + response tokens per request
 

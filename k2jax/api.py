@@ -9,6 +9,7 @@ from flax import nnx
 
 from k2jax.convert import hf as hf_io
 from k2jax.convert import workdir as wd
+from k2jax.convert.export_dir import recover
 from k2jax.convert.tokenizer import export_tokenizer
 from k2jax.model.config import K2Config
 from k2jax.model.transformer import K2Model
@@ -33,6 +34,7 @@ def load(path: str, **k2jax_fields) -> K2Model:
 
   k2jax_fields override execution knobs, e.g. `load(p, compute_dtype='bfloat16', scan_layers=False)`.
   """
+  recover(path)  # an export that died between its two renames on a filesystem without RENAME_EXCHANGE
   if wd.is_workdir(path):
     cfg = wd.read_model_config(path, **k2jax_fields)
     _, state = wd.restore_model_state(path, hf_io.abstract_state(cfg))

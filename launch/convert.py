@@ -6,6 +6,9 @@
 The HF side is the published layout (DeepseekV3ForCausalLM, per-expert keys, sharded safetensors
 with model.safetensors.index.json), loadable by transformers, SGLang and vLLM. A workdir converts
 from its latest checkpoint.
+
+--dst must be new, empty, or an earlier export of this tool (and must not contain --src); an earlier
+export is replaced atomically: readers see the old one or the new one, never a mix or nothing.
 """
 
 import os
@@ -27,17 +30,23 @@ def main(argv):
   import k2jax
   from k2jax.convert import hf as hf_io
   from k2jax.convert import workdir as wd
+  from k2jax.convert.export_dir import ExportError, check_destination
 
   src, dst = FLAGS.src, FLAGS.dst
-  if os.path.abspath(src) == os.path.abspath(dst):
-    raise app.UsageError(f"--src and --dst are the same directory: {src}")
+  try:
+    check_destination(dst, src)  # before the (long) load: fail fast, touch nothing
+  except ExportError as e:
+    sys.exit(f"convert: {e}")
   if wd.is_workdir(src):
     k2jax.save_hf(k2jax.load(src), dst, dtype=FLAGS.dtype, tokenizer_from=src)
     print(f"wrote HF directory {dst}")
   elif os.path.isfile(os.path.join(src, "config.json")):
     kw = {"param_dtype": FLAGS.dtype} if FLAGS.dtype else {}
     cfg, state = hf_io.load_hf(src, **kw)
-    wd.save_model_only(cfg, state, dst)
+    try:
+      wd.save_model_only(cfg, state, dst)
+    except ExportError as e:  # dst changed while we were loading
+      sys.exit(f"convert: {e}")
     print(f"wrote k2jax workdir {dst}")
   else:
     raise app.UsageError(f"--src={src}: neither a k2jax workdir ({wd.MODEL_CONFIG}) nor an HF directory (config.json)")

@@ -15,8 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from k2jax.engine import EngineConfig  # noqa: E402
 from k2jax.httpservice import HttpLimits  # noqa: E402
-from k2jax.serve import EngineConfig, Server  # noqa: E402
+from k2jax.serve import Server  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "k2jax workdir or HF directory (config.json + safetensors).", required=True)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")

@@ -25,7 +25,8 @@ def serve_locally(c, out: str):
   import k2jax
   from flax import nnx
   from k2jax.model import K2Model, presets
-  from k2jax.serve import EngineConfig, Server
+  from k2jax.engine import EngineConfig
+  from k2jax.serve import Server
 
   path = c.serve_model
   if path == "tiny-random":

@@ -9,7 +9,7 @@ k2-rl-and-serving.md §4.1; verl and Agent-R1 saw decode -> re-encode drift). If
 `<|im_end|>` (length, EOS) the runner closes it with an `<|im_end|>` that is not trained.
 
 Since each request's prompt is the previous request plus a few tokens, engines with prefix reuse
-(SGLang's radix cache, k2jax.serve's prefix cache) prefill only the new tokens. Episodes run
+(SGLang's radix cache, k2jax.engine's prefix cache) prefill only the new tokens. Episodes run
 concurrently on a thread pool (the engine clients are blocking and thread-safe); the reward is the
 environment's at the end (task rubric or verifier). `to_rollout_batch` turns trajectories into the
 RL learner's `RolloutBatch` (loss mask = generated tokens only).
@@ -27,8 +27,9 @@ import numpy as np
 
 from k2jax.data.chat import parse_assistant, render_chat
 from k2jax.data.tokenizer import Tokenizer
-from k2jax.rl.engine import Engine, GenerateRequest, RolloutBatch, SamplingParams, pad_token_rows
-from k2jax.rl.transport import ServiceError
+from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
+from k2jax.rl.rollout_batch import RolloutBatch, pad_token_rows
+from k2jax.transport import ServiceError
 
 if TYPE_CHECKING:  # k2jax.rl.envs imports k2jax.agentic: a runtime import here would be circular
   from k2jax.rl.envs.base import Environment

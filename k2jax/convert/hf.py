@@ -1,17 +1,17 @@
 """Stream a Hugging Face safetensors directory into k2jax parameters, and back.
 
 Import reads one tensor at a time into preallocated k2jax leaves; export writes one shard at a time.
-Neither ever holds two full copies of the model in host memory. Export writes into a temporary
-directory next to the destination and renames it at the end, so a crash never leaves a directory that
-looks complete.
+Neither ever holds two full copies of the model in host memory. Export goes through
+`export_dir.write_export`: it never replaces a directory k2jax did not write, and swaps the new export
+in atomically. Import checks that config.json and the shards describe the same layers and that every
+shard the index names lies inside the directory.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
+import posixpath
 from collections.abc import Iterator, Mapping
 
 import jax
@@ -21,6 +21,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from k2jax.convert.export_dir import recover, write_export
 from k2jax.convert.layout import Entry, entries, hf_shape
 from k2jax.model.config import ConfigError, K2Config
 from k2jax.model.transformer import K2Model
@@ -56,6 +57,7 @@ def _set(tree: dict, path: tuple[str, ...], value):
 
 
 def read_config(path: str, **k2jax_fields) -> K2Config:
+  recover(path)  # an export interrupted between its two renames (filesystems without RENAME_EXCHANGE)
   cfg_path = os.path.join(path, "config.json")
   if not os.path.isfile(cfg_path):
     raise CheckpointError(f"{path}: no config.json (not a Hugging Face model directory)")
@@ -76,11 +78,29 @@ def weight_map(path: str) -> dict[str, str]:
       wmap = {k: SINGLE for k in f.keys()}
   else:
     raise CheckpointError(f"{path}: neither {INDEX} nor {SINGLE} found")
+  if not isinstance(wmap, dict):
+    raise CheckpointError(f"{index}: weight_map is not an object")
+  for shard in set(wmap.values()):
+    check_shard_name(path, shard)
   for shard in sorted(set(wmap.values())):
     if not os.path.isfile(os.path.join(path, shard)):
       n = sum(1 for v in wmap.values() if v == shard)
       raise CheckpointError(f"{os.path.join(path, shard)}: shard listed in {INDEX} is missing ({n} tensors)")
   return wmap
+
+
+def check_shard_name(path: str, shard) -> None:
+  """A shard named by an index must be a plain relative path inside `path` (not /etc/passwd, not ../x)."""
+  bad = (
+    not isinstance(shard, str)
+    or not shard
+    or "\\" in shard
+    or "\0" in shard
+    or posixpath.isabs(shard)
+    or any(part in ("", ".", "..") for part in shard.split("/"))
+  )
+  if bad:
+    raise CheckpointError(f"{os.path.join(path, INDEX)}: shard path {shard!r} is not a file inside {path}")
 
 
 def load_hf(path: str, **k2jax_fields) -> tuple[K2Config, dict]:
@@ -130,19 +150,31 @@ def _read_into(f, file, cfg, entry: Entry, idx, key, dest: np.ndarray, leaf):
 
 
 def _check_unexpected(path: str, cfg: K2Config, wmap: Mapping[str, str]):
+  """Every tensor in the shards must be a parameter of config.json's model, or one of the MTP layers
+  config.json declares (num_nextn_predict_layers, stored after the last layer; k2jax does not use them)."""
   known = {k for e in entries(cfg) for _, k in e.keys(cfg)}
-  for key in wmap:
+  mtp = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+  extra = []
+  for key in sorted(wmap):
     if key in known or key.endswith("rotary_emb.inv_freq"):
       continue
-    parts = key.split(".")
-    if (
-      len(parts) > 2
-      and parts[:2] == ["model", "layers"]
-      and parts[2].isdigit()
-      and int(parts[2]) >= cfg.num_hidden_layers
-    ):
-      continue  # multi-token-prediction layers (num_nextn_predict_layers): not used by k2jax
-    raise CheckpointError(f"{path}: unexpected tensor {key!r} in {wmap[key]} (does config.json match?)")
+    layer = _layer_of(key)
+    if layer is not None and layer in mtp:
+      continue
+    extra.append(key)
+  if extra:
+    layers = sorted({_layer_of(k) for k in extra} - {None})
+    what = f" (of layers {layers})" if layers else ""
+    raise CheckpointError(
+      f"{path}: {len(extra)} tensors{what} are not described by config.json (num_hidden_layers="
+      f"{cfg.num_hidden_layers}, num_nextn_predict_layers={cfg.num_nextn_predict_layers}): "
+      f"{', '.join(repr(k) for k in extra[:5])}{' ...' if len(extra) > 5 else ''}"
+    )
+
+
+def _layer_of(key: str) -> int | None:
+  parts = key.split(".")
+  return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -168,10 +200,8 @@ def save_hf(
   if dtype is not None and dtype not in _DTYPES:
     raise ConfigError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
   shards = _plan_shards(cfg, state, dtype, max_shard_bytes)
-  parent = os.path.dirname(os.path.abspath(dst)) or "."
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(dst) + "-", dir=parent)
-  try:
+
+  def write(tmp: str) -> None:
     wmap, total, n, buf, shard_i = {}, 0, len(shards), {}, 0
     for key, t in iter_hf_tensors(cfg, state, dtype):
       buf[key] = t
@@ -187,12 +217,8 @@ def save_hf(
     hf_cfg["torch_dtype"] = dtype or cfg.param_dtype
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(hf_cfg, f, indent=2, sort_keys=True)
-    if os.path.exists(dst):
-      shutil.rmtree(dst)
-    os.replace(tmp, dst)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
+
+  write_export(dst, "hf", write)
 
 
 def _plan_shards(cfg, state, dtype, max_shard_bytes) -> list[list[str]]:

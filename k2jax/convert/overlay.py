@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from k2jax.convert.hf import INDEX, CheckpointError, _get, _set
+from k2jax.convert.hf import INDEX, CheckpointError, _get, _set, check_shard_name
 from k2jax.convert.layout import entries
 from k2jax.model.config import K2Config
 
@@ -54,10 +54,12 @@ def _read_tensors(path: str):
     raise CheckpointError(f"{path}: no {INDEX} (expected a weight-sync directory)")
   try:
     with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
-  except (OSError, ValueError, KeyError) as e:
+      files = set(json.load(f)["weight_map"].values())
+  except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
     raise CheckpointError(f"{index}: unreadable index ({e})") from e
   for name in files:
+    check_shard_name(path, name)  # an index entry may not point outside the directory
+  for name in sorted(files):
     file = os.path.join(path, name)
     if not os.path.isfile(file):
       raise CheckpointError(f"{file}: shard listed in {INDEX} is missing")

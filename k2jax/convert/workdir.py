@@ -12,6 +12,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
+from k2jax.convert.export_dir import write_export
 from k2jax.model.config import K2Config
 
 MODEL_CONFIG = "model_config.json"
@@ -44,11 +45,16 @@ def checkpoint_manager(
 
 
 def save_model_only(cfg: K2Config, state: dict, workdir: str, step: int = 0) -> None:
-  """Write a workdir holding just the model (e.g. after converting from HF)."""
-  write_model_config(cfg, workdir)
-  with checkpoint_manager(workdir) as mgr:
-    mgr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave(state)), force=True)
-    mgr.wait_until_finished()
+  """Write a workdir holding just the model (e.g. after converting from HF) as an export: it replaces
+  only an earlier such export that training has not added to, atomically (`export_dir`)."""
+
+  def write(tmp: str) -> None:
+    write_model_config(cfg, tmp)
+    with checkpoint_manager(tmp) as mgr:
+      mgr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave(state)), force=True)
+      mgr.wait_until_finished()
+
+  write_export(workdir, "workdir", write)
 
 
 def restore_model_state(workdir: str, abstract: dict, step: int | None = None) -> tuple[int, dict]:

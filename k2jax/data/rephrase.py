@@ -10,8 +10,8 @@ Three parts, as in the paper:
    word recall, length ratio) and optionally judged by the same LLM; a failing rephrasing is
    recorded as rejected with its reason, never silently dropped.
 The per-corpus cap (`max_rephrasings`, K2 uses at most 2) bounds rephrasings per document, also
-across restarts. Any OpenAI-compatible chat endpoint works (`llm_url`); requests run concurrently
-(one thread per document in flight) and the `openai` client retries with exponential backoff.
+across restarts. Any OpenAI-compatible chat endpoint works (`llm_url`, through `k2jax.llm_client`);
+requests run concurrently (one thread per document in flight) and retry with exponential backoff.
 Output is one jsonl line per finished document, appended as each finishes; a restart skips them.
 """
 
@@ -29,6 +29,8 @@ import re
 from k2jax.data.report import DataReport, Issue
 from k2jax.data.sources import JsonlSource, decode_record, end_torn_line
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
+from k2jax.llm_client import ChatClient, ChatConfig
+from k2jax.transport import InvalidResponse
 
 STYLES = (
   "an encyclopedia entry",
@@ -65,7 +67,7 @@ class RephraseConfig:
   max_output_tokens: int = 1024
   temperature: float = 0.7
   concurrency: int = 8
-  max_retries: int = 4  # openai client retries (exponential backoff) per request.
+  max_retries: int = 4  # retries (exponential backoff) per request.
   timeout_s: float = 120.0
   min_word_recall: float = 0.5  # Fidelity: share of source content words kept.
   length_ratio: tuple[float, float] = (0.5, 2.5)
@@ -128,12 +130,19 @@ class Rephraser:
   """Rewrites one document (all its rephrasings); thread-safe, holds one HTTP client."""
 
   def __init__(self, cfg: RephraseConfig):
-    import openai
-
     self.cfg = cfg
     self.tok = load_tokenizer(cfg.tokenizer_path)
-    self.client = openai.OpenAI(
-      base_url=cfg.llm_url, api_key=cfg.api_key, max_retries=cfg.max_retries, timeout=cfg.timeout_s
+    self.client = ChatClient(
+      ChatConfig(
+        url=cfg.llm_url,
+        model=cfg.model,
+        api_key=cfg.api_key,
+        temperature=cfg.temperature,
+        max_tokens=cfg.max_output_tokens,
+        timeout_s=cfg.timeout_s,
+        max_retries=cfg.max_retries,
+        concurrency=cfg.concurrency,
+      )
     )
 
   def rephrase_document(self, doc_id: str, text: str) -> dict:
@@ -155,13 +164,10 @@ class Rephraser:
     return record
 
   def _complete(self, messages: list[dict]) -> str:
-    resp = self.client.chat.completions.create(
-      model=self.cfg.model, messages=messages, temperature=self.cfg.temperature, max_tokens=self.cfg.max_output_tokens
-    )
-    content = resp.choices[0].message.content
-    if content is None:
-      raise RuntimeError(f"{self.cfg.llm_url}: completion without content: {resp}")
-    return content.strip()
+    content = self.client.text(messages).strip()
+    if not content:
+      raise InvalidResponse(f"{self.cfg.llm_url}: completion without content")
+    return content
 
   def _fidelity_problem(self, source: str, rewrite: str) -> str | None:
     problem = fidelity_problem(source, rewrite, self.cfg.min_word_recall, self.cfg.length_ratio)

@@ -1,4 +1,4 @@
-"""RL post-training: engine interface, rollouts, rewards, the K2 objective, weight sync."""
+"""RL post-training: rollouts, rewards, the K2 objective, weight sync (engines live in `k2jax.engine`)."""
 
 from k2jax.rl.algo import (
   K2LossConfig,
@@ -11,7 +11,6 @@ from k2jax.rl.algo import (
   sequence_logprobs,
   token_logprobs,
 )
-from k2jax.rl.engine import Engine, GenerateRequest, GenerateResult, RolloutBatch, SamplingParams
+from k2jax.rl.rollout_batch import RolloutBatch
 from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
-from k2jax.rl.transport import InvalidResponse, RequestRejected, RetryPolicy, ServiceError, ServiceUnreachable
 from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig

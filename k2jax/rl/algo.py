@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k2jax.rl.engine import RolloutBatch
+from k2jax.rl.rollout_batch import RolloutBatch
 
 
 @dataclasses.dataclass(frozen=True)

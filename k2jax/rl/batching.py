@@ -21,7 +21,7 @@ import collections
 
 import numpy as np
 
-from k2jax.rl.engine import RolloutBatch
+from k2jax.rl.rollout_batch import RolloutBatch
 
 CHECKS = ("span", "logprob", "version", "token", "reward", "too_long")
 

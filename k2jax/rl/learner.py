@@ -37,16 +37,15 @@ from k2jax.model.transformer import K2Model
 from k2jax.optim import QKClipSpec, muonclip
 from k2jax.rl import batching, rl_step
 from k2jax.rl.algo import K2LossConfig, rollout_metrics, select_old_logprobs
-from k2jax.rl.engine import Engine, GenerateRequest, SamplingParams
-from k2jax.rl.engines.embedded import EmbeddedEngine
-from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
-from k2jax.rl.engines.routed import RoutedEngine
+from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
+from k2jax.engine.http import HttpEngine, HttpEngineConfig
+from k2jax.engine.routed import RoutedEngine
 from k2jax.rl.ptx import PTXConfig, PTXSet
 from k2jax.rl.rewards.base import Completion, per_sample
 from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
 from k2jax.rl.tasks import TASK_NAME, ArithmeticTask, ArithmeticTaskConfig, MathJsonlTask, strip_stop
 from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
-from k2jax.serve.engine import EngineConfig
+from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.train.checkpoint import merge_dicts, split_dict
 from k2jax.train.counting import flops_per_token
 from k2jax.train.metrics import MetricsLogger, measure_peak_flops, say
@@ -208,7 +207,7 @@ def make_engine(lc: LearnerConfig, state: TrainState, decode) -> Engine:
     )
     return engine
   model = model_from_state(lc.model, merge_dicts(state.params, state.bias))
-  return EmbeddedEngine(model, lc.engine, eos_token_ids=lc.rollout.stop_token_ids, decode=decode)
+  return InferenceEngine(model, lc.engine, eos_token_ids=lc.rollout.stop_token_ids)
 
 
 class Learner:

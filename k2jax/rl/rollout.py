@@ -25,7 +25,8 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterator, Sequence
 
-from k2jax.rl.engine import Engine, GenerateRequest, RolloutBatch, SamplingParams
+from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
+from k2jax.rl.rollout_batch import RolloutBatch
 from k2jax.rl.rewards.base import GroupRewardFn, Prompt
 from k2jax.rl.samples import Group, Sample, build_batch, completion_of
 

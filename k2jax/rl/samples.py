@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from k2jax.rl.engine import RolloutBatch, pad_token_rows
+from k2jax.rl.rollout_batch import RolloutBatch, pad_token_rows
 from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
 
 

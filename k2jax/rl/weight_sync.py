@@ -22,7 +22,7 @@ from typing import Mapping
 import numpy as np
 from safetensors.numpy import save_file
 
-from k2jax.rl.engine import Engine
+from k2jax.engine.base import Engine
 
 INDEX_NAME = "model.safetensors.index.json"
 

@@ -4,7 +4,18 @@ Lower than `rl` and `agentic`: rewards (`k2jax.rl.rewards`) and the code environ
 use it.
 """
 
-from k2jax.sandbox.code import CodeRewardConfig, Graded, extract_code, run_tests
-from k2jax.sandbox.runner import SandboxConfig, SandboxResult, run_python
+from k2jax.sandbox.code import CodeRewardConfig, Graded, extract_code, run_tests, split_test
+from k2jax.sandbox.runner import SandboxConfig, SandboxResult, SandboxUnavailable, isolation_error, run_python
 
-__all__ = ["CodeRewardConfig", "Graded", "SandboxConfig", "SandboxResult", "extract_code", "run_python", "run_tests"]
+__all__ = [
+  "CodeRewardConfig",
+  "Graded",
+  "SandboxConfig",
+  "SandboxResult",
+  "SandboxUnavailable",
+  "extract_code",
+  "isolation_error",
+  "run_python",
+  "run_tests",
+  "split_test",
+]

@@ -1,116 +1,218 @@
-"""Runs inside the sandbox process (standard library only): isolate, limit, then run the entry script.
+"""The sandbox launcher (standard library only): build the kernel's isolation, then exec the program.
 
-argv[1] is a JSON object from `sandbox.py`. Order matters: leave the network namespace while ctypes is
-still allowed, set rlimits, install the audit hook last, then run the user's entry file.
+Started by `runner.py` as the sandbox uid with argv[1] = a JSON object. Isolated runs:
+1. unshare user, mount, PID, network, IPC, UTS and cgroup namespaces; map the calling uid to uid 1000
+   inside (never 0, so the exec below clears every capability);
+2. fork: the child is PID 1 of the new PID namespace (it cannot see or signal anything outside it, and
+   when it dies the kernel kills every process left inside); it dies with the launcher (PDEATHSIG);
+3. the child builds a new root on a tmpfs: the interpreter and system libraries bind-mounted read-only,
+   /dev/{null,zero,random,urandom}, a fresh /proc, and the run's temp dir as the only writable path;
+   it moves that root over / and chroots into it (the caller's files are not in the view at all);
+4. capability bounding set emptied, no_new_privs; PID 1 forks the program, which takes a new session,
+   sets rlimits (CPU, address space, file size, open files, processes of this user namespace, no core)
+   and execs the interpreter on the entry file.
+PID 1 waits and reports `EXIT n` / `SIGNAL n` (or `SETUP why` when isolation failed) on a status pipe
+the program never holds, then exits, which ends the namespace. Unisolated runs (the explicit unsafe
+mode) skip steps 1 and 3, and the launcher's child is the program.
 """
 
+import ctypes
 import json
 import os
 import resource
-import runpy
+import signal
 import sys
 
-VIOLATION_EXIT = 113
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x2000000, 0x4000000, 0x8000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE, MS_RELATIME = (
+  1024,
+  2048,
+  4096,
+  8192,
+  16384,
+  1 << 18,
+  1 << 21,
+)
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+INNER_ID = 1000
+DEVICES = ("null", "zero", "random", "urandom")
+
 cfg = json.loads(sys.argv[1])
-report = os.fdopen(cfg["report_fd"], "w", buffering=1)
-layers = []
-
-if cfg["network_namespace"]:
-  import ctypes
-
-  _libc = ctypes.CDLL(None, use_errno=True)
-  CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-  # Root may create a netns directly; others need a user namespace around it.
-  flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWUSER | CLONE_NEWNET
-  if _libc.unshare(flags) == 0:
-    layers.append("netns")
-  del _libc
-
-for name, soft, hard in (
-  ("RLIMIT_CPU", cfg["cpu_time_s"], cfg["cpu_time_s"] + 1),
-  ("RLIMIT_AS", cfg["memory_bytes"], cfg["memory_bytes"]),
-  ("RLIMIT_FSIZE", cfg["file_size_bytes"], cfg["file_size_bytes"]),
-  ("RLIMIT_NPROC", cfg["max_processes"], cfg["max_processes"]),
-  ("RLIMIT_NOFILE", cfg["max_open_files"], cfg["max_open_files"]),
-  ("RLIMIT_CORE", 0, 0),
-):
-  resource.setrlimit(getattr(resource, name), (soft, hard))
-layers.append("rlimits")
-
-ROOT = os.path.realpath(cfg["workdir"])
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-BLOCKED = {
-  "os.fork": "process creation",
-  "os.forkpty": "process creation",
-  "os.posix_spawn": "process creation",
-  "os.spawn": "process creation",
-  "os.exec": "process creation",
-  "os.system": "process creation",
-  "subprocess.Popen": "process creation",
-  "os.kill": "signalling",
-  "os.killpg": "signalling",
-  "ctypes.dlopen": "native code",
-  "ctypes.dlsym": "native code",
-  "ctypes.cdata": "native code",
-}
-PATH_EVENTS = {
-  "os.remove",
-  "os.rmdir",
-  "os.mkdir",
-  "os.rename",
-  "os.replace",
-  "os.symlink",
-  "os.link",
-  "os.chmod",
-  "os.chown",
-  "os.truncate",
-  "os.utime",
-  "shutil.rmtree",
-  "shutil.copyfile",
-  "shutil.move",
-  "os.chdir",
-}
+status = os.fdopen(cfg["status_fd"], "w", buffering=1)
+os.set_inheritable(cfg["status_fd"], False)  # closed by the exec: the program never holds it
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 
 
-def _violation(what):
-  report.write(f"VIOLATION {what}\n")
-  report.flush()
-  os._exit(VIOLATION_EXIT)
+class SetupError(Exception):
+  pass
 
 
-def _outside(path):
-  if isinstance(path, int):
-    return False  # file descriptor: already opened under the policy
-  p = os.path.realpath(os.fsdecode(path))
-  return not (p == ROOT or p.startswith(ROOT + os.sep) or p == "/dev/null")
+def _check(ret, what):
+  if ret != 0:
+    err = ctypes.get_errno()
+    raise SetupError(f"{what}: {os.strerror(err)} (errno {err})")
 
 
-def _hook(event, args):
-  if event.startswith("socket."):
-    _violation(f"network ({event})")
-  if event in BLOCKED:
-    _violation(f"{BLOCKED[event]} ({event})")
-  if event == "open" and args and args[0] is not None:
-    path, mode, flags = (list(args) + [None, 0])[:3]
-    writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool((flags or 0) & WRITE_FLAGS)
-    if writes and _outside(path):
-      _violation(f"write outside the sandbox directory ({os.fsdecode(path)})")
-  if event in PATH_EVENTS:
-    for a in args:
-      if isinstance(a, (str, bytes, os.PathLike)) and _outside(a):
-        _violation(f"filesystem change outside the sandbox directory ({event} {os.fsdecode(a)})")
+def _mount(src, dst, fstype, flags, data=None):
+  enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
+  _check(libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)), f"mount {src} -> {dst}")
 
 
-if cfg["audit_hook"]:
-  sys.addaudithook(_hook)
-  layers.append("audit_hook")
-report.write("LAYERS " + " ".join(layers) + "\n")
+def _write(path, text):
+  with open(path, "w") as f:
+    f.write(text)
 
-os.chdir(ROOT)
-sys.path.insert(0, ROOT)
-sys.argv = [cfg["entry"]]
-try:
-  runpy.run_path(os.path.join(ROOT, cfg["entry"]), run_name="__main__")
-except MemoryError:
-  sys.stderr.write("MemoryError\n")
-  sys.exit(1)
+
+def enter_namespaces():
+  uid, gid = os.geteuid(), os.getegid()
+  flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
+  _check(libc.unshare(flags), "unshare(user, mount, pid, net, ipc, uts, cgroup namespaces)")
+  _write("/proc/self/setgroups", "deny")
+  _write("/proc/self/uid_map", f"{INNER_ID} {uid} 1")
+  _write("/proc/self/gid_map", f"{INNER_ID} {gid} 1")
+
+
+def _locked_flags(path):
+  """Mount flags the kernel will not let a user namespace clear on a bind of `path` (must be repeated)."""
+  f = os.statvfs(path).f_flag
+  out = 0
+  for st, ms in ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC)):
+    if f & st:
+      out |= ms
+  for st, ms in ((os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME), (os.ST_RELATIME, MS_RELATIME)):
+    if f & st:
+      out |= ms
+  return out
+
+
+def _bind(src, root, read_only, is_file=False):
+  dst = root + src
+  if is_file:
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    open(dst, "a").close()
+  else:
+    os.makedirs(dst, exist_ok=True)
+  _mount(src, dst, None, MS_BIND)
+  flags = MS_BIND | MS_REMOUNT | MS_NOSUID | _locked_flags(src) | (MS_RDONLY if read_only else MS_NODEV)
+  _mount(None, dst, None, flags)
+
+
+def _ro_paths():
+  """System library dirs and this interpreter's prefix (it may live outside /usr, e.g. pyenv, /opt)."""
+  exe_dir = os.path.dirname(os.path.realpath(sys.executable))
+  prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}
+  paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", *sorted(prefixes), exe_dir]
+  out = []
+  for p in paths:  # a path already inside a bound dir needs no bind of its own
+    if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out if not os.path.islink(q)):
+      out.append(p)
+  return out
+
+
+def build_root(ro_paths):
+  root = cfg["newroot"]
+  _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates back to the caller
+  _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
+  for path in ro_paths:
+    if os.path.islink(path):  # /bin -> usr/bin on merged-/usr systems: same link, same target
+      if not os.path.lexists(root + path):
+        os.makedirs(os.path.dirname(root + path), exist_ok=True)
+        os.symlink(os.readlink(path), root + path)
+    elif os.path.isdir(path):
+      _bind(path, root, read_only=True)
+  for dev in DEVICES:
+    _bind("/dev/" + dev, root, read_only=False, is_file=True)
+  _bind(cfg["workdir"], root, read_only=False)
+  os.makedirs(root + "/proc", exist_ok=True)
+  try:  # refused where the caller's /proc is partly masked (some containers); Python does not need it
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+  except SetupError:
+    pass
+  os.chdir(root)
+  _mount(root, "/", None, MS_MOVE)  # the new root covers the old one for this namespace ...
+  os.chroot(".")  # ... and becomes this process's root
+  os.chdir("/")
+  _mount(None, "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def drop_privileges(last):
+  for cap in range(last + 1):
+    _check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
+  _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def set_limits():
+  nproc = cfg["max_processes"] + (2 if cfg["isolate"] else 0)  # the launcher and PID 1 count in the namespace
+  for name, soft, hard in (
+    ("RLIMIT_CPU", cfg["cpu_time_s"], cfg["cpu_time_s"] + 1),
+    ("RLIMIT_AS", cfg["memory_bytes"], cfg["memory_bytes"]),
+    ("RLIMIT_FSIZE", cfg["file_size_bytes"], cfg["file_size_bytes"]),
+    ("RLIMIT_NPROC", nproc, nproc),
+    ("RLIMIT_NOFILE", cfg["max_open_files"], cfg["max_open_files"]),
+    ("RLIMIT_CORE", 0, 0),
+  ):
+    resource.setrlimit(getattr(resource, name), (soft, hard))
+
+
+def child(cap_last):
+  """Isolated: PID 1 of the namespace, builds the root, then runs the program as its child and reports.
+
+  The program is not PID 1 itself: the kernel drops signals without a handler sent to a namespace's
+  init, which would turn SIGXCPU and abort() into hangs. Unisolated, this process is the program."""
+  try:
+    _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    if not cfg["isolate"]:
+      program()
+    build_root(_ro_paths())
+    drop_privileges(cap_last)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the program may signal PID 1 only where it has a handler
+    pid = os.fork()
+    if pid == 0:
+      os.setsid()  # kill(0, ...) from the program reaches only its own session
+      program()
+  except (SetupError, OSError, ValueError) as e:
+    status.write(f"SETUP {e}\n")
+    os._exit(2)
+  os.close(cfg["report_fd"])
+  _, st = os.waitpid(pid, 0)
+  status.write(f"SIGNAL {os.WTERMSIG(st)}\n" if os.WIFSIGNALED(st) else f"EXIT {os.WEXITSTATUS(st)}\n")
+  os._exit(0)  # PID 1 exits: the kernel kills whatever the program left behind
+
+
+def program():
+  try:
+    os.chdir(cfg["workdir"])
+    set_limits()
+    exe = os.path.realpath(sys.executable)  # a venv's symlink may point outside the new root's view
+    os.execve(exe, [exe, *cfg["argv"][1:]], cfg["env"])
+  except (OSError, ValueError) as e:
+    status.write(f"SETUP {e}\n")
+    os._exit(2)
+
+
+def main():
+  try:
+    if cfg["isolate"]:
+      enter_namespaces()
+  except (SetupError, OSError) as e:
+    status.write(f"SETUP {e}\n")
+    sys.exit(2)
+  try:
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+      cap_last = int(f.read())
+  except (OSError, ValueError):
+    cap_last = 40  # CAP_CHECKPOINT_RESTORE, the highest as of Linux 6.x
+  pid = os.fork()  # the program's setsid aside, all share the process group the caller kills at the deadline
+  if pid == 0:
+    child(cap_last)
+  os.close(cfg["report_fd"])
+  for fd in (0, 1, 2):
+    os.close(fd)
+  _, st = os.waitpid(pid, 0)  # isolated: PID 1 reported the program's status first, this line is ignored
+  status.write(f"SIGNAL {os.WTERMSIG(st)}\n" if os.WIFSIGNALED(st) else f"EXIT {os.WEXITSTATUS(st)}\n")
+
+
+main()

@@ -1,6 +1,5 @@
-"""Embedded K2 inference: KV-cached decoding, continuous batching, prefix reuse, SGLang/OpenAI HTTP API."""
+"""The HTTP adapter over `k2jax.engine`: SGLang's API and OpenAI's, served from one in-process engine."""
 
-from k2jax.serve.engine import Completion, EngineConfig, InferenceEngine, InvalidRequest, Request, SamplingOptions
 from k2jax.serve.server import Server
 
-__all__ = ["Completion", "EngineConfig", "InferenceEngine", "InvalidRequest", "Request", "SamplingOptions", "Server"]
+__all__ = ["Server"]

@@ -20,7 +20,8 @@ from k2jax import httpservice
 from k2jax.data import chat
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.serve import protocol
-from k2jax.serve.engine import Completion, InferenceEngine, InvalidRequest, Request, SamplingOptions
+from k2jax.engine.base import GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
+from k2jax.engine.inference import InferenceEngine
 
 
 class _OpenAIBody(httpservice.StrictBody):
@@ -48,7 +49,7 @@ class _OpenAIBody(httpservice.StrictBody):
 _Ids = list[Annotated[int, Field(ge=0)]]
 
 
-class CompletionBody(_OpenAIBody):
+class GenerateResultBody(_OpenAIBody):
   prompt: str | list[str] | _Ids | list[_Ids]
   logprobs: int | None = Field(None, ge=0)
   echo: Literal[False] | None = None
@@ -70,29 +71,29 @@ class ChatBody(_OpenAIBody):
 class OpenAICall:
   """A parsed OpenAI request: the engine requests to run and how to answer with their results."""
 
-  requests: list[Request]
+  requests: list[GenerateRequest]
   stream: bool
-  respond: Callable[[list[Completion]], dict]  # the whole (non-streaming) response body
+  respond: Callable[[list[GenerateResult]], dict]  # the whole (non-streaming) response body
   chunk: Callable[[str, str | None], dict]  # one SSE chunk: (text delta, finish_reason or None)
   stops: tuple[str, ...]  # stop strings: streamed text holds back what could still become one
 
 
 def completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, model_name: str) -> OpenAICall:
-  b = _parse(CompletionBody, body)
+  b = _parse(GenerateResultBody, body)
   prompts = _completion_prompts(b.prompt, tok)
   if b.logprobs is not None and b.logprobs > engine.config.num_top_logprobs:
     raise InvalidRequest("logprobs", f"must be in [0, {engine.config.num_top_logprobs}], got {b.logprobs}")
   sampling = _sampling(b, b.max_tokens, 16)
   call_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-  def respond(results: list[Completion]) -> dict:
+  def respond(results: list[GenerateResult]) -> dict:
     choices = [
       {
         "index": i,
         "text": protocol.output_text(c, protocol.TextOptions(), tok) if tok else "",
         "logprobs": _completion_logprobs(c, b.logprobs, tok) if b.logprobs is not None else None,
-        "finish_reason": c.finish["type"],
-        "matched_stop": c.finish.get("matched"),
+        "finish_reason": c.finish_reason,
+        "matched_stop": c.matched_stop,
       }
       for i, c in enumerate(results)
     ]
@@ -122,7 +123,7 @@ def chat_completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, 
   sampling = _sampling(b, max_new, engine.config.max_seq_len - len(ids))
   call_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-  def respond(results: list[Completion]) -> dict:
+  def respond(results: list[GenerateResult]) -> dict:
     choices = []
     for i, c in enumerate(results):
       message, finish = _assistant_message(c, tok, parse_tools)
@@ -131,7 +132,7 @@ def chat_completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, 
           "index": i,
           "message": message,
           "finish_reason": finish,
-          "matched_stop": c.finish.get("matched"),
+          "matched_stop": c.matched_stop,
           "logprobs": {"content": _chat_logprobs(c, top, tok)} if b.logprobs else None,
         }
       )
@@ -152,14 +153,14 @@ def chat_completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, 
   return OpenAICall(_requests(engine, [ids], sampling, b), bool(b.stream), respond, chunk, sampling.stop)
 
 
-def _assistant_message(c: Completion, tok: Tokenizer, parse_tools: bool) -> tuple[dict, str]:
+def _assistant_message(c: GenerateResult, tok: Tokenizer, parse_tools: bool) -> tuple[dict, str]:
   ids = list(c.output_ids)
-  if isinstance(c.finish.get("matched"), int) and ids and ids[-1] == c.finish["matched"]:
+  if isinstance(c.matched_stop, int) and ids and ids[-1] == c.matched_stop:
     ids = ids[:-1]  # the stop token (<|im_end|>, [EOS]) is not part of the message
   parsed = chat.parse_assistant(ids, tokenizer=tok)
   text = protocol.output_text(c, protocol.TextOptions(), tok) if not parse_tools else parsed["content"]
   message = {"role": "assistant", "content": text}
-  finish = c.finish["type"]
+  finish = c.finish_reason
   if parse_tools and parsed.get("tool_calls"):
     message["tool_calls"] = parsed["tool_calls"]
     message["content"] = parsed["content"] or None
@@ -173,8 +174,8 @@ def _parse(model, body: Any):
   return httpservice.validate(model, body, "")
 
 
-def _sampling(b: _OpenAIBody, max_new: int | None, default_max: int) -> SamplingOptions:
-  return SamplingOptions(
+def _sampling(b: _OpenAIBody, max_new: int | None, default_max: int) -> SamplingParams:
+  return SamplingParams(
     max_new_tokens=default_max if max_new is None else max_new,
     temperature=1.0 if b.temperature is None else b.temperature,
     top_p=1.0 if b.top_p is None else b.top_p,
@@ -186,7 +187,7 @@ def _sampling(b: _OpenAIBody, max_new: int | None, default_max: int) -> Sampling
   )
 
 
-def _requests(engine: InferenceEngine, prompts: list[list[int]], sampling: SamplingOptions, b: _OpenAIBody):
+def _requests(engine: InferenceEngine, prompts: list[list[int]], sampling: SamplingParams, b: _OpenAIBody):
   """n samples per prompt (seeds seed, seed+1, ... when a seed is given), checked by the engine."""
   n = b.n or 1
   if n > engine.config.max_slots * 4:
@@ -199,7 +200,7 @@ def _requests(engine: InferenceEngine, prompts: list[list[int]], sampling: Sampl
     for j in range(n):
       seed = None if sampling.seed is None else sampling.seed + j
       rid = base if len(prompts) * n == 1 else f"{base}-{len(requests)}"
-      request = Request(rid, tuple(ids), dataclasses.replace(sampling, seed=seed))
+      request = GenerateRequest(rid, tuple(ids), dataclasses.replace(sampling, seed=seed))
       try:
         engine.check(request)
       except InvalidRequest as e:  # engine fields are /generate's; name the OpenAI ones instead
@@ -225,7 +226,7 @@ def _completion_prompts(prompt: Any, tok: Tokenizer | None) -> list[list[int]]:
   return [tok.encode_with_specials(t) for t in texts]
 
 
-def _completion_logprobs(c: Completion, n: int, tok: Tokenizer | None) -> dict:
+def _completion_logprobs(c: GenerateResult, n: int, tok: Tokenizer | None) -> dict:
   name = _namer(tok)
   tokens = [name(t) for t in c.output_ids]
   offsets, pos = [], 0
@@ -234,20 +235,20 @@ def _completion_logprobs(c: Completion, n: int, tok: Tokenizer | None) -> dict:
     pos += len(t)
   return {
     "tokens": tokens,
-    "token_logprobs": list(c.logprobs),
+    "token_logprobs": list(c.output_logprobs),
     "text_offset": offsets,
     "top_logprobs": [{name(t): lp for t, lp in top[:n]} for top in c.top_logprobs],
   }
 
 
-def _chat_logprobs(c: Completion, n: int, tok: Tokenizer) -> list[dict]:
+def _chat_logprobs(c: GenerateResult, n: int, tok: Tokenizer) -> list[dict]:
   def entry(t: int, lp: float) -> dict:
     text = tok.token_name(t)
     return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": lp}
 
   return [
     {**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tt, tlp in top[:n]]}
-    for t, lp, top in zip(c.output_ids, c.logprobs, c.top_logprobs)
+    for t, lp, top in zip(c.output_ids, c.output_logprobs, c.top_logprobs)
   ]
 
 
@@ -256,7 +257,7 @@ def _namer(tok: Tokenizer | None) -> Callable[[int], str]:
 
 
 def _envelope(
-  call_id: str, created: int, obj: str, model: str, choices: list, results: list[Completion], prompt_tokens: int
+  call_id: str, created: int, obj: str, model: str, choices: list, results: list[GenerateResult], prompt_tokens: int
 ) -> dict:
   completion_tokens = sum(len(c.output_ids) for c in results)
   return {

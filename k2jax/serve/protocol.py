@@ -16,7 +16,7 @@ from pydantic import Field
 from k2jax import httpservice
 
 from k2jax.data.tokenizer import Tokenizer
-from k2jax.serve.engine import Completion, InvalidRequest, Request, SamplingOptions
+from k2jax.engine.base import GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
 
 
 class SamplingBody(httpservice.StrictBody):
@@ -100,7 +100,7 @@ class TextOptions:
 
 @dataclasses.dataclass(frozen=True)
 class GenerateCall:
-  requests: list[Request]
+  requests: list[GenerateRequest]
   options: list[TextOptions]
   batch: bool
   stream: bool = False
@@ -128,7 +128,7 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, max_top: int) -> Gene
   requests, options = [], []
   for ids, rid, sp, field in zip(prompts, rids, sps, fields):
     sampling, text_opts = parse_sampling(sp, field, tokenizer)
-    requests.append(Request(rid=rid, input_ids=tuple(ids), sampling=sampling))
+    requests.append(GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=sampling))
     options.append(
       dataclasses.replace(
         text_opts,
@@ -140,9 +140,9 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, max_top: int) -> Gene
   return GenerateCall(requests, options, batch, g.stream)
 
 
-def parse_sampling(sp: Any, field: str, tokenizer: Tokenizer | None) -> tuple[SamplingOptions, TextOptions]:
+def parse_sampling(sp: Any, field: str, tokenizer: Tokenizer | None) -> tuple[SamplingParams, TextOptions]:
   s = httpservice.validate(SamplingBody, sp, field)
-  sampling = SamplingOptions(
+  sampling = SamplingParams(
     max_new_tokens=s.max_new_tokens,
     temperature=s.temperature,
     top_p=s.top_p,
@@ -157,20 +157,32 @@ def parse_sampling(sp: Any, field: str, tokenizer: Tokenizer | None) -> tuple[Sa
   return sampling, TextOptions(skip_special_tokens=s.skip_special_tokens, no_stop_trim=s.no_stop_trim)
 
 
-def generate_response(c: Completion, opts: TextOptions, tokenizer: Tokenizer | None) -> dict:
-  """SGLang's non-streaming `/generate` answer for one request."""
+def finish_reason(c: GenerateResult) -> dict | None:
+  """SGLang's `meta_info.finish_reason` object for a result (None while the request runs)."""
+  if c.finish_reason == "stop":
+    return {"type": "stop", "matched": c.matched_stop}
+  if c.finish_reason == "length":
+    return {"type": "length", "length": len(c.output_ids)}
+  if c.finish_reason == "abort":
+    return {"type": "abort", "message": c.abort_message}
+  return None
+
+
+def generate_response(c: GenerateResult, opts: TextOptions, tokenizer: Tokenizer | None, weight_version: int) -> dict:
+  """SGLang's `/generate` answer for one request (`weight_version`: the server's, reported when no token
+  carries one yet)."""
   meta = {
     "id": c.rid,
-    "finish_reason": c.finish,
+    "finish_reason": finish_reason(c),
     "prompt_tokens": c.prompt_tokens,
     "completion_tokens": len(c.output_ids),
     "cached_tokens": c.cached_tokens,
-    "weight_version": str(c.weight_version),
+    "weight_version": str(c.weight_versions[-1] if c.weight_versions else weight_version),
     "e2e_latency": c.latency_s,
   }
   piece = (lambda t: tokenizer.token_name(t)) if (tokenizer and opts.return_text_in_logprobs) else (lambda t: None)
   if opts.return_logprob:
-    meta["output_token_logprobs"] = [[lp, t, piece(t)] for lp, t in zip(c.logprobs, c.output_ids)]
+    meta["output_token_logprobs"] = [[lp, t, piece(t)] for lp, t in zip(c.output_logprobs, c.output_ids)]
     if opts.top_logprobs_num:
       meta["output_top_logprobs"] = [
         [[lp, t, piece(t)] for t, lp in top[: opts.top_logprobs_num]] for top in c.top_logprobs
@@ -181,10 +193,10 @@ def generate_response(c: Completion, opts: TextOptions, tokenizer: Tokenizer | N
   return out
 
 
-def output_text(c: Completion, opts: TextOptions, tokenizer: Tokenizer) -> str:
+def output_text(c: GenerateResult, opts: TextOptions, tokenizer: Tokenizer) -> str:
   """Decoded output; a matched stop token or stop string (and what follows it) is trimmed."""
   ids = list(c.output_ids)
-  matched = (c.finish or {}).get("matched")
+  matched = c.matched_stop
   if not opts.no_stop_trim and isinstance(matched, int) and ids and ids[-1] == matched:
     ids = ids[:-1]
   if opts.skip_special_tokens:

@@ -19,22 +19,17 @@ import uuid
 from typing import Annotated, AsyncIterator, Callable, Literal
 
 import fastapi
-import jax
-import numpy as np
 from fastapi import responses
-from flax import nnx
 from pydantic import Field
 
 import k2jax
 from k2jax import httpservice
-from k2jax.api import model_from_state
-from k2jax.convert import overlay
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, Tokenizer, load_tokenizer
+from k2jax.engine.base import GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
+from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.httpservice import HttpLimits
 from k2jax.model.config import K2Config
-from k2jax.model.transformer import K2Model
 from k2jax.serve import openai_api, protocol
-from k2jax.serve.engine import Completion, EngineConfig, InferenceEngine, InvalidRequest, Request, SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +70,6 @@ class Server:
     self.model_path = model_path
     model = k2jax.load(model_path)
     self.cfg: K2Config = model.cfg
-    self._served_state = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))  # host copy, for deltas
     self.tokenizer = resolve_tokenizer(model_path, tokenizer_path, self.cfg.vocab_size)
     self.model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
     self.weights_root = os.path.realpath(weights_root or os.path.dirname(os.path.abspath(model_path)))
@@ -130,10 +124,12 @@ class Server:
       self.engine.check(req)
     if call.stream:
       (req,), (opts,) = call.requests, call.options
-      render = lambda c: protocol.generate_response(c, opts, self.tokenizer)  # noqa: E731
+      version = self.engine.weight_version
+      render = lambda c: protocol.generate_response(c, opts, self.tokenizer, version)  # noqa: E731
       return _sse(self._stream(req, lambda c, done: [render(c)]))
     results = await self._run(request, call.requests)
-    outs = [protocol.generate_response(c, o, self.tokenizer) for c, o in zip(results, call.options)]
+    version = self.engine.weight_version
+    outs = [protocol.generate_response(c, o, self.tokenizer, version) for c, o in zip(results, call.options)]
     return outs if call.batch else outs[0]
 
   async def completions(self, request: fastapi.Request):
@@ -149,7 +145,10 @@ class Server:
     body = httpservice.validate(AbortBody, await httpservice.read_json(request) or {})
     if not body.abort_all and not body.rid:
       raise InvalidRequest("rid", "give a request id (string) or abort_all: true")
-    self.engine.abort(body.rid, abort_all=body.abort_all)
+    if body.abort_all:
+      self.engine.abort_all()
+    else:
+      self.engine.abort([body.rid])
     return responses.Response(status_code=200)
 
   async def update_weights_from_disk(self, request: fastapi.Request):
@@ -159,10 +158,10 @@ class Server:
       msg = f"model_path must be inside the server's weights root {self.weights_root} (launch flag --weights_root)"
       return responses.JSONResponse({"success": False, "message": msg, "num_paused_requests": 0}, status_code=403)
     if body.abort_all_requests:
-      self.engine.abort(abort_all=True)
+      self.engine.abort_all()
     version = None if body.weight_version is None else int(body.weight_version)
     try:
-      new = await asyncio.to_thread(self._update_weights, path, version, body.flush_cache)
+      new = await asyncio.to_thread(self.engine.update_weights, path, version, flush_cache=body.flush_cache)
     except (OSError, ValueError, KeyError) as e:  # missing files, bad config, shape mismatch
       message = f"{body.model_path}: {e}"
       return responses.JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, 400)
@@ -182,10 +181,11 @@ class Server:
     """Like SGLang: a one-token generation when idle (proves the model runs), else just alive."""
     if self.engine.num_running():
       return responses.Response(status_code=200)
-    probe = Request(f"health-{uuid.uuid4().hex}", (0,), SamplingOptions(max_new_tokens=1, temperature=0.0))
-    (done,) = await self._run(request, [probe])
-    if done.finish["type"] == "abort":
-      return httpservice.error_response(503, str(done.finish.get("message")))
+    probe = GenerateRequest(f"health-{uuid.uuid4().hex}", (0,), SamplingParams(max_new_tokens=1, temperature=0.0))
+    try:
+      await self._run(request, [probe])
+    except RuntimeError as e:  # the engine failed or is closed
+      return httpservice.error_response(503, str(e))
     return responses.Response(status_code=200)
 
   async def model_info(self):
@@ -224,8 +224,9 @@ class Server:
     }
 
   # ---- running requests --------------------------------------------------------------------------------
-  async def _run(self, request: fastapi.Request, reqs: list[Request]) -> list[Completion]:
-    """Runs `reqs` to completion; aborts them all if the client goes away first."""
+  async def _run(self, request: fastapi.Request, reqs: list[GenerateRequest]) -> list[GenerateResult]:
+    """Runs `reqs` to completion; aborts them all if the client goes away first. Raises RuntimeError when
+    the engine failed on one of them (answered 500)."""
     loop, changed = asyncio.get_running_loop(), asyncio.Event()
     lives = self._submit(reqs, lambda: loop.call_soon_threadsafe(changed.set))
     watcher = asyncio.create_task(self._abort_on_disconnect(request, [r.rid for r in reqs]))
@@ -235,12 +236,13 @@ class Server:
         changed.clear()
     finally:
       watcher.cancel()
-      for live in lives:  # cancelled (server shutting down): nothing may keep decoding for nobody
-        if not live.done.is_set():
-          self.engine.abort(live.request.rid)
-    return [live.completion for live in lives]
+      # cancelled (server shutting down): nothing may keep decoding for nobody
+      self.engine.abort([live.request.rid for live in lives if not live.done.is_set()])
+    return [self.engine.wait(live) for live in lives]
 
-  async def _stream(self, req: Request, render: Callable[[Completion, bool], list[dict]]) -> AsyncIterator[dict]:
+  async def _stream(
+    self, req: GenerateRequest, render: Callable[[GenerateResult, bool], list[dict]]
+  ) -> AsyncIterator[dict]:
     """Yields render(progress, finished) after every new token; aborts the request if the stream is dropped."""
     loop, changed = asyncio.get_running_loop(), asyncio.Event()
     (live,) = self._submit([req], lambda: loop.call_soon_threadsafe(changed.set))
@@ -259,7 +261,7 @@ class Server:
         changed.clear()
     finally:  # client disconnected (the response is cancelled) or finished
       if not live.done.is_set():
-        self.engine.abort(req.rid)
+        self.engine.abort([req.rid])
 
   async def _openai(self, request: fastapi.Request, call: openai_api.OpenAICall):
     if not call.stream:
@@ -267,7 +269,7 @@ class Server:
     (req,) = call.requests
     text = _TextDeltas(self.tokenizer, call.stops)
 
-    def render(c: Completion, done: bool) -> list[dict]:
+    def render(c: GenerateResult, done: bool) -> list[dict]:
       if not done:
         delta = text.advance(c)
         return [call.chunk(delta, None)] if delta else []
@@ -277,14 +279,13 @@ class Server:
 
     return _sse(self._stream(req, render))
 
-  def _submit(self, reqs: list[Request], on_update: Callable[[], None]) -> list:
+  def _submit(self, reqs: list[GenerateRequest], on_update: Callable[[], None]) -> list:
     lives = []
     try:
       for req in reqs:
         lives.append(self.engine.submit(req, on_update))
     except InvalidRequest:
-      for live in lives:
-        self.engine.abort(live.request.rid)
+      self.engine.abort([live.request.rid for live in lives])
       raise
     return lives
 
@@ -292,25 +293,7 @@ class Server:
     # The body has been read, so the next ASGI message can only be the client's disconnect.
     while (await request.receive())["type"] != "http.disconnect":
       pass
-    for rid in rids:
-      self.engine.abort(rid)
-
-  def _update_weights(self, path: str, version: int | None, flush_cache: bool) -> int:
-    model = self._load_weights(path)
-    return self.engine.update_weights(model, version, flush_cache=flush_cache)
-
-  def _load_weights(self, path: str) -> K2Model:
-    """A full model (HF dir or workdir), or a weight-sync delta overlaid on the served weights."""
-    if overlay.is_partial_hf_dir(path):
-      state = overlay.overlay_hf_tensors(self.cfg, self._served_state, path)
-      model = model_from_state(self.cfg, state)
-    else:
-      model = k2jax.load(path, param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype)
-      if model.cfg.replace(extra=()) != self.cfg.replace(extra=()):
-        raise ValueError("its config.json describes a different architecture than the served model")
-      state = nnx.to_pure_dict(nnx.state(model))
-    self._served_state = jax.tree.map(np.asarray, state)
-    return model
+    self.engine.abort(rids)
 
 
 class _TextDeltas:
@@ -321,7 +304,7 @@ class _TextDeltas:
     self.tokenizer, self.hold = tokenizer, max((len(s) for s in stops), default=1) - 1
     self.sent = ""
 
-  def advance(self, c: Completion) -> str:
+  def advance(self, c: GenerateResult) -> str:
     if self.tokenizer is None:
       return ""
     text = protocol.output_text(c, protocol.TextOptions(), self.tokenizer).rstrip("\ufffd")

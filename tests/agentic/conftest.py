@@ -5,7 +5,8 @@ from flax import nnx
 
 import k2jax
 from k2jax.model import K2Model, presets
-from k2jax.serve import EngineConfig, Server
+from k2jax.engine import EngineConfig
+from k2jax.serve import Server
 
 MAX_LEN = 1024
 

@@ -113,8 +113,8 @@ class ScriptedLLM:
         with lock:
           outer._n += 1
           fail = outer._n % 7 == 0
-        if fail:
-          self._send(503, {"error": "overloaded"})
+        if fail:  # the client retries, after the delay the server asks for
+          self._send(503, {"error": "overloaded"}, headers={"retry-after-ms": "5"})
           return
         message = reply(body)
         role = "agent" if body.get("tools") else body["messages"][0]["content"].split("\n", 1)[0]
@@ -130,9 +130,11 @@ class ScriptedLLM:
           },
         )
 
-      def _send(self, status, obj):
+      def _send(self, status, obj, headers=None):
         data = json.dumps(obj).encode()
         self.send_response(status)
+        for key, value in (headers or {}).items():
+          self.send_header(key, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()

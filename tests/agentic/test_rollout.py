@@ -8,8 +8,8 @@ import numpy as np
 from k2jax.agentic.rollout import MultiTurnConfig, MultiTurnRunner, to_rollout_batch
 from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import load_tokenizer
-from k2jax.rl.engine import Engine, GenerateResult
-from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
+from k2jax.engine.base import Engine, GenerateResult
+from k2jax.engine.http import HttpEngine, HttpEngineConfig
 from k2jax.rl.envs import EnvService, RemoteEnvConfig, RemoteEnvironment
 from k2jax.rl.envs.simulated import SimToolsEnv
 
@@ -48,7 +48,6 @@ class Recording(Engine):
         (3,) * len(out),
         "stop" if out[-1] == TOK.special_ids["<|im_end|>"] else "length",
         len(request.input_ids),
-        len(out),
       )
     with self._lock:
       self.calls[request.rid] = (request, res)

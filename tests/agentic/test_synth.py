@@ -10,9 +10,9 @@ import numpy as np
 import optax
 
 from k2jax.data import SFTDataConfig, SourceSpec, make_sft_iter
-from k2jax.data.synth import LLMConfig, SynthConfig, run_synth
+from k2jax.data.synth import SynthConfig, run_synth
+from k2jax.llm_client import ChatConfig
 from k2jax.optim import muonclip
-from k2jax.rl.transport import RetryPolicy
 from k2jax.train import ModelDef, init_state, make_train_step
 from tests.agentic.scripted_llm import ScriptedLLM
 
@@ -36,11 +36,10 @@ MCP_TOOLS = {
     {"name": "broken", "description": "no schema"},
   ]
 }
-FAST_RETRY = RetryPolicy(max_retries=4, backoff_initial_s=0.01, backoff_max_s=0.05)
 
 
 def _config(url, **kw):
-  return SynthConfig(llm=LLMConfig(url=url, retry=FAST_RETRY, **kw.pop("llm", {})), **kw)
+  return SynthConfig(llm=ChatConfig(url=url, max_retries=4, **kw.pop("llm", {})), **kw)
 
 
 def test_scripted_pipeline_resumes_and_trains(tmp_path, tiny_model):

@@ -111,7 +111,7 @@ def test_export_is_atomic_on_failure(tmp_path, monkeypatch):
   with pytest.raises(OSError, match="disk full"):
     k2jax.save_hf(model, dst, max_shard_bytes=50_000)
   assert not os.path.exists(dst)
-  assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+  assert not [p for p in os.listdir(tmp_path) if p.startswith(".k2jax-")]
 
 
 def _write(tmp_path):

@@ -63,7 +63,8 @@ def test_logits_match_hf_live_and_roundtrip_is_bitwise(hf_dir):
   name, path = hf_dir
   ids = GOLD[f"{name}/input_ids"]
   live = hf_golden.hf_logits(path, ids)
-  np.testing.assert_allclose(live, GOLD[f"{name}/logits"], atol=1e-5)  # goldens still current
+  # goldens still current; torch CPU kernels vary by ~1e-5 with thread count and load, hence 1e-4
+  np.testing.assert_allclose(live, GOLD[f"{name}/logits"], atol=1e-4)
   model = k2jax.load(path)
   with tempfile.TemporaryDirectory() as d:
     out = os.path.join(d, "export")

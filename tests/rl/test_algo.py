@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k2jax.rl import algo
-from k2jax.rl.engine import RolloutBatch
+from k2jax.rl.rollout_batch import RolloutBatch
 
 B, T, S, G = 6, 5, 7, 2
 

@@ -18,13 +18,13 @@ import pytest
 import k2jax
 from k2jax.data.tokenizer import load_tokenizer
 from k2jax.rl import batching
-from k2jax.rl.engine import GenerateRequest, SamplingParams
-from k2jax.rl.engines.http import HttpEngine
-from k2jax.rl.engines.routed import RoutedEngine
+from k2jax.engine.base import GenerateRequest, SamplingParams
+from k2jax.engine.http import HttpEngine
+from k2jax.engine.routed import RoutedEngine
 from k2jax.rl.learner import Learner, from_config_dict, make_engine
 from k2jax.rl.tasks import ArithmeticTask, strip_stop
 
-from .fake_sglang_server import FakeSglangServer
+from tests.engine.fake_sglang_server import FakeSglangServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("rl_config_file", os.path.join(ROOT, "configs", "rl.py"))

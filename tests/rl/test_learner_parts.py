@@ -10,7 +10,7 @@ import pytest
 from k2jax.data.tokenizer import load_tokenizer
 from k2jax.model.config import ConfigError
 from k2jax.rl import batching
-from k2jax.rl.engine import RolloutBatch
+from k2jax.rl.rollout_batch import RolloutBatch
 from k2jax.rl.learner import from_config_dict
 from k2jax.rl.ptx import PTXConfig, PTXSet
 from k2jax.rl.rewards.base import Completion

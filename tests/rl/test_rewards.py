@@ -6,10 +6,10 @@ import pytest
 
 from k2jax.rl.rewards import instruction as ifc
 from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.judge import JudgeClient, JudgeConfig, llm_judge_reward
+from k2jax.rl.rewards.judge import llm_judge_reward
 from k2jax.rl.rewards.math import equivalent, extract_boxed, math_reward
 from k2jax.rl.rewards.rubric import RubricRewardConfig, rubric_group_reward
-from k2jax.rl.transport import RetryPolicy
+from k2jax.llm_client import ChatClient, ChatConfig
 
 from .fake_openai_server import FakeOpenAIServer
 
@@ -89,7 +89,7 @@ def test_instruction_checks():
 
 
 def _judge(url):
-  return JudgeClient(JudgeConfig(url, model="critic", retry=RetryPolicy(max_retries=1, backoff_initial_s=0.01)))
+  return ChatClient(ChatConfig(url, model="critic", temperature=0.0, max_retries=1))
 
 
 def test_llm_judge_reward():

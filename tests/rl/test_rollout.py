@@ -5,13 +5,13 @@ import threading
 import numpy as np
 import pytest
 
-from k2jax.rl.engine import Engine
-from k2jax.rl.engines.fake import FakeEngine, FakeEngineConfig, token_at
-from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
+from k2jax.engine.base import Engine
+from k2jax.engine.fake import FakeEngine, FakeEngineConfig, token_at
+from k2jax.engine.http import HttpEngine, HttpEngineConfig
 from k2jax.rl.rewards.base import Prompt, RewardResult, per_sample
 from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
 
-from .fake_sglang_server import FakeSglangServer
+from tests.engine.fake_sglang_server import FakeSglangServer
 
 P = 3  # prompt length
 CFG = FakeEngineConfig(per_token_latency_s=1e-3, eos_id=1)

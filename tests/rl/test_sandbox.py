@@ -1,89 +1,227 @@
-"""Sandboxed code reward: every misbehaviour ends within its limit with reward 0 and a reason."""
+"""Sandboxed code reward: kernel isolation holds against every probe, as root and as an unprivileged user.
 
+Tests that need namespaces skip, naming the reason, where the kernel refuses them; the refusal path
+(`SandboxUnavailable` unless `unsafe_no_isolation`) is tested everywhere.
+"""
+
+import dataclasses
+import json
 import os
+import pathlib
+import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 
 import pytest
 
 from k2jax.rl.rewards.base import Completion, Prompt
 from k2jax.rl.rewards.code import code_reward
-from k2jax.sandbox.code import CodeRewardConfig, run_tests
-from k2jax.sandbox.runner import SandboxConfig, run_python
+from k2jax.sandbox import runner as sandbox
+from k2jax.sandbox.code import CodeRewardConfig, run_tests, split_test
+from k2jax.sandbox.runner import SandboxConfig, SandboxUnavailable, run_python
+from tests.rl import sandbox_probes
 
 # Generous wall limits: the CI machine is shared, so CPU seconds accrue slower than wall seconds.
 SB = SandboxConfig(cpu_time_s=1, wall_time_s=30, memory_bytes=128 * 2**20, file_size_bytes=2**20)
 CFG = CodeRewardConfig(SB)
 TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]
+NOT_ISOLATED = sandbox.isolation_error(SB)
+needs_isolation = pytest.mark.skipif(
+  NOT_ISOLATED is not None, reason=f"this machine cannot create the sandbox's namespaces: {NOT_ISOLATED}"
+)
+ROOT = os.geteuid() == 0
+SANDBOX_UID = SB.uid if ROOT else None
+
+
+@pytest.fixture
+def open_dir():
+  """A dir the sandbox uid could reach if the isolation let it (pytest's tmp dirs are root-only)."""
+  with tempfile.TemporaryDirectory(prefix="k2jax-probes-") as d:
+    os.chmod(d, 0o755)
+    yield pathlib.Path(d)
 
 
 def _reward(code, cfg=CFG):
   return run_tests("def add(a, b):\n    return a + b\n" + code, TESTS, cfg)
 
 
+@needs_isolation
 def test_correct_code_gets_one_and_temp_dir_is_removed():
   p = Prompt("c", "code", (1,), data={"tests": TESTS})
   r = code_reward(p, Completion((), "Here:\n```python\ndef add(a, b):\n    return a + b\n```", "stop", False), CFG)
   assert r.reward == 1.0 and r.reason == "2/2 tests passed"
-  res = run_python({"main.py": "import os; print(os.getcwd())"}, "main.py", SB)
-  assert res.reason == "ok" and res.stdout.strip() == os.path.realpath(res.workdir)
+  res = run_python({"main.py": "import os; print(os.getcwd(), sorted(os.listdir('/')))"}, "main.py", SB)
+  cwd, listing = res.stdout.split(" ", 1)
+  assert res.reason == "ok" and cwd == os.path.realpath(res.workdir)
+  assert "root" not in listing and "home" not in listing and "work" not in listing  # the caller's dirs: absent
   assert not os.path.exists(res.workdir)
 
 
+@needs_isolation
 def test_wrong_code_gets_pass_rate():
   r = run_tests("def add(a, b):\n    return a * b + 0 if a == 2 else a + b\n", TESTS, CFG)
-  assert r.reward == 0.5 and "1/2 tests passed" in r.reason
+  assert r.reward == 0.5 and "1/2 tests passed" in r.reason and "got 6" in r.reason
 
 
+@needs_isolation
 @pytest.mark.parametrize(
   "code,reason",
   [
     ("while True: pass", "CPU time limit"),
     ("import time\ntime.sleep(60)", "wall-clock timeout"),
-    ("import os\nwhile True: os.fork()", "process creation"),
+    ("import os\nwhile True: os.fork()", "BlockingIOError"),
     ("x = []\nwhile True: x.append(bytearray(10**7))", "memory limit"),
-    ("import socket\nsocket.socket().connect(('127.0.0.1', 9))", "network"),
-    ("open('/tmp/k2jax_sandbox_escape.txt', 'w').write('x')", "write outside the sandbox directory"),
+    ("import socket\nsocket.socket().connect(('127.0.0.1', 9))", "Network is unreachable"),
+    ("open('/tmp/k2jax_sandbox_escape.txt', 'w').write('x')", "Read-only file system"),
     ("open('big.bin', 'w').write('x' * (4 * 2**20))", "File too large"),
     ("import os\nos.abort()", "crashed with SIGABRT"),
     ("raise SystemExit(3)", "SystemExit: 3"),
   ],
 )
 def test_misbehaviour_gets_zero_with_reason(code, reason):
-  cfg = CFG if "sleep" not in code else CodeRewardConfig(dataclass_replace(SB, wall_time_s=2.0))
+  cfg = CFG if "sleep" not in code else CodeRewardConfig(dataclasses.replace(SB, wall_time_s=2.0))
   r = _reward("\n" + code + "\n", cfg)
   assert r.reward == 0.0 and reason in r.reason, r
   assert not os.path.exists("/tmp/k2jax_sandbox_escape.txt")
 
 
-def dataclass_replace(x, **kw):
-  import dataclasses
+@needs_isolation
+@pytest.mark.parametrize("probe", sorted(sandbox_probes.PROBES))
+def test_probe_gets_zero_and_touches_nothing_outside(probe, open_dir):
+  """Frame-walking guard removal, dir_fd writes, killing the parent, reading the tests file, forged result
+  lines, always-equal objects; the canary, tests file and sleeper belong to the sandbox's own uid."""
+  out = sandbox_probes.run_probe(probe, run_tests, CFG, str(open_dir), uid=SANDBOX_UID)
+  _assert_held(out)
 
-  return dataclasses.replace(x, **kw)
+
+@needs_isolation
+def test_probes_as_an_unprivileged_caller(open_dir):
+  """The documented deployment: the caller is not root, so the sandbox runs as the caller's own uid."""
+  if not ROOT:
+    pytest.skip("already unprivileged: test_probe_gets_zero_and_touches_nothing_outside ran as this user")
+  tmp_path = open_dir
+  python = sandbox._python_for(SB.uid)
+  pkg = tmp_path / "pkg"
+  for rel in ("code.py", "runner.py", "_child.py"):
+    dst = pkg / "k2jax" / "sandbox" / rel
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(os.path.join(os.path.dirname(sandbox.__file__), rel), dst)
+  shutil.copy(sandbox_probes.__file__, pkg / "sandbox_probes.py")
+  for d, _, names in os.walk(tmp_path):
+    os.chmod(d, 0o755)
+    for n in names:
+      os.chmod(os.path.join(d, n), 0o644)
+  p = subprocess.run(
+    [python, "-I", str(pkg / "sandbox_probes.py"), str(pkg)],
+    user=SB.uid,
+    group=SB.uid,
+    extra_groups=[],
+    cwd=str(pkg),
+    env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"},
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert p.returncode == 0, p.stderr[-3000:]
+  results = json.loads(p.stdout.strip().splitlines()[-1])
+  assert results.pop("uid") == SB.uid
+  assert sorted(results) == sorted(sandbox_probes.PROBES)
+  for out in results.values():
+    _assert_held(out)
 
 
-def test_os_layers_hold_without_the_audit_hook():
-  """With the audit hook off, rlimits, the uid and the network namespace still stop the attempts."""
-  cfg = CodeRewardConfig(dataclass_replace(SB, audit_hook=False, wall_time_s=5.0))
+def _assert_held(out):
+  assert out["reward"] == 0.0, out
+  assert out["canary"] == "weights" and out["dir"] == ["checkpoint.bin", "hidden_tests.json"], out
+  assert out["sleeper_alive"] and not out["secret_leaked"], out
+  assert "pidns" in out["layers"] and "mountns" in out["layers"], out
+
+
+def test_refuses_without_isolation_unless_told_unsafe(monkeypatch, open_dir):
+  """Runs on every machine: without namespaces nothing untrusted runs unless the caller opts out."""
+  why = "unshare(user, mount, pid, net, ipc, uts, cgroup namespaces): Operation not permitted (errno 1)"
+  monkeypatch.setattr(sandbox, "isolation_error", lambda config=SB: why)
+  with pytest.raises(SandboxUnavailable, match="refusing to run untrusted code") as e:
+    run_python({"main.py": "print(1)"}, "main.py", SB)
+  assert why in str(e.value) and "unsafe_no_isolation=True" in str(e.value)
+  with pytest.raises(SandboxUnavailable, match="Operation not permitted"):
+    run_tests("def add(a, b): return a + b", TESTS, CFG)
+  # Opting out runs with rlimits (and a uid when root) only, and says so.
+  unsafe = dataclasses.replace(SB, unsafe_no_isolation=True)
+  r = run_tests("def add(a, b): return a + b", TESTS, CodeRewardConfig(unsafe))
+  assert r.reward == 1.0 and r.info["layers"] == (("rlimits", "uid") if ROOT else ("rlimits",))
+  # The probes are real: unisolated, the hidden tests file is read and the caller's file overwritten.
+  out = sandbox_probes.run_probe("read_tests_file", run_tests, CodeRewardConfig(unsafe), str(open_dir), SANDBOX_UID)
+  assert out["reward"] == 1.0, out
+  (open_dir / "b").mkdir()
+  probe = "frame_walk_guard_removal"
+  out = sandbox_probes.run_probe(probe, run_tests, CodeRewardConfig(unsafe), str(open_dir / "b"), SANDBOX_UID)
+  assert out["canary"] == "pwned", out
+
+
+def test_verdict_parts_never_enter_the_sandbox():
+  s = split_test("r = solve([3, 1], k=2)\nassert sorted(r) == [1, 987654321] and len(r) - 1 == 1, 'msg'")
+  assert s.steps == (("exec", "r = solve([3, 1], k=2)"), ("eval", "r"), ("eval", "r"))
+  assert "987654321" not in json.dumps(s.steps) and s.n_values == 2
+  # Unbounded operations on the program's values stay in the sandbox: `[0] * value` would size our allocation.
+  s = split_test("assert [0] * n() == [0, 0] and math.isclose(f(x=1), 0.5, rel_tol=1e-3)")
+  assert [src for kind, src in s.steps] == ["[0] * n()", "f(x=1)"]
+  s = split_test("expected = (987654321, [1])\nn = len(expected)\nassert add(2, 3) == expected and n == 2")
+  assert s.steps == (("eval", "add(2, 3)"),) and "987654321" not in json.dumps(s.steps)
+  s = split_test("x = [5]\nx.append(f())\nassert x == [5, 3]")  # mutated by a sandbox statement: moves there
+  assert s.steps == (("exec", "x = [5]"), ("exec", "x.append(f())"), ("eval", "x"))
+  with pytest.raises(ValueError, match="test 3: no top-level assert"):
+    split_test("def check(candidate):\n    assert candidate(1) == 2\ncheck(add)", "test 3")
+  with pytest.raises(ValueError, match="not valid Python"):
+    split_test("assert add(1,", "t")
+
+
+@needs_isolation
+def test_values_cross_as_plain_data_only():
+  code = "def pair(): return (1, [2.5, 'x'], {'k': {3}}, b'z', None, True)\ndef big(): return 10**5000\n"
+  tests = [
+    "assert pair() == (1, [2.5, 'x'], {'k': {3}}, b'z', None, True)",
+    "assert pair()[0] == 1 and len(pair()) == 6",
+    "assert big() > 0",
+    "want = (1, [2.5, 'x'], {'k': {3}}, b'z', None, True)\nassert pair() == want",
+  ]
+  r = run_tests(code, tests, CFG)
+  assert [ok for ok, _ in r.info["outcomes"]] == [True, True, False, True], r
+  assert "unencodable" in r.info["outcomes"][2][1] or "ValueError" in r.info["outcomes"][2][1]
+
+
+@needs_isolation
+def test_process_cap_and_a_full_report_pipe():
+  forks = "import os\npids = []\nfor _ in range(5):\n    try:\n        pids.append(os.fork())\n"
+  forks += "    except OSError:\n        break\n    if pids[-1] == 0:\n        os._exit(0)\nprint(len(pids))\n"
+  r = run_python({"main.py": forks}, "main.py", dataclasses.replace(SB, max_processes=3))
+  assert r.reason == "ok" and r.stdout.strip() == "2", r  # the program itself plus two
+  flood = "import os\nos.write(int(os.environ['K2JAX_REPORT_FD']), b'x' * (4 << 20))\nprint('done')"
+  r = run_python({"main.py": flood}, "main.py", SB)  # 4 MiB through a 64 KiB pipe: drained, capped, no hang
+  assert r.reason == "ok" and r.stdout.strip() == "done" and len(r.report) == SB.max_output_bytes
+
+
+@needs_isolation
+def test_no_network_to_the_callers_loopback():
   listener = socket.socket()
   listener.bind(("127.0.0.1", 0))
   listener.listen(1)
   listener.settimeout(0.5)
   port = listener.getsockname()[1]
-  r = _reward(f"\nimport socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n", cfg)
-  assert r.reward == 0.0 and ("unreachable" in r.reason or "refused" in r.reason), r
+  r = _reward(f"\nimport socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n")
+  assert r.reward == 0.0 and "unreachable" in r.reason, r
   with pytest.raises(socket.timeout):
     listener.accept()  # nothing got through
   listener.close()
-  r = _reward("\nimport os\nfor _ in range(100): os.fork()\n", cfg)
-  assert r.reward == 0.0 and ("BlockingIOError" in r.reason or "Resource temporarily" in r.reason), r
-  # Bounded even when the program swallows the errors: the wall clock ends it, the group is killed.
+  # Bounded even when the program swallows the errors: the wall clock ends it, the namespace is killed.
+  cfg = CodeRewardConfig(dataclasses.replace(SB, wall_time_s=5.0))
   r = _reward("\nimport os\nwhile True:\n    try: os.fork()\n    except OSError: pass\n", cfg)
   assert r.reward == 0.0 and ("wall-clock" in r.reason or "CPU" in r.reason), r
-  assert "netns" in r.info["layers"] and "rlimits" in r.info["layers"]
 
 
+@needs_isolation
 def test_parent_is_unaffected():
   threads = [threading.Thread(target=_reward, args=("\nimport os\nwhile True: os.fork()\n",)) for _ in range(2)]
   for t in threads:

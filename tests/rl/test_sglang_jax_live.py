@@ -17,9 +17,9 @@ from flax import nnx
 
 import k2jax
 from k2jax.model import K2Model, presets
-from k2jax.rl.engine import UNKNOWN_VERSION, EngineIncapable, GenerateRequest, SamplingParams
-from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
-from k2jax.serve.engine import EngineConfig, InferenceEngine, Request, SamplingOptions
+from k2jax.engine.base import UNKNOWN_VERSION, EngineIncapable, GenerateRequest, SamplingParams
+from k2jax.engine.http import HttpEngine, HttpEngineConfig
+from k2jax.engine.inference import EngineConfig, InferenceEngine
 
 PYTHON = os.environ.get("SGLANG_JAX_PYTHON", "")
 pytestmark = [
@@ -89,10 +89,10 @@ def test_greedy_tokens_equal_k2jax_engine(live):
   try:
     for i, prompt in enumerate(PROMPTS):
       res = client.generate(GenerateRequest(f"g{i}", prompt, SamplingParams(max_new_tokens=60, temperature=0.0)))
-      ref = own.generate(Request(f"g{i}", prompt, SamplingOptions(max_new_tokens=60, temperature=0.0)))
+      ref = own.generate(GenerateRequest(f"g{i}", prompt, SamplingParams(max_new_tokens=60, temperature=0.0)))
       n = len(res.output_ids)
-      assert list(res.output_ids) == ref.output_ids[:n]
-      assert max(abs(a - b) for a, b in zip(res.output_logprobs, ref.logprobs)) < 1e-3
+      assert res.output_ids == ref.output_ids[:n]
+      assert max(abs(a - b) for a, b in zip(res.output_logprobs, ref.output_logprobs)) < 1e-3
       assert res.weight_versions == (UNKNOWN_VERSION,) * n  # sglang-jax names no version
   finally:
     own.close()

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from k2jax.rl.engines.fake import FakeEngine, FakeEngineConfig
-from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
-from k2jax.rl.transport import RequestRejected, RetryPolicy
+from k2jax.engine.fake import FakeEngine, FakeEngineConfig
+from k2jax.engine.http import HttpEngine, HttpEngineConfig
+from k2jax.transport import RequestRejected, RetryPolicy
 from k2jax.rl.weight_sync import INDEX_NAME, WeightSync, WeightSyncConfig
 
-from .fake_sglang_server import FakeSglangServer
+from tests.engine.fake_sglang_server import FakeSglangServer
 
 
 def _params():

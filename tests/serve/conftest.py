@@ -9,8 +9,9 @@ from flax import nnx
 
 import k2jax
 from k2jax.model import K2Model, presets
+from k2jax.engine import EngineConfig
 from k2jax.httpservice import HttpLimits
-from k2jax.serve import EngineConfig, Server
+from k2jax.serve import Server
 
 MAX_LEN = 128
 

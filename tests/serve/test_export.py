@@ -12,7 +12,8 @@ import k2jax
 from k2jax.data.chat import render_chat, render_chat_text
 from k2jax.data.tokenizer import load_tokenizer
 from k2jax.model import K2Model, presets
-from k2jax.serve import EngineConfig, Server
+from k2jax.engine.inference import EngineConfig
+from k2jax.serve import Server
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1+1? Say it, café."}]
 

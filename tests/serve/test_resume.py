@@ -3,8 +3,8 @@ token for token the uninterrupted request (sampling is keyed by (seed, position)
 
 import threading
 
-from k2jax.rl.engine import EngineCapabilities, GenerateRequest, SamplingParams
-from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
+from k2jax.engine.base import EngineCapabilities, GenerateRequest, SamplingParams
+from k2jax.engine.http import HttpEngine, HttpEngineConfig
 from k2jax.rl.rewards.base import Prompt, RewardResult
 from k2jax.rl.rollout import RolloutConfig, RolloutManager
 

@@ -3,6 +3,7 @@ and OpenAI tool calls produced by a model whose weights were set to emit one."""
 
 import concurrent.futures
 import dataclasses
+import gc
 import json
 import os
 import socket
@@ -307,11 +308,21 @@ def test_many_concurrent_generates_without_errors(served):
     body = {"input_ids": [1 + i % 50, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
     return requests.post(f"{served.server.url}/generate", json=body, timeout=300)
 
-  with concurrent.futures.ThreadPoolExecutor(256) as pool:
-    replies = list(pool.map(one, range(256)))
-  assert [r.status_code for r in replies] == [200] * 256
-  assert all(r.json()["meta_info"]["completion_tokens"] == 2 for r in replies)
-  assert served.engine.num_running() == 0
+  rss_mb = []
+  for _ in range(2):  # the second burst must not grow memory past the first (nothing kept per request)
+    with concurrent.futures.ThreadPoolExecutor(256) as pool:
+      replies = list(pool.map(one, range(256)))
+    assert [r.status_code for r in replies] == [200] * 256
+    assert all(r.json()["meta_info"]["completion_tokens"] == 2 for r in replies)
+    assert served.engine.num_running() == 0
+    gc.collect()
+    rss_mb.append(_rss_mb())
+  assert rss_mb[1] - rss_mb[0] < 64, f"RSS grew from {rss_mb[0]:.0f} MB to {rss_mb[1]:.0f} MB between bursts"
+
+
+def _rss_mb() -> float:
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def test_openai_client_completions_and_chat(served):
@@ -431,8 +442,8 @@ def bigram_dir(served, bigram_args, tmp_path_factory):
 
 def test_k2jax_rl_http_client_accepts_our_answers(served):
   """The RL side's SGLang client (which validates every field) talks to this server unchanged."""
-  from k2jax.rl.engine import GenerateRequest, SamplingParams
-  from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
+  from k2jax.engine.base import GenerateRequest, SamplingParams
+  from k2jax.engine.http import HttpEngine, HttpEngineConfig
 
   client = HttpEngine(HttpEngineConfig(url=served.server.url))
   assert client.health() and client.model_info()["model_path"]

@@ -64,3 +64,34 @@ def test_workdir_to_hf_and_back(tmp_path):
     timeout=120,
   )
   assert p.returncode != 0 and "neither a k2jax workdir" in p.stderr
+
+
+def _convert_fails(src, dst):
+  p = subprocess.run(
+    [sys.executable, "launch/convert.py", f"--src={src}", f"--dst={dst}"],
+    cwd=_util.ROOT,
+    env=_util.env(devices=1),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert p.returncode != 0
+  return p.stderr
+
+
+def test_cli_refuses_a_foreign_dst_and_a_dst_containing_src(tmp_path):
+  """`--dst` naming someone's directory, or a directory holding the source, deletes nothing."""
+  cfg = presets.get("tiny", num_hidden_layers=2)
+  w = tmp_path / "runs" / "w"
+  wd.save_model_only(cfg, nnx.to_pure_dict(nnx.state(K2Model(cfg, rngs=nnx.Rngs(0)))), str(w))
+  (tmp_path / "runs" / "notes.txt").write_text("mine")
+  before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+  err = _convert_fails(w, tmp_path / "runs")
+  assert "contains --src" in err, err[-2000:]
+  foreign = tmp_path / "foreign"
+  foreign.mkdir()
+  (foreign / "data.bin").write_bytes(b"\0" * 10)
+  err = _convert_fails(w, foreign)
+  assert "not empty and not (only) a k2jax export" in err and "refusing to replace" in err, err[-2000:]
+  after = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+  assert after == sorted(before + ["foreign", "foreign/data.bin"])

@@ -1,21 +1,19 @@
-"""The LLM client every synthesis role uses: any OpenAI-compatible `/v1/chat/completions` endpoint
-(the embedded k2jax server, SGLang, vLLM, a hosted API), with a concurrency limit, retries with
-backoff (`k2jax.rl.transport`), and counters of calls and invalid outputs.
+"""What every synthesis role asks of an LLM: JSON or text answers, with invalid outputs counted.
 
-Invalid outputs (no JSON where JSON was asked for, wrong fields) are expected from weak models; the
-caller counts and drops them (`InvalidOutput`), never crashes. Transport failures that survive the
-retries raise `ServiceError`: the unit is left undone and a rerun resumes it.
+Transport is `k2jax.llm_client.ChatClient` (any OpenAI-compatible endpoint, retries with backoff, a
+concurrency limit). Invalid outputs (no JSON where JSON was asked for, wrong fields) are expected from
+weak models; the caller counts and drops them (`InvalidOutput`), never crashes. Transport failures
+that survive the retries raise `ServiceError`: the unit is left undone and a rerun resumes it.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import threading
 from typing import Any, Sequence
 
-from k2jax.rl.transport import RetryPolicy, call_json
+from k2jax.llm_client import ChatClient, ChatConfig
 
 
 class InvalidOutput(ValueError):
@@ -26,30 +24,12 @@ class InvalidOutput(ValueError):
     self.kind = kind
 
 
-@dataclasses.dataclass(frozen=True)
-class LLMConfig:
-  url: str  # server root or .../v1
-  model: str = "default"
-  api_key: str | None = None
-  temperature: float = 0.7
-  max_tokens: int = 512
-  timeout_s: float = 120.0
-  concurrency: int = 8  # requests in flight to this endpoint
-  retry: RetryPolicy = RetryPolicy(max_retries=3)
-
-  def __post_init__(self):
-    if not self.url.startswith(("http://", "https://")):
-      raise ValueError(f"LLMConfig.url must start with http:// or https://, got {self.url!r}")
-
-
 class LLM:
-  def __init__(self, config: LLMConfig):
+  """A `ChatClient` with per-role counters of calls and invalid outputs (`counts`)."""
+
+  def __init__(self, config: ChatConfig):
     self.config = config
-    root = config.url.rstrip("/")
-    root = root[:-3] if root.endswith("/v1") else root
-    self._url = f"{root}/v1/chat/completions"
-    self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    self._slots = threading.BoundedSemaphore(config.concurrency)
+    self._client = ChatClient(config)
     self._lock = threading.Lock()
     self.counts: collections.Counter = collections.Counter()
 
@@ -62,24 +42,8 @@ class LLM:
     role: str = "llm",
   ) -> dict:
     """The first choice's message (`content`, maybe `tool_calls`)."""
-    body = {
-      "model": self.config.model,
-      "messages": list(messages),
-      "temperature": self.config.temperature,
-      "max_tokens": max_tokens or self.config.max_tokens,
-    }
-    if tools:
-      body["tools"] = list(tools)
     self._count(f"calls.{role}")
-    with self._slots:
-      return call_json(
-        self._url,
-        body,
-        timeout_s=self.config.timeout_s,
-        retry=self.config.retry,
-        headers=self._headers,
-        validate=_first_message,
-      )
+    return self._client.chat(messages, tools=tools, max_tokens=max_tokens)
 
   def text(self, messages: Sequence[dict], *, role: str, max_tokens: int | None = None) -> str:
     content = (self.chat(messages, max_tokens=max_tokens, role=role).get("content") or "").strip()
@@ -114,10 +78,3 @@ def extract_json(text: str) -> Any | None:
       except (ValueError, RecursionError):
         continue
   return None
-
-
-def _first_message(body: Any) -> dict:
-  message = body["choices"][0]["message"]
-  if not isinstance(message, dict):
-    raise TypeError(f"choices[0].message is {type(message).__name__}, not an object")
-  return message

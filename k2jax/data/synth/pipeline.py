@@ -22,10 +22,10 @@ import os
 from k2jax.data.synth import agents as agents_lib
 from k2jax.data.synth import tools as tools_lib
 from k2jax.data.synth.judge import judge
-from k2jax.data.synth.llm import LLM, LLMConfig
+from k2jax.data.synth.llm import LLM
 from k2jax.data.synth.store import StageStore, run_units
 from k2jax.data.synth.trajectories import make_trajectory
-from k2jax.rl.transport import RetryPolicy
+from k2jax.llm_client import ChatConfig
 
 log = logging.getLogger(__name__)
 STAGES = ("tools", "agents", "tasks", "trajectories", "sft")
@@ -33,7 +33,7 @@ STAGES = ("tools", "agents", "tasks", "trajectories", "sft")
 
 @dataclasses.dataclass(frozen=True)
 class SynthConfig:
-  llm: LLMConfig
+  llm: ChatConfig
   mcp_tool_files: tuple[str, ...] = ()
   categories: tuple[str, ...] = ("financial trading", "software applications", "robot control")
   domains_per_category: int = 3
@@ -50,7 +50,7 @@ class SynthConfig:
   judge_min_score: float = 7.0
   default_persona: str = "a busy professional who writes short, direct messages"
   stages: tuple[str, ...] = STAGES  # run a prefix/subset to stop early; later stages read earlier files
-  workers: int = 8  # units processed at once (LLM concurrency is LLMConfig.concurrency)
+  workers: int = 8  # units processed at once (LLM concurrency is ChatConfig.concurrency)
   seed: int = 0
 
   def __post_init__(self):
@@ -183,7 +183,7 @@ def _rewrite(path: str, records: list[dict]) -> None:
 
 def from_config_dict(c, llm_url: str) -> SynthConfig:
   """The typed config from configs/synth.py (`llm_url` resolved by the launcher)."""
-  llm = LLMConfig(
+  llm = ChatConfig(
     url=llm_url,
     model=c.model,
     api_key=c.api_key or None,
@@ -191,7 +191,7 @@ def from_config_dict(c, llm_url: str) -> SynthConfig:
     max_tokens=c.max_tokens,
     timeout_s=c.timeout_s,
     concurrency=c.concurrency,
-    retry=RetryPolicy(max_retries=c.max_retries),
+    max_retries=c.max_retries,
   )
   return SynthConfig(
     llm=llm,

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from k2jax.rl.envs.base import Environment, StepResult
-from k2jax.rl.transport import RetryPolicy, ServiceError, call_json
+from k2jax.transport import RetryPolicy, ServiceError, call_json
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from k2jax.rl.envs.base import Environment, StepResult
 from k2jax.rl.envs.client import RemoteEnvConfig, RemoteEnvironment
-from k2jax.rl.transport import ServiceError
+from k2jax.transport import ServiceError
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResul
 from k2jax.rl.rewards.code import code_reward
 from k2jax.sandbox.code import CodeRewardConfig, run_tests
 from k2jax.rl.rewards.instruction import instruction_reward
-from k2jax.rl.rewards.judge import JudgeClient, JudgeConfig, llm_judge_reward
+from k2jax.rl.rewards.judge import llm_judge_reward
 from k2jax.rl.rewards.math import equivalent, extract_boxed, math_reward
 from k2jax.rl.rewards.rubric import RubricRewardConfig, rubric_group_reward
 from k2jax.sandbox.runner import SandboxConfig, SandboxResult, run_python

@@ -14,8 +14,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+from k2jax.llm_client import ChatClient
 from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResult
-from k2jax.rl.rewards.judge import JudgeClient
 
 CORE_RUBRICS = (  # K2 Appendix F.1, paraphrased
   "Clarity and relevance: the answer is concise, addresses the user's intent and stays on topic.",
@@ -51,7 +51,7 @@ class RubricRewardConfig:
   max_parallel: int = 8
 
 
-def rubric_group_reward(judge: JudgeClient, config: RubricRewardConfig = RubricRewardConfig()) -> GroupRewardFn:
+def rubric_group_reward(judge: ChatClient, config: RubricRewardConfig = RubricRewardConfig()) -> GroupRewardFn:
   """A group reward; human rubrics come from `prompt.data['rubrics']` (a list of strings) when present."""
 
   def reward(prompt: Prompt, completions: Sequence[Completion]) -> list[RewardResult]:
@@ -62,7 +62,7 @@ def rubric_group_reward(judge: JudgeClient, config: RubricRewardConfig = RubricR
 
     def judge_pair(ij):
       i, j = ij
-      reply = judge.chat(
+      reply = judge.text(
         [
           {
             "role": "user",

@@ -7,12 +7,12 @@ import types
 
 import pytest
 
-from k2jax.rl.engine import UNKNOWN_VERSION, EngineCapabilities, EngineIncapable, GenerateRequest, SamplingParams
-from k2jax.rl.engines.fake import FakeEngine, FakeEngineConfig
-from k2jax.rl.engines.http import HttpEngine, HttpEngineConfig
+from k2jax.engine.base import UNKNOWN_VERSION, EngineCapabilities, EngineIncapable, GenerateRequest, SamplingParams
+from k2jax.engine.fake import FakeEngine, FakeEngineConfig
+from k2jax.engine.http import HttpEngine, HttpEngineConfig
 from k2jax.rl.rewards.base import Prompt, RewardResult, per_sample
 from k2jax.rl.rollout import RolloutConfig, RolloutManager
-from k2jax.rl.transport import InvalidResponse, RequestRejected, RetryPolicy, ServiceUnreachable
+from k2jax.transport import InvalidResponse, RequestRejected, RetryPolicy, ServiceUnreachable
 
 from .fake_sglang_server import FakeSglangServer
 
@@ -42,6 +42,7 @@ def test_generate_roundtrip_matches_engine(server):
   assert res.output_logprobs == pytest.approx(direct.output_logprobs)
   assert res.finish_reason == "stop" and res.prompt_tokens == 3 and res.completion_tokens == 10
   assert res.weight_versions == (0,) * 10
+  assert res.matched_stop == direct.matched_stop == 1 and res.abort_message is None  # the fake's EOS id
 
 
 @pytest.mark.parametrize(

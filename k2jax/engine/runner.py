@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 
 from k2jax.model.transformer import K2Model
-from k2jax.serve import decode
-from k2jax.serve.sampling import Sampled, SamplingArrays, sample
+from k2jax.engine import decode
+from k2jax.engine.sampling import Sampled, SamplingArrays, sample
 
 
 def bucket_length(n: int, min_bucket: int, max_len: int) -> int:

@@ -1,7 +1,8 @@
-"""The embedded inference engine: continuous batching over fixed slots, prefix reuse, aborts, weight swaps.
+"""The in-process JAX engine: continuous batching over fixed slots, prefix reuse, aborts, weight swaps.
 
-One scheduler thread owns the model and the cache. Callers (HTTP handler threads, RL rollout threads)
-`submit` requests and wait on them. Each scheduler iteration, between two decode steps:
+It implements `Engine` directly: the HTTP server (`k2jax.serve`), RL rollouts and agentic episodes call
+the same object. One scheduler thread owns the model and the cache. Callers (HTTP handler threads, RL
+rollout threads) `submit` requests and wait on them (`generate` does both). Each scheduler iteration, between two decode steps:
   1. runs queued control operations (weight swap, cache flush),
   2. finishes requests whose abort was asked for (they return their partial output),
   3. admits waiting requests into free slots: copy the longest cached prefix, prefill the rest,
@@ -22,20 +23,16 @@ import time
 from typing import Callable, Sequence
 
 import numpy as np
+from flax import nnx
 
+from k2jax import api
+from k2jax.convert import overlay
+from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
+from k2jax.engine.prefix_cache import PrefixCache
+from k2jax.engine.runner import ModelRunner, sampling_arrays
 from k2jax.model.transformer import K2Model
-from k2jax.serve.prefix_cache import PrefixCache
-from k2jax.serve.runner import ModelRunner, sampling_arrays
 
 log = logging.getLogger(__name__)
-
-
-class InvalidRequest(ValueError):
-  """A request the engine cannot run; `field` names the offending request field."""
-
-  def __init__(self, field: str, problem: str):
-    super().__init__(f"{field}: {problem}")
-    self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,57 +41,24 @@ class EngineConfig:
   max_seq_len: int = 2048  # prompt + generated tokens per request (cache row length)
   min_prefill_bucket: int = 16  # prefill lengths are padded to min_bucket * 2^i
   prefix_cache_entries: int = 16  # finished sequences kept for prefix reuse (0 disables)
-  num_top_logprobs: int = 8  # most top logprobs a request may ask for
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingOptions:
-  max_new_tokens: int = 128
-  temperature: float = 1.0  # 0 = greedy
-  top_p: float = 1.0
-  top_k: int = -1  # <= 0: no limit
-  stop: tuple[str, ...] = ()
-  stop_token_ids: tuple[int, ...] = ()
-  ignore_eos: bool = False
-  seed: int | None = None  # None: a fresh random seed
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-  rid: str
-  input_ids: tuple[int, ...]
-  sampling: SamplingOptions = SamplingOptions()
-
-
-@dataclasses.dataclass
-class Completion:
-  """A request's result. `finish` is SGLang's finish_reason dict ({type: stop|length|abort, ...}), None
-  while the request still runs (`InferenceEngine.progress`)."""
-
-  rid: str
-  prompt_tokens: int
-  output_ids: list[int]
-  logprobs: list[float]
-  top_logprobs: list[list[tuple[int, float]]]
-  finish: dict | None
-  cached_tokens: int
-  weight_version: int
-  latency_s: float
+  num_top_logprobs: int = 8  # top logprobs reported per token
 
 
 @dataclasses.dataclass(eq=False)
 class _Live:
-  request: Request
+  request: GenerateRequest
   seed: int
   t0: float
   fed: list[int] = dataclasses.field(default_factory=list)  # tokens whose keys are in the slot's row
   out: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
-  tops: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  tops: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
   cached: int = 0
   abort_message: str | None = None
+  error: str | None = None  # the engine failed: `wait` raises instead of returning
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
-  completion: Completion | None = None
+  result: GenerateResult | None = None
   on_update: Callable[[], None] | None = None  # called (scheduler thread) after each token and at the end
 
   def notify(self) -> None:
@@ -105,7 +69,7 @@ class _Live:
         log.exception("listener of %s failed", self.request.rid)
 
 
-class InferenceEngine:
+class InferenceEngine(Engine):
   """Serves one K2 model. Thread-safe: `submit`/`generate`/`abort`/`update_weights` from any thread."""
 
   def __init__(
@@ -128,6 +92,9 @@ class InferenceEngine:
       num_top=config.num_top_logprobs,
       min_bucket=config.min_prefill_bucket,
     )
+    # The served parameters as a pure dict (the runner's own arrays, no copy): weight-sync deltas overlay it.
+    self._params = nnx.to_pure_dict(nnx.state(model))
+    self._update_lock = threading.Lock()  # one weight update at a time (the overlay reads _params)
     self._prefix = PrefixCache(config.prefix_cache_entries)
     self._cv = threading.Condition()
     self._waiting: collections.deque[_Live] = collections.deque()
@@ -140,9 +107,10 @@ class InferenceEngine:
     self._thread.start()
 
   # ---- public API -------------------------------------------------------------------------------
-  def submit(self, request: Request, on_update: Callable[[], None] | None = None) -> _Live:
-    """Queues `request`; `on_update` (optional) is called from the scheduler after every new token and
-    when the request finishes (streaming, disconnect checks), and must not block."""
+  def submit(self, request: GenerateRequest, on_update: Callable[[], None] | None = None) -> _Live:
+    """Queues `request` and returns its handle for `wait`/`progress` (raises InvalidRequest for one that
+    cannot run). `on_update` (optional) is called from the scheduler after every new token and when the
+    request finishes (streaming, disconnect checks), and must not block."""
     self.check(request)
     s = request.sampling
     seed = secrets.randbits(32) if s.seed is None else s.seed % 2**32
@@ -154,65 +122,82 @@ class InferenceEngine:
         raise InvalidRequest("rid", f"request {request.rid!r} is already in flight")
       self._by_rid[request.rid] = live
       if s.max_new_tokens == 0:
-        self._complete(live, {"type": "length", "length": 0})
+        self._complete(live, "length")
       else:
         self._waiting.append(live)
         self._cv.notify_all()
     return live
 
-  def wait(self, live: _Live, timeout: float | None = None) -> Completion:
+  def wait(self, live: _Live, timeout: float | None = None) -> GenerateResult:
+    """The finished request's result; raises RuntimeError when the engine failed while running it."""
     if not live.done.wait(timeout):
       raise TimeoutError(f"request {live.request.rid!r} not finished after {timeout}s")
-    return live.completion
+    if live.error is not None:
+      raise RuntimeError(f"engine failed on request {live.request.rid!r}: {live.error}")
+    return live.result
 
-  def progress(self, live: _Live) -> Completion:
-    """The request so far (`finish` None while it runs); its final result once done."""
+  def progress(self, live: _Live) -> GenerateResult:
+    """The request so far (finish_reason None while it runs); its final result once done."""
     if live.done.is_set():
-      return live.completion
-    n = min(len(live.out), len(live.logprobs), len(live.tops))  # the scheduler appends out first
+      return live.result
+    n = min(len(live.out), len(live.logprobs), len(live.versions), len(live.tops))  # out is appended first
     req = live.request
-    return Completion(
+    return GenerateResult(
       rid=req.rid,
+      output_ids=tuple(live.out[:n]),
+      output_logprobs=tuple(live.logprobs[:n]),
+      weight_versions=tuple(live.versions[:n]),
+      finish_reason=None,
       prompt_tokens=len(req.input_ids),
-      output_ids=live.out[:n],
-      logprobs=live.logprobs[:n],
-      top_logprobs=live.tops[:n],
-      finish=None,
+      top_logprobs=tuple(live.tops[:n]),
       cached_tokens=live.cached,
-      weight_version=self.weight_version,
       latency_s=time.monotonic() - live.t0,
     )
 
-  def generate(self, request: Request) -> Completion:
+  def generate(self, request: GenerateRequest) -> GenerateResult:
     return self.wait(self.submit(request))
 
-  def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
-    """Asks matching requests to return now (finish_reason abort); returns how many matched."""
+  def abort(self, rids: Sequence[str]) -> int:
+    """Asks these requests to return now (finish_reason abort); returns how many were in flight."""
     with self._cv:
-      targets = list(self._by_rid.values()) if abort_all else [self._by_rid[rid]] if rid in self._by_rid else []
-      for live in targets:
-        live.abort_message = "Aborted by request" if rid is not None or not abort_all else "Aborted (abort_all)"
-        if live in self._waiting:
-          self._waiting.remove(live)
-          self._complete(live, _abort_reason(live.abort_message))
-      self._cv.notify_all()
+      targets = [self._by_rid[rid] for rid in rids if rid in self._by_rid]
+      self._abort(targets, "Aborted by request")
     return len(targets)
 
-  def update_weights(self, model: K2Model, weight_version: int | None = None, *, flush_cache: bool = True) -> int:
-    """Swaps in `model`'s parameters between decode steps and returns the new weight version.
+  def abort_all(self) -> int:
+    with self._cv:
+      targets = list(self._by_rid.values())
+      self._abort(targets, "Aborted (abort_all)")
+    return len(targets)
 
-    Running requests continue on the new weights (SGLang's default; RL records versions per request).
-    The prefix cache holds keys computed by the old weights, so it is flushed unless asked otherwise.
+  def update_weights(self, model_path: str, weight_version: int | None = None, *, flush_cache: bool = True) -> int:
+    """Serves the weights in `model_path` from the next decode step on; returns the new weight version.
+
+    `model_path` is a weight-sync delta (an HF safetensors index without config.json, holding only the
+    tensors that changed: they replace those tensors of the served weights), or a whole HF directory
+    or k2jax workdir of the same architecture. A failed load raises and changes nothing.
     """
+    with self._update_lock:
+      if overlay.is_partial_hf_dir(model_path):
+        params = overlay.overlay_hf_tensors(self.cfg, self._params, model_path)
+      else:
+        model = api.load(model_path, param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype)
+        if model.cfg.replace(extra=()) != self.cfg.replace(extra=()):
+          raise ValueError("its config.json describes a different architecture than the served model")
+        params = nnx.to_pure_dict(nnx.state(model))
+      return self._swap(params, weight_version, flush_cache)
 
-    def swap():
-      self._runner.set_model(model)
-      if flush_cache:
-        self._prefix.clear()
-      self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
-      return self.weight_version
+  def update_weights_from_params(
+    self, params: dict, weight_version: int | None = None, *, flush_cache: bool = True
+  ) -> int:
+    """Serves `params` (the model's pure state dict, k2jax layout) from the next decode step on.
 
-    return self._run_op(swap)
+    Arrays already on device are served as they are: a colocated trainer hands its weights over with
+    no host copy and no file. The engine then reads these arrays until the next update, so a train step
+    that donates its state must hand over copies.
+    """
+    with self._update_lock:
+      return self._swap(params, weight_version, flush_cache)
 
   def flush_cache(self) -> None:
     self._run_op(self._prefix.clear)
@@ -226,6 +211,31 @@ class InferenceEngine:
       self._closed = True
       self._cv.notify_all()
     self._thread.join(timeout=60)
+
+  def _abort(self, targets: list[_Live], message: str) -> None:
+    """Marks `targets` aborted (caller holds the lock); waiting ones finish now, running ones next step."""
+    for live in targets:
+      live.abort_message = message
+      if live in self._waiting:
+        self._waiting.remove(live)
+        self._complete(live, "abort")
+    self._cv.notify_all()
+
+  def _swap(self, params: dict, weight_version: int | None, flush_cache: bool) -> int:
+    """Swaps in `params` between decode steps. Running requests continue on the new weights (SGLang's
+    default); every token records the version that produced it. The prefix cache holds keys computed by
+    the old weights, so it is flushed unless asked otherwise."""
+    model = api.model_from_state(self.cfg, params)
+
+    def swap():
+      self._runner.set_model(model)
+      self._params = params
+      if flush_cache:
+        self._prefix.clear()
+      self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+      return self.weight_version
+
+    return self._run_op(swap)
 
   # ---- scheduler --------------------------------------------------------------------------------
   def _loop(self) -> None:
@@ -265,8 +275,7 @@ class InferenceEngine:
     except Exception as e:  # one request's prefill failed: fail it alone, the others keep running
       log.exception("prefill of %s failed", live.request.rid)
       with self._cv:
-        self._slots[slot] = None
-        self._complete(live, _abort_reason(f"engine error: {type(e).__name__}: {e}", status_code=500))
+        self._fail(live, slot, f"engine error: {type(e).__name__}: {e}")
 
   def _prefill_row(self, slot: int, live: _Live) -> None:
     tokens = list(live.request.input_ids)
@@ -293,15 +302,12 @@ class InferenceEngine:
         except Exception as e:  # e.g. a stop string this request's detokenizer chokes on
           log.exception("request %s failed", live.request.rid)
           with self._cv:
-            self._slots[i] = None
-            self._complete(live, _abort_reason(f"engine error: {type(e).__name__}: {e}", status_code=500))
+            self._fail(live, i, f"engine error: {type(e).__name__}: {e}")
 
   def _sampling(self, lives: Sequence[_Live | None]):
     # Keyed by the sampled token's position in prompt + output, so a resumed request continues exactly.
     params = [
-      (l.request.sampling, l.seed, len(l.request.input_ids) + len(l.out))
-      if l is not None
-      else (SamplingOptions(), 0, 0)
+      (l.request.sampling, l.seed, len(l.request.input_ids) + len(l.out)) if l is not None else (SamplingParams(), 0, 0)
       for l in lives
     ]
     return sampling_arrays(
@@ -317,60 +323,72 @@ class InferenceEngine:
     token = int(out.tokens[i])
     live.out.append(token)
     live.logprobs.append(float(out.logprobs[i]))
+    live.versions.append(self.weight_version)
     k = len(out.top_ids[i])
-    live.tops.append([(int(out.top_ids[i][j]), float(out.top_logprobs[i][j])) for j in range(k)])
+    live.tops.append(tuple((int(out.top_ids[i][j]), float(out.top_logprobs[i][j])) for j in range(k)))
     finish = self._finish_reason(live, token)
     if finish is not None:
-      self._release(slot, live, finish)
+      self._release(slot, live, *finish)
     else:
       live.notify()
 
-  def _finish_reason(self, live: _Live, token: int) -> dict | None:
+  def _finish_reason(self, live: _Live, token: int) -> tuple[str, int | str | None] | None:
     s = live.request.sampling
     if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
-      return {"type": "stop", "matched": token}
+      return "stop", token
     if s.stop and self._detokenize is not None:
       text = self._detokenize(live.out)
       for stop in s.stop:
         if stop in text:
-          return {"type": "stop", "matched": stop}
+          return "stop", stop
     if len(live.out) >= s.max_new_tokens:
-      return {"type": "length", "length": len(live.out)}
+      return "length", None
     return None
 
   def _finish_aborted(self) -> None:
     for i, live in enumerate(self._slots):
       if live is not None and live.abort_message is not None:
-        self._release(i, live, _abort_reason(live.abort_message))
+        self._release(i, live, "abort")
 
-  def _release(self, slot: int, live: _Live, finish: dict) -> None:
+  def _release(self, slot: int, live: _Live, reason: str, matched: int | str | None = None) -> None:
     if self._prefix.capacity and live.fed:
       self._prefix.insert(live.fed, self._runner.read_row(slot))
     with self._cv:
       self._slots[slot] = None
-      self._complete(live, finish)
+      self._complete(live, reason, matched)
 
-  def _complete(self, live: _Live, finish: dict) -> None:
+  def _complete(self, live: _Live, reason: str, matched: int | str | None = None) -> None:
     """Publishes the result (caller holds the lock)."""
     req = live.request
-    live.completion = Completion(
+    live.result = GenerateResult(
       rid=req.rid,
+      output_ids=tuple(live.out),
+      output_logprobs=tuple(live.logprobs),
+      weight_versions=tuple(live.versions),
+      finish_reason=reason,
       prompt_tokens=len(req.input_ids),
-      output_ids=list(live.out),
-      logprobs=list(live.logprobs),
-      top_logprobs=list(live.tops),
-      finish=finish,
+      matched_stop=matched,
+      abort_message=live.abort_message if reason == "abort" else None,
+      top_logprobs=tuple(live.tops),
       cached_tokens=live.cached,
-      weight_version=self.weight_version,
       latency_s=time.monotonic() - live.t0,
     )
     self._by_rid.pop(req.rid, None)
     live.done.set()
     live.notify()
 
+  def _fail(self, live: _Live, slot: int | None, message: str) -> None:
+    """Fails one request (caller holds the lock): `wait` raises, `progress` shows an abort with `message`."""
+    n = min(len(live.out), len(live.logprobs), len(live.versions), len(live.tops))  # a step may have failed midway
+    del live.out[n:], live.logprobs[n:], live.versions[n:], live.tops[n:]
+    live.error = live.abort_message = message
+    if slot is not None:
+      self._slots[slot] = None
+    self._complete(live, "abort")
+
   def _fail_all(self, message: str) -> None:
     for live in list(self._waiting) + [s for s in self._slots if s is not None]:
-      self._complete(live, _abort_reason(message, status_code=500))
+      self._fail(live, None, message)
     self._waiting.clear()
     self._slots = [None] * self.config.max_slots
     for fn, box in self._ops:
@@ -399,11 +417,9 @@ class InferenceEngine:
       box["error"] = e
     box["done"].set()
 
-  def check(self, request: Request) -> None:
+  def check(self, request: GenerateRequest) -> None:
     """Raises InvalidRequest naming the field when the engine cannot run `request` (nothing is queued)."""
     ids, s, max_len, vocab = request.input_ids, request.sampling, self.config.max_seq_len, self.cfg.vocab_size
-    if not ids:
-      raise InvalidRequest("input_ids", "the prompt is empty")
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
       raise InvalidRequest("input_ids", f"token ids {bad[:5]} outside [0, {vocab})")
@@ -418,8 +434,6 @@ class InferenceEngine:
         "sampling_params.max_new_tokens",
         f"{len(ids)} prompt tokens + max_new_tokens {s.max_new_tokens} exceed the maximum sequence length {max_len}",
       )
-    if s.max_new_tokens < 0:
-      raise InvalidRequest("sampling_params.max_new_tokens", f"must be >= 0, got {s.max_new_tokens}")
     if not (math.isfinite(s.temperature) and s.temperature >= 0):
       raise InvalidRequest("sampling_params.temperature", f"must be a finite number >= 0, got {s.temperature}")
     if not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
@@ -431,7 +445,3 @@ class InferenceEngine:
       raise InvalidRequest("sampling_params.stop_token_ids", f"token ids {bad_stop[:5]} outside [0, {vocab})")
     if s.stop and self._detokenize is None:
       raise InvalidRequest("sampling_params.stop", "stop strings need a tokenizer; this server has none")
-
-
-def _abort_reason(message: str, status_code: int = 200) -> dict:
-  return {"type": "abort", "message": message, "status_code": status_code}

@@ -13,8 +13,8 @@ from typing import Sequence
 import collections
 import dataclasses
 
-from k2jax.rl.engine import Engine, EngineCapabilities, GenerateRequest, GenerateResult
-from k2jax.rl.engines.http import HttpEngine
+from k2jax.engine.base import Engine, EngineCapabilities, GenerateRequest, GenerateResult
+from k2jax.engine.http import HttpEngine
 
 
 class RoutedEngine(Engine):

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from k2jax.rl.engine import Engine, GenerateRequest, GenerateResult
+from k2jax.engine.base import Engine, GenerateRequest, GenerateResult
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +108,8 @@ class FakeEngine(Engine):
       weight_versions=tuple(versions),
       finish_reason=finish,
       prompt_tokens=len(request.input_ids),
-      completion_tokens=n,
+      matched_stop=self.config.eos_id if finish == "stop" else None,
+      abort_message="Aborted by request" if finish == "abort" else None,
     )
 
 

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from k2jax.rl.engine import (
+from k2jax.engine.base import (
   FINISH_TYPES,
   UNKNOWN_VERSION,
   Engine,
@@ -34,8 +34,8 @@ from k2jax.rl.engine import (
   GenerateRequest,
   GenerateResult,
 )
-from k2jax.rl.engines.handshake import probe_capabilities
-from k2jax.rl.transport import RequestRejected, RetryPolicy, ServiceError, call_json
+from k2jax.engine.handshake import probe_capabilities
+from k2jax.transport import RequestRejected, RetryPolicy, ServiceError, call_json
 
 DUPLICATED_LOGPROBS = 50  # sglang-jax repeats this many leading logprob entries past this many tokens
 
@@ -208,7 +208,8 @@ def parse_generate_response(
     raise ValueError(f"rid {rid}: finish_reason must be {{type: stop|length|abort}}, got {finish!r}")
   if _aborted_before_prefill(body, meta, finish, request):
     count("abort_before_prefill")
-    return GenerateResult(rid, (), (), (), "abort", prompt_tokens=0, completion_tokens=0, text=body.get("text"))
+    message = str(finish.get("message", "aborted before prefill"))
+    return GenerateResult(rid, (), (), (), "abort", prompt_tokens=0, text=body.get("text"), abort_message=message)
   output_ids = body.get("output_ids")
   if not isinstance(output_ids, list) or not all(_is_int(t) for t in output_ids):
     raise ValueError(f"rid {rid}: output_ids must be a list of ints, got {output_ids!r:.100}")
@@ -232,8 +233,10 @@ def parse_generate_response(
     weight_versions=(version,) * n,
     finish_reason=finish["type"],
     prompt_tokens=meta["prompt_tokens"],
-    completion_tokens=n,
     text=text,
+    matched_stop=finish.get("matched") if isinstance(finish.get("matched"), (int, str)) else None,
+    abort_message=str(finish.get("message")) if finish["type"] == "abort" else None,
+    cached_tokens=meta["cached_tokens"] if _is_int(meta.get("cached_tokens")) else 0,
   )
 
 

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from safetensors.numpy import load_file
 
-from k2jax.rl.engine import Engine, GenerateRequest, SamplingParams
+from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
 
 FAULTS = (
   "malformed_json",
@@ -92,9 +92,9 @@ class FakeSglangServer:
     )
     res = self.engine.generate(req)
     finish = {
-      "stop": {"type": "stop", "matched": 1},
+      "stop": {"type": "stop", "matched": res.matched_stop},
       "length": {"type": "length", "length": len(res.output_ids)},
-      "abort": {"type": "abort", "message": "Aborted"},
+      "abort": {"type": "abort", "message": res.abort_message},
     }[res.finish_reason]
     version = res.weight_versions[-1] if res.weight_versions else 0
     out = {

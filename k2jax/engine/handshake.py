@@ -18,8 +18,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from k2jax.rl.engine import EngineCapabilities
-from k2jax.rl.transport import RetryPolicy, ServiceError, ServiceUnreachable, call_json
+from k2jax.engine.base import EngineCapabilities
+from k2jax.transport import RetryPolicy, ServiceError, ServiceUnreachable, call_json
 
 _ROUTES = ("update_weights_from_disk", "update_weights_from_tensor", "abort_request")
 

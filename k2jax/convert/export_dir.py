@@ -1,0 +1,229 @@
+"""Export directories that only ever replace what k2jax wrote, in one atomic swap.
+
+An export is written into a fresh sibling `.k2jax-tmp-<name>.<host>.<pid>.<rand>` (0755 dirs, 0644
+files), marked complete with `MARKER` last, and swapped with the destination by one
+renameat2(RENAME_EXCHANGE); the old export, now in the sibling, is deleted afterwards. So a reader sees
+the old complete export or the new one, never a mix. Where the filesystem lacks the exchange, the old
+export is first renamed to `.k2jax-old-...` and `recover` (run before every write and every load) puts
+it back if the process died between the two renames.
+
+A destination is replaced only when it is missing, empty, or a previous k2jax export that still holds
+exactly the files k2jax wrote: `MARKER` lists them, so a workdir that training has since added steps
+to, or an export someone put other files in, is refused. (Exports from before the marker are
+recognised by their exact file set and k2jax's byte-for-byte config.json and index formats.) Siblings
+left by dead processes of this host are deleted before each write.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+from collections.abc import Callable
+
+MARKER = ".k2jax-export"
+_TMP, _OLD = ".k2jax-tmp-", ".k2jax-old-"
+_HF_FILES = re.compile(r"config\.json|model\.safetensors\.index\.json|model(-\d{5}-of-\d{5})?\.safetensors")
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+class ExportError(ValueError):
+  """A destination k2jax must not replace, or an export that could not be put in place."""
+
+
+def check_destination(dst: str, src: str | None = None) -> None:
+  """Raises ExportError unless `dst` may be (re)written: not `src`, not above it, ours or empty."""
+  d = os.path.realpath(dst)
+  if src is not None:
+    s = os.path.realpath(src)
+    if s == d or s.startswith(d.rstrip(os.sep) + os.sep):
+      raise ExportError(f"--dst={dst} contains --src={src}: writing it would destroy the source")
+  if not os.path.lexists(dst):
+    return
+  if not os.path.isdir(dst) or os.path.islink(dst):
+    raise ExportError(f"{dst}: exists and is not a directory; refusing to replace it")
+  if not os.listdir(dst):
+    return
+  why = _not_ours(dst)
+  if why:
+    raise ExportError(
+      f"{dst}: not empty and not (only) a k2jax export: {why}; refusing to replace it. Choose a new or "
+      "empty directory, or remove it yourself"
+    )
+
+
+def is_export(path: str) -> bool:
+  """A directory holding exactly an export k2jax wrote (see the module docstring)."""
+  return os.path.isdir(path) and not _not_ours(path)
+
+
+def _not_ours(path: str) -> str:
+  """Empty when `path` holds exactly what a k2jax export wrote, else what is not ours."""
+  files = set(_files(path))
+  marker = os.path.join(path, MARKER)
+  if os.path.isfile(marker):
+    try:
+      with open(marker) as f:
+        written = set(json.load(f)["files"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      return f"unreadable {MARKER} ({e})"
+    extra = sorted(files - written - {MARKER})
+    return f"files k2jax did not write: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}" if extra else ""
+  if all(_HF_FILES.fullmatch(n) for n in files) and _is_our_hf_format(path):
+    return ""
+  return f"no {MARKER} ({len(files)} files, e.g. {sorted(files)[0]})"
+
+
+def _is_our_hf_format(path: str) -> bool:
+  """config.json as k2jax dumps it (sorted keys, indent 2) and an index with only total_size metadata."""
+  try:
+    with open(os.path.join(path, "config.json")) as f:
+      text = f.read()
+    if text != json.dumps(json.loads(text), indent=2, sort_keys=True):
+      return False
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+      with open(index) as f:
+        return set(json.load(f).get("metadata", {})) == {"total_size"}
+    return True
+  except (OSError, ValueError, AttributeError):
+    return False
+
+
+def _files(root: str) -> list[str]:
+  out = []
+  for d, dirs, names in os.walk(root):
+    rel = os.path.relpath(d, root)
+    out += [n if rel == "." else os.path.join(rel, n) for n in names]
+    out += [os.path.join(rel, n) + "/" for n in dirs if os.path.islink(os.path.join(d, n))]
+  return out
+
+
+def write_export(dst: str, kind: str, write: Callable[[str], None], src: str | None = None) -> None:
+  """Calls `write(tmp_dir)`, marks it, and swaps it into `dst` (see the module docstring)."""
+  dst = os.path.abspath(dst)
+  parent, name = os.path.split(dst)
+  os.makedirs(parent, mode=0o755, exist_ok=True)
+  recover(dst)
+  check_destination(dst, src)
+  clean_stale(dst)
+  tmp = os.path.join(parent, f"{_TMP}{name}.{_tag()}")
+  os.mkdir(tmp)
+  try:
+    os.chmod(tmp, 0o755)
+    write(tmp)
+    manifest = {"kind": kind, "written_by": "k2jax", "files": sorted(_files(tmp))}
+    with open(os.path.join(tmp, MARKER), "w") as f:  # last: an export without it is incomplete
+      json.dump(manifest, f, indent=1)
+    _fix_modes(tmp)
+    _fsync_tree(tmp)
+    _swap_into_place(tmp, dst, parent, name)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  shutil.rmtree(tmp, ignore_errors=True)  # holds the old export after an exchange; gone after a rename
+
+
+def recover(dst: str) -> None:
+  """Puts back the previous export if a writer died between its two renames (no-exchange filesystems)."""
+  dst = os.path.abspath(dst)
+  if os.path.lexists(dst):
+    return
+  parent, name = os.path.split(dst)
+  for old in _siblings(parent, name, _OLD):
+    if not _alive(old):
+      try:
+        os.rename(os.path.join(parent, old), dst)
+        return
+      except FileNotFoundError:
+        continue  # another process recovered it first
+
+
+def clean_stale(dst: str) -> None:
+  """Deletes temp/old siblings of `dst` left by dead processes of this host."""
+  parent, name = os.path.split(os.path.abspath(dst))
+  for prefix in (_TMP, _OLD):
+    for entry in _siblings(parent, name, prefix):
+      if not _alive(entry):
+        shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _swap_into_place(tmp: str, dst: str, parent: str, name: str) -> None:
+  if not os.path.lexists(dst):
+    os.rename(tmp, dst)
+    return
+  if _exchange(tmp, dst):
+    return
+  old = os.path.join(parent, f"{_OLD}{name}.{_tag()}")
+  os.rename(dst, old)  # the window `recover` closes: dst missing, old complete beside it
+  os.rename(tmp, dst)
+  shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: str, b: str) -> bool:
+  """Atomically swaps two paths; False where the kernel, libc or filesystem cannot."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  fn = getattr(libc, "renameat2", None)
+  if fn is None:
+    return False
+  fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+  if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+    return False
+  raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE): {os.strerror(err)}")
+
+
+def _tag() -> str:
+  return f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+def _siblings(parent: str, name: str, prefix: str) -> list[str]:
+  """Temp/old siblings of `name` written on this host (other hosts' writers cannot be checked)."""
+  own = re.compile(re.escape(f"{prefix}{name}.{socket.gethostname()}.") + r"\d+\.[0-9a-f]{8}")
+  try:
+    return sorted(e for e in os.listdir(parent) if own.fullmatch(e))
+  except FileNotFoundError:
+    return []
+
+
+def _alive(entry: str) -> bool:
+  """Whether the writer process named in a sibling of this host may still be running."""
+  pid = entry.rsplit(".", 2)[1]
+  try:
+    os.kill(int(pid), 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _fix_modes(root: str) -> None:
+  for d, dirs, files in os.walk(root):
+    os.chmod(d, 0o755)
+    for f in files:
+      os.chmod(os.path.join(d, f), 0o644)
+
+
+def _fsync_tree(root: str) -> None:
+  """Data and directory entries on disk before the swap makes them the export."""
+  for d, _, files in os.walk(root):
+    for f in files:
+      fd = os.open(os.path.join(d, f), os.O_RDONLY)
+      try:
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)

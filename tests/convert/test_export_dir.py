@@ -1,0 +1,269 @@
+"""Exports replace only what k2jax wrote, atomically; loading rejects layer mismatches and path escapes."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "golden"))
+import hf_golden  # noqa: E402
+
+import k2jax  # noqa: E402
+from k2jax.convert import export_dir  # noqa: E402
+from k2jax.convert import hf as hf_io  # noqa: E402
+from k2jax.convert import workdir as wd  # noqa: E402
+from k2jax.convert.export_dir import ExportError, check_destination  # noqa: E402
+from k2jax.convert.hf import CheckpointError  # noqa: E402
+from k2jax.model import K2Config, presets  # noqa: E402
+
+CFG = hf_golden.CONFIGS["plain_rope"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _numpy_state(seed, num_hidden_layers=2):
+  """A pure state dict of numpy arrays for the tiny preset (no model build, no jax computation)."""
+  cfg = presets.get("tiny", num_hidden_layers=num_hidden_layers)
+  rng = np.random.default_rng(seed)
+  abstract = hf_io.abstract_state(cfg)
+  import jax
+
+  return cfg, jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype), abstract)
+
+
+def _tree(path):
+  out = {}
+  for d, _, names in os.walk(path):
+    for n in names:
+      p = os.path.join(d, n)
+      with open(p, "rb") as f:
+        out[os.path.relpath(p, path)] = f.read()
+  return out
+
+
+def test_foreign_nonempty_destination_is_refused_and_untouched(tmp_path):
+  cfg, state = _numpy_state(0)
+  dst = tmp_path / "mine"
+  (dst / "notes").mkdir(parents=True)
+  (dst / "notes" / "todo.txt").write_text("keep me")
+  (dst / "config.json").write_text('{"mine": true}')
+  before = _tree(dst)
+  with pytest.raises(ExportError, match="not empty and not .only. a k2jax export"):
+    hf_io.save_hf(cfg, state, str(dst))
+  with pytest.raises(ExportError, match="refusing to replace"):
+    wd.save_model_only(cfg, state, str(dst))
+  assert _tree(dst) == before and sorted(os.listdir(tmp_path)) == ["mine"]  # no temp dirs left either
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(ExportError, match="not a directory"):
+    hf_io.save_hf(cfg, state, str(tmp_path / "file"))
+
+
+def test_destination_containing_the_source_is_refused(tmp_path):
+  src = tmp_path / "out" / "ckpt"
+  src.mkdir(parents=True)
+  for dst in (tmp_path / "out", tmp_path, src, tmp_path / "out" / "." / "ckpt" / ".."):
+    with pytest.raises(ExportError, match="contains --src"):
+      check_destination(str(dst), str(src))
+  check_destination(str(src / "hf"), str(src))  # exporting into the source (W/hf) is fine
+  check_destination(str(tmp_path / "other"), str(src))
+
+
+def test_reexport_replaces_only_an_unchanged_export(tmp_path):
+  cfg, a = _numpy_state(0)
+  _, b = _numpy_state(1)
+  hf = str(tmp_path / "hf")
+  hf_io.save_hf(cfg, a, hf, max_shard_bytes=200_000)
+  hf_io.save_hf(cfg, b, hf)  # ours: replaced (fewer shards now, none of the old left behind)
+  assert sorted(os.listdir(hf)) == sorted(
+    [".k2jax-export", "config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"]
+  )
+  _, got = hf_io.load_hf(hf)
+  np.testing.assert_array_equal(got["embed"]["embedding"], b["embed"]["embedding"])
+  with open(os.path.join(hf, "README.md"), "w") as f:
+    f.write("someone's notes")
+  with pytest.raises(ExportError, match="files k2jax did not write: README.md"):
+    hf_io.save_hf(cfg, a, hf)
+  # A converted workdir that training has since written to is no longer an export to replace.
+  w = str(tmp_path / "w")
+  wd.save_model_only(cfg, a, w)
+  wd.save_model_only(cfg, b, w)
+  os.makedirs(os.path.join(w, "checkpoints", "100"))
+  with open(os.path.join(w, "checkpoints", "100", "commit_success.txt"), "w") as f:
+    f.write("step 100")
+  with pytest.raises(ExportError, match="checkpoints/100/commit_success.txt"):
+    wd.save_model_only(cfg, a, w)
+  assert os.path.isfile(os.path.join(w, "checkpoints", "100", "commit_success.txt"))
+
+
+def test_exports_from_before_the_marker_are_recognised(tmp_path):
+  cfg, a = _numpy_state(0)
+  hf = str(tmp_path / "hf")
+  hf_io.save_hf(cfg, a, hf)
+  os.remove(os.path.join(hf, export_dir.MARKER))
+  assert export_dir.is_export(hf)
+  hf_io.save_hf(cfg, a, hf)
+  # The same file names with a published (not k2jax-dumped) config.json are someone else's.
+  other = str(tmp_path / "published")
+  hf_golden.write_hf_dir(other, CFG, hf_golden.random_hf_state(CFG, 0))
+  assert not export_dir.is_export(other)
+  with pytest.raises(ExportError, match="no .k2jax-export"):
+    hf_io.save_hf(cfg, a, other)
+
+
+def test_modes_are_0755_and_0644_whatever_the_umask(tmp_path):
+  cfg, a = _numpy_state(0)
+  old = os.umask(0o077)
+  try:
+    hf_io.save_hf(cfg, a, str(tmp_path / "hf"))
+    wd.save_model_only(cfg, a, str(tmp_path / "w"))
+  finally:
+    os.umask(old)
+  for top in ("hf", "w"):
+    for d, dirs, names in os.walk(tmp_path / top):
+      assert os.stat(d).st_mode & 0o777 == 0o755, d
+      for n in names:
+        assert os.stat(os.path.join(d, n)).st_mode & 0o777 == 0o644, (d, n)
+
+
+def _dead_pid():
+  p = subprocess.Popen(["true"])
+  p.wait()
+  return p.pid
+
+
+def test_stale_temp_dirs_of_dead_processes_are_cleaned(tmp_path):
+  cfg, a = _numpy_state(0)
+  host, dead = socket.gethostname(), _dead_pid()
+  stale = [f".k2jax-tmp-hf.{host}.{dead}.0123abcd", f".k2jax-old-hf.{host}.{dead}.4567abcd"]
+  kept = [
+    f".k2jax-tmp-hf.{host}.{os.getpid()}.89abcdef",  # a live writer
+    f".k2jax-tmp-hf.other-host.{dead}.0123abcd",  # another machine's writer: cannot tell, leave it
+    f".k2jax-tmp-hf2.{host}.{dead}.0123abcd",  # another export's
+    "unrelated",
+  ]
+  hf_io.save_hf(cfg, a, str(tmp_path / "hf"))  # present, so the old sibling is garbage, not a recovery
+  for name in stale + kept:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "model-00001-of-00001.safetensors").write_text("partial")
+  hf_io.save_hf(cfg, a, str(tmp_path / "hf"))
+  assert sorted(os.listdir(tmp_path)) == sorted(kept + ["hf"])
+
+
+def test_interrupted_swap_without_exchange_is_recovered_on_load(tmp_path, monkeypatch):
+  """Filesystems without RENAME_EXCHANGE swap with two renames; a death between them is undone on load."""
+  cfg, a = _numpy_state(0)
+  _, b = _numpy_state(1)
+  hf = str(tmp_path / "hf")
+  hf_io.save_hf(cfg, a, hf)
+  monkeypatch.setattr(export_dir, "_exchange", lambda x, y: False)
+  hf_io.save_hf(cfg, b, hf)  # the fallback path itself
+  np.testing.assert_array_equal(hf_io.load_hf(hf)[1]["embed"]["embedding"], b["embed"]["embedding"])
+  os.rename(hf, str(tmp_path / f".k2jax-old-hf.{socket.gethostname()}.{_dead_pid()}.0123abcd"))
+  model = k2jax.load(hf)  # finds the old export beside the missing one and puts it back
+  np.testing.assert_array_equal(np.asarray(model.embed.embedding[...]), b["embed"]["embedding"])
+  assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+_REEXPORT_WORKER = r"""
+import json, os, random, signal, sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from tests.convert.test_export_dir import _numpy_state
+from k2jax.convert import export_dir, hf as hf_io
+
+dst, rounds, seed = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+rng = random.Random(seed)
+cfg, a = _numpy_state(0)
+_, b = _numpy_state(1)
+want = {name: dict(hf_io.iter_hf_tensors(cfg, s, None)) for name, s in (("a", a), ("b", b))}
+hf_io.save_hf(cfg, a, dst, max_shard_bytes=100_000)
+t = time.monotonic(); hf_io.save_hf(cfg, b, dst, max_shard_bytes=100_000); export_s = time.monotonic() - t
+seen = []
+for r in range(rounds):
+    exchange = r % 2 == 0  # odd rounds: the two-rename fallback and its recovery
+    pid = os.fork()
+    if pid == 0:
+        if not exchange:
+            export_dir._exchange = lambda x, y: False
+        i = 0
+        while True:
+            hf_io.save_hf(cfg, (a, b)[i % 2], dst, max_shard_bytes=100_000)
+            i += 1
+    time.sleep(rng.uniform(0.0, 3 * export_s))
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    hf_io.read_config(dst)  # recovers an interrupted two-rename swap, as every load does
+    wmap = hf_io.weight_map(dst)
+    got = {}
+    for shard in sorted(set(wmap.values())):
+        from safetensors import safe_open
+        with safe_open(os.path.join(dst, shard), "numpy") as f:
+            got.update({k: f.get_tensor(k) for k in f.keys()})
+    match = [n for n, w in want.items() if set(w) == set(got) and all(np.array_equal(w[k], got[k]) for k in w)]
+    seen.append(match[0] if len(match) == 1 else "MIXED-OR-BROKEN")
+hf_io.save_hf(cfg, a, dst, max_shard_bytes=100_000)  # cleans what the killed writers left
+print(json.dumps({"seen": seen, "export_s": export_s, "siblings": sorted(os.listdir(os.path.dirname(dst)))}))
+"""
+
+
+def test_sigkill_at_random_points_of_a_reexport_leaves_old_or_new(tmp_path):
+  rounds = 20
+  dst = str(tmp_path / "hf")
+  p = subprocess.run(
+    [sys.executable, "-c", _REEXPORT_WORKER, ROOT, dst, str(rounds), str(random.randrange(1 << 30))],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
+  assert p.returncode == 0, p.stderr[-3000:]
+  out = json.loads(p.stdout.strip().splitlines()[-1])
+  assert len(out["seen"]) == rounds and set(out["seen"]) <= {"a", "b"}, out
+  assert out["siblings"] == ["hf"], out
+  model = k2jax.load(dst)  # and the final export is a loadable model
+  assert model.cfg.num_hidden_layers == 2
+
+
+def test_shards_holding_layers_config_json_does_not_describe(tmp_path):
+  three = dict(CFG, num_hidden_layers=3)
+  path = str(tmp_path / "hf")
+  hf_golden.write_hf_dir(path, three, hf_golden.random_hf_state(three, 0))
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(CFG, f)  # says 2 layers; the shards hold 3
+  with pytest.raises(CheckpointError, match=r"tensors \(of layers \[2\]\) are not described by config.json.*"):
+    k2jax.load(path)
+  with pytest.raises(CheckpointError, match="'model.layers.2.input_layernorm.weight'"):
+    k2jax.load(path)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(dict(CFG, num_nextn_predict_layers=1), f)  # the third layer declared as MTP: skipped
+  assert k2jax.load(path).cfg.num_hidden_layers == 2
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(dict(CFG, num_hidden_layers=1, num_nextn_predict_layers=1), f)  # MTP is layer 1; 2 is extra
+  with pytest.raises(CheckpointError, match=r"of layers \[2\]"):
+    k2jax.load(path)
+
+
+@pytest.mark.parametrize("shard", ["/etc/passwd", "../outside.safetensors", "a/../../x", "", "./x", "a\\..\\x"])
+def test_index_paths_must_stay_inside_the_directory(tmp_path, shard):
+  path = str(tmp_path / "hf")
+  hf_golden.write_hf_dir(path, CFG, hf_golden.random_hf_state(CFG, 0))
+  (tmp_path / "outside.safetensors").write_text("not a shard")
+  idx = os.path.join(path, "model.safetensors.index.json")
+  with open(idx) as f:
+    index = json.load(f)
+  index["weight_map"]["model.norm.weight"] = shard
+  with open(idx, "w") as f:
+    json.dump(index, f)
+  with pytest.raises(CheckpointError, match="is not a file inside"):
+    k2jax.load(path)
+  from k2jax.convert.overlay import overlay_hf_tensors
+
+  os.remove(os.path.join(path, "config.json"))
+  with pytest.raises(CheckpointError, match="is not a file inside"):
+    overlay_hf_tensors(K2Config.from_hf_dict(CFG), {}, path)
