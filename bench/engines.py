@@ -15,6 +15,7 @@ of the whole export takes on k2jax's server (sglang-jax has no weight-update rou
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import signal
 import socket
@@ -39,19 +40,22 @@ SMALL_CPU = (
 ).split()
 
 
+_calls = itertools.count()
+
+
 def one_round(url: str, concurrency: int, new_tokens: int, round_id: int) -> float:
-  """Wall seconds for `concurrency` simultaneous requests of `new_tokens` tokens each."""
+  """Wall seconds for `concurrency` simultaneous requests of `new_tokens` tokens each (unique rids)."""
 
   def request(i: int) -> None:
     payload = {
       "input_ids": [11 + i % 50, 12, 13, 14 + round_id % 7],
       "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
-      "rid": f"b{round_id}-{i}",
+      "rid": f"b{next(_calls)}",
     }
 
     def check(body):
       if len(body["output_ids"]) != new_tokens:
-        raise ValueError(f"{len(body['output_ids'])} tokens, want {new_tokens}")
+        raise ValueError(f"{url}: {len(body['output_ids'])} tokens, want {new_tokens}")
 
     call_json(f"{url}/generate", payload, timeout_s=600, retry=RetryPolicy(max_retries=0), validate=check)
 
