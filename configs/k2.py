@@ -69,6 +69,9 @@ def _base() -> config_dict.ConfigDict:
   c.model.compute_dtype = "float32"  # activations / matmuls (bfloat16 on accelerators)
   c.model.scan_layers = True  # lax.scan over stacked layers (one compiled layer body)
   c.model.remat_policy = "none"  # none | full | dots | dots_no_batch
+  # auto | einsum | flash: auto = the Pallas flash kernel (linear memory in seq_len, returns QK-Clip's max
+  # logit) when compiling for TPU (GPU: its plain-JAX blocked fallback), the einsum path on CPU.
+  c.model.attention = "auto"
 
   c.data = config_dict.ConfigDict()
   c.data.kind = "pretrain"  # pretrain (packed documents) | sft (chat, assistant-only loss)

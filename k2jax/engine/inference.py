@@ -1,8 +1,9 @@
 """The in-process JAX engine: continuous batching over fixed slots, prefix reuse, aborts, weight swaps.
 
 It implements `Engine` directly: the HTTP server (`k2jax.serve`), RL rollouts and agentic episodes call
-the same object. One scheduler thread owns the model and the cache. Callers (HTTP handler threads, RL
-rollout threads) `submit` requests and wait on them (`generate` does both). Each scheduler iteration, between two decode steps:
+the same object. One scheduler thread owns the model and the cache. Callers (HTTP handlers, RL rollout
+threads) `submit` requests and wait on them (`generate` does both). Each scheduler iteration, between
+two decode steps:
   1. runs queued control operations (weight swap, cache flush),
   2. finishes requests whose abort was asked for (they return their partial output),
   3. admits waiting requests into free slots: copy the longest cached prefix, prefill the rest,

@@ -62,9 +62,9 @@ class Block(nnx.Module):
         cfg.hidden_size, cfg.intermediate_size, "mlp", stack=stack, std=cfg.initializer_range, dtype=dt, rngs=rngs
       )
 
-  def __call__(self, x_BTD, cos_BTk, sin_BTk, valid_BTS, token_valid_BT):
+  def __call__(self, x_BTD, cos_BTk, sin_BTk, segment_ids_BT, token_valid_BT):
     """Returns (x [B,T,D], max_logit [H], expert counts [E] or None for a dense layer)."""
-    h_BTD, max_logit_H = self.attn(self.attn_norm(x_BTD), cos_BTk, sin_BTk, valid_BTS)
+    h_BTD, max_logit_H = self.attn(self.attn_norm(x_BTD), cos_BTk, sin_BTk, segment_ids_BT)
     x_BTD = x_BTD + h_BTD
     if hasattr(self, "moe"):
       h_BTD, counts_E = self.moe(self.mlp_norm(x_BTD), token_valid_BT)

@@ -15,9 +15,13 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# "auto": the Pallas flash kernel when compiling for TPU or GPU, the einsum path on CPU (model/mla.py).
+ATTENTION_KINDS = ("auto", "einsum", "flash")
 
-# k2jax-only fields: never written to config.json.
-_K2JAX_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy", "extra")
+# Execution knobs: how to run the architecture, never written to config.json. A key of that name in a
+# config.json is not one of ours: it is kept verbatim in `extra` like any unknown HF key.
+EXEC_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy", "attention")
+_K2JAX_FIELDS = EXEC_FIELDS + ("extra",)
 # HF keys derived from others or meaningless here; accepted on input, not kept in `extra`.
 _IGNORED_HF_KEYS = (
   "rope_parameters",
@@ -93,6 +97,7 @@ class K2Config:
   compute_dtype: str = "float32"
   scan_layers: bool = True
   remat_policy: str = "none"
+  attention: str = "auto"  # auto | einsum | flash (ATTENTION_KINDS)
   extra: tuple[tuple[str, str], ...] = ()  # unknown HF keys -> JSON-encoded values
 
   def __post_init__(self):
@@ -251,6 +256,7 @@ def validate(c: K2Config) -> None:
   _need(not c.tie_word_embeddings, "tie_word_embeddings", "K2 unties embedding and LM head")
   _need(c.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
   _need(c.remat_policy in REMAT_POLICIES, "remat_policy", f"one of {REMAT_POLICIES}, got {c.remat_policy!r}")
+  _need(c.attention in ATTENTION_KINDS, "attention", f"one of {ATTENTION_KINDS}, got {c.attention!r}")
   for name in ("param_dtype", "compute_dtype"):
     _need(getattr(c, name) in ("float32", "bfloat16"), name, f"float32 or bfloat16, got {getattr(c, name)!r}")
   rope = c.rope

@@ -7,6 +7,16 @@ logits = scale · (q_nope·k_nope + rope(q_rope)·rope(k_rope))
 
 Besides the output, the layer returns the per-head max pre-softmax logit over valid (unmasked)
 positions: QK-Clip (K2 §2.1) rescales exactly the heads whose max exceeds tau.
+
+Two attention paths compute the same function (`cfg.attention`, resolved by `attention_impl`):
+  einsum  materialises [B, H, T, T] float32 logits; the reference, and the CPU path.
+  flash   `k2jax.model.flash_attention`: blocked online softmax, memory linear in T, the max logit
+          from the kernel's running max. On TPU the Pallas kernel; on GPU its plain-JAX blocked
+          fallback; on CPU the Pallas kernel in interpret mode (slow: tests only).
+"auto" takes flash when the computation is compiled for TPU or GPU and einsum on CPU. The platform
+is the compile target's (`target_platform`), not `jax.default_backend()`: compiling for a TPU
+topology from a CPU host must pick the TPU kernel.
+Rows with no valid key (padding, segment id 0) output exactly 0 on both paths.
 """
 
 from __future__ import annotations
@@ -14,7 +24,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from k2jax import sharding as sharding_lib
+from k2jax.model import flash_attention as flash_lib
 from k2jax.model import rope as rope_lib
 from k2jax.model.config import K2Config
 from k2jax.model.layers import RMSNorm, make_param
@@ -40,8 +53,8 @@ class MLA(nnx.Module):
     self.w_kv_b = make_param(rngs, (Rkv, H * (Kn + V)), ("kv_lora", "kv_heads"), stack=stack, std=std, dtype=dt)
     self.w_o = make_param(rngs, (H * V, D), ("o_heads", "embed"), stack=stack, std=std, dtype=dt)
 
-  def __call__(self, x_BTD, cos_BTk, sin_BTk, valid_BTS):
-    """x [B,T,D]; cos/sin [B,T,Kr/2]; valid [B,T,S] bool (query t may attend key s).
+  def __call__(self, x_BTD, cos_BTk, sin_BTk, segment_ids_BT):
+    """x [B,T,D]; cos/sin [B,T,Kr/2]; segment_ids [B,T] int (0 = padding; causal within a segment).
 
     Returns (out [B,T,D], max_logit [H] float32).
     """
@@ -52,14 +65,15 @@ class MLA(nnx.Module):
     c_BTR, k_rope_BSK = self.latent_and_rope_key(x_BTD, cos_BTk, sin_BTk)
     kv_BTHK = (c_BTR @ self.w_kv_b[...].astype(dt)).reshape(B, T, H, Kn + V)
     k_nope_BSHK, v_BSHV = kv_BTHK[..., :Kn], kv_BTHK[..., Kn:]
-    logits_BHTS = (
-      jnp.einsum("bthk,bshk->bhts", q_nope_BTHK, k_nope_BSHK, preferred_element_type=jnp.float32)
-      + jnp.einsum("bthk,bsk->bhts", q_rope_BTHK, k_rope_BSK, preferred_element_type=jnp.float32)
-    ) * self.scale
-    valid_B1TS = valid_BTS[:, None]
-    max_logit_H = jnp.max(jnp.where(valid_B1TS, logits_BHTS, -jnp.inf), axis=(0, 2, 3))
-    probs_BHTS = jax.nn.softmax(jnp.where(valid_B1TS, logits_BHTS, _NEG), axis=-1)
-    out_BTHV = jnp.einsum("bhts,bshv->bthv", probs_BHTS.astype(dt), v_BSHV)
+    impl = attention_impl(cfg.attention, x_BTD)
+    if impl == "einsum":
+      out_BTHV, max_logit_H = einsum_attention(
+        q_nope_BTHK, q_rope_BTHK, k_nope_BSHK, k_rope_BSK, v_BSHV, segment_ids_BT, self.scale
+      )
+    else:
+      out_BTHV, max_logit_H = flash_mla_attention(
+        q_nope_BTHK, q_rope_BTHK, k_nope_BSHK, k_rope_BSK, v_BSHV, segment_ids_BT, self.scale, impl
+      )
     out_BTD = out_BTHV.reshape(B, T, H * V) @ self.w_o[...].astype(dt)
     return out_BTD, max_logit_H
 
@@ -86,3 +100,93 @@ def attention_mask(segment_ids_BT: jnp.ndarray) -> jnp.ndarray:
   causal_TS = jnp.tril(jnp.ones((T, T), bool))
   same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
   return causal_TS[None] & same_BTS & (segment_ids_BT[:, :, None] > 0)
+
+
+def einsum_attention(q_nope_BTHK, q_rope_BTHK, k_nope_BSHK, k_rope_BSK, v_BSHV, segment_ids_BT, scale):
+  """Reference MLA attention with full [B,H,T,S] logits: (out [B,T,H,V], max_logit [H] float32)."""
+  dt = v_BSHV.dtype
+  logits_BHTS = (
+    jnp.einsum("bthk,bshk->bhts", q_nope_BTHK, k_nope_BSHK, preferred_element_type=jnp.float32)
+    + jnp.einsum("bthk,bsk->bhts", q_rope_BTHK, k_rope_BSK, preferred_element_type=jnp.float32)
+  ) * scale
+  valid_B1TS = attention_mask(segment_ids_BT)[:, None]
+  max_logit_H = jnp.max(jnp.where(valid_B1TS, logits_BHTS, -jnp.inf), axis=(0, 2, 3))
+  probs_BHTS = jax.nn.softmax(jnp.where(valid_B1TS, logits_BHTS, _NEG), axis=-1)
+  # Rows with no valid key (padding) would average every value; zero them, as the flash kernel does.
+  # Elsewhere masked probabilities are exp(-1e30 - max) == 0 already, so valid rows are unchanged.
+  probs_BHTS = jnp.where(valid_B1TS, probs_BHTS, 0.0)
+  out_BTHV = jnp.einsum("bhts,bshv->bthv", probs_BHTS.astype(dt), v_BSHV)
+  return out_BTHV, max_logit_H
+
+
+def flash_mla_attention(q_nope_BTHK, q_rope_BTHK, k_nope_BSHK, k_rope_BSK, v_BSHV, segment_ids_BT, scale, impl):
+  """`einsum_attention` through the flash kernel (impl from `attention_impl`): same arguments and results."""
+  # The shared rope key joins every head's key, so one qk dot per head gives both logit terms.
+  q_BTHK = jnp.concatenate([q_nope_BTHK, q_rope_BTHK], axis=-1)
+  H = q_nope_BTHK.shape[2]
+  k_rope_BSHK = jnp.broadcast_to(k_rope_BSK[:, :, None], (*k_rope_BSK.shape[:2], H, k_rope_BSK.shape[-1]))
+  k_BSHK = jnp.concatenate([k_nope_BSHK, k_rope_BSHK], axis=-1)
+  return sharded_flash_attention(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, scale, impl)
+
+
+def target_platform(x=None) -> str:
+  """'cpu', 'gpu' or 'tpu': the platform the computation is compiled for.
+
+  The active mesh (`jax.set_mesh`, which `k2jax.sharding.use` enters) decides, also inside `jit` and
+  when compiling for a TPU topology from a CPU host; else the devices of a concrete array `x`; else
+  jax's default backend.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  if device is not None and getattr(device, "platform", None):
+    return _platform_name(device.platform)
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    kinds = {d.platform for d in x.devices()}
+    if len(kinds) == 1:
+      return _platform_name(kinds.pop())
+  return _platform_name(jax.default_backend())
+
+
+def _platform_name(p: str) -> str:
+  return "gpu" if p in ("cuda", "rocm", "gpu") else p
+
+
+def attention_impl(kind: str, x=None) -> str:
+  """`cfg.attention` -> 'einsum', 'pallas', 'pallas_interpret' or 'xla' for the target platform."""
+  platform = target_platform(x)
+  if kind == "einsum" or (kind == "auto" and platform == "cpu"):
+    return "einsum"
+  if kind not in ("auto", "flash"):
+    raise ValueError(f"attention: one of ('auto', 'einsum', 'flash'), got {kind!r}")
+  return {"tpu": "pallas", "gpu": "xla"}.get(platform, "pallas_interpret")
+
+
+def sharded_flash_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, scale, impl):
+  """`flash_attention` per device under the active mesh: batch over the batch axes, heads over theirs.
+
+  A Pallas kernel is opaque to XLA's partitioner (it would gather its operands), so with a multi-device
+  mesh it runs under `shard_map`; the max logit is reduced over the batch shards with pmax.
+  """
+  kw = {"scale": scale, "impl": "xla" if impl == "xla" else "pallas", "interpret": impl == "pallas_interpret"}
+  ctx = sharding_lib.current()
+  if ctx is None:
+    return flash_lib.flash_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, **kw)
+  qkv = sharding_lib.logical_to_spec(("act_batch", None, "act_heads", None), ctx.preset)
+  seg = sharding_lib.logical_to_spec(("act_batch", None), ctx.preset)
+  sizes = dict(ctx.mesh.shape)
+  for name, x, spec in (
+    ("q", q_BTHK, qkv),
+    ("k", k_BTHK, qkv),
+    ("v", v_BTHV, qkv),
+    ("segment_ids", segment_ids_BT, seg),
+  ):
+    sharding_lib.check_divisible(x.shape, spec, sizes, f"flash attention {name}")
+  batch_axes = sharding_lib.spec_mesh_axes(qkv[0])
+
+  def local(q, k, v, s):
+    out, max_logit_H = flash_lib.flash_attention(q, k, v, s, **kw)
+    return out, jax.lax.pmax(max_logit_H, batch_axes) if batch_axes else max_logit_H
+
+  return jax.shard_map(
+    local, mesh=ctx.mesh, in_specs=(qkv, qkv, qkv, seg), out_specs=(qkv, P(qkv[2])), check_vma=False
+  )(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT)

@@ -17,7 +17,6 @@ from k2jax.model import rope as rope_lib
 from k2jax.model.block import Block
 from k2jax.model.config import K2Config
 from k2jax.model.layers import RMSNorm, make_param
-from k2jax.model.mla import attention_mask
 
 REMAT = {
   "full": jax.checkpoint_policies.nothing_saveable,
@@ -62,9 +61,8 @@ class K2Model(nnx.Module):
     cdt = jnp.dtype(cfg.compute_dtype)
     x_BTD = jnp.take(self.embed.embedding[...], input_ids_BT, axis=0).astype(cdt)
     cos_BTk, sin_BTk = rope_lib.rope_cos_sin(cfg, positions_BT)
-    valid_BTS = attention_mask(segment_ids_BT)
     token_valid_BT = segment_ids_BT > 0
-    side = (cos_BTk, sin_BTk, valid_BTS, token_valid_BT)
+    side = (cos_BTk, sin_BTk, segment_ids_BT, token_valid_BT)
     max_logits, counts = [], None
     if cfg.num_dense_layers:
       x_BTD, m_LH, _ = self._run_stack(self.dense_layers, x_BTD, side)

@@ -15,19 +15,17 @@ import jax
 
 from k2jax.convert import hf as hf_io
 from k2jax.convert import workdir as wd
-from k2jax.model.config import ConfigError, K2Config
+from k2jax.model.config import EXEC_FIELDS, ConfigError, K2Config
 from k2jax.train.checkpoint import split_dict
 from k2jax.train.config import TrainConfig
 from k2jax.train.step import TrainState, init_state
-
-_EXEC_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy")
 
 
 def model_config_for_run(tc: TrainConfig, workdir: str | None = None) -> K2Config:
   """The run's K2Config (from `init_from` when set), checked against `workdir`'s existing one."""
   cfg = tc.model
   if tc.checkpoint.init_from:
-    exec_kw = {k: getattr(tc.model, k) for k in _EXEC_FIELDS}
+    exec_kw = {k: getattr(tc.model, k) for k in EXEC_FIELDS}
     src = tc.checkpoint.init_from
     if not (wd.is_workdir(src) or os.path.isfile(os.path.join(src, "config.json"))):
       raise ConfigError(
@@ -56,7 +54,7 @@ def initial_state(tc: TrainConfig, build, optimizer, shardings: TrainState) -> T
   if wd.is_workdir(src):
     _, full = wd.restore_model_state(src, hf_io.abstract_state(tc.model))
   else:
-    _, full = hf_io.load_hf(src, **{k: getattr(tc.model, k) for k in _EXEC_FIELDS})
+    _, full = hf_io.load_hf(src, **{k: getattr(tc.model, k) for k in EXEC_FIELDS})
   params, bias = split_dict(full, shardings.params)
   params = jax.device_put(params, shardings.params)
   bias = jax.device_put(bias, shardings.bias)
