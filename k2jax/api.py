@@ -12,6 +12,7 @@ from flax import nnx
 from k2jax.convert import hf as hf_io
 from k2jax.convert import workdir as wd
 from k2jax.convert.export_dir import recover
+from k2jax.convert.tokenizer import export_tokenizer
 from k2jax.model.config import EXEC_FIELDS, K2Config
 from k2jax.model.transformer import K2Model
 
@@ -58,6 +59,19 @@ def load(path: str, **k2jax_fields) -> K2Model:
   return model_from_state(cfg, source_state(path, cfg))
 
 
-def save_hf(model: K2Model, dst: str, *, dtype: str | None = None, max_shard_bytes: int = 4 << 30) -> None:
-  """Write `model` to `dst` in the published Kimi-K2 HF layout (float32 or bfloat16)."""
-  hf_io.save_hf(model.cfg, nnx.to_pure_dict(nnx.state(model)), dst, dtype=dtype, max_shard_bytes=max_shard_bytes)
+def save_hf(
+  model: K2Model,
+  dst: str,
+  *,
+  dtype: str | None = None,
+  max_shard_bytes: int = 4 << 30,
+  tokenizer_from: str | None = None,
+) -> None:
+  """Write `model` to `dst` in the published Kimi-K2 HF layout (float32 or bfloat16), with its tokenizer.
+
+  The tokenizer files (`k2jax/convert/tokenizer.py`) come from `tokenizer_from`'s `tiktoken.model` when
+  it has one, else from the bundled BPE when the vocabulary fits, so the export serves text on its own.
+  """
+  state = nnx.to_pure_dict(nnx.state(model))
+  tokenizer = lambda tmp: export_tokenizer(tmp, model.cfg.vocab_size, src=tokenizer_from)  # noqa: E731
+  hf_io.save_hf(model.cfg, state, dst, dtype=dtype, max_shard_bytes=max_shard_bytes, write_extra=tokenizer)

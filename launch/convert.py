@@ -38,7 +38,7 @@ def main(argv):
   except ExportError as e:
     sys.exit(f"convert: {e}")
   if wd.is_workdir(src):
-    k2jax.save_hf(k2jax.load(src), dst, dtype=FLAGS.dtype)
+    k2jax.save_hf(k2jax.load(src), dst, dtype=FLAGS.dtype, tokenizer_from=src)
     print(f"wrote HF directory {dst}")
   elif os.path.isfile(os.path.join(src, "config.json")):
     kw = {"param_dtype": FLAGS.dtype} if FLAGS.dtype else {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import jax
 import ml_dtypes
@@ -194,9 +194,18 @@ def iter_hf_tensors(cfg: K2Config, state: Mapping, dtype: str | None) -> Iterato
 
 
 def save_hf(
-  cfg: K2Config, state: Mapping, dst: str, *, dtype: str | None = None, max_shard_bytes: int = 4 << 30
+  cfg: K2Config,
+  state: Mapping,
+  dst: str,
+  *,
+  dtype: str | None = None,
+  max_shard_bytes: int = 4 << 30,
+  write_extra: Callable[[str], None] | None = None,
 ) -> None:
-  """Write `state` as an HF directory at `dst` (sharded safetensors + index + config.json)."""
+  """Write `state` as an HF directory at `dst` (sharded safetensors + index + config.json).
+
+  `write_extra(tmp)` adds more files (the tokenizer) inside the same atomic export, so they are listed
+  in its marker and a later export may replace them."""
   if dtype is not None and dtype not in _DTYPES:
     raise ConfigError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
   shards = _plan_shards(cfg, state, dtype, max_shard_bytes)
@@ -217,6 +226,8 @@ def save_hf(
     hf_cfg["torch_dtype"] = dtype or cfg.param_dtype
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(hf_cfg, f, indent=2, sort_keys=True)
+    if write_extra is not None:
+      write_extra(tmp)
 
   write_export(dst, "hf", write)
 

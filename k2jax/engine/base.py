@@ -6,7 +6,8 @@ tests and benchmarks (`fake.py`). The HTTP server (`k2jax.serve`), RL rollouts a
 speak these types.
 
 Conventions: token-in/token-out (reference §4.1): requests carry `input_ids`, never re-templated text;
-`GenerateResult` holds one logprob and one weight version per generated token. Bad requests raise
+`GenerateResult` holds one logprob and one weight version per generated token; version `UNKNOWN_VERSION`
+(-1) marks tokens whose server did not report which weights produced them (never a guessed one). Bad requests raise
 `InvalidRequest` naming the SGLang field, which the HTTP layer answers with 400.
 """
 
@@ -18,6 +19,7 @@ from typing import Literal, Sequence
 
 FinishType = Literal["stop", "length", "abort"]
 FINISH_TYPES: tuple[str, ...] = ("stop", "length", "abort")
+UNKNOWN_VERSION = -1  # a token whose engine did not confirm its weight version
 
 
 class InvalidRequest(ValueError):
@@ -105,6 +107,54 @@ class GenerateResult:
     return len(self.output_ids)
 
 
+class EngineIncapable(RuntimeError):
+  """The engine lacks a capability the run needs (e.g. a weight-update route for RL with weight sync)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCapabilities:
+  """What an engine is and supports, as learned at connect (HTTP: the server's info routes and a route probe).
+
+  `weight_update`: the ways weights can be replaced while serving, a subset of ("disk", "tensors") (SGLang's
+  `/update_weights_from_disk`, `/update_weights_from_tensor`); empty: only a restart loads new weights.
+  `reports_weight_version`: every generation names the weights that produced it (`meta_info.weight_version`);
+  without it per-token versions are `UNKNOWN_VERSION`. `seeded_sampling`: `SamplingParams.seed` makes a
+  sample reproducible (sglang-jax only with `--enable-deterministic-sampling`, SGLang with
+  `--enable-deterministic-inference`). `abort`: in-flight requests can be stopped (`/abort_request`).
+  """
+
+  server: str  # "sglang" | "sglang-jax" | "k2jax" | "in-process" | "unknown"
+  server_version: str | None = None
+  weight_update: tuple[str, ...] = ()
+  reports_weight_version: bool = False
+  seeded_sampling: bool = False
+  abort: bool = False
+
+  def missing(
+    self, *, weight_update: bool = False, weight_version: bool = False, seeded: bool = False, abort: bool = False
+  ) -> list[str]:
+    """Names of the needed capabilities this engine lacks."""
+    gaps = []
+    if weight_update and "disk" not in self.weight_update:
+      gaps.append("weight update from disk (/update_weights_from_disk)")
+    if weight_version and not self.reports_weight_version:
+      gaps.append("weight-version reporting (meta_info.weight_version)")
+    if seeded and not self.seeded_sampling:
+      gaps.append("seeded sampling (sampling_seed)")
+    if abort and not self.abort:
+      gaps.append("abort (/abort_request)")
+    return gaps
+
+  def require(self, purpose: str, where: str = "", **needs: bool) -> None:
+    """Raises `EngineIncapable` naming every missing capability that `purpose` needs."""
+    gaps = self.missing(**needs)
+    if gaps:
+      name = f"{self.server} {self.server_version or ''}".strip()
+      raise EngineIncapable(
+        f"{purpose} needs {', '.join(gaps)}, which the engine{' at ' + where if where else ''} ({name}) lacks"
+      )
+
+
 class Engine(abc.ABC):
   """A generation engine. Implementations must be safe to call from many threads at once."""
 
@@ -126,6 +176,20 @@ class Engine(abc.ABC):
 
     Call between rollout phases: engines differ in whether in-flight requests survive an update.
     """
+
+  def capabilities(self) -> EngineCapabilities:
+    """What this engine supports; in-process engines support everything the interface names."""
+    return EngineCapabilities(
+      server="in-process",
+      weight_update=("disk",),
+      reports_weight_version=True,
+      seeded_sampling=True,
+      abort=True,
+    )
+
+  def metrics(self) -> dict[str, int]:
+    """Cumulative counters of repaired or rejected engine replies (empty when the engine has none)."""
+    return {}
 
   def close(self) -> None:
     """Releases connections or threads; the default has nothing to release."""

@@ -1,8 +1,16 @@
 """SGLang-compatible HTTP engine client (SGLang, sglang-jax, or the embedded k2jax server).
 
 Speaks the `/generate` contract of reference §2.1 token-in/token-out and validates every answer: lengths of
-`output_ids`, `completion_tokens` and `output_token_logprobs` agree, logprob ids equal `output_ids`
-(sglang-jax duplicates logprobs past 50 tokens, reference §2.6), finish reasons are known.
+`output_ids`, `completion_tokens` and `output_token_logprobs` agree, logprob ids equal `output_ids`, finish
+reasons are known. Two shapes real servers send are recovered, and counted in `metrics()`:
+- "Abort before prefill" (SGLang and sglang-jax, a request aborted while still queued): no `output_ids`,
+  `prompt_tokens` 0, finish `abort` -> an empty aborted result, which partial rollout resubmits;
+- sglang-jax past 50 generated tokens puts the first 50 logprob entries in front of the list again
+  (reference §2.6): repaired to the last n entries only when the leading block equals the next 50
+  entries exactly; any other length mismatch is rejected (and retried as a malformed reply).
+Weight versions come only from the server (`meta_info.weight_version`; "default" = its launch weights =
+version 0); a reply without one gives `UNKNOWN_VERSION` tokens, never the client's own counter.
+`capabilities()` runs the handshake of `handshake.py` once and caches it.
 
 Concurrency: blocking calls, one HTTP connection per call, safe from many threads; the rollout manager
 runs one thread per in-flight request. `abort` from another thread makes the blocked `generate` return
@@ -11,14 +19,25 @@ its partial output.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from k2jax.engine.base import FINISH_TYPES, Engine, GenerateRequest, GenerateResult
+from k2jax.engine.base import (
+  FINISH_TYPES,
+  UNKNOWN_VERSION,
+  Engine,
+  EngineCapabilities,
+  GenerateRequest,
+  GenerateResult,
+)
+from k2jax.engine.handshake import probe_capabilities
 from k2jax.transport import RequestRejected, RetryPolicy, ServiceError, call_json
+
+DUPLICATED_LOGPROBS = 50  # sglang-jax repeats this many leading logprob entries past this many tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,18 +64,34 @@ class HttpEngine(Engine):
     self._base = config.url.rstrip("/")
     self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     self._lock = threading.Lock()
-    self._version = 0  # version of the last successful update; tokens carry it when the server has none
+    self._counters: collections.Counter[str] = collections.Counter()
+    self._capabilities: EngineCapabilities | None = None
+    self._probe_lock = threading.Lock()  # the probe talks to the server: not under the counters' lock
+
+  def capabilities(self) -> EngineCapabilities:
+    """The server's identity and capabilities (probed on the first call, then cached)."""
+    with self._probe_lock:
+      if self._capabilities is None:
+        c = self.config
+        self._capabilities = probe_capabilities(self._base, self._headers, c.control_timeout_s, c.retry)
+      return self._capabilities
+
+  def metrics(self) -> dict[str, int]:
+    with self._lock:
+      return dict(self._counters)
+
+  def _count(self, name: str, n: int = 1) -> None:
+    with self._lock:
+      self._counters[name] += n
 
   def generate(self, request: GenerateRequest) -> GenerateResult:
-    url = f"{self._base}/generate"
-    version = self._version
     return call_json(
-      url,
+      f"{self._base}/generate",
       _generate_payload(request),
       timeout_s=self.config.generate_timeout_s,
       retry=self.config.retry,
       headers=self._headers,
-      validate=lambda body: parse_generate_response(body, request, version),
+      validate=lambda body: parse_generate_response(body, request, self._count),
       before_retry=lambda: self._abort_quietly(request.rid),
     )
 
@@ -66,6 +101,11 @@ class HttpEngine(Engine):
 
   def update_weights(self, model_path: str, weight_version: int) -> None:
     url = f"{self._base}/update_weights_from_disk"
+    self.capabilities().require(
+      f"loading {model_path} as weight version {weight_version} (restart the server on an export instead)",
+      self._base,
+      weight_update=True,
+    )
     payload = {
       "model_path": model_path,
       "weight_version": str(weight_version),
@@ -87,8 +127,6 @@ class HttpEngine(Engine):
       headers=self._headers,
       validate=check,
     )
-    with self._lock:
-      self._version = weight_version
 
   def health(self) -> bool:
     """True when `/health` answers 200 (SGLang runs a one-token generation when idle)."""
@@ -151,28 +189,40 @@ def _generate_payload(request: GenerateRequest) -> dict:
   }
 
 
-def parse_generate_response(body: Any, request: GenerateRequest, default_version: int) -> GenerateResult:
-  """Checks a non-streaming `/generate` answer against reference §2.1; raises ValueError naming the field."""
+def parse_generate_response(
+  body: Any, request: GenerateRequest, count: Callable[[str], None] = lambda name: None
+) -> GenerateResult:
+  """Checks a non-streaming `/generate` answer against reference §2.1; raises ValueError naming the field.
+
+  `count(name)` is told about recovered shapes ("abort_before_prefill", "logprobs_dup_repaired"),
+  rejected duplications ("logprobs_dup_rejected") and replies without a weight version.
+  """
   rid = request.rid
   if not isinstance(body, dict):
     raise ValueError(f"rid {rid}: expected a JSON object, got {type(body).__name__}")
-  output_ids = body.get("output_ids")
   meta = body.get("meta_info")
-  if not isinstance(output_ids, list) or not all(_is_int(t) for t in output_ids):
-    raise ValueError(f"rid {rid}: output_ids must be a list of ints, got {output_ids!r:.100}")
   if not isinstance(meta, dict):
     raise ValueError(f"rid {rid}: meta_info must be an object, got {meta!r:.100}")
   finish = meta.get("finish_reason")
   if not isinstance(finish, dict) or finish.get("type") not in FINISH_TYPES:
     raise ValueError(f"rid {rid}: finish_reason must be {{type: stop|length|abort}}, got {finish!r}")
+  if _aborted_before_prefill(body, meta, finish, request):
+    count("abort_before_prefill")
+    message = str(finish.get("message", "aborted before prefill"))
+    return GenerateResult(rid, (), (), (), "abort", prompt_tokens=0, text=body.get("text"), abort_message=message)
+  output_ids = body.get("output_ids")
+  if not isinstance(output_ids, list) or not all(_is_int(t) for t in output_ids):
+    raise ValueError(f"rid {rid}: output_ids must be a list of ints, got {output_ids!r:.100}")
   n = len(output_ids)
   for key, want in (("completion_tokens", n), ("prompt_tokens", len(request.input_ids))):
     if not _is_int(meta.get(key)) or meta[key] != want:
       raise ValueError(f"rid {rid}: meta_info.{key}={meta.get(key)!r}, expected {want}")
-  logprobs = _parse_logprobs(meta.get("output_token_logprobs"), output_ids, rid)
+  logprobs = _parse_logprobs(meta.get("output_token_logprobs"), output_ids, rid, count)
   if n > request.sampling.max_new_tokens:
     raise ValueError(f"rid {rid}: {n} tokens exceed max_new_tokens={request.sampling.max_new_tokens}")
-  version = _parse_version(meta.get("weight_version"), default_version)
+  version = _parse_version(meta.get("weight_version"), rid)
+  if version == UNKNOWN_VERSION:
+    count("replies_without_weight_version")
   text = body.get("text")
   if text is not None and not isinstance(text, str):
     raise ValueError(f"rid {rid}: text must be a string, got {type(text).__name__}")
@@ -190,10 +240,30 @@ def parse_generate_response(body: Any, request: GenerateRequest, default_version
   )
 
 
-def _parse_logprobs(entries: Any, output_ids: list, rid: str) -> tuple[float, ...]:
-  if not isinstance(entries, list) or len(entries) != len(output_ids):
+def _aborted_before_prefill(body: dict, meta: dict, finish: dict, request: GenerateRequest) -> bool:
+  """SGLang's reply to a request aborted while queued: nothing generated, nothing even prefilled."""
+  return (
+    finish["type"] == "abort"
+    and body.get("output_ids") in (None, [])
+    and meta.get("completion_tokens", 0) == 0
+    and meta.get("prompt_tokens", 0) in (0, len(request.input_ids))
+    and meta.get("output_token_logprobs") in (None, [])
+    and body.get("text") in (None, "")
+  )
+
+
+def _parse_logprobs(entries: Any, output_ids: list, rid: str, count: Callable[[str], None]) -> tuple[float, ...]:
+  n, d = len(output_ids), DUPLICATED_LOGPROBS
+  if isinstance(entries, list) and n > d and len(entries) == n + d:
+    # sglang-jax: the first d entries again in front of the n right ones (reference §2.6).
+    if entries[:d] != entries[d : 2 * d]:
+      count("logprobs_dup_rejected")
+      raise ValueError(f"rid {rid}: {len(entries)} logprob entries for {n} tokens and the leading {d} are no repeat")
+    count("logprobs_dup_repaired")
+    entries = entries[d:]
+  if not isinstance(entries, list) or len(entries) != n:
     got = len(entries) if isinstance(entries, list) else type(entries).__name__
-    raise ValueError(f"rid {rid}: output_token_logprobs has {got} entries for {len(output_ids)} output_ids")
+    raise ValueError(f"rid {rid}: output_token_logprobs has {got} entries for {n} output_ids")
   logprobs = []
   for i, (entry, token) in enumerate(zip(entries, output_ids)):
     # Each entry is [logprob, token_id, text-or-null] (reference §2.1).
@@ -208,13 +278,17 @@ def _parse_logprobs(entries: Any, output_ids: list, rid: str) -> tuple[float, ..
   return tuple(logprobs)
 
 
-def _parse_version(raw: Any, default: int) -> int:
-  # SGLang reports weight_version as a string ("default" before any update); we push integers.
-  if _is_int(raw):
+def _parse_version(raw: Any, rid: str) -> int:
+  """SGLang reports weight_version as a string ("default" before any update); we push integers >= 1."""
+  if raw is None:
+    return UNKNOWN_VERSION
+  if raw == "default":
+    return 0
+  if _is_int(raw) and raw >= 0:
     return raw
-  if isinstance(raw, str) and raw.lstrip("-").isdigit():
+  if isinstance(raw, str) and raw.isdigit():
     return int(raw)
-  return default
+  raise ValueError(f"rid {rid}: meta_info.weight_version={raw!r} is not a version this client pushed")
 
 
 def _is_int(x: Any) -> bool:

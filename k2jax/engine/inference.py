@@ -306,7 +306,11 @@ class InferenceEngine(Engine):
             self._fail(live, i, f"engine error: {type(e).__name__}: {e}")
 
   def _sampling(self, lives: Sequence[_Live | None]):
-    params = [(l.request.sampling, l.seed, len(l.out)) if l is not None else (SamplingParams(), 0, 0) for l in lives]
+    # Keyed by the sampled token's position in prompt + output, so a resumed request continues exactly.
+    params = [
+      (l.request.sampling, l.seed, len(l.request.input_ids) + len(l.out)) if l is not None else (SamplingParams(), 0, 0)
+      for l in lives
+    ]
     return sampling_arrays(
       [p[0].temperature for p in params],
       [p[0].top_p for p in params],

@@ -10,7 +10,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from k2jax.engine.base import Engine, GenerateRequest, GenerateResult
+import collections
+import dataclasses
+
+from k2jax.engine.base import Engine, EngineCapabilities, GenerateRequest, GenerateResult
 from k2jax.engine.http import HttpEngine
 
 
@@ -32,6 +35,24 @@ class RoutedEngine(Engine):
 
   def update_weights(self, model_path: str, weight_version: int) -> None:
     self._all(lambda w: w.update_weights(model_path, weight_version))
+
+  def capabilities(self) -> EngineCapabilities:
+    """What every worker supports (the router itself is not asked: it forwards /generate only)."""
+    caps = [w.capabilities() for w in self.workers]
+    first = caps[0]
+    return dataclasses.replace(
+      first,
+      weight_update=tuple(k for k in first.weight_update if all(k in c.weight_update for c in caps)),
+      reports_weight_version=all(c.reports_weight_version for c in caps),
+      seeded_sampling=all(c.seeded_sampling for c in caps),
+      abort=all(c.abort for c in caps),
+    )
+
+  def metrics(self) -> dict[str, int]:
+    total = collections.Counter(self.router.metrics())
+    for w in self.workers:
+      total.update(w.metrics())
+    return dict(total)
 
   def wait_until_healthy(self, timeout_s: float) -> None:
     self._all(lambda w: w.wait_until_healthy(timeout_s))

@@ -102,14 +102,14 @@ def _prefill(step, state, cache, slot, tokens_1T, positions_1T, last_index_1, sa
   return out, cache
 
 
-def sampling_arrays(temperature, top_p, top_k, seed, step) -> SamplingArrays:
+def sampling_arrays(temperature, top_p, top_k, seed, position) -> SamplingArrays:
   """Host lists/arrays -> SamplingArrays with the dtypes the compiled steps expect."""
   return SamplingArrays(
     np.asarray(temperature, np.float32),
     np.asarray(top_p, np.float32),
     np.asarray(top_k, np.int32),
     np.asarray(seed, np.uint32),
-    np.asarray(step, np.int32),
+    np.asarray(position, np.int32),
   )
 
 

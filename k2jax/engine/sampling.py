@@ -4,9 +4,12 @@ Reported logprobs follow SGLang's default: log-softmax of logits / temperature, 
 truncation (greedy rows, temperature 0, report the plain log-softmax). At temperature 1 these are the
 model's log-probabilities, which is what RL's pi_old needs.
 
-Randomness: row b draws with key fold_in(key(seed_b), step_b), where step_b counts that request's
-tokens. A request's samples therefore depend only on its seed and its own logits, not on which other
-requests share the batch (continuous batching stays reproducible).
+Randomness: row b draws with key fold_in(key(seed_b), position_b), where position_b is the index of the
+token being sampled in its whole sequence (prompt included). A request's samples therefore depend only on
+its seed and its own logits, not on which other requests share the batch (continuous batching stays
+reproducible), and a request resumed from `prompt + generated` with the same seed draws exactly what the
+uninterrupted request would have drawn next (partial rollout; sglang-jax's `multinomial_with_seed` is
+keyed by (seed, position) too).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ class SamplingArrays(NamedTuple):
   top_p: jnp.ndarray  # float32 in (0, 1]
   top_k: jnp.ndarray  # int32; <= 0 means no limit
   seed: jnp.ndarray  # uint32
-  step: jnp.ndarray  # int32: index of the token being sampled within its request
+  position: jnp.ndarray  # int32: index of the token being sampled in its sequence (prompt + output)
 
 
 class Sampled(NamedTuple):
@@ -49,7 +52,7 @@ def sample(logits_BS: jnp.ndarray, params: SamplingArrays, num_top: int) -> Samp
   k_B = jnp.where(params.top_k > 0, params.top_k, S)
   keep_BS = (jnp.arange(S)[None] < k_B[:, None]) & (mass_before_BS < params.top_p[:, None])
   masked_BS = jnp.where(keep_BS, sorted_BS, -jnp.inf)
-  keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seed, params.step)
+  keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seed, params.position)
   pick_B = jax.vmap(jax.random.categorical)(keys, masked_BS)
   sampled_B = jnp.take_along_axis(order_BS, pick_B[:, None], axis=-1)[:, 0]
   tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BS, axis=-1), sampled_B).astype(jnp.int32)

@@ -1,4 +1,5 @@
-"""Named model sizes: `1t` is Kimi K2 exactly; `small` fits one GPU; `tiny` trains on 2 CPU cores."""
+"""Named model sizes: `1t` is Kimi K2 exactly; `small` fits one GPU; `tiny` trains on 2 CPU cores;
+`tiny128` is `tiny` with 128-wide attention heads, the head size real engines' CPU paths accept."""
 
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ PRESETS: dict[str, dict] = {
     eos_token_id=None,
   ),
 }
+# sglang-jax's native CPU attention loads only 128-wide heads (`tiny`'s 24/16 fail with an o_proj shape
+# mismatch, reference §2.6): qk_nope + qk_rope = v = 128, the rope part a quarter of the query head.
+PRESETS["tiny128"] = dict(PRESETS["tiny"], qk_nope_head_dim=96, qk_rope_head_dim=32, v_head_dim=128)
 
 
 def get(name: str, **overrides) -> K2Config:

@@ -105,13 +105,21 @@ def to_train_arrays(
 
 
 def staleness(batch: RolloutBatch, version: int) -> dict[str, float]:
-  """How many versions behind `version` the trained tokens were sampled (partial rollouts resume)."""
-  v = batch.weight_versions_BT[batch.loss_mask_BT > 0]
-  v = v[v >= 0]
+  """How many versions behind `version` the trained tokens were sampled (partial rollouts resume).
+
+  Only versions the engine confirmed count; `unknown_version_token_frac` is the share of trained tokens
+  whose server named no version. With none confirmed there is no staleness_* at all (unknown, not 0).
+  """
+  v_all = batch.weight_versions_BT[batch.loss_mask_BT > 0]
+  v = v_all[v_all >= 0]
+  out = {"unknown_version_token_frac": float(np.mean(v_all < 0)) if v_all.size else 0.0}
+  if not v_all.size:
+    return {**out, "staleness_mean": 0.0, "staleness_max": 0.0, "stale_token_frac": 0.0}
   if not v.size:
-    return {"staleness_mean": 0.0, "staleness_max": 0.0, "stale_token_frac": 0.0}
+    return out
   lag = version - v
   return {
+    **out,
     "staleness_mean": float(lag.mean()),
     "staleness_max": float(lag.max()),
     "stale_token_frac": float(np.mean(lag > 0)),

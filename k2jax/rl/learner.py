@@ -211,6 +211,10 @@ def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
     if lc.worker_urls:  # the router only forwards /generate: updates and aborts go to each worker
       engine = RoutedEngine(engine, [HttpEngine(HttpEngineConfig(u)) for u in lc.worker_urls])
     engine.wait_until_healthy(timeout_s=600)
+    # Pushing weights and stamping tokens with versions the server confirms; over-sampling aborts stragglers.
+    engine.capabilities().require(
+      "RL with weight sync", lc.engine_url, weight_update=True, weight_version=True, abort=True
+    )
     return engine
   if jax.process_count() > 1:
     raise ConfigError(

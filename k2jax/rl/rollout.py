@@ -170,6 +170,7 @@ class RolloutManager:
       groups_complete=len(done),
       batch_groups=len(batch_groups),
     )
+    stats.update({f"engine_{k}": v for k, v in self.engine.metrics().items()})  # cumulative counters
     self.iteration += 1
     return batch, stats
 

@@ -11,6 +11,7 @@ the field; with an `api_key`, the routes that change state need `Authorization: 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import os
@@ -110,6 +111,8 @@ class Server:
       app.get(path)(self.health)
     for path in ("/get_model_info", "/model_info"):
       app.get(path)(self.model_info)
+    for path in ("/get_server_info", "/server_info"):
+      app.get(path)(self.server_info)
     app.get("/v1/models")(self.list_models)
     return app
 
@@ -196,6 +199,22 @@ class Server:
       "max_seq_len": self.engine.config.max_seq_len,
       "max_running_requests": self.engine.config.max_slots,
       "preferred_sampling_params": None,
+    }
+
+  async def server_info(self):
+    """Identity and capabilities for the RL client's handshake (SGLang's route; `engine` names k2jax)."""
+    return {
+      "engine": "k2jax",
+      "version": importlib.metadata.version("k2jax"),
+      "capabilities": {
+        "weight_update": ["disk"],
+        "weight_version": True,
+        "seeded_sampling": True,  # keyed by (seed, position): resumed requests continue exactly
+        "abort": True,
+      },
+      "model_path": self.model_path,
+      "max_running_requests": self.engine.config.max_slots,
+      "max_seq_len": self.engine.config.max_seq_len,
     }
 
   async def list_models(self):

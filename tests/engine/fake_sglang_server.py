@@ -1,4 +1,12 @@
-"""A local SGLang-API server (127.0.0.1, free port) backed by any `Engine`, with injectable faults."""
+"""A local SGLang-API server (127.0.0.1, free port) backed by any `Engine`, with injectable faults.
+
+`flavor` picks whose shapes it mimics (reference §2.6): "sglang" (update routes, `weight_version` in
+model info and replies, `enable_deterministic_inference` in server info) or "sglang-jax" (no update
+route: 404; no weight version anywhere; `enable_deterministic_sampling`). Like FastAPI, a GET on a
+POST-only route answers 405 and an unknown route 404. Faults `abort_before_prefill` and `dup50`
+/ `dup50_mismatch` send the real servers' replies for a request aborted while queued and sglang-jax's
+repeated leading 50 logprob entries.
+"""
 
 from __future__ import annotations
 
@@ -25,15 +33,25 @@ FAULTS = (
   "drop",
   "http500",
   "http400",
+  "abort_before_prefill",
+  "dup50",
+  "dup50_mismatch",
+  "no_version",
 )
+FLAVORS = ("sglang", "sglang-jax")
+POST_ROUTES = ("generate", "abort_request", "update_weights_from_disk")
 
 
 class FakeSglangServer:
   """`faults` is a queue of fault names consumed one per /generate call (empty = behave)."""
 
-  def __init__(self, engine: Engine, hang_s: float = 5.0):
+  def __init__(self, engine: Engine, hang_s: float = 5.0, flavor: str = "sglang", deterministic: bool = True):
+    if flavor not in FLAVORS:
+      raise ValueError(f"flavor must be one of {FLAVORS}, got {flavor!r}")
     self.engine = engine
     self.hang_s = hang_s
+    self.flavor = flavor
+    self.deterministic = deterministic
     self.faults: collections.deque[str] = collections.deque()
     self.calls: collections.Counter[str] = collections.Counter()
     self.loaded: list[tuple[str, int, list[str]]] = []  # (path, version, tensor names)
@@ -79,7 +97,7 @@ class FakeSglangServer:
       "abort": {"type": "abort", "message": res.abort_message},
     }[res.finish_reason]
     version = res.weight_versions[-1] if res.weight_versions else 0
-    return {
+    out = {
       "text": " ".join(map(str, res.output_ids)),
       "output_ids": list(res.output_ids),
       "meta_info": {
@@ -93,6 +111,30 @@ class FakeSglangServer:
         "output_token_logprobs": [[lp, t, None] for lp, t in zip(res.output_logprobs, res.output_ids)],
       },
     }
+    if self.flavor == "sglang-jax":
+      del out["meta_info"]["weight_version"]
+    return out
+
+  def server_info(self) -> dict:
+    if self.flavor == "sglang-jax":  # server_args fields of sglang-jax (cddbf6f) plus its version
+      args = {"enable_deterministic_sampling": self.deterministic, "precompile_token_paddings": None}
+      return {"model_path": "fake", "tp_size": 1, "device": "cpu", **args, "version": "0.0.3rc98"}
+    return {
+      "model_path": "fake",
+      "tp_size": 1,
+      "enable_deterministic_inference": self.deterministic,
+      "weight_version": "default",
+      "version": "0.5.0",
+    }
+
+  def model_info(self) -> dict:
+    info = {"model_path": "fake", "tokenizer_path": None, "is_generation": True, "preferred_sampling_params": None}
+    if self.flavor == "sglang":
+      info["weight_version"] = "default"
+    return info
+
+  def has_route(self, route: str) -> bool:
+    return not (self.flavor == "sglang-jax" and route == "update_weights_from_disk")
 
   def update_weights(self, body: dict) -> dict:
     path, version = body["model_path"], int(body["weight_version"])
@@ -127,10 +169,14 @@ def _make_handler(server: FakeSglangServer):
       if route == "health":
         return self._reply(200, None, raw=b"")
       if route == "get_model_info":
-        return self._reply(200, {"model_path": "fake", "is_generation": True})
+        return self._reply(200, server.model_info())
+      if route == "get_server_info":
+        return self._reply(200, server.server_info())
       if route == "flush_cache":
         return self._reply(200, None, raw=b"Cache flushed.")
-      self._reply(404, {"error": route})
+      if route in POST_ROUTES and server.has_route(route):
+        return self._reply(405, {"detail": "Method Not Allowed"})
+      self._reply(404, {"detail": "Not Found"})
 
     def do_POST(self):
       route = self.path.strip("/")
@@ -141,7 +187,7 @@ def _make_handler(server: FakeSglangServer):
       if route == "abort_request":
         server.engine.abort([body["rid"]])
         return self._reply(200, None, raw=b"")
-      if route == "update_weights_from_disk":
+      if route == "update_weights_from_disk" and server.has_route(route):
         return self._reply(200, server.update_weights(body))
       if route == "flush_cache":
         return self._reply(200, None, raw=b"Cache flushed.")
@@ -159,6 +205,10 @@ def _make_handler(server: FakeSglangServer):
         return self._reply(int(fault[4:]), {"error": fault})
       if fault == "malformed_json":
         return self._reply(200, None, raw=b'{"text": "x", "output_ids": [1, 2')
+      if fault == "abort_before_prefill":  # sglang-jax tokenizer_manager._handle_abort_req, verbatim shape
+        finish = {"type": "abort", "message": "Abort before prefill"}
+        meta = {"id": body["rid"], "finish_reason": finish, "prompt_tokens": 0, "completion_tokens": 0}
+        return self._reply(200, {"text": "", "meta_info": meta})
       out = server.generate(body)
       _corrupt(out, fault)
       self._reply(200, out)
@@ -178,3 +228,10 @@ def _corrupt(out: dict, fault: str | None) -> None:
     meta["finish_reason"] = {"type": "exploded"}
   elif fault == "bad_count":
     meta["completion_tokens"] += 1
+  elif fault == "dup50":  # sglang-jax past 50 tokens: the first 50 entries again in front
+    meta["output_token_logprobs"] = meta["output_token_logprobs"][:50] + meta["output_token_logprobs"]
+  elif fault == "dup50_mismatch":  # 50 extra entries that are not a repeat of the leading block
+    lps = meta["output_token_logprobs"]
+    meta["output_token_logprobs"] = [[lp - 0.5, t, x] for lp, t, x in lps[:50]] + lps
+  elif fault == "no_version":
+    meta.pop("weight_version", None)

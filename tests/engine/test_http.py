@@ -3,12 +3,15 @@
 import socket
 import threading
 import time
+import types
 
 import pytest
 
-from k2jax.engine.base import GenerateRequest, SamplingParams
+from k2jax.engine.base import UNKNOWN_VERSION, EngineCapabilities, EngineIncapable, GenerateRequest, SamplingParams
 from k2jax.engine.fake import FakeEngine, FakeEngineConfig
 from k2jax.engine.http import HttpEngine, HttpEngineConfig
+from k2jax.rl.rewards.base import Prompt, RewardResult, per_sample
+from k2jax.rl.rollout import RolloutConfig, RolloutManager
 from k2jax.transport import InvalidResponse, RequestRejected, RetryPolicy, ServiceUnreachable
 
 from .fake_sglang_server import FakeSglangServer
@@ -107,3 +110,81 @@ def test_control_routes(server):
   assert eng.model_info()["model_path"] == "fake"
   eng.flush_cache()
   eng.wait_until_healthy(1.0)
+
+
+def test_abort_before_prefill_is_an_empty_aborted_result(server):
+  server.faults.append("abort_before_prefill")
+  eng = _client(server, retry=NO_RETRY)
+  res = eng.generate(REQ)
+  assert res.finish_reason == "abort" and res.output_ids == () and res.output_logprobs == ()
+  assert res.completion_tokens == 0 and eng.metrics() == {"abort_before_prefill": 1}
+
+
+def test_abort_before_prefill_is_resubmitted_by_the_rollout_manager():
+  with FakeSglangServer(_fake(length=6)) as server:
+    server.faults.extend(["abort_before_prefill"] * 3)
+    eng = _client(server, retry=NO_RETRY, timeout=10)
+    prompts = iter([Prompt(f"p{i}", "default", (i + 2, 7)) for i in range(4)])
+    cfg = RolloutConfig(group_size=2, target_groups=4, launch_groups=4, max_concurrency=8)
+    batch, stats = RolloutManager(cfg, eng, prompts, per_sample(lambda p, c: RewardResult(1.0, "ok"))).collect(0)
+    assert batch.num_groups == 4 and batch.response_lengths_B.tolist() == [6] * 8
+    assert stats["engine_abort_before_prefill"] == 3 and server.calls["generate"] == 8 + 3
+
+
+def test_sglang_jax_duplicated_logprobs_are_repaired_only_when_exact():
+  long_req = GenerateRequest("r60", (5, 6, 7), SamplingParams(max_new_tokens=100, seed=3))
+  with FakeSglangServer(_fake(length=60)) as server:
+    eng = _client(server, retry=NO_RETRY)
+    direct = _fake(length=60).generate(long_req)
+    server.faults.append("dup50")
+    res = eng.generate(long_req)
+    assert res.output_ids == direct.output_ids and len(res.output_logprobs) == 60
+    assert res.output_logprobs == pytest.approx(direct.output_logprobs)
+    server.faults.append("dup50_mismatch")
+    with pytest.raises(InvalidResponse, match="leading 50 are no repeat"):
+      eng.generate(long_req)
+    server.faults.extend(["dup50_mismatch", "dup_logprobs"])  # rejected, then the retry's answer also
+    with pytest.raises(InvalidResponse):
+      _client(server, retry=RetryPolicy(max_retries=1, backoff_initial_s=0.01)).generate(long_req)
+    assert eng.metrics() == {"logprobs_dup_repaired": 1, "logprobs_dup_rejected": 1}
+
+
+def test_missing_weight_version_gives_unknown_versions_not_a_guess(server):
+  server.faults.append("no_version")
+  eng = _client(server)
+  res = eng.generate(REQ)
+  assert res.weight_versions == (UNKNOWN_VERSION,) * 10
+  assert eng.metrics() == {"replies_without_weight_version": 1}
+  assert eng.generate(REQ).weight_versions == (0,) * 10  # "default": the server's launch weights
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_handshake_identifies_sglang_and_sglang_jax(deterministic):
+  with FakeSglangServer(_fake(), flavor="sglang", deterministic=deterministic) as server:
+    caps = _client(server).capabilities()
+    assert caps == EngineCapabilities("sglang", "0.5.0", ("disk",), True, deterministic, True)
+    caps.require("RL with weight sync", weight_update=True, weight_version=True, abort=True)
+  with FakeSglangServer(_fake(), flavor="sglang-jax", deterministic=deterministic) as server:
+    eng = _client(server)
+    caps = eng.capabilities()
+    assert caps == EngineCapabilities("sglang-jax", "0.0.3rc98", (), False, deterministic, True)
+    with pytest.raises(EngineIncapable) as e:
+      caps.require("RL with weight sync", server.url, weight_update=True, weight_version=True, abort=True)
+    assert str(e.value) == (
+      f"RL with weight sync needs weight update from disk (/update_weights_from_disk), weight-version reporting "
+      f"(meta_info.weight_version), which the engine at {server.url} (sglang-jax 0.0.3rc98) lacks"
+    )
+    with pytest.raises(EngineIncapable, match="restart the server on an export instead"):
+      eng.update_weights("/nowhere", 1)
+    assert server.calls["update_weights_from_disk"] == 1  # the GET probe only, never a POST
+    res = eng.generate(REQ)  # generation itself works; tokens carry no invented version
+    assert res.weight_versions == (UNKNOWN_VERSION,) * 10
+
+
+def test_learner_refuses_a_server_without_weight_updates(tmp_path):
+  from k2jax.rl.learner import make_engine
+
+  with FakeSglangServer(_fake(), flavor="sglang-jax") as server:
+    lc = types.SimpleNamespace(engine_url=server.url, worker_urls=())
+    with pytest.raises(EngineIncapable, match="RL with weight sync needs weight update from disk"):
+      make_engine(lc, None, None)

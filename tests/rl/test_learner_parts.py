@@ -105,7 +105,12 @@ def test_clean_batch_and_too_long():
   assert dropped == {"samples": 1, "too_long": 1}
   with pytest.raises(ValueError, match="takes 1 rows"):
     batching.to_train_arrays(_batch(), rows=1, seq_len=8, vocab_size=4096, version=3)
-  assert batching.staleness(_batch(), 3) == {"staleness_mean": 1 / 3, "staleness_max": 1.0, "stale_token_frac": 1 / 3}
+  assert batching.staleness(_batch(), 3) == {
+    "unknown_version_token_frac": 0.0,
+    "staleness_mean": 1 / 3,
+    "staleness_max": 1.0,
+    "stale_token_frac": 1 / 3,
+  }
 
 
 def test_task_prompts_reward_and_format_examples():

@@ -27,6 +27,35 @@ def test_single_replica_command():
   assert "--config.rollout.engine_url=http://10.0.0.1:30000" in out.stderr
 
 
+def test_sglang_jax_command_uses_only_its_own_flags():
+  out = _run(
+    "--engine=sglang-jax", "--model=/m", "--tp=4", "--ep=4", "--dp=2", "--device=cpu", "--deterministic", "--dry-run"
+  )
+  assert out.returncode == 0, out.stderr
+  args = out.stdout.split()
+  assert args[:3] == ["python", "-m", "sgl_jax.launch_server"]
+  pairs = dict(zip(args[3::1], args[4::1]))
+  assert (pairs["--tp-size"], pairs["--ep-size"], pairs["--dp-size"], pairs["--device"]) == ("4", "4", "2", "cpu")
+  assert "--enable-deterministic-sampling" in args  # sglang-jax's seeded-sampling switch
+  for flag in ("--tool-call-parser", "--enable-dp-attention", "--enable-deterministic-inference"):
+    assert flag not in args  # SGLang-only: sglang-jax's argument parser rejects them
+  # Every flag is one sglang-jax's server_args.py defines (commit cddbf6f).
+  known = {"--model-path", "--host", "--port", "--device", "--tp-size", "--ep-size", "--dp-size", "--dtype"}
+  known |= {"--mem-fraction-static", "--trust-remote-code", "--enable-deterministic-sampling", "--skip-tokenizer-init"}
+  known |= {"--attention-backend"}  # native on CPU
+  assert {a for a in args if a.startswith("--")} == known
+  sglang = _run("--model=/m", "--deterministic", "--dry-run").stdout.split()
+  assert "--enable-deterministic-inference" in sglang and "--tool-call-parser" in sglang
+
+
+def test_sglang_jax_replicas_get_device_indexes():
+  out = _run("--engine=sglang-jax", "--model=/m", "--tp=2", "--replicas=2", "--dry-run")
+  assert out.returncode == 0, out.stderr
+  lines = out.stdout.splitlines()
+  assert lines[0].endswith("--device-indexes 0 1") and lines[1].endswith("--device-indexes 2 3")
+  assert "CUDA_VISIBLE_DEVICES" not in out.stdout and "sglang_router.launch_router" in lines[2]
+
+
 def test_replicas_behind_router_get_gpu_slices_and_worker_urls():
   out = _run(
     "--model=/m",
@@ -86,6 +115,10 @@ def test_multi_node_and_router_only():
     (("--model=/m", "--bogus"), "unknown argument '--bogus'"),
     (("--router-only", "--dry-run"), "needs --worker-urls"),
     (("--model=/does/not/exist",), "/does/not/exist/config.json not found"),
+    (("--model=/m", "--engine=vllm", "--dry-run"), "--engine must be sglang or sglang-jax"),
+    (("--model=/m", "--engine=sglang-jax", "--dp-attention", "--dry-run"), "--dp-attention is SGLang's"),
+    (("--model=/m", "--engine=sglang-jax", "--device=cuda", "--dry-run"), "--device must be tpu, cpu or gpu"),
+    (("--model=/m", "--device=cpu", "--dry-run"), "--device is for --engine=sglang-jax"),
   ],
 )
 def test_bad_arguments_are_named(args, message):
