@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "k2jax"
 # package root (`k2jax.load`, `k2jax.save_hf`) re-exports `api` and counts as it.
 LAYERS = (
   ("sharding", "distributed", "transport", "httpservice"),
-  ("model", "sandbox", "llm_client"),
+  ("model", "sandbox", "llm_client", "data.tokenizer"),  # the tokenizer is a leaf: exports write it
   ("convert", "optim"),
   ("api", "memory", "data"),
   ("engine", "train"),
