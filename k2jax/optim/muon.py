@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from k2jax import sharding as sharding_lib
+
 DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
@@ -100,8 +102,14 @@ def stacked_newton_schulz(tree, **ns):
   stacked on a new leading axis, so each NS product is one batched dot_general over all of them
   (e.g. an MoE layer's w_gate^T, w_up^T and w_down: [3, L, E, A, B]), not one per leaf. The stack
   adds an axis and moves no data between devices (batch and matrix axes keep their sharding).
+
+  Stacking is a CPU measure (fewer, larger dots at the matmul rate). Compiling for TPU/GPU it is off:
+  there XLA overlaps the per-leaf NS chains, and one stack of K2's 3 x 60 layers x 48 local experts
+  holds every leaf's NS temporaries at once (XLA:TPU asked 226 GiB per chip for `1t` on v5p-1024).
   """
   leaves, treedef = jax.tree.flatten(tree)
+  if sharding_lib.platform() != "cpu":
+    return jax.tree.unflatten(treedef, [newton_schulz(x, **ns) for x in leaves])
   groups: dict = {}
   for i, x in enumerate(leaves):
     tall = x.shape[-2] > x.shape[-1]

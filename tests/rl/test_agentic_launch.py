@@ -29,6 +29,7 @@ def _read(path):
 def run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("agentic_rl")
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
+  env["XLA_FLAGS"] = ""  # one CPU device, as on a user's machine (the suite fakes 8)
   proc = subprocess.run(
     [sys.executable, "launch/rl.py", "--config=configs/rl.py:agentic_tiny", f"--workdir={workdir}"],
     cwd=ROOT,

@@ -21,7 +21,7 @@ from k2jax.rl.algo import K2LossConfig
 from k2jax.train.partition import state_shardings
 from k2jax.train.step import ModelDef, init_state
 
-RTOL = 1e-5
+RTOL = 2e-5  # fsdp_ep_tp: lm_head at 1.1e-5 (float32 reduction order over the tensor axis)
 ROWS, SEQ, GROUPS, PTX_ROWS = 16, 16, 4, 8
 pytestmark = pytest.mark.slow  # one fwd+bwd+Muon compile per preset
 

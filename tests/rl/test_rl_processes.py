@@ -138,6 +138,11 @@ def _free_port():
     return s.getsockname()[1]
 
 
+@pytest.mark.xfail(
+  strict=True,
+  reason="issue 11: a 2-process RL checkpoint restored by 1 process fails orbax's topology check "
+  "(the learner's restore passes no target shardings for every saved leaf)",
+)
 def test_two_processes_train_checkpoint_push_then_one_resumes(tmp_path):
   cache = str(tmp_path / "jax_cache")
   workdir = str(tmp_path / "w")
