@@ -96,9 +96,9 @@ def test_sigkill_resume_is_exact_and_truncated_latest_falls_back(tmp_path):
   _run(
     killed,
     *_flags(),
-    env={**env, "K2JAX_KILL_AFTER_STEP": "2"},
+    env={**env, "K2JAX_KILL_AFTER_STEP": "2", "K2JAX_KILL_LAUNCHER": "rl.py"},
     expect=-signal.SIGKILL,
-    script="tests/rl/kill_after_save.py",
+    script="tests/train/kill_after_save.py",
   )
   assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["2"]
   out = _run(killed, *_flags(), env=env)
