@@ -18,6 +18,7 @@ from absl import app, flags  # noqa: E402
 import base64  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
+from k2jax.convert.tokenizer import bytes_to_unicode  # noqa: E402
 from k2jax.data import corpus, tokenizer  # noqa: E402
 
 _MERGES = flags.DEFINE_integer("num_merges", 3584, "Number of BPE merges to learn.")
@@ -43,7 +44,7 @@ def train_ranks(texts, num_merges: int) -> dict[bytes, int]:
   )
   bpe.train_from_iterator(texts, trainer=trainer)
   merges = json.loads(bpe.to_str())["model"]["merges"]
-  byte_of = _unicode_to_byte()
+  byte_of = {c: b for b, c in bytes_to_unicode().items()}  # ByteLevel's printable char -> byte
   ranks = {bytes([b]): b for b in range(256)}
   for merge in merges:
     left, right = merge if isinstance(merge, list) else merge.split(" ")
@@ -61,19 +62,6 @@ def write_tiktoken_file(ranks: dict[bytes, int], path: str) -> None:
   with open(path, "w", encoding="ascii") as f:
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
       f.write(f"{base64.b64encode(token).decode()} {rank}\n")
-
-
-def _unicode_to_byte() -> dict[str, int]:
-  """Inverse of GPT-2's bytes_to_unicode table used by ByteLevel (printable char per byte)."""
-  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-  cs = bs[:]
-  n = 0
-  for b in range(256):
-    if b not in bs:
-      bs.append(b)
-      cs.append(256 + n)
-      n += 1
-  return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def main(argv):

@@ -108,7 +108,7 @@ def _tokenizer_config(specials: list[tuple[str, int]]) -> dict:
 
 def _tokenizer_json(tok: Tokenizer, specials: list[tuple[str, int]]) -> dict:
   """HF `tokenizers` serialisation of a byte-level BPE equal to the tiktoken encoding."""
-  byte_char = _bytes_to_unicode()
+  byte_char = bytes_to_unicode()
   ranks = load_tiktoken_bpe(tok.path)
   as_text = lambda b: "".join(byte_char[x] for x in b)  # noqa: E731
   vocab = {as_text(b): r for b, r in ranks.items()}
@@ -161,8 +161,8 @@ def _tokenizer_json(tok: Tokenizer, specials: list[tuple[str, int]]) -> dict:
 
 
 @functools.cache
-def _bytes_to_unicode() -> dict[int, str]:
-  """GPT-2's byte -> printable character map used by byte-level BPE."""
+def bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's byte -> printable character map used by byte-level BPE (also scripts/train_tokenizer.py)."""
   bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
   cs = bs[:]
   n = 0
