@@ -13,14 +13,22 @@ import sys
 import time
 
 
-def time_interleaved(fns: dict, reps: int) -> dict[str, list[float]]:
-  """Seconds per call of each blocking fn, `reps` rounds of one call each in dict order."""
+def time_interleaved(fns: dict, reps: int, cpu: dict | None = None) -> dict[str, list[float]]:
+  """Wall seconds per call of each blocking fn, `reps` rounds of one call each in dict order.
+
+  If `cpu` is a dict, it receives the same for this process's CPU seconds (all threads, user + system):
+  on a machine shared with other jobs, a call's CPU time barely moves with their load while its wall
+  time can double, so CPU-time ratios (`<name>_cpu=`) are the figures to compare under load."""
   times = {name: [] for name in fns}
+  if cpu is not None:
+    cpu.update({name: [] for name in fns})
   for _ in range(reps):
     for name, fn in fns.items():
-      t = time.perf_counter()
+      t, c = time.perf_counter(), time.process_time()
       fn()
       times[name].append(time.perf_counter() - t)
+      if cpu is not None:
+        cpu[name].append(time.process_time() - c)
   return times
 
 
@@ -37,6 +45,11 @@ def fmt(name: str, r: tuple[float, float, float], reps: int) -> str:
 
 def median_ms(times: list[float]) -> str:
   return f"{1e3 * statistics.median(times):.1f}[{1e3 * min(times):.1f},{1e3 * max(times):.1f}]"
+
+
+def load_average() -> str:
+  """The 1-minute load average (`load1=<x>/<cores>`), to print beside timings from a shared machine."""
+  return f"load1={os.getloadavg()[0]:.1f}/{os.cpu_count()}"
 
 
 def one_device_subprocess(script: str, *args: str) -> list[str]:

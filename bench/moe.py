@@ -34,6 +34,7 @@ from k2jax.model.block import MoE  # noqa: E402
 from k2jax.model.layers import SwiGLU  # noqa: E402
 
 import interleave  # noqa: E402  bench/interleave.py
+import trace_ops  # noqa: E402  bench/trace_ops.py
 
 # (batch, length) per width: 2048 tokens -> 512 (tiny) / 256 (small) token copies per expert. Fewer
 # rows per expert make the MoE weight-bandwidth bound (E x the dense layer's weights and weight grads).
@@ -63,21 +64,31 @@ def _loss(graphdef, state, x, cot, moe: bool):
   return jnp.sum(out * cot)
 
 
-def fwd_bwd(graphdef, state, x, cot, moe: bool):
-  """A blocking call of the compiled (and warmed-up) forward+backward."""
+def fwd_bwd(graphdef, state, x, cot, moe: bool, profile: int = 0, label: str = ""):
+  """A blocking call of the compiled (and warmed-up) forward+backward; `profile` > 0 prints its top ops."""
   fn = jax.jit(jax.grad(functools.partial(_loss, graphdef, moe=moe), argnums=(0, 1)))
   jax.block_until_ready(fn(state, x, cot))  # compile + warm-up
-  return lambda: jax.block_until_ready(fn(state, x, cot))
+  call = lambda: jax.block_until_ready(fn(state, x, cot))  # noqa: E731
+  if profile:
+    rows, wall_ms = trace_ops.top_ops(call, fn.lower(state, x, cot).compile().as_text(), calls=2, n=profile)
+    trace_ops.print_top(label, rows, wall_ms)
+  return call
 
 
-def one_device_width(width: str, reps: int) -> None:
+def one_device_width(width: str, reps: int, profile: int = 0) -> None:
   ((moe_g, moe_s), (dense_g, dense_s)), x, cot = build(width)
-  t = interleave.time_interleaved(
-    {"moe": fwd_bwd(moe_g, moe_s, x, cot, True), "dense": fwd_bwd(dense_g, dense_s, x, cot, False)}, reps
-  )
+  fns = {
+    "moe": fwd_bwd(moe_g, moe_s, x, cot, True, profile, f"{width}_1dev_moe"),
+    "dense": fwd_bwd(dense_g, dense_s, x, cot, False, profile, f"{width}_1dev_dense"),
+  }
+  cpu = {}
+  t = interleave.time_interleaved(fns, reps, cpu)
   print(
-    f"{width}_1dev_moe_ms={interleave.median_ms(t['moe'])} {width}_1dev_dense_ms={interleave.median_ms(t['dense'])}"
+    f"{width}_1dev_moe_ms={interleave.median_ms(t['moe'])} {width}_1dev_dense_ms={interleave.median_ms(t['dense'])} "
+    f"{width}_1dev_moe_cpu_ms={interleave.median_ms(cpu['moe'])} "
+    f"{width}_1dev_dense_cpu_ms={interleave.median_ms(cpu['dense'])} {interleave.load_average()}"
   )
+  print(interleave.fmt(f"{width}_1dev_moe_over_dense_cpu", interleave.ratio(cpu, "moe", "dense"), reps))
   print(interleave.fmt(f"{width}_1dev_moe_over_dense", interleave.ratio(t, "moe", "dense"), reps), flush=True)
 
 
@@ -124,6 +135,7 @@ def main():
   parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--one_device", action="store_true", help="internal: the one-device half")
   parser.add_argument("--widths", default=",".join(SHAPES))
+  parser.add_argument("--profile", type=int, default=0, help="one device: print the top N ops of each layer's fwd+bwd")
   args = parser.parse_args()
   widths = args.widths.split(",")
   if args.one_device:
@@ -131,9 +143,11 @@ def main():
     if jax.default_backend() == "cpu":
       ragged_dot_over_kernel(args.reps)
     for width in widths:
-      one_device_width(width, args.reps)
+      one_device_width(width, args.reps, args.profile)
     return
-  lines = interleave.one_device_subprocess(__file__, "--one_device", f"--reps={args.reps}", f"--widths={args.widths}")
+  lines = interleave.one_device_subprocess(
+    __file__, "--one_device", f"--reps={args.reps}", f"--widths={args.widths}", f"--profile={args.profile}"
+  )
   print(f"backend={jax.default_backend()} devices={jax.device_count()}")
   for width in widths:
     eight_device_width(width, args.reps)

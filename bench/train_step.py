@@ -39,6 +39,7 @@ from k2jax.train.counting import count_params, flops_per_token  # noqa: E402
 from k2jax.train.step import ModelDef, init_state, make_train_step  # noqa: E402
 
 import interleave  # noqa: E402  bench/interleave.py
+import trace_ops  # noqa: E402  bench/trace_ops.py
 
 SHAPES = {"tiny": (16, 64), "small": (16, 256)}  # (rows, seq_len) per optimizer step on a CPU
 PEAK_N = 2048  # the peak matmul: 17 GFLOP, long enough to time beside a step
@@ -60,7 +61,7 @@ def fit_layers(cfg, tokens, seq_len):
     cfg = cfg.replace(num_hidden_layers=cfg.num_hidden_layers - 1)
 
 
-def bench(name, reps, layers, microbatches):
+def bench(name, reps, layers, microbatches, profile=0):
   rows, seq_len = SHAPES[name]
   cfg = presets.get(name, **({"num_hidden_layers": layers} if layers else {}))
   cfg, need = fit_layers(cfg, rows * seq_len // microbatches, seq_len)
@@ -104,6 +105,7 @@ def bench(name, reps, layers, microbatches):
   a = jnp.ones((PEAK_N, PEAK_N), jnp.float32)
   matmul = jax.jit(lambda x: x @ x)
   jax.block_until_ready(matmul(a))
+  cpu = {}
   times = interleave.time_interleaved(
     {
       "matmul": lambda: jax.block_until_ready(matmul(a)),
@@ -111,10 +113,12 @@ def bench(name, reps, layers, microbatches):
       "optimizer": lambda: jax.block_until_ready(opt_update(grads, opt_state, params)),
     },
     reps,
+    cpu,
   )
   flops_step = rows * seq_len * flops_per_token(cfg, seq_len)
   # mfu_i = (flops_step / step_i) / (2 n^3 / matmul_i)
   mfu = tuple(v * flops_step / (2.0 * PEAK_N**3) for v in interleave.ratio(times, "matmul", "step"))
+  mfu_cpu = tuple(v * flops_step / (2.0 * PEAK_N**3) for v in interleave.ratio(cpu, "matmul", "step"))
   counts = count_params(cfg)
   print(
     f"{name}_layers={cfg.num_hidden_layers} {name}_params_total={counts.total} "
@@ -126,8 +130,20 @@ def bench(name, reps, layers, microbatches):
     f"{name}_optimizer_ms={interleave.median_ms(times['optimizer'])} "
     f"{name}_peak_matmul_ms={interleave.median_ms(times['matmul'])} {name}_loss={float(holder['m']['loss']):.4f}"
   )
+  print(
+    f"{name}_step_cpu_ms={interleave.median_ms(cpu['step'])} {name}_optimizer_cpu_ms="
+    f"{interleave.median_ms(cpu['optimizer'])} {name}_peak_matmul_cpu_ms={interleave.median_ms(cpu['matmul'])} "
+    f"{interleave.load_average()}"
+  )
+  print(interleave.fmt(f"{name}_mfu_cpu", mfu_cpu, reps))
+  print(interleave.fmt(f"{name}_optimizer_share_cpu", interleave.ratio(cpu, "optimizer", "step"), reps))
   print(interleave.fmt(f"{name}_mfu", mfu, reps))
   print(interleave.fmt(f"{name}_optimizer_share", interleave.ratio(times, "optimizer", "step"), reps), flush=True)
+  if profile:
+    hlo = step.lower(holder["state"], batches[0]).compile().as_text()
+    holder["done"] = []
+    rows, wall_ms = trace_ops.top_ops(run_step, hlo, calls=1, n=profile)
+    trace_ops.print_top(f"{name}_step", rows, wall_ms)
 
 
 def main():
@@ -136,11 +152,12 @@ def main():
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--small_layers", type=int, default=2, help="0 = the preset's 12 layers")
   ap.add_argument("--small_microbatches", type=int, default=1)
+  ap.add_argument("--profile", type=int, default=0, help="after timing, trace one step and print its top N ops")
   args = ap.parse_args()
   print(f"device={jax.devices()[0].device_kind} devices={jax.device_count()}")
   for name in args.presets.split(","):
     small = name == "small"
-    bench(name, args.reps, args.small_layers if small else 0, args.small_microbatches if small else 1)
+    bench(name, args.reps, args.small_layers if small else 0, args.small_microbatches if small else 1, args.profile)
 
 
 if __name__ == "__main__":

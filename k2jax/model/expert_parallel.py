@@ -39,9 +39,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k2jax import sharding as sharding_lib
-from k2jax.model import grouped_matmul
+from k2jax.model import grouped_matmul, moe_cpu
 
 RAGGED_PLATFORMS = ("tpu", "gpu")  # XLA backends with ragged-all-to-all
+FUSED_CPU = True  # one device's MoE on CPU through moe_cpu.moe_swiglu (tests compare it with False)
 
 
 def routed_experts(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, dispatch: str = "auto"):
@@ -62,7 +63,10 @@ def use_ragged(dispatch: str) -> bool:
 
 # ------------------------------------------------------------------------------ one device's experts
 def dispatch_compute_combine(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD):
-  """The whole dropless MoE on one device's tokens and experts: sort, grouped SwiGLU, combine."""
+  """The whole dropless MoE on one device's tokens and experts: sort, grouped SwiGLU, combine.
+  On CPU the three steps are fused (`moe_cpu.moe_swiglu`: rows move once each way)."""
+  if FUSED_CPU and sharding_lib.platform() == "cpu":
+    return moe_cpu.moe_swiglu(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD)
   N, k = idx_Nk.shape
   x_sorted_MD, order_M, group_sizes_E = sort_by_expert(x_ND, idx_Nk, w_gate_EDF.shape[0])
   y_sorted_MD = expert_ffn(x_sorted_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
