@@ -155,9 +155,9 @@ def _backward_at(x_ND, w_Nk, idx_Nk, wg, wu, wd, res, dy_ND, *, C, tile):
     dx_ECD = jnp.einsum("ecf,edf->ecd", dg, wg, preferred_element_type=jnp.float32) + jnp.einsum(
       "ecf,edf->ecd", du, wu, preferred_element_type=jnp.float32
     )
-    dx_ND = jnp.sum(r.gather_slots(dx_ECD.astype(x_ND.dtype)), axis=1)
     dwg = jnp.einsum("ecd,ecf->edf", x_ECD, dg, preferred_element_type=jnp.float32)
     dwu = jnp.einsum("ecd,ecf->edf", x_ECD, du, preferred_element_type=jnp.float32)
+    dx_ND = jnp.sum(r.gather_slots(dx_ECD.astype(x_ND.dtype)), axis=1)
   else:
     dw_Nk, dx_ND = jnp.zeros_like(w_Nk), jnp.zeros_like(x_ND)
     dwg, dwu, dwd = (jnp.zeros(a.shape, jnp.float32) for a in (wg, wu, wd))

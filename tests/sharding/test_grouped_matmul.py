@@ -107,6 +107,8 @@ def test_default_tile_is_a_bounded_power_of_two():
 
 
 def _with_ragged_dot(monkeypatch):
+  """The reference: the unfused CPU path (sort, grouped matmuls, unsort) with ragged_dot's matmuls."""
+  monkeypatch.setattr(expert_parallel, "FUSED_CPU", False)
   monkeypatch.setattr(expert_parallel, "grouped_dot", lambda x, w, s: jax.lax.ragged_dot(x, w, s))
 
 
