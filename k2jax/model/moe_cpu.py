@@ -133,7 +133,8 @@ def _forward_at(x_ND, w_Nk, idx_Nk, wg, wu, wd, *, C, C_max, tile):
 
   y_ND = jax.lax.fori_loop(0, r.n_tiles, one_tile, y_ND)
   pad = ((0, 0), (0, C_max - C), (0, 0))
-  return y_ND, (jnp.pad(g, pad), jnp.pad(u, pad), jnp.pad(y, pad))
+  res = tuple(gm._varying_like(jnp.pad(a, pad), x_ND, w_Nk, wg) for a in (g, u, y))
+  return y_ND, res
 
 
 def _backward_at(x_ND, w_Nk, idx_Nk, wg, wu, wd, res, dy_ND, *, C, tile):
