@@ -64,22 +64,51 @@ def _loss(graphdef, state, x, cot, moe: bool):
   return jnp.sum(out * cot)
 
 
-def fwd_bwd(graphdef, state, x, cot, moe: bool, profile: int = 0, label: str = ""):
-  """A blocking call of the compiled (and warmed-up) forward+backward; `profile` > 0 prints its top ops."""
+def fwd_bwd(graphdef, state, x, cot, moe: bool, profile: int = 0, label: str = "", states=()):
+  """A blocking call of the compiled (and warmed-up) forward+backward; `profile` > 0 prints its top ops.
+  With `states`, a list of such calls, one per state, sharing the compiled function."""
   fn = jax.jit(jax.grad(functools.partial(_loss, graphdef, moe=moe), argnums=(0, 1)))
   jax.block_until_ready(fn(state, x, cot))  # compile + warm-up
   call = lambda: jax.block_until_ready(fn(state, x, cot))  # noqa: E731
   if profile:
     rows, wall_ms = trace_ops.top_ops(call, fn.lower(state, x, cot).compile().as_text(), calls=2, n=profile)
     trace_ops.print_top(label, rows, wall_ms)
-  return call
+  return [lambda s=s: jax.block_until_ready(fn(s, x, cot)) for s in states] if states else call
+
+
+def balanced_bias(graphdef, state, x, steps: int = 300):
+  """The MoE state with the router bias a trained model converges to: `update_bias`'s rule
+  (b += u * sign(mean load - load)) iterated on this input, u from 1e-2 down to 1e-4."""
+  x_ND = x.reshape(-1, x.shape[-1])
+
+  def with_bias(bias):
+    pure = nnx.to_pure_dict(state)
+    pure["router"]["bias"] = bias
+    new = jax.tree.map(lambda a: a, state)
+    nnx.replace_by_pure_dict(new, pure)
+    return new
+
+  @jax.jit
+  def loads(bias):
+    idx = nnx.merge(graphdef, with_bias(bias)).router(x_ND)[1]
+    return jnp.zeros(bias.shape, jnp.float32).at[idx.reshape(-1)].add(1.0)
+
+  bias = nnx.to_pure_dict(state)["router"]["bias"]
+  for i in range(steps):
+    load = loads(bias)
+    bias = bias + 10 ** (-2 - 2 * i / steps) * jnp.sign(jnp.mean(load) - load)
+  load = loads(bias)
+  return with_bias(bias), float(jnp.max(load) / jnp.mean(load))
 
 
 def one_device_width(width: str, reps: int, profile: int = 0) -> None:
   ((moe_g, moe_s), (dense_g, dense_s)), x, cot = build(width)
+  balanced_s, max_load = balanced_bias(moe_g, moe_s, x)
+  moe, moe_balanced = fwd_bwd(moe_g, moe_s, x, cot, True, profile, f"{width}_1dev_moe", states=(moe_s, balanced_s))
   fns = {
-    "moe": fwd_bwd(moe_g, moe_s, x, cot, True, profile, f"{width}_1dev_moe"),
+    "moe": moe,
     "dense": fwd_bwd(dense_g, dense_s, x, cot, False, profile, f"{width}_1dev_dense"),
+    "moe_balanced": moe_balanced,
   }
   cpu = {}
   t = interleave.time_interleaved(fns, reps, cpu)
@@ -89,6 +118,11 @@ def one_device_width(width: str, reps: int, profile: int = 0) -> None:
     f"{width}_1dev_dense_cpu_ms={interleave.median_ms(cpu['dense'])} {interleave.load_average()}"
   )
   print(interleave.fmt(f"{width}_1dev_moe_over_dense_cpu", interleave.ratio(cpu, "moe", "dense"), reps))
+  print(f"{width}_1dev_balanced_max_load={max_load:.2f} (max / mean expert load after the bias update)")
+  print(
+    interleave.fmt(f"{width}_1dev_balanced_moe_over_dense_cpu", interleave.ratio(cpu, "moe_balanced", "dense"), reps)
+  )
+  print(interleave.fmt(f"{width}_1dev_balanced_moe_over_dense", interleave.ratio(t, "moe_balanced", "dense"), reps))
   print(interleave.fmt(f"{width}_1dev_moe_over_dense", interleave.ratio(t, "moe", "dense"), reps), flush=True)
 
 
