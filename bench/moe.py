@@ -9,7 +9,13 @@ with its min-max spread (bench/interleave.py). One-device figures come from a su
 CPU device (`--one_device`); the per-preset figures from this process's 8 fake CPU devices (the dense
 layer sharded by the same preset). Also printed: the EP fixed-size all-to-all padding overhead (rows
 sent / real token copies) and, on one device, `ragged_dot`'s cost relative to the grouped-matmul
-kernel the CPU path uses. Last line: `moe_over_dense=<ratio>` for the small width on one device.
+kernel the CPU EP path uses. Last line: `moe_over_dense=<ratio>` for the small width on one device.
+
+One-device lines also give the same ratio in process CPU seconds (`_cpu`: what to compare on a machine
+shared with other jobs, whose load moves wall times far more) and for the layer with its router bias
+balanced by `update_bias`'s rule (`_balanced_`: what training converges to; the random router alone
+loads the busiest expert ~1.8x the mean, and a dropless MoE then does that much more work).
+`--profile=N` prints the top N ops of each one-device fwd+bwd (bench/trace_ops.py).
 """
 
 import os

@@ -1,6 +1,6 @@
 """Train-step throughput, MFU and optimizer share of the tiny and small presets on this machine.
 
-  python bench/train_step.py [--presets=tiny,small] [--reps=5] [--small_microbatches=1]
+  python bench/train_step.py [--presets=tiny,small] [--reps=5] [--small_microbatches=1] [--profile=30]
 
 Each preset runs the real jitted train step (MuonClip, QK-Clip, bias update, float32) on one device
 with batches from the bundled corpus; `small` at 4096 tokens per optimizer step (16 x 256, split
@@ -9,7 +9,10 @@ float32 matmul (the machine's practical peak), the step, and the optimizer updat
 update + apply on step-shaped gradients), one of each per rep. Printed per preset, each the median
 over reps with its min-max spread:
   <preset>_mfu              model FLOPs per step / step time / the same rep's matmul FLOP/s;
-  <preset>_optimizer_share  optimizer update time / step time.
+  <preset>_optimizer_share  optimizer update time / step time;
+  and both again in process CPU seconds (`_mfu_cpu`, `_optimizer_share_cpu`), the figures to compare
+  when other jobs load the machine (they move wall times far more than CPU times).
+`--profile=N` then traces one step and prints its top N XLA ops by self time (bench/trace_ops.py).
 FLOPs per token follow k2jax.train.counting (6 x activated matmul params + causal attention). On a
 small-RAM CPU `small` runs `--small_layers` layers (default 2: one dense, one MoE layer of the
 preset's exact width) and fewer still if the memory planner (x1.5 for XLA:CPU temporaries,
