@@ -77,8 +77,8 @@ def fwd_bwd(graphdef, state, x, cot, moe: bool, profile: int = 0, label: str = "
   jax.block_until_ready(fn(state, x, cot))  # compile + warm-up
   call = lambda: jax.block_until_ready(fn(state, x, cot))  # noqa: E731
   if profile:
-    rows, wall_ms = trace_ops.top_ops(call, fn.lower(state, x, cot).compile().as_text(), calls=2, n=profile)
-    trace_ops.print_top(label, rows, wall_ms)
+    rows, wall_ms, kinds = trace_ops.top_ops(call, fn.lower(state, x, cot).compile().as_text(), calls=2, n=profile)
+    trace_ops.print_top(label, rows, wall_ms, kinds)
   return [lambda s=s: jax.block_until_ready(fn(s, x, cot)) for s in states] if states else call
 
 

@@ -59,8 +59,14 @@ def _self_times(events) -> collections.Counter:
   return self_us, calls
 
 
+def phase(src: str) -> str:
+  """'backward' / 'forward' / 'other' (outside autodiff: the optimizer update) from an op's source."""
+  return "backward" if "transpose(jvp" in src else "forward" if "jvp(" in src else "other"
+
+
 def top_ops(call, hlo_text: str, *, calls: int = 1, n: int = 25, log_dir: str | None = None):
-  """[(share of wall time, self ms per call, calls per call, name, opcode, source)] for the top n."""
+  """([(share of wall time, self ms per call, calls per call, name, opcode, source)] for the top n,
+  traced wall ms per call, {(phase, 'dot' | 'other'): share of wall time} over every op)."""
   log_dir = log_dir or tempfile.mkdtemp(prefix="k2jax_trace_")
   t = time.perf_counter()
   with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -73,15 +79,20 @@ def top_ops(call, hlo_text: str, *, calls: int = 1, n: int = 25, log_dir: str | 
   events = data["traceEvents"] if isinstance(data, dict) else data
   self_us, ncalls = _self_times(events)
   index = hlo_index(hlo_text)
-  rows = []
-  for name, us in self_us.most_common(n):
+  rows, kinds = [], collections.Counter()
+  for name, us in self_us.most_common():
     opcode, src = index.get(name, ("?", ""))
-    rows.append((us / wall_us, us / 1e3 / calls, ncalls[name] / calls, name, opcode, src))
-  return rows, wall_us / 1e3 / calls
+    is_dot = opcode == "dot" or (opcode == "fusion" and "dot_general" in src and name.startswith("ynn"))
+    kinds[(phase(src), "dot" if is_dot else "other")] += us / wall_us
+    if len(rows) < n:
+      rows.append((us / wall_us, us / 1e3 / calls, ncalls[name] / calls, name, opcode, src))
+  return rows, wall_us / 1e3 / calls, dict(kinds)
 
 
-def print_top(label: str, rows, wall_ms: float) -> None:
+def print_top(label: str, rows, wall_ms: float, kinds: dict | None = None) -> None:
   print(f"{label}_profile_wall_ms={wall_ms:.1f} (top ops by self time; share of the traced wall time)")
   for share, ms, c, name, opcode, src in rows:
     print(f"  {share:6.1%} {ms:9.1f}ms x{c:<5g} {name:32.32s} {opcode:14.14s} {src[-90:]}")
-  print(f"  {sum(r[0] for r in rows):6.1%} in these {len(rows)}", flush=True)
+  print(f"  {sum(r[0] for r in rows):6.1%} in these {len(rows)}")
+  if kinds:
+    print("  by phase and kind: " + " ".join(f"{p}_{k}={v:.1%}" for (p, k), v in sorted(kinds.items())), flush=True)

@@ -145,8 +145,8 @@ def bench(name, reps, layers, microbatches, profile=0):
   if profile:
     hlo = step.lower(holder["state"], batches[0]).compile().as_text()
     holder["done"] = []
-    rows, wall_ms = trace_ops.top_ops(run_step, hlo, calls=1, n=profile)
-    trace_ops.print_top(f"{name}_step", rows, wall_ms)
+    rows, wall_ms, kinds = trace_ops.top_ops(run_step, hlo, calls=1, n=profile)
+    trace_ops.print_top(f"{name}_step", rows, wall_ms, kinds)
 
 
 def main():
