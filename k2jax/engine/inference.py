@@ -93,9 +93,7 @@ class InferenceEngine(Engine):
       num_top=config.num_top_logprobs,
       min_bucket=config.min_prefill_bucket,
     )
-    # The served parameters as a pure dict (the runner's own arrays, no copy): weight-sync deltas overlay it.
-    self._params = nnx.to_pure_dict(nnx.state(model))
-    self._update_lock = threading.Lock()  # one weight update at a time (the overlay reads _params)
+    self._update_lock = threading.Lock()  # one weight update at a time (the overlay reads the served params)
     self._prefix = PrefixCache(config.prefix_cache_entries)
     self._cv = threading.Condition()
     self._waiting: collections.deque[_Live] = collections.deque()
@@ -180,7 +178,7 @@ class InferenceEngine(Engine):
     """
     with self._update_lock:
       if overlay.is_partial_hf_dir(model_path):
-        params = overlay.overlay_hf_tensors(self.cfg, self._params, model_path)
+        params = overlay.overlay_hf_tensors(self.cfg, self._runner.params(), model_path)
       else:
         model = api.load(model_path, param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype)
         if model.cfg.replace(extra=()) != self.cfg.replace(extra=()):
@@ -193,9 +191,9 @@ class InferenceEngine(Engine):
   ) -> int:
     """Serves `params` (the model's pure state dict, k2jax layout) from the next decode step on.
 
-    Arrays already on device are served as they are: a colocated trainer hands its weights over with
-    no host copy and no file. The engine then reads these arrays until the next update, so a train step
-    that donates its state must hand over copies.
+    Arrays already on the served devices are served as they are (others are resharded onto them): a
+    colocated trainer hands its weights over with no copy and no file. The engine then reads these
+    arrays until the next update, so the trainer must not donate them to a later step.
     """
     with self._update_lock:
       return self._swap(params, weight_version, flush_cache)
@@ -226,11 +224,9 @@ class InferenceEngine(Engine):
     """Swaps in `params` between decode steps. Running requests continue on the new weights (SGLang's
     default); every token records the version that produced it. The prefix cache holds keys computed by
     the old weights, so it is flushed unless asked otherwise."""
-    model = api.model_from_state(self.cfg, params)
 
     def swap():
-      self._runner.set_model(model)
-      self._params = params
+      self._runner.set_params(params)
       if flush_cache:
         self._prefix.clear()
       self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)

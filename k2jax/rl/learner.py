@@ -48,7 +48,7 @@ from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
 from k2jax.rl.samples import append_rollouts
 from k2jax.rl.task_runtime import TaskRuntime, TaskRuntimeConfig, runtime_config
 from k2jax.rl.tasks import TASK_NAME, ArithmeticTaskConfig, MathJsonlTask, TaskSet, strip_stop
-from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig, copy_to
+from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
 from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.train import core
 from k2jax.train.checkpoint import merge_dicts
@@ -204,8 +204,8 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
 
 def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
   """The rollout engine: SGLang over HTTP when `engine_url` is set (through a router when `worker_urls`
-  are too), else the embedded k2jax engine in this process, serving a copy of the model state `state`
-  (device arrays) on this process's first device."""
+  are too), else the embedded k2jax engine in this process, serving the model state `state` (device
+  arrays) on this process's first device (the trainer's own arrays when they are there already)."""
   if lc.engine_url:
     engine = HttpEngine(HttpEngineConfig(lc.engine_url))
     if lc.worker_urls:  # the router only forwards /generate: updates and aborts go to each worker
@@ -221,7 +221,7 @@ def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
       f"rollout.engine_url: {jax.process_count()} JAX processes share the policy; the embedded engine "
       "serves one process only, so a multi-process run needs a remote engine (SGLang) URL"
     )
-  served = copy_to(state, SingleDeviceSharding(jax.local_devices()[0]))
+  served = jax.device_put(state, SingleDeviceSharding(jax.local_devices()[0]))  # no copy when already there
   return InferenceEngine(model_from_state(lc.model, served), lc.engine, eos_token_ids=lc.rollout.stop_token_ids)
 
 
@@ -270,7 +270,12 @@ class Learner:
         f"resumed RL from {self.core.ckpt.directory}/{self.core.restored_step} (weight version {self.meta['weight_version']})"
       )
     self.mdef = self.core.mdef
-    # Steps: the K2 objective and the warm-start NLL plugged into the core (fixed [rows, seq_len] shapes).
+    # Engine (process 0 talks to it) and weight sync (every process writes its shards).
+    self.engine = engine or (make_engine(lc, self._model_state(), decode) if self.primary else None)
+    self.sync = WeightSync(lc.sync, self.engine, lc.model, initial_version=self.meta["weight_version"])
+    # Steps: the K2 objective and the warm-start NLL plugged into the core (fixed [rows, seq_len] shapes);
+    # the params stay undonated when the engine may serve the trainer's own arrays.
+    donate = not self.sync.shares_buffers
     tau = lc.qk_clip_tau
     self.rl_step = self.core.jit(
       rl_step.make_rl_step(
@@ -281,9 +286,11 @@ class Learner:
         num_groups=lc.rollout.target_groups,
         bias_update_rate=lc.bias_update_rate,
         qk_clip_tau=tau,
-      )
+      ),
+      donate_params=donate,
     )
-    self.sft_step = self.core.jit(rl_step.make_sft_step(self.mdef, self.optimizer, self.schedule, qk_clip_tau=tau))
+    sft_step = rl_step.make_sft_step(self.mdef, self.optimizer, self.schedule, qk_clip_tau=tau)
+    self.sft_step = self.core.jit(sft_step, donate_params=donate)
     logprobs = jax.jit(rl_step.make_logprobs_fn(self.mdef), out_shardings=self.core.batch_sharding)
 
     def logprobs_fn(params, bias, tokens_BT, segment_ids_BT):
@@ -292,9 +299,6 @@ class Learner:
 
     self.logprobs_fn = logprobs_fn
     self.ptx = PTXSet(lc.ptx, load_tokenizer(lc.tokenizer_path)) if lc.ptx else None
-    # Engine (process 0 talks to it), weight sync (every process writes its shards), rollouts.
-    self.engine = engine or (make_engine(lc, self._model_state(), decode) if self.primary else None)
-    self.sync = WeightSync(lc.sync, self.engine, lc.model, initial_version=self.meta["weight_version"])
     self.manager = self.runtime = None
     if self.primary:
       self.runtime = TaskRuntime(task, lc.task_runtime, self.engine, load_tokenizer(lc.tokenizer_path))

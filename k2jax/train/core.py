@@ -51,11 +51,18 @@ class Core:
     """The (mesh, preset) context steps must be traced in (MoE takes the EP path, activations constrained)."""
     return sharding.use(self.mesh, self.preset)
 
-  def jit(self, step: Callable) -> Callable:
+  def jit(self, step: Callable, *, donate_params: bool = True) -> Callable:
     """`step(state, *batch) -> (state, metrics)` jitted with the state sharded out as in and donated,
     traced and called under this core's mesh context. Inputs keep their own shardings: the state comes
-    from `build` (or a previous step), batches from `distributed.global_batch` (sharded on rows)."""
-    fn = jax.jit(step, out_shardings=(self.shardings, None), donate_argnums=0)
+    from `build` (or a previous step), batches from `distributed.global_batch` (sharded on rows).
+    `donate_params=False` keeps the input's params and bias alive (a colocated engine may be serving
+    them, `k2jax.rl.weight_sync`); the rest of the state is still donated."""
+    if donate_params:
+      fn = jax.jit(step, out_shardings=(self.shardings, None), donate_argnums=0)
+    else:
+      weights_and_rest = lambda w, rest, *batch: step(rest._replace(params=w[0], bias=w[1]), *batch)  # noqa: E731
+      inner = jax.jit(weights_and_rest, out_shardings=(self.shardings, None), donate_argnums=1)
+      fn = lambda s, *batch: inner((s.params, s.bias), s._replace(params=None, bias=None), *batch)  # noqa: E731
 
     def call(state, *batch):
       with self.use():
