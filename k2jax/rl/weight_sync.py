@@ -17,8 +17,10 @@ Every JAX process writes only the tensors it owns, one HF tensor at a time:
             alone (CPU devices are read in place) and written in row blocks, transposed to the HF layout
             on the way, while its CRC-32 is computed; when the CRC equals the one of the weights the engine
             already holds, the tensor is cut from the file again (skipped; never on the first push or
-            `push(full=True)`). Host memory: one tensor plus one block. The header goes last, into space
-            reserved for it at the start of the file (padded with spaces, as safetensors allows).
+            `push(full=True)`; RL updates change every tensor, so the write is rarely wasted). A writer
+            thread overlaps the file system with the next block. Host memory: one tensor plus three
+            blocks. The header goes last, into space reserved for it at the start of the file (padded
+            with spaces, as safetensors allows).
   3. update after a barrier, process 0 writes the index from the files' headers and calls the engine's
             `update_weights(dir, version)`.
 Versions increase by one per push that changed something. The directory `<root>/v<version>/` holds only
@@ -34,8 +36,10 @@ import dataclasses
 import itertools
 import json
 import os
+import queue
 import shutil
 import struct
+import threading
 import zlib
 from typing import Any
 
@@ -49,7 +53,7 @@ from k2jax.model.config import K2Config
 
 INDEX_NAME = "model.safetensors.index.json"
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32"}
-_BLOCK_BYTES = 1 << 20  # rows written (and transposed) per block: stays in cache between transpose, CRC, write
+_BLOCK_BYTES = 256 << 10  # rows transposed, CRC'd and written per block (in cache from one to the next)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +197,8 @@ class WeightSync:
   def _write(self, state: dict, plan: list[_Source], files: list, tmp: str, full: bool) -> dict[str, int]:
     """Streams this process's tensors; returns the CRC of each tensor written. Every process runs every
     export (they are collective programs on the trainer's mesh)."""
-    streams = [_SafetensorsStream(os.path.join(tmp, fname), tensors) for fname, tensors in files]
+    pipe = _Pipe()
+    streams = [_SafetensorsStream(os.path.join(tmp, fname), tensors, pipe) for fname, tensors in files]
     stream_of = {t.name: st for st, (_, tensors) in zip(streams, files) for t in tensors}
     written = {}
     try:
@@ -212,8 +217,11 @@ class WeightSync:
             written[t.name] = crc
         del array, shards
     finally:
-      for st in streams:
-        st.close()
+      try:
+        for st in streams:
+          st.close()
+      finally:
+        pipe.close()
     return written
 
   def _export(self, src: _Source):
@@ -238,13 +246,14 @@ class WeightSync:
 class _SafetensorsStream:
   """One safetensors file written tensor by tensor. The header is only known at the end (skipped tensors
   are left out), so the space the header of all candidate tensors would need is reserved up front; a
-  header of fewer tensors at smaller offsets is never longer."""
+  header of fewer tensors at smaller offsets is never longer. File operations run in order on `pipe`'s
+  thread, so the file system's write overlaps the transposition and CRC of the next block."""
 
-  def __init__(self, path: str, tensors: list[_Tensor]):
+  def __init__(self, path: str, tensors: list[_Tensor], pipe: _Pipe):
     self._dtypes = {t.name: _ST_DTYPES[t.dtype.name] for t in tensors}
     self._reserve = len(_header([(t.name, self._dtypes[t.name], t.hf_shape, t.nbytes) for t in tensors]))
     self._reserve += -self._reserve % 8  # the data starts 8-byte aligned
-    self.path = path
+    self._pipe = pipe
     self._f = open(path, "wb")
     self._f.seek(8 + self._reserve)
     self._written: list[tuple[str, tuple[int, ...], int]] = []  # (name, HF shape, nbytes)
@@ -259,7 +268,7 @@ class _SafetensorsStream:
     for i in range(0, rows.shape[0], step):
       block = np.ascontiguousarray(rows[i : i + step]).reshape(-1).view(np.uint8)
       crc = zlib.crc32(block, crc)
-      self._f.write(block)
+      self._pipe.submit(self._f.write, block)
     self._written.append((name, hf.shape, a.nbytes))
     self._end += a.nbytes
     return crc
@@ -268,17 +277,58 @@ class _SafetensorsStream:
     """Cuts the last tensor written out of the file again."""
     _, _, nbytes = self._written.pop()
     self._end -= nbytes
-    self._f.seek(8 + self._reserve + self._end)
-    self._f.truncate()
+    self._pipe.submit(self._truncate, 8 + self._reserve + self._end)
 
   def close(self) -> None:
+    header = None
     if self._written:
       text = _header([(n, self._dtypes[n], shape, nbytes) for n, shape, nbytes in self._written])
+      header = struct.pack("<Q", self._reserve) + text.ljust(self._reserve, b" ")
+    self._pipe.submit(self._finish, header)
+
+  def _truncate(self, size: int) -> None:
+    self._f.seek(size)
+    self._f.truncate()
+
+  def _finish(self, header: bytes | None) -> None:
+    if header is not None:
       self._f.seek(0)
-      self._f.write(struct.pack("<Q", self._reserve) + text.ljust(self._reserve, b" "))
+      self._f.write(header)
     self._f.close()
-    if not self._written:
-      os.remove(self.path)
+    if header is None:  # every candidate tensor was skipped
+      os.remove(self._f.name)
+
+
+class _Pipe:
+  """Runs submitted calls in order on one thread, at most one waiting (bounded memory: the block being
+  written, the one waiting, the one being prepared). numpy copies, CRCs and file writes release the GIL,
+  so preparing and writing overlap. The first failure is raised by the next `submit` or by `close`."""
+
+  def __init__(self):
+    self._queue: queue.Queue = queue.Queue(maxsize=1)
+    self._error: BaseException | None = None
+    self._thread = threading.Thread(target=self._run, name="k2jax-weight-sync-writer", daemon=True)
+    self._thread.start()
+
+  def submit(self, fn, *args) -> None:
+    if self._error is not None:
+      raise self._error
+    self._queue.put((fn, args))
+
+  def close(self) -> None:
+    """Waits for every submitted call; raises the first failure."""
+    self._queue.put(None)
+    self._thread.join()
+    if self._error is not None:
+      raise self._error
+
+  def _run(self) -> None:
+    while (item := self._queue.get()) is not None:
+      if self._error is None:
+        try:
+          item[0](*item[1])
+        except BaseException as e:  # handed to the submitting thread
+          self._error = e
 
 
 def _header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
