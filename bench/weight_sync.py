@@ -12,7 +12,8 @@ Prints key=value lines: medians with min-max spread over the reps, and
   colocated_over_disk = colocated / remote        (target <= 0.05)
   colocated_over_raw_write = colocated / raw_write
   remote_over_raw_write = remote / raw_write      (target <= 1.5)
-No fsync anywhere (both disk paths end in the page cache alike). The weights are a cheap deterministic
+No fsync inside the timings (both disk paths end in the page cache alike); an `os.sync()` before each
+timing (outside it) flushes what the previous one left dirty, so no path pays for another's writeback. The weights are a cheap deterministic
 fill (random init of the small preset takes minutes and ~15 GB on a CPU host); peak host memory is about
 the model once (the engine shares the trainer's arrays) plus one tensor.
 """
@@ -83,17 +84,20 @@ def main():
   raw_path = os.path.join(root, "raw.bin")
 
   def t_colocated():
+    os.sync()
     t0 = time.perf_counter()
     colocated.push(state)
     jax.block_until_ready(engine._runner.params())
     return time.perf_counter() - t0
 
   def t_remote():
+    os.sync()
     t0 = time.perf_counter()
     remote.push(state, full=True)
     return time.perf_counter() - t0
 
   def t_raw():
+    os.sync()
     t0 = time.perf_counter()
     with open(raw_path, "wb") as f:
       left = nbytes
