@@ -316,8 +316,8 @@ class SglangJaxEngine(Engine):
       variables = [_resolve(sgl_model, t.path) for t in targets]
       outs = self._copy_fn(entry, targets, variables)(_get(params, entry.path))
       for var, new in zip(variables, outs):
-        i = position.pop(id(var.value))
-        var.value = new
+        i = position.pop(id(var.get_value()))
+        var.set_value(new)
         leaves[i] = new
 
   def _copy_fn(self, entry: Entry, targets: list[_Target], variables: list) -> Any:
@@ -325,7 +325,7 @@ class SglangJaxEngine(Engine):
     fn = self._copy_fns.get(entry.path)
     if fn is not None:
       return fn
-    olds = [v.value for v in variables]
+    olds = [v.get_value() for v in variables]
     cfg = self.cfg
 
     def convert(leaf):
