@@ -319,6 +319,7 @@ class SglangJaxEngine(Engine):
         i = position.pop(id(var.get_value()))
         var.set_value(new)
         leaves[i] = new
+    jax.block_until_ready(leaves)  # the update is over when it returns (and timings mean what they say)
 
   def _copy_fn(self, entry: Entry, targets: list[_Target], variables: list) -> Any:
     """jit: k2jax leaf -> its sglang-jax arrays, each in the dtype and sharding of the array it replaces."""
