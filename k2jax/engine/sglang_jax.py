@@ -193,7 +193,7 @@ class SglangJaxEngine(Engine):
 
   def abort(self, rids: Sequence[str]) -> None:
     for rid in rids:
-      self._loop.call_soon_threadsafe(functools.partial(self._tm.abort_request, rid=rid))
+      asyncio.run_coroutine_threadsafe(self._abort(rid), self._loop)
 
   def update_weights(self, model_path: str, weight_version: int) -> None:
     """Loads a whole HF directory or k2jax workdir of the served architecture (through device memory)."""
@@ -259,6 +259,18 @@ class SglangJaxEngine(Engine):
       input_ids=list(request.input_ids), sampling_params=sampling, return_logprob=True, rid=request.rid, stream=False
     )
     return await self._tm.generate_request(obj, None).__anext__()
+
+  async def _abort(self, rid: str) -> None:
+    """sglang-jax ignores an abort for a rid its tokenizer manager has not registered yet (it tokenizes
+    first): wait for the rid while the request is still in flight here."""
+    for _ in range(500):
+      if rid in self._tm.rid_to_state:
+        self._tm.abort_request(rid=rid)
+        return
+      with self._cv:
+        if rid not in self._in_flight:
+          return
+      await asyncio.sleep(0.01)
 
   def _flush_cache(self) -> None:
     """The radix cache holds KV entries of the old weights; the scheduler flushes only when idle."""

@@ -139,6 +139,13 @@ def test_update_from_disk_and_aborts(colocated, tmp_path):
     t.join(300)
   assert sorted(out) == sorted(f"a{i}" for i in range(10))
   assert all(r.finish_reason == "abort" and len(r.output_ids) < 400 for r in out.values())
+  early = threading.Thread(target=run, args=("early",))  # aborted before sglang-jax has registered it
+  early.start()
+  while "early" not in engine._in_flight:
+    threading.Event().wait(0.001)
+  engine.abort(["early"])
+  early.join(300)
+  assert out["early"].finish_reason == "abort" and len(out["early"].output_ids) < 400
 
 
 @needs_sgl
