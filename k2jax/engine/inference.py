@@ -43,6 +43,9 @@ class EngineConfig:
   min_prefill_bucket: int = 16  # prefill lengths are padded to min_bucket * 2^i
   prefix_cache_entries: int = 16  # finished sequences kept for prefix reuse (0 disables)
   num_top_logprobs: int = 8  # top logprobs reported per token
+  # Compile every prefill bucket and the decode step before serving, as SGLang's servers do: a request
+  # never waits behind a compile, and an abort never waits for one (a compile cannot be interrupted).
+  precompile: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,6 +96,10 @@ class InferenceEngine(Engine):
       num_top=config.num_top_logprobs,
       min_bucket=config.min_prefill_bucket,
     )
+    if config.precompile:
+      t0 = time.monotonic()
+      self._runner.precompile()
+      log.info("precompiled prefill buckets and decode in %.1f s", time.monotonic() - t0)
     self._update_lock = threading.Lock()  # one weight update at a time (the overlay reads the served params)
     self._prefix = PrefixCache(config.prefix_cache_entries)
     self._cv = threading.Condition()

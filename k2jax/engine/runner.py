@@ -89,6 +89,27 @@ class ModelRunner:
     )
     return jax.tree.map(np.asarray, out)
 
+  def precompile(self) -> None:
+    """Compiles every prefill bucket, the decode step and the row copies now, so that no request waits
+    behind a compile later (a compile cannot be aborted). Every write lands at position max_len: dropped."""
+    T = self.min_bucket
+    while True:
+      T = bucket_length(T, self.min_bucket, self.max_len)
+      self.prefill_padding(T)
+      if T >= self.max_len:
+        break
+      T *= 2
+    n = self.num_slots
+    self.decode(np.zeros(n, np.int32), np.full(n, self.max_len, np.int32), _greedy(n))
+    self.write_row(0, self.read_row(0))
+
+  def prefill_padding(self, T: int) -> None:
+    """Runs the prefill of bucket T on padding only: compiles it and changes no cache row."""
+    tokens_1T, positions_1T = np.zeros((1, T), np.int32), np.full((1, T), self.max_len, np.int32)
+    _, self.cache = self._prefill(
+      self._state, self.cache, np.int32(0), tokens_1T, positions_1T, np.zeros(1, np.int32), _greedy(1)
+    )
+
   def read_row(self, slot: int) -> dict:
     return self._read_row(self.cache, np.int32(slot))
 
@@ -118,6 +139,10 @@ def sampling_arrays(temperature, top_p, top_k, seed, position) -> SamplingArrays
     np.asarray(seed, np.uint32),
     np.asarray(position, np.int32),
   )
+
+
+def _greedy(n: int) -> SamplingArrays:
+  return sampling_arrays([0.0] * n, [1.0] * n, [0] * n, [0] * n, [0] * n)
 
 
 def _signature(params) -> dict[str, tuple]:
