@@ -73,3 +73,8 @@ def test_cpu_dispatch_takes_the_fused_path(monkeypatch):
   idx = jnp.asarray(_routings()["random"], jnp.int32)
   expert_parallel.dispatch_compute_combine(x, w, idx, wg, wu, wd)
   assert calls == [1]
+
+
+def test_overflow_tile_is_a_bounded_power_of_two():
+  assert moe_cpu.overflow_tile(4096 * 8, 64) == 128 and moe_cpu.overflow_tile(16384, 64) == 64
+  assert moe_cpu.overflow_tile(2, 64) == 8 and moe_cpu.overflow_tile(10**7, 8) == 128
