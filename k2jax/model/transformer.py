@@ -131,7 +131,7 @@ def embed_lookup(table_VD, ids_BT, dtype):
   """
   ctx = sharding_lib.current()
   gathered = lambda: jnp.take(table_VD, ids_BT, axis=0).astype(dtype)  # noqa: E731
-  if ctx is None or ctx.rules["vocab"] or not ctx.rules["embed"]:
+  if ctx is None or ctx.rules["vocab"] or ctx.axis_size("embed") == 1:
     return gathered()
   embed_axes = tuple(ctx.rules["embed"])
   ids_spec = sharding_lib.logical_to_spec(("act_batch", None), ctx.preset)

@@ -140,10 +140,10 @@ def expert_newton_schulz(x_LEAB, name: str, **ns):
   `shard_map`, its [L, E_loc] local matrices are split into f groups (f = the matrix axis's shard
   count) and one all-to-all over those axes gives each device whole matrices of one group; NS runs
   on them and the inverse all-to-all restores the layout. Same function per matrix as `newton_schulz`
-  (which CPU, no mesh, or a layout this does not cover keep).
+  (which no mesh, or a layout this does not cover, keeps; `scale_by_muon` uses this off CPU only).
   """
   ctx = sharding_lib.current()
-  if ctx is None or x_LEAB.ndim != 4 or name not in experts_lib.AXES or sharding_lib.platform() == "cpu":
+  if ctx is None or x_LEAB.ndim != 4 or name not in experts_lib.AXES:
     return newton_schulz(x_LEAB, **ns)
   spec = sharding_lib.logical_to_spec(("layers", *experts_lib.AXES[name]), ctx.preset)
   sharded = [d for d in (2, 3) if spec[d] is not None]
