@@ -15,24 +15,15 @@ from k2jax.model.config import K2Config
 from k2jax.model.layers import make_param
 
 
-# Logical axes of the routed-expert matrices (a stacked model prepends 'layers'); the optimizer's
-# expert Newton-Schulz derives their layout from these (optim/muon.py `expert_newton_schulz`).
-AXES = {
-  "w_gate": ("experts", "embed", "expert_mlp"),
-  "w_up": ("experts", "embed", "expert_mlp"),
-  "w_down": ("experts", "expert_mlp", "embed"),
-}
-
-
 class Experts(nnx.Module):
   def __init__(self, cfg: K2Config, *, stack: int | None, rngs: nnx.Rngs):
     E, D, F = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     std, dt = cfg.initializer_range, jnp.dtype(cfg.param_dtype)
     self.dispatch = cfg.moe_dispatch
     self.chunk_tokens = cfg.moe_chunk_tokens
-    self.w_gate = make_param(rngs, (E, D, F), AXES["w_gate"], stack=stack, std=std, dtype=dt)
-    self.w_up = make_param(rngs, (E, D, F), AXES["w_up"], stack=stack, std=std, dtype=dt)
-    self.w_down = make_param(rngs, (E, F, D), AXES["w_down"], stack=stack, std=std, dtype=dt)
+    self.w_gate = make_param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), stack=stack, std=std, dtype=dt)
+    self.w_up = make_param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), stack=stack, std=std, dtype=dt)
+    self.w_down = make_param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), stack=stack, std=std, dtype=dt)
 
   def __call__(self, x_ND, weights_Nk, idx_Nk):
     """Σ_k weights[n,k] · Expert_{idx[n,k]}(x[n]) for every token n. Returns [N, D] in x's dtype."""

@@ -7,6 +7,7 @@ the same stacked parameters in a Python loop (used to check the scan, and for de
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -98,6 +99,25 @@ class K2Model(nnx.Module):
     m_LH = jnp.stack([o[0] for o in outs])
     c_LE = None if outs[0][1] is None else jnp.stack([o[1] for o in outs])
     return x_BTD, m_LH, c_LE
+
+
+@functools.cache
+def param_logical_axes() -> dict[str, tuple[str, ...]]:
+  """Every K2Model parameter's dotted path (e.g. 'moe_layers.moe.experts.w_down') -> its logical axes.
+
+  Names and axes do not depend on sizes, so the tiny preset (dense and MoE layers, shared experts)
+  gives the table for every preset; the optimizer lays out Newton-Schulz by it (optim/muon.py).
+  """
+  from k2jax.model import presets  # noqa: PLC0415 (presets import this module's config only)
+
+  abstract = nnx.eval_shape(lambda: K2Model(presets.get("tiny"), rngs=nnx.Rngs(0)))
+  flat = jax.tree_util.tree_flatten_with_path(
+    nnx.state(abstract, nnx.Param), is_leaf=lambda v: isinstance(v, nnx.Variable)
+  )[0]
+  return {
+    ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): tuple(var.get_metadata()["axes"])
+    for path, var in flat
+  }
 
 
 def compute_copy(state, dtype):

@@ -87,9 +87,9 @@ def muonclip(
     mu_dtype=mu_dtype,
   )
 
-  def muon_branch(branch_owners, experts=False):
+  def muon_branch(branch_owners):
     return optax.chain(
-      muon_lib.scale_by_muon(owners=branch_owners, experts=experts, **muon_kw),
+      muon_lib.scale_by_muon(owners=branch_owners, layout=True, **muon_kw),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate),
     )
@@ -97,7 +97,7 @@ def muonclip(
   inner = optax.partition(
     {
       labels_lib.MUON: muon_branch(owners),
-      labels_lib.MUON_EXPERT: muon_branch(None, experts=True),
+      labels_lib.MUON_EXPERT: muon_branch(None),
       labels_lib.ADAMW: optax.adamw(
         learning_rate, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=weight_decay, mu_dtype=mu_dtype
       ),

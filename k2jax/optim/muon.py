@@ -26,7 +26,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k2jax import sharding as sharding_lib
-from k2jax.model import experts as experts_lib
+from k2jax.model import transformer as transformer_lib
+from k2jax.optim.labels import path_name
 
 DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
@@ -129,42 +130,47 @@ def stacked_newton_schulz(tree, **ns):
   return jax.tree.unflatten(treedef, out)
 
 
-def expert_newton_schulz(x_LEAB, name: str, **ns):
-  """`newton_schulz` of a routed-expert stack [L, E, A, B] (`name` its leaf name, e.g. 'w_down'), with
-  whole matrices spread over the devices that hold its FSDP shards.
+def layout_newton_schulz(x, name: str, **ns):
+  """`newton_schulz` of a stacked parameter leaf (`name` its dotted path, e.g. 'moe_layers.attn.w_o'),
+  with whole matrices spread over the devices that hold its FSDP shards.
 
-  Under an active k2jax mesh (compiling for TPU/GPU) the leaf's layout follows from its logical axes
-  (`model.experts.AXES`) and the rules preset. Left to the partitioner, the FSDP-sharded matrix axis
-  makes every device compute the partial Gram X X^T of every local expert matrix and all-reduce it
-  (K2 1t on v5p-1024: f32[60, 48, 2048, 2048] = 45 GiB per device). Here, per device under
-  `shard_map`, its [L, E_loc] local matrices are split into f groups (f = the matrix axis's shard
-  count) and one all-to-all over those axes gives each device whole matrices of one group; NS runs
-  on them and the inverse all-to-all restores the layout. Same function per matrix as `newton_schulz`
-  (which no mesh, or a layout this does not cover, keeps; `scale_by_muon` uses this off CPU only).
+  Under an active k2jax mesh the leaf's layout follows from its logical axes
+  (`model.transformer.param_logical_axes`) and the rules preset. Left to the partitioner, a matrix
+  axis sharded over FSDP makes every device either compute the partial Gram X X^T of every matrix of
+  the stack and all-reduce it (K2 1t experts on v5p-1024: f32[60, 48, 2048, 2048] = 45 GiB per
+  device) or gather the whole stack (attention: [60, 7168, 8192]). Here, per device under
+  `shard_map`, the local matrices of the stack (zero-padded to a multiple of f, the matrix axis's
+  shard count: zero matrices stay zero through NS) are split into f groups, one all-to-all over those
+  axes gives each device whole matrices of one group, NS runs on them and the inverse all-to-all
+  restores the layout. Same function per matrix as `newton_schulz` (which no mesh, an unknown leaf,
+  or a layout this does not cover keep; `scale_by_muon` uses this off CPU only).
   """
   ctx = sharding_lib.current()
-  if ctx is None or x_LEAB.ndim != 4 or name not in experts_lib.AXES:
-    return newton_schulz(x_LEAB, **ns)
-  spec = sharding_lib.logical_to_spec(("layers", *experts_lib.AXES[name]), ctx.preset)
-  sharded = [d for d in (2, 3) if spec[d] is not None]
-  if spec[0] is not None or len(sharded) > 1:
-    return newton_schulz(x_LEAB, **ns)
+  axes = transformer_lib.param_logical_axes().get(name)
+  if ctx is None or axes is None or len(axes) != x.ndim or x.ndim < 3:
+    return newton_schulz(x, **ns)
+  spec = sharding_lib.logical_to_spec(axes, ctx.preset)
   sizes = dict(ctx.mesh.shape)
-  n_local = x_LEAB.shape[0] * x_LEAB.shape[1] // math.prod(sizes[a] for a in sharding_lib.spec_mesh_axes(spec[1]))
-  f = math.prod(sizes[a] for d in sharded for a in sharding_lib.spec_mesh_axes(spec[d]))
-  if n_local % f:
-    return newton_schulz(x_LEAB, **ns)
+  mesh_axes = lambda d: sharding_lib.spec_mesh_axes(spec[d])  # noqa: E731
+  sharded = [d for d in (x.ndim - 2, x.ndim - 1) if math.prod(sizes[a] for a in mesh_axes(d)) > 1]
+  if len(sharded) > 1:
+    return newton_schulz(x, **ns)
+  f = math.prod(sizes[a] for d in sharded for a in mesh_axes(d))
+  m_axis = spec[sharded[0]] if sharded else None
 
   def local(x):
     if not sharded:
       return newton_schulz(x, **ns)
-    m = sharded[0] - 1  # the sharded matrix axis in [n, A, B]
-    x_nAB = x.reshape(-1, *x.shape[2:])
-    whole = jax.lax.all_to_all(x_nAB, spec[sharded[0]], 0, m, tiled=True)  # [n / f, A, B]: whole matrices
-    o = jax.lax.all_to_all(newton_schulz(whole, **ns), spec[sharded[0]], m, 0, tiled=True)
-    return o.reshape(x.shape)
+    m = sharded[0] - (x.ndim - 3)  # the sharded matrix axis of [n, A, B]
+    x_nAB = x.reshape(-1, *x.shape[-2:])
+    n = x_nAB.shape[0]
+    if n % f:
+      x_nAB = jnp.concatenate([x_nAB, jnp.zeros((f - n % f, *x_nAB.shape[1:]), x_nAB.dtype)])
+    whole = jax.lax.all_to_all(x_nAB, m_axis, 0, m, tiled=True)  # [n / f, A, B]: whole matrices
+    o_nAB = jax.lax.all_to_all(newton_schulz(whole, **ns), m_axis, m, 0, tiled=True)
+    return o_nAB[:n].reshape(x.shape)
 
-  return jax.shard_map(local, mesh=ctx.mesh, in_specs=spec, out_specs=spec)(x_LEAB)
+  return jax.shard_map(local, mesh=ctx.mesh, in_specs=spec, out_specs=spec)(x)
 
 
 def _wide_sharding(x, tall: bool):
@@ -213,7 +219,7 @@ def scale_by_muon(
   rms_mode="shape",
   mu_dtype=None,
   owners: OwnerSharding | None = None,
-  experts: bool = False,
+  layout: bool = False,
 ) -> optax.GradientTransformation:
   """Muon direction (see module docstring); leaves are [..., A, B] matrices with batch axes.
 
@@ -228,7 +234,8 @@ def scale_by_muon(
       has RMS exactly rms_scale (ML §3.1 "Update Norm"; one extra reduction per matrix).
     mu_dtype: momentum dtype (default: the gradient's).
     owners: if given, distribute whole matrices over devices for NS (`OwnerSharding`).
-    experts: the leaves are routed-expert stacks [L, E, A, B]: NS per leaf by `expert_newton_schulz`.
+    layout: compiling for TPU/GPU under a k2jax mesh, run NS leaf by leaf on whole matrices spread over
+      the devices by the model's parameter layout (`layout_newton_schulz`); CPU keeps the stacked NS.
   """
   if rms_mode not in ("shape", "measured"):
     raise ValueError(f"rms_mode must be 'shape' or 'measured', got {rms_mode!r}")
@@ -241,8 +248,8 @@ def scale_by_muon(
     mu = jax.tree.map(lambda m, g: (momentum * m + g).astype(m.dtype), state.mu, updates)
     ns_in = jax.tree.map(lambda m, g: momentum * m + g, mu, updates) if nesterov else mu
     ns = dict(steps=ns_steps, coeffs=ns_coeffs, eps=ns_eps, dtype=ns_dtype)
-    if experts and sharding_lib.platform() != "cpu":
-      ortho = jax.tree_util.tree_map_with_path(lambda p, x: expert_newton_schulz(x, _leaf_name(p), **ns), ns_in)
+    if layout and owners is None and sharding_lib.platform() != "cpu":
+      ortho = jax.tree_util.tree_map_with_path(lambda p, x: layout_newton_schulz(x, path_name(p), **ns), ns_in)
     elif owners is None:
       ortho = stacked_newton_schulz(ns_in, **ns)
     else:
@@ -251,15 +258,6 @@ def scale_by_muon(
     return out, MuonState(mu=mu)
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _leaf_name(path) -> str:
-  """The last dict key / attribute of a key path ('w_down' of moe_layers.moe.experts.w_down)."""
-  for key in reversed(path):
-    name = getattr(key, "key", getattr(key, "name", None))
-    if isinstance(name, str) and name != "value":
-      return name
-  return ""
 
 
 def _rescale(o, rms_scale, rms_mode):
