@@ -154,12 +154,16 @@ def ep_experts(
     )
   tok, tp = P(batch_spec[0], None), (tp_axes[0] if len(tp_axes) == 1 else tp_axes or None)
   ep_name = ep_axes[0] if len(ep_axes) == 1 else (ep_axes or None)
-  w_in, w_out = P(ep_name, None, tp), P(ep_name, tp, None)
+  # The weights' `embed` shards (FSDP) are all-gathered inside shard_map, so the transpose is a
+  # reduce-scatter: the weight gradient leaves as this device's shard. (Gathered by the partitioner
+  # before shard_map, the gradient was all-reduced at full size, then sliced.)
+  fsdp = sharding_lib.logical_to_spec(("experts", "embed", "expert_mlp"), ctx.preset)[1]
+  w_in, w_out = P(ep_name, fsdp, tp), P(ep_name, tp, fsdp)
   chunks = num_chunks(N // n_shards, chunk_tokens)
-  fn = functools.partial(_local_moe, ep_axis=ep_name, ep=ep, tp_axis=tp, ragged=ragged, chunks=chunks)
-  # Cast to the compute dtype before shard_map gathers the fsdp shards: the all-gather, the gathered
-  # copy and the weight gradients' reduce-scatter are then bf16, not float32 (K2: 4.2 GB instead of
-  # 8.4 GB per MoE layer and device at EP 8).
+  fn = functools.partial(_local_moe, ep_axis=ep_name, ep=ep, tp_axis=tp, ragged=ragged, chunks=chunks, fsdp_axis=fsdp)
+  # Cast to the compute dtype before the fsdp shards are gathered: the all-gather, the gathered copy and
+  # the weight gradients' reduce-scatter are then bf16, not float32 (K2: 4.2 GB instead of 8.4 GB per
+  # MoE layer and device at EP 8).
   dt = x_ND.dtype
   weights = (w_gate_EDF.astype(dt), w_up_EDF.astype(dt), w_down_EFD.astype(dt))
   return jax.shard_map(fn, mesh=ctx.mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=tok)(
@@ -188,7 +192,13 @@ def padding_overhead(n_local: int, k: int, experts_per_device: int, ep: int) -> 
   return ep * send_capacity(n_local, k, experts_per_device) / (n_local * k)
 
 
-def _local_moe(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, *, ep_axis, ep: int, tp_axis, ragged: bool, chunks=1):
+def _local_moe(
+  x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, *, ep_axis, ep: int, tp_axis, ragged: bool, chunks=1, fsdp_axis=None
+):
+  if fsdp_axis is not None:  # [E_loc, D/f, F] shards -> [E_loc, D, F] (w_down: [E_loc, F, D])
+    w_gate = jax.lax.all_gather(w_gate, fsdp_axis, axis=1, tiled=True)
+    w_up = jax.lax.all_gather(w_up, fsdp_axis, axis=1, tiled=True)
+    w_down = jax.lax.all_gather(w_down, fsdp_axis, axis=2, tiled=True)
   if chunks > 1:
     one = functools.partial(_local_moe, ep_axis=ep_axis, ep=ep, tp_axis=tp_axis, ragged=ragged)
     body = jax.checkpoint(lambda xs: one(*xs, w_gate, w_up, w_down), policy=jax.checkpoint_policies.nothing_saveable)

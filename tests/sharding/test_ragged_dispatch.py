@@ -76,8 +76,11 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
   return result
 
 
-@pytest.mark.parametrize("ragged,chunk_tokens", [(True, 0), (True, 4), (False, 4)])
-def test_ragged_ep_matches_single_device_values_and_gradients(monkeypatch, ragged, chunk_tokens):
+@pytest.mark.parametrize(
+  "ragged,chunk_tokens,mesh_shape",
+  [(True, 0, {"data": 2, "expert": 4}), (True, 4, {"data": 2, "expert": 4}), (False, 4, {"fsdp": 2, "expert": 4})],
+)
+def test_ragged_ep_matches_single_device_values_and_gradients(monkeypatch, ragged, chunk_tokens, mesh_shape):
   monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
   N, D, F, E, k = 64, 16, 8, 16, 2
   rng = np.random.default_rng(0)
@@ -94,7 +97,7 @@ def test_ragged_ep_matches_single_device_values_and_gradients(monkeypatch, ragge
 
   grad = lambda fn: jax.jit(jax.value_and_grad(functools.partial(loss, fn), argnums=(0, 1, 2, 3), has_aux=True))  # noqa: E731
   (_, y0), g0 = grad(ep_lib.dispatch_compute_combine)(x, *weights)
-  mesh = sharding.make_mesh({"data": 2, "expert": 4})
+  mesh = sharding.make_mesh(mesh_shape)  # fsdp 2: the expert weights' D shards are gathered in shard_map
   with sharding.use(mesh, "fsdp_ep"):
     ctx = sharding.current()
     fn = functools.partial(ep_lib.ep_experts, ctx, ragged=ragged, chunk_tokens=chunk_tokens)
