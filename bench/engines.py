@@ -9,7 +9,11 @@ Both get the same load from the same client: C concurrent non-streaming requests
 wall time; time to first token = latency of a 1-token request under the same concurrency. Engines are
 measured interleaved, `reps` times; medians with [min, max]. Prints key=value lines, and
 `embedded_over_sglang_jax_tokens_per_sec=` at C = 32. Also the seconds one `/update_weights_from_disk`
-of the whole export takes on k2jax's server (sglang-jax has no weight-update route).
+of the whole export takes on k2jax's server (sglang-jax's server has no weight-update route), and, under
+`--sglang_jax_python`, the seconds one weight update of the colocated sglang-jax engine
+(`k2jax.engine.sglang_jax`, in-process, device to device) takes vs a disk round trip of the same weights
+(`k2jax.save_hf`, then the same engine loads the export), interleaved `reps` times, and what a relaunch of
+sglang-jax costs (the engine's start on an architecture-only directory, compiles included).
 """
 
 from __future__ import annotations
@@ -103,12 +107,47 @@ def start_sglang_jax(python: str, model: str) -> tuple[subprocess.Popen, str]:
       time.sleep(2)
 
 
+def colocated_updates(reps: int) -> None:
+  """Under a Python with sgl_jax: weight-update seconds of the colocated engine, device to device vs via disk."""
+  from k2jax.engine.sglang_jax import SglangJaxEngine, write_model_dir
+
+  model = K2Model(presets.get("tiny128", max_position_embeddings=512), rngs=nnx.Rngs(0))
+  state = nnx.to_pure_dict(nnx.state(model))
+  root = tempfile.mkdtemp(prefix="bench-colocated-")
+  export = os.path.join(root, "push")
+  t0 = time.perf_counter()
+  engine = SglangJaxEngine(model.cfg, write_model_dir(model.cfg, os.path.join(root, "arch")))
+  start = time.perf_counter() - t0
+  engine.update_weights_from_params(state, 1)  # compiles the per-leaf copies
+  k2jax.save_hf(model, export)
+  engine.update_weights(export, 2)
+  device, disk = [], []
+  for rep in range(reps):
+    t0 = time.perf_counter()
+    engine.update_weights_from_params(state, 3 + 2 * rep)
+    device.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    k2jax.save_hf(model, export)
+    engine.update_weights(export, 4 + 2 * rep)
+    disk.append(time.perf_counter() - t0)
+  ratios = [b / a for a, b in zip(device, disk)]
+  print(f"sglang_jax_colocated_update_s={np.median(device):.4f} [{min(device):.4f}, {max(device):.4f}]")
+  print(f"sglang_jax_disk_roundtrip_update_s={np.median(disk):.4f} [{min(disk):.4f}, {max(disk):.4f}]")
+  print(f"disk_roundtrip_over_colocated_update={np.median(ratios):.1f} [{min(ratios):.1f}, {max(ratios):.1f}]")
+  print(f"sglang_jax_relaunch_s={start:.1f} (one engine start, compiles included)")
+  engine.close()
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--sglang_jax_python", default=os.environ.get("SGLANG_JAX_PYTHON", ""))
   p.add_argument("--new_tokens", type=int, default=32)
   p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--colocated_updates_only", action="store_true", help="(internal) run under the sgl_jax Python")
   args = p.parse_args()
+  if args.colocated_updates_only:
+    colocated_updates(args.reps)
+    return
 
   export = tempfile.mkdtemp(prefix="bench-engines-")
   k2jax.save_hf(K2Model(presets.get("tiny128", max_position_embeddings=512), rngs=nnx.Rngs(0)), export)
@@ -148,6 +187,15 @@ def main():
       call_json(f"{server.url}/update_weights_from_disk", body, timeout_s=600, retry=RetryPolicy(max_retries=0))
       updates.append(time.perf_counter() - t0)
     print(f"embedded_update_weights_from_disk_s={np.median(updates):.3f} [{min(updates):.3f}, {max(updates):.3f}]")
+    if args.sglang_jax_python:  # sgl_jax is importable only there: run the colocated engine under it
+      repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+      env = {**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
+      env.pop("XLA_FLAGS", None)
+      cmd = [args.sglang_jax_python, os.path.abspath(__file__), "--colocated_updates_only", f"--reps={args.reps}"]
+      out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
+      print(out.stdout, end="")
+      if out.returncode:
+        print(f"sglang_jax_colocated=failed rc={out.returncode}: {out.stderr[-1500:]}")
   finally:
     server.close()
     if proc is not None:  # the launcher's scheduler and detokenizer children share its process group

@@ -77,7 +77,7 @@ def main(argv):
   n, new = _REQUESTS.value, _NEW.value
   with tempfile.TemporaryDirectory() as tmp:
     k2jax.save_hf(K2Model(presets.get("tiny", max_position_embeddings=64), rngs=nnx.Rngs(0)), tmp)
-    server = Server(tmp, engine_config=EngineConfig(max_slots=16, max_seq_len=64), port=0).start()
+    server = Server(tmp, engine_config=EngineConfig(max_slots=16, max_seq_len=64, precompile=True), port=0).start()
     try:
       http_run(server, 8, 32, new)  # compile every prefill bucket and the decode step
       direct_run(server, 32, new)

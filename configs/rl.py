@@ -6,7 +6,9 @@
   python launch/rl.py --config=configs/rl.py:1t --dry_run      # counts + per-device memory plan on a pod
 
 With no `rollout.engine_url` the embedded k2jax engine runs in-process and gets the new weights as device
-arrays. With a URL, the server must see `sync.root` at the same path (shared filesystem) and serve the
+arrays; `--config.rollout.engine=sglang_jax_colocated` runs sglang-jax's engine in-process instead (Python >= 3.12
+with sgl_jax installed, BUILD.md "sglang-jax colocated"; the `sglang_jax.*` keys size it; on CPU it needs
+128-wide heads: `--config.model.preset=tiny128`), with the weights swapped on device after every update. With a URL, the server must see `sync.root` at the same path (shared filesystem) and serve the
 same architecture; every JAX process writes the tensors it holds, a full push once at start, then only
 changed tensors after every update. The policy is sharded like pretraining: the same `mesh.*` keys and
 rules presets as configs/k2.py, and the same multi-process launch (launch/slurm_gpu.sh, tpu_pod.sh).
@@ -129,7 +131,8 @@ def _tiny() -> config_dict.ConfigDict:
   c.agentic.step_timeout_s = 60.0  # an env reset/step slower than this fails the episode (dropped)
 
   c.rollout = config_dict.ConfigDict()
-  c.rollout.engine_url = ""  # "" = embedded engine in-process; else an SGLang /generate server
+  c.rollout.engine_url = ""  # "" = an engine in this process (rollout.engine); else an SGLang /generate server
+  c.rollout.engine = "embedded"  # in-process engine: "embedded" (k2jax) | "sglang_jax_colocated"
   c.rollout.worker_urls = ""  # with a router as engine_url: its workers, comma-separated (updates, aborts)
   c.rollout.group_size = 8  # K responses per prompt
   c.rollout.target_groups = 16  # complete groups per train batch
@@ -145,6 +148,19 @@ def _tiny() -> config_dict.ConfigDict:
   c.engine = config_dict.ConfigDict()  # embedded engine only (k2jax.engine.EngineConfig)
   c.engine.max_slots = 32  # requests decoded together
   c.engine.max_seq_len = 64  # prompt + response tokens per request
+
+  c.sglang_jax = config_dict.ConfigDict()  # rollout.engine=sglang_jax_colocated (k2jax.engine.SglangJaxConfig)
+  c.sglang_jax.device = "cpu"  # cpu | tpu | gpu
+  c.sglang_jax.tp_size = 1  # its mesh: the first tp_size local devices
+  c.sglang_jax.dtype = "float32"  # served weights ("bfloat16" on TPU; float32 matches the trainer's logprobs)
+  c.sglang_jax.attention_backend = "native"  # CPU: native; TPU: fa
+  c.sglang_jax.context_length = 512  # prompt + response tokens per request
+  c.sglang_jax.mem_fraction_static = 0.1  # device memory share for weights + KV pool
+  c.sglang_jax.max_total_tokens = 4096  # KV pool size in tokens
+  c.sglang_jax.max_running_requests = 8  # requests decoded together
+  c.sglang_jax.chunked_prefill_size = 256
+  c.sglang_jax.precompile_bs_paddings = "8"  # comma-separated batch sizes compiled at start
+  c.sglang_jax.precompile_token_paddings = "256"  # comma-separated prefill token counts compiled at start
 
   c.loss = config_dict.ConfigDict()  # k2jax.rl.algo.K2LossConfig
   c.loss.tau = 1.0  # regulariser tau of the K2 objective

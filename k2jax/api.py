@@ -33,11 +33,17 @@ def source_config(src: str, **exec_kw) -> K2Config:
   return hf_io.read_config(src, **exec_kw)
 
 
-def source_state(src: str, cfg: K2Config) -> dict:
-  """The model's full pure state dict (Params + RouterBias) stored in `src`, as `cfg` lays it out."""
+def source_state(src: str, cfg: K2Config, shardings: dict | None = None) -> dict:
+  """The model's full pure state dict (Params + RouterBias) stored in `src`, as `cfg` lays it out; placed
+  per `shardings` (a tree like the state) when given (else a workdir restores onto this process's first
+  device and an HF directory gives host arrays)."""
   if source_kind(src) == "workdir":
-    return wd.restore_model_state(src, hf_io.abstract_state(cfg))[1]
-  return hf_io.load_hf(src, **{k: getattr(cfg, k) for k in EXEC_FIELDS})[1]
+    abstract = hf_io.abstract_state(cfg)
+    if shardings is not None:
+      abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return wd.restore_model_state(src, abstract)[1]
+  state = hf_io.load_hf(src, **{k: getattr(cfg, k) for k in EXEC_FIELDS})[1]
+  return state if shardings is None else jax.device_put(state, shardings)
 
 
 def model_from_state(cfg: K2Config, state: dict) -> K2Model:

@@ -3,7 +3,8 @@
 `--config=configs/rl.py:agentic_tiny` mixes six task types per batch (math, code, instruction following,
 judge, rubric, multi-turn tool use against an env service it starts itself unless
 `--config.agentic.env_urls` names one). With no `--config.rollout.engine_url` the embedded k2jax engine
-runs in-process; with a URL rollouts come from that SGLang-compatible server (see
+runs in-process (`--config.rollout.engine=sglang_jax_colocated`: sglang-jax's engine in-process instead, Python
+>= 3.12, BUILD.md "sglang-jax colocated"); with a URL rollouts come from that SGLang-compatible server (see
 launch/sglang_server.sh and BUILD.md "RL with SGLang").
 Resumes from the latest checkpoint in W; writes W/metrics.jsonl and W/checkpoints/<iteration>/.
 `--dry_run` prints parameter counts and the per-device memory plan (`configs/rl.py:1t`) and exits.

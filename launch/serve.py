@@ -26,6 +26,9 @@ _PORT = flags.DEFINE_integer("port", 30000, "Port to bind.")
 _SLOTS = flags.DEFINE_integer("max_running_requests", 8, "Requests decoded together (cache slots).")
 _MAX_LEN = flags.DEFINE_integer("max_seq_len", 2048, "Prompt + generated tokens per request.")
 _PREFIX = flags.DEFINE_integer("prefix_cache_entries", 16, "Finished sequences kept for prefix reuse.")
+_PRECOMPILE = flags.DEFINE_bool(
+  "precompile", True, "Compile every prefill bucket and the decode step before serving (sglang-jax's precompile)."
+)
 _TOKENIZER = flags.DEFINE_string(
   "tokenizer",
   "auto",
@@ -46,7 +49,12 @@ def main(argv):
   del argv
   compile_cache.enable(_COMPILE_CACHE.value)
   logging.basicConfig(level=logging.INFO)
-  config = EngineConfig(max_slots=_SLOTS.value, max_seq_len=_MAX_LEN.value, prefix_cache_entries=_PREFIX.value)
+  config = EngineConfig(
+    max_slots=_SLOTS.value,
+    max_seq_len=_MAX_LEN.value,
+    prefix_cache_entries=_PREFIX.value,
+    precompile=_PRECOMPILE.value,
+  )
   server = Server(
     _MODEL.value,
     engine_config=config,

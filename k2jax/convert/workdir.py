@@ -11,6 +11,7 @@ import os
 
 import jax
 import orbax.checkpoint as ocp
+from jax.sharding import SingleDeviceSharding
 
 from k2jax.convert.export_dir import write_export
 from k2jax.model.config import K2Config
@@ -58,11 +59,16 @@ def save_model_only(cfg: K2Config, state: dict, workdir: str, step: int = 0) -> 
 
 
 def restore_model_state(workdir: str, abstract: dict, step: int | None = None) -> tuple[int, dict]:
-  """Restore item `model` of the latest (or given) step into the structure of `abstract`."""
+  """Restore item `model` of the latest (or given) step into the structure of `abstract`: onto each leaf's
+  `sharding` when it has one, else onto this process's first device (never onto the devices that saved
+  it: a checkpoint written by several processes restores in one)."""
   with checkpoint_manager(workdir) as mgr:
     step = mgr.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"{os.path.join(workdir, CHECKPOINTS)}: no checkpoint found")
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract)
+    here = SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None) or here), abstract
+    )
     out = mgr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target)))
   return step, out["model"]

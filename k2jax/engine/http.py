@@ -7,7 +7,11 @@ reasons are known. Two shapes real servers send are recovered, and counted in `m
   `prompt_tokens` 0, finish `abort` -> an empty aborted result, which partial rollout resubmits;
 - sglang-jax past 50 generated tokens puts the first 50 logprob entries in front of the list again
   (reference §2.6): repaired to the last n entries only when the leading block equals the next 50
-  entries exactly; any other length mismatch is rejected (and retried as a malformed reply).
+  entries exactly; any other length mismatch is rejected (and retried as a malformed reply);
+- sglang-jax's `output_ids` come from its detokenizer, which drops a token whose text is an incomplete UTF-8
+  sequence (detokenizer_manager.py, incremental decoding): fewer ids than `completion_tokens`. When the
+  logprob entries (straight from the scheduler) hold `completion_tokens` ids of which `output_ids` is a
+  subsequence, those ids are the sample ("output_ids_restored").
 Weight versions come only from the server (`meta_info.weight_version`; "default" = its launch weights =
 version 0); a reply without one gives `UNKNOWN_VERSION` tokens, never the client's own counter.
 `capabilities()` runs the handshake of `handshake.py` once and caches it.
@@ -213,6 +217,7 @@ def parse_generate_response(
   output_ids = body.get("output_ids")
   if not isinstance(output_ids, list) or not all(_is_int(t) for t in output_ids):
     raise ValueError(f"rid {rid}: output_ids must be a list of ints, got {output_ids!r:.100}")
+  output_ids = _restore_dropped_ids(output_ids, meta, count)
   n = len(output_ids)
   for key, want in (("completion_tokens", n), ("prompt_tokens", len(request.input_ids))):
     if not _is_int(meta.get(key)) or meta[key] != want:
@@ -250,6 +255,21 @@ def _aborted_before_prefill(body: dict, meta: dict, finish: dict, request: Gener
     and meta.get("output_token_logprobs") in (None, [])
     and body.get("text") in (None, "")
   )
+
+
+def _restore_dropped_ids(output_ids: list, meta: dict, count: Callable[[str], None]) -> list:
+  """The sampled ids from the logprob entries when the detokenizer dropped some of them (module docstring)."""
+  n, entries = meta.get("completion_tokens"), meta.get("output_token_logprobs")
+  if not (_is_int(n) and len(output_ids) < n and isinstance(entries, list)):
+    return output_ids
+  if len(entries) not in (n, n + DUPLICATED_LOGPROBS):  # past 50 tokens the tail n entries are the right ones
+    return output_ids
+  ids = [e[1] if isinstance(e, (list, tuple)) and len(e) >= 2 and _is_int(e[1]) else None for e in entries[-n:]]
+  it = iter(ids)
+  if None in ids or not all(t in it for t in output_ids):  # not a subsequence: some other fault
+    return output_ids
+  count("output_ids_restored")
+  return ids
 
 
 def _parse_logprobs(entries: Any, output_ids: list, rid: str, count: Callable[[str], None]) -> tuple[float, ...]:

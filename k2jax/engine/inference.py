@@ -43,6 +43,9 @@ class EngineConfig:
   min_prefill_bucket: int = 16  # prefill lengths are padded to min_bucket * 2^i
   prefix_cache_entries: int = 16  # finished sequences kept for prefix reuse (0 disables)
   num_top_logprobs: int = 8  # top logprobs reported per token
+  # Compile every prefill bucket and the decode step before serving, as SGLang's servers do: a request
+  # never waits behind a compile, and an abort never waits for one (a compile cannot be interrupted).
+  precompile: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,9 +96,11 @@ class InferenceEngine(Engine):
       num_top=config.num_top_logprobs,
       min_bucket=config.min_prefill_bucket,
     )
-    # The served parameters as a pure dict (the runner's own arrays, no copy): weight-sync deltas overlay it.
-    self._params = nnx.to_pure_dict(nnx.state(model))
-    self._update_lock = threading.Lock()  # one weight update at a time (the overlay reads _params)
+    if config.precompile:
+      t0 = time.monotonic()
+      self._runner.precompile()
+      log.info("precompiled prefill buckets and decode in %.1f s", time.monotonic() - t0)
+    self._update_lock = threading.Lock()  # one weight update at a time (the overlay reads the served params)
     self._prefix = PrefixCache(config.prefix_cache_entries)
     self._cv = threading.Condition()
     self._waiting: collections.deque[_Live] = collections.deque()
@@ -180,7 +185,7 @@ class InferenceEngine(Engine):
     """
     with self._update_lock:
       if overlay.is_partial_hf_dir(model_path):
-        params = overlay.overlay_hf_tensors(self.cfg, self._params, model_path)
+        params = overlay.overlay_hf_tensors(self.cfg, self._runner.params(), model_path)
       else:
         model = api.load(model_path, param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype)
         if model.cfg.replace(extra=()) != self.cfg.replace(extra=()):
@@ -193,9 +198,9 @@ class InferenceEngine(Engine):
   ) -> int:
     """Serves `params` (the model's pure state dict, k2jax layout) from the next decode step on.
 
-    Arrays already on device are served as they are: a colocated trainer hands its weights over with
-    no host copy and no file. The engine then reads these arrays until the next update, so a train step
-    that donates its state must hand over copies.
+    Arrays already on the served devices are served as they are (others are resharded onto them): a
+    colocated trainer hands its weights over with no copy and no file. The engine then reads these
+    arrays until the next update, so the trainer must not donate them to a later step.
     """
     with self._update_lock:
       return self._swap(params, weight_version, flush_cache)
@@ -226,11 +231,9 @@ class InferenceEngine(Engine):
     """Swaps in `params` between decode steps. Running requests continue on the new weights (SGLang's
     default); every token records the version that produced it. The prefix cache holds keys computed by
     the old weights, so it is flushed unless asked otherwise."""
-    model = api.model_from_state(self.cfg, params)
 
     def swap():
-      self._runner.set_model(model)
-      self._params = params
+      self._runner.set_params(params)
       if flush_cache:
         self._prefix.clear()
       self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)

@@ -45,16 +45,23 @@ class ModelRunner:
     self._decode = jax.jit(step, donate_argnums=(1,))
     self._prefill = jax.jit(functools.partial(_prefill, step), donate_argnums=(1,))
 
-  def set_model(self, model: K2Model) -> None:
-    """Serve `model`'s weights from the next step on; they must have the served shapes and dtypes."""
-    graphdef, state = nnx.split(model)
-    want, got = _signature(self._state), _signature(state)
+  def params(self) -> dict:
+    """The served parameters as the model's pure state dict (the runner's own arrays, no copy)."""
+    return nnx.to_pure_dict(self._state)
+
+  def set_params(self, params: dict) -> None:
+    """Serve `params` (the model's pure state dict, the served shapes and dtypes) from the next step on.
+
+    They are placed where the served weights are (`jax.device_put`: the arrays themselves when they are
+    there already, no copy) and swapped into the model's state; the model is not rebuilt."""
+    want, got = _signature(self._state), _signature(params)
     for path in sorted(want.keys() | got.keys()):
       if want.get(path) != got.get(path):
         raise ValueError(f"new weights do not fit the served model: {path} is {got.get(path)}, served {want.get(path)}")
-    if graphdef != self._graphdef:  # e.g. a different routed_scaling_factor: same shapes, new program
-      self._graphdef = graphdef
-      self._compile(graphdef)
+    served = self.params()
+    params = jax.device_put(params, jax.tree.map(lambda a: a.sharding, served))
+    state = jax.tree.map(lambda x: x, self._state)  # a new State over the same variables
+    nnx.replace_by_pure_dict(state, params)
     self._state = state
 
   def prefill(self, slot: int, tokens: list[int], start: int, sampling: SamplingArrays) -> Sampled:
@@ -81,6 +88,27 @@ class ModelRunner:
       sampling,
     )
     return jax.tree.map(np.asarray, out)
+
+  def precompile(self) -> None:
+    """Compiles every prefill bucket, the decode step and the row copies now, so that no request waits
+    behind a compile later (a compile cannot be aborted). Every write lands at position max_len: dropped."""
+    T = self.min_bucket
+    while True:
+      T = bucket_length(T, self.min_bucket, self.max_len)
+      self.prefill_padding(T)
+      if T >= self.max_len:
+        break
+      T *= 2
+    n = self.num_slots
+    self.decode(np.zeros(n, np.int32), np.full(n, self.max_len, np.int32), _greedy(n))
+    self.write_row(0, self.read_row(0))
+
+  def prefill_padding(self, T: int) -> None:
+    """Runs the prefill of bucket T on padding only: compiles it and changes no cache row."""
+    tokens_1T, positions_1T = np.zeros((1, T), np.int32), np.full((1, T), self.max_len, np.int32)
+    _, self.cache = self._prefill(
+      self._state, self.cache, np.int32(0), tokens_1T, positions_1T, np.zeros(1, np.int32), _greedy(1)
+    )
 
   def read_row(self, slot: int) -> dict:
     return self._read_row(self.cache, np.int32(slot))
@@ -113,8 +141,15 @@ def sampling_arrays(temperature, top_p, top_k, seed, position) -> SamplingArrays
   )
 
 
-def _signature(state) -> dict[str, tuple]:
+def _greedy(n: int) -> SamplingArrays:
+  return sampling_arrays([0.0] * n, [1.0] * n, [0] * n, [0] * n, [0] * n)
+
+
+def _signature(params) -> dict[str, tuple]:
+  """Path -> (shape, dtype) of a pure state dict or an nnx.State."""
+  if isinstance(params, nnx.State):
+    params = nnx.to_pure_dict(params)
   return {
     jax.tree_util.keystr(path): (tuple(leaf.shape), str(leaf.dtype))
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params)
   }

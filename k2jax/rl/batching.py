@@ -124,3 +124,18 @@ def staleness(batch: RolloutBatch, version: int) -> dict[str, float]:
     "staleness_max": float(lag.max()),
     "stale_token_frac": float(np.mean(lag > 0)),
   }
+
+
+def engine_logprob_gap(
+  arrays: dict[str, np.ndarray], batch: RolloutBatch, trainer_logprobs_BT: np.ndarray, version: int
+) -> float | None:
+  """Max |engine - trainer| logprob over the trained tokens the engine sampled with weight version `version`
+  (the weights the trainer holds while recomputing pi_old): ~0 for an engine that serves exactly the trainer's
+  weights. None when no trained token comes from that version."""
+  B, T = len(batch.rewards_B), min(arrays["tokens_BT"].shape[1], batch.tokens_BT.shape[1])
+  fresh = (arrays["loss_mask_BT"][:B, :T] > 0) & (arrays["sample_mask_B"][:B, None] > 0)
+  fresh &= batch.weight_versions_BT[:B, :T] == version
+  if not fresh.any():
+    return None
+  gap = np.abs(np.asarray(trainer_logprobs_BT)[:B, :T] - arrays["engine_logprobs_BT"][:B, :T])
+  return float(gap[fresh].max())

@@ -41,6 +41,7 @@ from k2jax.rl.algo import K2LossConfig, rollout_metrics, select_old_logprobs
 from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
 from k2jax.engine.http import HttpEngine, HttpEngineConfig
 from k2jax.engine.routed import RoutedEngine
+from k2jax.engine.sglang_jax import SglangJaxConfig
 from k2jax.rl.ptx import PTXConfig, PTXSet
 from k2jax.rl import tasks as tasks_lib
 from k2jax.rl.rewards.base import Completion
@@ -48,7 +49,7 @@ from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
 from k2jax.rl.samples import append_rollouts
 from k2jax.rl.task_runtime import TaskRuntime, TaskRuntimeConfig, runtime_config
 from k2jax.rl.tasks import TASK_NAME, ArithmeticTaskConfig, MathJsonlTask, TaskSet, strip_stop
-from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig, copy_to
+from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
 from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.train import core
 from k2jax.train.checkpoint import merge_dicts
@@ -97,12 +98,15 @@ class LearnerConfig:
   eval_every: int
   log_rollouts: bool = False  # every sample's tokens and loss mask to W/rollouts.jsonl
   task_runtime: TaskRuntimeConfig = TaskRuntimeConfig()  # rewards (judge) and agentic episodes (env services)
+  rollout_engine: str = "embedded"  # in-process engine without engine_url: embedded | sglang_jax_colocated
+  sglang_jax: SglangJaxConfig = SglangJaxConfig()
 
   @property
   def rows(self) -> int:
     return self.rollout.target_groups * self.rollout.group_size
 
 
+ROLLOUT_ENGINES = ("embedded", "sglang_jax_colocated")
 TASK_NAMES = {"arith": TASK_NAME, "math_jsonl": MathJsonlTask.name}  # task.kind -> budget key
 
 
@@ -165,6 +169,8 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     eval_every=c.eval.every,
     log_rollouts=c.log.rollouts,
     task_runtime=runtime_config(c),
+    rollout_engine=r.engine,
+    sglang_jax=_sglang_jax_config(c.sglang_jax),
   )
   mixed = len(c.tasks) > 0  # tasks.* sections (validated by tasks.task_specs) replace the single task.*
   for key, ok in (
@@ -180,10 +186,18 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     ("train.seq_len", 2 <= lc.seq_len <= model.max_position_embeddings),
     ("rollout.engine_url", all(u.startswith(("http://", "https://")) for u in (lc.engine_url,) + lc.worker_urls if u)),
     ("rollout.worker_urls", not lc.worker_urls or bool(lc.engine_url)),
+    ("rollout.engine", lc.rollout_engine in ROLLOUT_ENGINES and (lc.rollout_engine == "embedded" or not lc.engine_url)),
   ):
     if not ok:
       raise ConfigError(f"{key}: invalid value in the RL config")
   return lc
+
+
+def _sglang_jax_config(s: config_dict.ConfigDict) -> SglangJaxConfig:
+  paddings = ("precompile_bs_paddings", "precompile_token_paddings")  # comma-separated ints in the config
+  fields = {k: s[k] for k in s if k not in paddings}
+  fields.update({k: tuple(int(x) for x in str(s[k]).split(",") if x) for k in paddings})
+  return SglangJaxConfig(**fields)
 
 
 def run(config: config_dict.ConfigDict, workdir: str) -> dict:
@@ -204,8 +218,10 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
 
 def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
   """The rollout engine: SGLang over HTTP when `engine_url` is set (through a router when `worker_urls`
-  are too), else the embedded k2jax engine in this process, serving a copy of the model state `state`
-  (device arrays) on this process's first device."""
+  are too), else one in this process (`rollout.engine`): the embedded k2jax engine, serving the model
+  state `state` (device arrays) on this process's first device (the trainer's own arrays when they are
+  there already), or sglang-jax's engine, whose parameters every push replaces on device
+  (`k2jax.engine.sglang_jax`)."""
   if lc.engine_url:
     engine = HttpEngine(HttpEngineConfig(lc.engine_url))
     if lc.worker_urls:  # the router only forwards /generate: updates and aborts go to each worker
@@ -221,7 +237,13 @@ def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
       f"rollout.engine_url: {jax.process_count()} JAX processes share the policy; the embedded engine "
       "serves one process only, so a multi-process run needs a remote engine (SGLang) URL"
     )
-  served = copy_to(state, SingleDeviceSharding(jax.local_devices()[0]))
+  if lc.rollout_engine == "sglang_jax_colocated":  # sglang-jax's engine in this process (Python >= 3.12)
+    from k2jax.engine.sglang_jax import SglangJaxEngine, write_model_dir
+
+    # It starts from the architecture alone (config.json + tokenizer); the first push brings the weights.
+    model_dir = write_model_dir(lc.model, os.path.join(lc.sync.root, "sglang_jax_model"))
+    return SglangJaxEngine(lc.model, model_dir, lc.sglang_jax)
+  served = jax.device_put(state, SingleDeviceSharding(jax.local_devices()[0]))  # no copy when already there
   return InferenceEngine(model_from_state(lc.model, served), lc.engine, eos_token_ids=lc.rollout.stop_token_ids)
 
 
@@ -270,7 +292,12 @@ class Learner:
         f"resumed RL from {self.core.ckpt.directory}/{self.core.restored_step} (weight version {self.meta['weight_version']})"
       )
     self.mdef = self.core.mdef
-    # Steps: the K2 objective and the warm-start NLL plugged into the core (fixed [rows, seq_len] shapes).
+    # Engine (process 0 talks to it) and weight sync (every process writes its shards).
+    self.engine = engine or (make_engine(lc, self._model_state(), decode) if self.primary else None)
+    self.sync = WeightSync(lc.sync, self.engine, lc.model, initial_version=self.meta["weight_version"])
+    # Steps: the K2 objective and the warm-start NLL plugged into the core (fixed [rows, seq_len] shapes);
+    # the params stay undonated when the engine may serve the trainer's own arrays.
+    donate = not self.sync.shares_buffers
     tau = lc.qk_clip_tau
     self.rl_step = self.core.jit(
       rl_step.make_rl_step(
@@ -281,9 +308,11 @@ class Learner:
         num_groups=lc.rollout.target_groups,
         bias_update_rate=lc.bias_update_rate,
         qk_clip_tau=tau,
-      )
+      ),
+      donate_params=donate,
     )
-    self.sft_step = self.core.jit(rl_step.make_sft_step(self.mdef, self.optimizer, self.schedule, qk_clip_tau=tau))
+    sft_step = rl_step.make_sft_step(self.mdef, self.optimizer, self.schedule, qk_clip_tau=tau)
+    self.sft_step = self.core.jit(sft_step, donate_params=donate)
     logprobs = jax.jit(rl_step.make_logprobs_fn(self.mdef), out_shardings=self.core.batch_sharding)
 
     def logprobs_fn(params, bias, tokens_BT, segment_ids_BT):
@@ -292,9 +321,6 @@ class Learner:
 
     self.logprobs_fn = logprobs_fn
     self.ptx = PTXSet(lc.ptx, load_tokenizer(lc.tokenizer_path)) if lc.ptx else None
-    # Engine (process 0 talks to it), weight sync (every process writes its shards), rollouts.
-    self.engine = engine or (make_engine(lc, self._model_state(), decode) if self.primary else None)
-    self.sync = WeightSync(lc.sync, self.engine, lc.model, initial_version=self.meta["weight_version"])
     self.manager = self.runtime = None
     if self.primary:
       self.runtime = TaskRuntime(task, lc.task_runtime, self.engine, load_tokenizer(lc.tokenizer_path))
@@ -398,6 +424,10 @@ class Learner:
       return {}
     rec = {k: v for k, v in metrics.items() if k not in ("finite", "max_attn_logit_per_layer")}
     rec.update(rollout_metrics(batch), **batching.staleness(batch, version))
+    if lc.loss.old_logprobs == "trainer" and jax.process_count() == 1:  # train/inference mismatch of the engine
+      gap = batching.engine_logprob_gap(arrays, batch, jax.device_get(old_BT), version)
+      if gap is not None:
+        rec["engine_logprob_max_abs_diff"] = gap
     rec.update({f"rollout_{k}": v for k, v in rstats.items()})
     rec.update({f"dropped_{k}": int(dropped.get(k, 0)) for k in ("samples",) + batching.CHECKS})
     tokens = float(np.sum(host["segment_ids_BT"] > 0)) * lc.updates_per_batch

@@ -1,6 +1,6 @@
 """Compile the real train step for a TPU slice on a host without TPUs: `launch/train.py --aot=v5p-1024`.
 
-The step is `loop.build_step`'s, the one `run()` jits, traced under a mesh over the slice's
+The step is `loop.make_step`'s, the one `run()` jits (`core.Layout.jitted`), traced under a mesh over the slice's
 compile-only devices (`jax.experimental.topologies`, needs libtpu: `pip install -e '.[tpu]'`), so
 every kernel choice follows the TPU target (`sharding.platform`). XLA:TPU then reports per-device
 memory (`memory_analysis`), and the compiled HLO gives collective bytes and matmul FLOPs per step
@@ -109,7 +109,7 @@ def _shard_bytes(tree) -> int:
 def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: bool = False) -> dict:
   """Compile `run()`'s train step of `config` for TPU slice `slice_name`; returns the report dict
   (with the compiled HLO text under 'hlo' when `keep_hlo`; `format_report` leaves it out)."""
-  from k2jax.train import loop  # noqa: PLC0415 (loop pulls in checkpointing and data: only when compiling)
+  from k2jax.train import core, loop  # noqa: PLC0415 (they pull in checkpointing and data: only when compiling)
 
   tc = from_config_dict(config)
   s = tpu_slice(slice_name)
@@ -118,10 +118,12 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
   mesh = sharding.make_mesh(mesh_shape, devices=devices)
   preset = tc.mesh.rules
   t0 = time.perf_counter()
-  with sharding.use(mesh, preset):
-    parts = loop.build_step(tc, mesh, preset)
-    state = _abstract_with_shardings(parts.abstract_state, parts.shardings)
-    lowered = parts.step_fn.lower(state, _abstract_batch(tc, parts.batch_sharding))
+  optimizer, schedule = loop.make_optimizer(tc)
+  lay = core.layout(tc.model, optimizer, mesh=mesh, preset=preset, seed=tc.seed)
+  with lay.use():
+    state = _abstract_with_shardings(lay.abstract_state, lay.shardings)
+    step_fn = lay.jitted(loop.make_step(tc, lay.mdef, optimizer, schedule))
+    lowered = step_fn.lower(state, _abstract_batch(tc, lay.batch_sharding))
   report = {
     "slice": slice_name,
     "topology": s.topology,

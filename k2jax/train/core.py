@@ -1,8 +1,9 @@
 """The training core every loop plugs into (pretraining, SFT, RL): mesh, sharded state, restore, jit.
 
 torchtitan's TrainSpec in spirit: a loop brings its loss (a pure step function over `TrainState`) and its
-batch source; the core gives it the mesh, the sharded abstract state (`state_shardings`), the first
-state (random init, `init_from`'s weights, or the newest readable checkpoint via `Checkpointer`), and
+batch source; the core gives it the mesh, the sharded abstract state (`Layout`: `state_shardings`, nothing
+allocated, so `launch/train.py --aot` compiles from it for a topology without devices), the first state
+(`build`: random init, `init_from`'s weights, or the newest readable checkpoint via `Checkpointer`), and
 `jit(step)` with the state's shardings in and out and the state donated. Every step ends in the one
 guarded update, `k2jax.train.step.apply_update`.
 """
@@ -28,20 +29,17 @@ from k2jax.train.step import ModelDef, TrainState, init_state
 
 
 @dataclasses.dataclass
-class Core:
-  """A loop's sharded training state and what it was built from."""
+class Layout:
+  """Everything about a loop's training state but its values: the mesh, the abstract state, its shardings."""
 
   mesh: Mesh
   preset: str
   model: K2Config
-  mdef: ModelDef
   optimizer: optax.GradientTransformationExtraArgs
+  make: Callable[[], K2Model]  # builds the model (random init with the run's seed)
+  mdef: ModelDef
+  abstract_state: TrainState
   shardings: TrainState  # NamedSharding per state leaf
-  ckpt: Checkpointer
-  state: TrainState
-  meta: dict  # the restored checkpoint's host-side state ({} when nothing was restored)
-  restored_step: int | None
-  data_restored: bool
 
   @property
   def batch_sharding(self) -> NamedSharding:
@@ -51,17 +49,50 @@ class Core:
     """The (mesh, preset) context steps must be traced in (MoE takes the EP path, activations constrained)."""
     return sharding.use(self.mesh, self.preset)
 
-  def jit(self, step: Callable) -> Callable:
-    """`step(state, *batch) -> (state, metrics)` jitted with the state sharded out as in and donated,
-    traced and called under this core's mesh context. Inputs keep their own shardings: the state comes
-    from `build` (or a previous step), batches from `distributed.global_batch` (sharded on rows)."""
-    fn = jax.jit(step, out_shardings=(self.shardings, None), donate_argnums=0)
+  def jitted(self, step: Callable, *, donate_params: bool = True):
+    """`jax.jit(step)` with the state sharded out as in and donated (trace, lower or call it under `use()`).
+    `donate_params=False` keeps the input's params and bias alive (a colocated engine may be serving
+    them, `k2jax.rl.weight_sync`); the rest of the state is still donated."""
+    if donate_params:
+      return jax.jit(step, out_shardings=(self.shardings, None), donate_argnums=0)
+    weights_and_rest = lambda w, rest, *batch: step(rest._replace(params=w[0], bias=w[1]), *batch)  # noqa: E731
+    inner = jax.jit(weights_and_rest, out_shardings=(self.shardings, None), donate_argnums=1)
+    return lambda s, *batch: inner((s.params, s.bias), s._replace(params=None, bias=None), *batch)
+
+
+@dataclasses.dataclass
+class Core(Layout):
+  """A loop's sharded training state and what it was built from."""
+
+  ckpt: Checkpointer
+  state: TrainState
+  meta: dict  # the restored checkpoint's host-side state ({} when nothing was restored)
+  restored_step: int | None
+  data_restored: bool
+
+  def jit(self, step: Callable, *, donate_params: bool = True) -> Callable:
+    """`step(state, *batch) -> (state, metrics)`, jitted (`Layout.jitted`), traced and called under this
+    core's mesh context. Inputs keep their own shardings: the state comes from `build` (or a previous
+    step), batches from `distributed.global_batch` (sharded on rows)."""
+    fn = self.jitted(step, donate_params=donate_params)
 
     def call(state, *batch):
       with self.use():
         return fn(state, *batch)
 
     return call
+
+
+def layout(
+  model: K2Config, optimizer: optax.GradientTransformationExtraArgs, *, mesh: Mesh, preset: str, seed: int
+) -> Layout:
+  """The abstract sharded state of `model` trained by `optimizer` on `mesh` (allocates nothing)."""
+  with sharding.use(mesh, preset):
+    make = lambda: K2Model(model, rngs=nnx.Rngs(seed))  # noqa: E731
+    abstract_model = nnx.eval_shape(make)
+    abstract_state = jax.eval_shape(lambda: init_state(make(), optimizer))
+    shardings = state_shardings(abstract_model, abstract_state, mesh, preset)
+  return Layout(mesh, preset, model, optimizer, make, ModelDef.from_model(abstract_model), abstract_state, shardings)
 
 
 def build(
@@ -78,22 +109,24 @@ def build(
   data_iter=None,
 ) -> Core:
   """Mesh -> abstract state and shardings -> restore the newest readable checkpoint of `workdir` (or
-  initialise: `init_from`'s weights, else random with `seed`). Nothing unsharded is ever allocated."""
-  mesh = sharding.make_mesh(mesh_shape)
-  with sharding.use(mesh, preset):
-    make = lambda: K2Model(model, rngs=nnx.Rngs(seed))
-    abstract_model = nnx.eval_shape(make)
-    abstract_state = jax.eval_shape(lambda: init_state(make(), optimizer))
-    shardings = state_shardings(abstract_model, abstract_state, mesh, preset)
+  initialise: `init_from`'s weights, else random with `seed`). Nothing unsharded is ever allocated.
+  `data_iter` (a grain iterator) is restored in place when the checkpoint holds its position."""
+  lay = layout(model, optimizer, mesh=sharding.make_mesh(mesh_shape), preset=preset, seed=seed)
+  with lay.use():
     if jax.process_index() == 0:
       wd.write_model_config(model, workdir)
     ckpt = Checkpointer(workdir, keep=keep, async_save=async_save)
-    restored = ckpt.restore_latest(abstract_like(abstract_state, shardings), data_iter)
+    restored = ckpt.restore_latest(abstract_like(lay.abstract_state, lay.shardings), data_iter)
     if restored is None:
-      state, meta, step, data_ok = initial_state(model, init_from, make, optimizer, shardings), {}, None, False
+      state, meta, step, data_ok = initial_state(model, init_from, lay.make, optimizer, lay.shardings), {}, None, False
     else:
       state, meta, data_ok = restored.state, restored.meta, restored.data_restored
       step = meta.get("checkpoint_step", int(state.step))
   return Core(
-    mesh, preset, model, ModelDef.from_model(abstract_model), optimizer, shardings, ckpt, state, meta, step, data_ok
+    **{f.name: getattr(lay, f.name) for f in dataclasses.fields(Layout)},
+    ckpt=ckpt,
+    state=state,
+    meta=meta,
+    restored_step=step,
+    data_restored=data_ok,
   )

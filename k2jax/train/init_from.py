@@ -16,7 +16,7 @@ import jax
 from k2jax.api import source_config, source_state
 from k2jax.convert import workdir as wd
 from k2jax.model.config import EXEC_FIELDS, ConfigError, K2Config
-from k2jax.train.checkpoint import split_dict
+from k2jax.train.checkpoint import merge_dicts, split_dict
 from k2jax.train.step import TrainState, init_state
 
 
@@ -56,9 +56,8 @@ def initial_state(cfg: K2Config, init_from: str, build, optimizer, shardings: Tr
   """Step-0 state: `build()`'s random init, or `init_from`'s weights, placed per `shardings`."""
   if not init_from:
     return jax.jit(lambda: init_state(build(), optimizer), out_shardings=shardings)()
-  params, bias = split_dict(source_state(init_from, cfg), shardings.params)
-  params = jax.device_put(params, shardings.params)
-  bias = jax.device_put(bias, shardings.bias)
+  state = source_state(init_from, cfg, merge_dicts(shardings.params, shardings.bias))  # restored straight onto the mesh
+  params, bias = split_dict(state, shardings.params)
 
   def fresh(p, b):
     zero = jax.numpy.zeros([], jax.numpy.int32)

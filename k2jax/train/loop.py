@@ -1,5 +1,6 @@
 """`run(config, workdir)`: pretraining / SFT from a configs/k2.py ConfigDict, in named phases:
-config -> mesh -> model and optimizer -> data -> restore -> step -> loop.
+config -> optimizer and data -> the training core (mesh, sharded state, restore; `k2jax.train.core`,
+shared with RL) -> step -> loop.
 
 The loop dispatches step n+1 before it reads step n's metrics, so the host never stalls the device
 on a metrics fetch. A SIGTERM (or a multi-host preemption notice) saves a checkpoint at the current
@@ -18,21 +19,17 @@ import time
 from typing import Any, Callable
 
 import jax
-from flax import nnx
+import optax
 from ml_collections import config_dict
 
-from k2jax import sharding
-from k2jax.convert import workdir as wd
-from k2jax.model.transformer import K2Model
 from k2jax.optim import QKClipSpec, muonclip, wsd_schedule
-from k2jax.train import inputs
-from k2jax.train.checkpoint import Checkpointer, abstract_like
+from k2jax.train import core, inputs
+from k2jax.train.checkpoint import Checkpointer
 from k2jax.train.config import TrainConfig, check_runtime, from_config_dict
 from k2jax.train.counting import flops_per_token
-from k2jax.train.init_from import initial_state, model_config_for_run
+from k2jax.train.init_from import model_config_for_run
 from k2jax.train.metrics import MetricsLogger, SpikeDetector, measure_peak_flops, say, to_record
-from k2jax.train.partition import state_shardings
-from k2jax.train.step import ModelDef, TrainState, init_state, make_train_step
+from k2jax.train.step import TrainState, make_train_step
 
 
 def run(config: config_dict.ConfigDict, workdir: str) -> dict:
@@ -42,49 +39,34 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
   tc = dataclasses.replace(tc, model=model_config_for_run(tc, workdir))
   mesh_shape = check_runtime(tc, jax.device_count(), jax.process_count())
   peak = _peak(tc)  # Before the mesh is active: measured on one device.
-  # Mesh.
-  mesh = sharding.make_mesh(mesh_shape)
-  preset = tc.mesh.rules
-  with sharding.use(mesh, preset):
-    # Model, optimizer and the jitted step (abstract: nothing allocated yet).
-    parts = build_step(tc, mesh, preset)
-    # Data.
-    it = inputs.make_iterator(tc.data, tc.model.vocab_size)
-    # Restore (or initialise).
-    if jax.process_index() == 0:
-      wd.write_model_config(tc.model, workdir)
-    ckpt = Checkpointer(workdir, keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
-    restored = ckpt.restore_latest(abstract_like(parts.abstract_state, parts.shardings), it)
-    meta = {}
-    if restored is None:
-      state = initial_state(tc.model, tc.checkpoint.init_from, parts.build, parts.optimizer, parts.shardings)
-    else:
-      state, meta = restored.state, restored.meta
-      say(f"resumed from {ckpt.directory}/{int(state.step)}")
-      if not restored.data_restored:
-        it = inputs.make_iterator(tc.data, tc.model.vocab_size, seed_offset=int(state.step))
-    # Loop.
-    return _Loop(tc, workdir, parts.step_fn, ckpt, mesh, preset, meta, peak).run(state, it)
+  # Optimizer and data.
+  optimizer, schedule = make_optimizer(tc)
+  it = inputs.make_iterator(tc.data, tc.model.vocab_size)
+  # The training core: mesh, sharded state, restore (or initialise).
+  c = core.build(
+    tc.model,
+    optimizer,
+    mesh_shape=mesh_shape,
+    preset=tc.mesh.rules,
+    seed=tc.seed,
+    init_from=tc.checkpoint.init_from,
+    workdir=workdir,
+    keep=tc.checkpoint.keep,
+    async_save=tc.checkpoint.async_save,
+    data_iter=it,
+  )
+  if c.restored_step is not None:
+    say(f"resumed from {c.ckpt.directory}/{c.restored_step}")
+    if not c.data_restored:
+      it = inputs.make_iterator(tc.data, tc.model.vocab_size, seed_offset=int(c.state.step))
+  # Step and loop.
+  step_fn = c.jit(make_step(tc, c.mdef, optimizer, schedule))
+  return _Loop(tc, workdir, step_fn, c.ckpt, c.batch_sharding, c.meta, peak).run(c.state, it)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepParts:
-  """What `run()` compiles and feeds: the jitted step, its optimizer and the state's shardings."""
-
-  optimizer: Any
-  schedule: Any
-  build: Callable[[], K2Model]  # builds the model (random init, seed tc.seed)
-  abstract_state: TrainState
-  shardings: TrainState
-  batch_sharding: Any
-  step_fn: Any  # jax.jit(train_step) with in/out shardings and the state donated
-
-
-def build_step(tc: TrainConfig, mesh, preset: str) -> StepParts:
-  """The jitted train step of `run()` over `mesh` (call under `sharding.use(mesh, preset)`; allocates
-  nothing). `launch/train.py --aot` compiles exactly this for a TPU topology (k2jax.train.aot)."""
+def make_optimizer(tc: TrainConfig) -> tuple[optax.GradientTransformationExtraArgs, optax.Schedule]:
+  """MuonClip with the run's WSD schedule: (optimizer, schedule)."""
   schedule = _schedule(tc)
-  tau = tc.optim.qk_clip_tau if tc.optim.qk_clip_tau > 0 else None
   o = tc.optim
   optimizer = muonclip(
     schedule,
@@ -93,28 +75,27 @@ def build_step(tc: TrainConfig, mesh, preset: str) -> StepParts:
     adam_b1=o.adam_b1,
     adam_b2=o.adam_b2,
     adam_eps=o.adam_eps,
-    qk_clip_tau=tau,
+    qk_clip_tau=_qk_clip_tau(tc),
     qk_clip_spec=QKClipSpec.from_config(tc.model),
   )
-  build = lambda: K2Model(tc.model, rngs=nnx.Rngs(tc.seed))  # noqa: E731
-  abstract_model = nnx.eval_shape(build)
-  abstract_state = jax.eval_shape(lambda: init_state(build(), optimizer))
-  shardings = state_shardings(abstract_model, abstract_state, mesh, preset)
-  batch_sharding = sharding.batch_sharding(mesh, preset)
-  step_fn = jax.jit(
-    make_train_step(
-      ModelDef.from_model(abstract_model),
-      optimizer,
-      schedule,
-      num_microbatches=tc.data.num_microbatches,
-      bias_update_rate=tc.optim.bias_update_rate,
-      qk_clip_tau=tau,
-    ),
-    in_shardings=(shardings, batch_sharding),
-    out_shardings=(shardings, None),
-    donate_argnums=0,
+  return optimizer, schedule
+
+
+def make_step(tc: TrainConfig, mdef, optimizer, schedule) -> Callable:
+  """The (unjitted) pretraining / SFT step of `run()`; `launch/train.py --aot` compiles exactly this for a
+  TPU topology (k2jax.train.aot)."""
+  return make_train_step(
+    mdef,
+    optimizer,
+    schedule,
+    num_microbatches=tc.data.num_microbatches,
+    bias_update_rate=tc.optim.bias_update_rate,
+    qk_clip_tau=_qk_clip_tau(tc),
   )
-  return StepParts(optimizer, schedule, build, abstract_state, shardings, batch_sharding, step_fn)
+
+
+def _qk_clip_tau(tc: TrainConfig) -> float | None:
+  return tc.optim.qk_clip_tau if tc.optim.qk_clip_tau > 0 else None
 
 
 def _schedule(tc: TrainConfig):
@@ -146,13 +127,12 @@ class _Loop:
     workdir: str,
     step_fn,
     ckpt: Checkpointer,
-    mesh,
-    preset: str,
+    batch_sharding,
     meta: dict,
     peak: tuple[float, str],
   ):
     self.tc, self.workdir, self.step_fn, self.ckpt = tc, workdir, step_fn, ckpt
-    self.batch_sharding = sharding.batch_sharding(mesh, preset)
+    self.batch_sharding = batch_sharding
     self.primary = jax.process_index() == 0
     self.spikes = SpikeDetector(tc.log.spike_factor, tc.log.spike_window, meta.get("spike_history"))
     self.flops_per_token = flops_per_token(tc.model, tc.data.seq_len)

@@ -37,6 +37,7 @@ FAULTS = (
   "dup50",
   "dup50_mismatch",
   "no_version",
+  "detok_dropped_id",
 )
 FLAVORS = ("sglang", "sglang-jax")
 POST_ROUTES = ("generate", "abort_request", "update_weights_from_disk")
@@ -235,3 +236,5 @@ def _corrupt(out: dict, fault: str | None) -> None:
     meta["output_token_logprobs"] = [[lp - 0.5, t, x] for lp, t, x in lps[:50]] + lps
   elif fault == "no_version":
     meta.pop("weight_version", None)
+  elif fault == "detok_dropped_id":  # sglang-jax's detokenizer held back a token decoding to incomplete UTF-8
+    del out["output_ids"][1]

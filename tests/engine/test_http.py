@@ -149,6 +149,21 @@ def test_sglang_jax_duplicated_logprobs_are_repaired_only_when_exact():
     assert eng.metrics() == {"logprobs_dup_repaired": 1, "logprobs_dup_rejected": 1}
 
 
+def test_ids_the_detokenizer_dropped_are_restored_from_the_logprob_entries():
+  long_req = GenerateRequest("r60", (5, 6, 7), SamplingParams(max_new_tokens=100, seed=3))
+  with FakeSglangServer(_fake(length=60)) as server:
+    eng = _client(server, retry=NO_RETRY)
+    direct = _fake(length=60).generate(long_req)
+    server.faults.extend(["detok_dropped_id", "dup50", "detok_dropped_id"])
+    for _ in range(3):
+      res = eng.generate(long_req)
+      assert res.output_ids == direct.output_ids and res.output_logprobs == pytest.approx(direct.output_logprobs)
+    assert eng.metrics() == {"output_ids_restored": 2, "logprobs_dup_repaired": 1}
+    server.faults.append("bad_count")  # one more token counted than the entries hold: still rejected
+    with pytest.raises(InvalidResponse):
+      eng.generate(long_req)
+
+
 def test_missing_weight_version_gives_unknown_versions_not_a_guess(server):
   server.faults.append("no_version")
   eng = _client(server)

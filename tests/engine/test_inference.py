@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from k2jax.engine import EngineConfig, GenerateRequest, InferenceEngine, SamplingParams
+from k2jax.engine.runner import ModelRunner, sampling_arrays
 from k2jax.model import K2Model, presets
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -209,3 +210,14 @@ def test_a_failing_request_fails_alone(local, monkeypatch):
   for live in good + [late]:
     c = engine.wait(live, timeout=120)
     assert c.finish_reason == "length" and c.output_ids == ref
+
+
+def test_precompile_compiles_every_bucket_and_writes_nothing(local):
+  """After precompile no request compiles (an abort never waits behind a compile) and the cache is empty."""
+  runner = ModelRunner(local.model, num_slots=2, max_len=64, num_top=2, min_bucket=16)
+  runner.precompile()
+  assert runner._prefill._cache_size() == 3 and runner._decode._cache_size() == 1  # buckets 16, 32, 64
+  assert all(not np.asarray(a).any() for a in jax.tree.leaves(runner.cache))
+  for n in (1, 17, 40, 64):
+    runner.prefill(0, list(_prompt(n, n)), 0, sampling_arrays([0.0], [1.0], [0], [0], [n]))
+  assert runner._prefill._cache_size() == 3

@@ -125,7 +125,7 @@ def test_resume_restores_state(run, tmp_path):
 def test_engine_logprobs_match_trainer(run):
   """loss.old_logprobs='engine' is sound here: the engine's sampling logprobs (temperature 1) equal the
   trainer's recomputation on every token sampled with the current weights."""
-  learner, _, _ = run
+  learner, _, records = run
   lc = learner.lc
   batch, _ = learner.manager.collect(learner.sync.version)
   arrays, dropped = batching.to_train_arrays(
@@ -140,6 +140,8 @@ def test_engine_logprobs_match_trainer(run):
   current = (arrays["loss_mask_BT"] > 0) & (versions == learner.sync.version)
   assert current.sum() > lc.rows  # most tokens are fresh (a few resume from the previous version)
   np.testing.assert_allclose(lp[current], arrays["engine_logprobs_BT"][current], atol=2e-4)
+  gaps = [r["engine_logprob_max_abs_diff"] for r in records if "reward_mean" in r]  # the same, logged per iteration
+  assert len(gaps) == ITERATIONS and max(gaps) <= 2e-4
 
 
 def test_engine_url_switch(run):
@@ -187,7 +189,7 @@ def test_weight_sync_changes_engine_outputs(run):
 
 
 def test_bad_samples_are_dropped_and_counted(run):
-  learner, _, _ = run
+  learner, _, records = run
   lc = learner.lc
   batch, _ = learner.manager.collect(learner.sync.version)
   # Sample 0's logprob list is one entry short of its response (the sglang-jax class of bug, assembled).

@@ -45,9 +45,15 @@ def test_config_boundary(tmp_path):
     ({"task.kind": "chess"}, "task.kind"),
     ({"task.kind": "math_jsonl", "task.path": "/nope.jsonl"}, "task.path"),
     ({"task.kind": "math_jsonl", "task.path": __file__}, "warm_start.steps"),
+    ({"rollout.engine": "vllm"}, "rollout.engine"),
+    ({"rollout.engine": "sglang_jax_colocated", "rollout.engine_url": "http://a:1"}, "rollout.engine"),
   ):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
       from_config_dict(_config(**overrides), str(tmp_path), (1,))
+  sgl = {"rollout.engine": "sglang_jax_colocated", "sglang_jax.precompile_bs_paddings": "1,8"}
+  lc = from_config_dict(_config(**sgl), str(tmp_path), (1,))
+  assert lc.rollout_engine == "sglang_jax_colocated" and lc.sglang_jax.precompile_bs_paddings == (1, 8)
+  assert lc.sglang_jax.precompile_token_paddings == (256,) and lc.sglang_jax.device == "cpu"
   with pytest.raises(ValueError, match="old_logprobs"):
     from_config_dict(_config(**{"loss.old_logprobs": "magic"}), str(tmp_path), (1,))
   with pytest.raises(ValueError, match="target_groups"):
@@ -95,6 +101,17 @@ def test_each_check_drops_and_counts(corrupt, check):
   np.testing.assert_array_equal(arrays["sample_mask_B"], [0, 1, 0, 0])
   assert not arrays["tokens_BT"][0].any() and not arrays["loss_mask_BT"][0].any()
   np.testing.assert_array_equal(arrays["tokens_BT"][1, :2], [5, 9])
+
+
+def test_engine_logprob_gap_counts_only_trained_tokens_of_the_current_version():
+  batch = _batch()
+  arrays, _ = batching.to_train_arrays(batch, rows=2, seq_len=4, vocab_size=4096, version=3)
+  trainer = arrays["engine_logprobs_BT"].copy()
+  trainer[0, 2] -= 3e-5  # a version-3 response token
+  trainer[1, 1] += 0.5  # sampled by version 2: pi_old of other weights, not a mismatch
+  trainer[0, 1] += 0.7  # a prompt token
+  assert batching.engine_logprob_gap(arrays, batch, trainer, 3) == pytest.approx(3e-5, rel=1e-3)
+  assert batching.engine_logprob_gap(arrays, batch, trainer, 7) is None
 
 
 def test_clean_batch_and_too_long():

@@ -138,11 +138,6 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="issue 11: a 2-process RL checkpoint restored by 1 process fails orbax's topology check "
-  "(the learner's restore passes no target shardings for every saved leaf)",
-)
 def test_two_processes_train_checkpoint_push_then_one_resumes(tmp_path):
   cache = str(tmp_path / "jax_cache")
   workdir = str(tmp_path / "w")
@@ -184,7 +179,7 @@ def test_two_processes_train_checkpoint_push_then_one_resumes(tmp_path):
     assert len(names) == len(set(names)) and sorted(names) == sorted(want) == sorted(index)
     # Every push after it reached the engine: it serves exactly the final checkpoint's weights.
     _, final = _params(workdir)
-    served_now = served._params
+    served_now = served._runner.params()
     for path, x in jax.tree_util.tree_flatten_with_path(final)[0]:
       y = served_now
       for k in path:

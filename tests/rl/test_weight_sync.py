@@ -136,7 +136,6 @@ def test_colocated_push_serves_trainer_weights_without_files(tmp_path):
     after = engine.generate(GenerateRequest("after", prompt, greedy))
     assert after.weight_versions == (1, 1, 1) and engine.weight_version == 1
     assert not root.exists() and os.listdir(tmp_path) == []  # no file anywhere
-    # The engine holds a copy: deleting the trainer's arrays (as donation does) leaves it serving.
     params, bias = split_dict(state, nnx.to_pure_dict(nnx.state(K2Model(cfg, rngs=nnx.Rngs(0)), nnx.Param)))
     mdef = ModelDef.from_model(nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0))))
     ids = prompt + list(after.output_ids)
@@ -144,9 +143,13 @@ def test_colocated_push_serves_trainer_weights_without_files(tmp_path):
     lp = np.asarray(jax.jit(rl_step.make_logprobs_fn(mdef))(params, bias, tokens, np.ones_like(tokens)))
     np.testing.assert_allclose(lp[0, len(prompt) :], after.output_logprobs, atol=1e-4)
     assert np.max(np.abs(np.asarray(after.output_logprobs) - np.asarray(before.output_logprobs))) > 1e-3
-    jax.tree.map(lambda x: x.delete(), state)
+    # Weights already on the engine's device are served as they are: no copy at all.
+    local = jax.device_put(trained, jax.local_devices()[0])
+    assert sync.push(local) == 2
+    served = jax.tree.leaves(engine._runner.params())
+    assert [a.unsafe_buffer_pointer() for a in served] == [a.unsafe_buffer_pointer() for a in jax.tree.leaves(local)]
     again = engine.generate(GenerateRequest("again", prompt, greedy))
-    assert again.output_ids == after.output_ids
+    assert again.output_ids == after.output_ids and again.weight_versions == (2, 2, 2)
     assert merge_dicts(params, bias).keys() == trained.keys()
   finally:
     engine.close()

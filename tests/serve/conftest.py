@@ -43,7 +43,7 @@ def served(tmp_path_factory):
   k2jax.save_hf(model, hf_dir)
   server = Server(
     hf_dir,
-    engine_config=EngineConfig(max_slots=4, max_seq_len=MAX_LEN, prefix_cache_entries=8),
+    engine_config=EngineConfig(max_slots=4, max_seq_len=MAX_LEN, prefix_cache_entries=8, precompile=True),
     port=0,
     limits=HttpLimits(read_timeout_s=2.0, max_body_bytes=1 << 20),
   ).start()
