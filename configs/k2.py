@@ -73,6 +73,7 @@ def _base() -> config_dict.ConfigDict:
   # logit) when compiling for TPU (GPU: its plain-JAX blocked fallback), the einsum path on CPU.
   c.model.attention = "auto"
   c.model.moe_dispatch = "auto"  # EP all-to-all: auto (ragged on TPU/GPU, fixed on CPU) | fixed | ragged
+  c.model.moe_chunk_tokens = 0  # EP: tokens per device per dispatch chunk (0 = all at once; bounds EP buffers)
 
   c.data = config_dict.ConfigDict()
   c.data.kind = "pretrain"  # pretrain (packed documents) | sft (chat, assistant-only loss)
@@ -152,6 +153,8 @@ def _k2_1t(c):
   c.model.preset = "1t"
   c.model.compute_dtype = "bfloat16"
   c.model.remat_policy = "full"
+  # 8 chunks of 512 tokens: the dropless EP receive buffer is 32768 rows (448 MiB) instead of 262144 (3.5 GiB).
+  c.model.moe_chunk_tokens = 512
   c.data.seq_len = 4096
   c.data.global_batch_size = _K2_BATCH_SEQS
   c.data.num_microbatches = 32  # 4096 tokens per device per microbatch: fits v5p HBM (dry run)

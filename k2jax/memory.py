@@ -78,7 +78,8 @@ def plan(
     topology: a TOPOLOGIES name: gives num_devices and device_memory_bytes.
     device_memory_bytes, num_devices: explicit values (override the topology's).
     mu_dtype: Muon/AdamW first-moment dtype (None: the parameter dtype), as given to `muonclip`.
-    num_microbatches: > 1 holds a float32 gradient accumulator beside each microbatch's gradients.
+    num_microbatches: > 1 holds each microbatch's gradient (`grad_accum`: stacked layer matrices in the
+      compute dtype, the rest in the parameter dtype) beside the float32 gradient accumulator (`grads`).
     accelerator: whether the plan is for TPU/GPU (EP 'auto' dispatch is ragged there); None: true
       when `topology` is given, else this host's backend.
   Returns a dict of ints (bytes per device, parameter counts) plus `fits` (bool or None when no
@@ -110,13 +111,26 @@ def plan(
     _shard_bytes(x, specs[path_name(p)], sizes, path_name(p))
     for p, x in jax.tree_util.tree_flatten_with_path(trained)[0]
   )
-  grad_accum = grads_bytes if num_microbatches > 1 else 0
+  # The stacked layer matrices in the compute dtype (model.transformer.compute_copy): the copy the layer
+  # scan reads, and each microbatch's gradient of them before it is added to the float32 accumulator.
+  c = jnp.dtype(model_cfg.compute_dtype)
+  trained_names = {path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(trained)[0]}
+  copied = [n for n in trained_names if _compute_copied(n)] if c != jnp.dtype(model_cfg.param_dtype) else []
+  copy_bytes = sum(_shard_bytes(jax.ShapeDtypeStruct(shapes[n].shape, c), specs[n], sizes, n) for n in copied)
+  grad_accum = grads_bytes - sum(_shard_bytes(shapes[n], specs[n], sizes, n) for n in copied) + copy_bytes
+  grad_accum = grad_accum if num_microbatches > 1 else 0
   gathered = gathered_layer_bytes(model_cfg, shapes, specs, sizes)
   if accelerator is None:
     accelerator = topo is not None or jax.default_backend() in expert_parallel.RAGGED_PLATFORMS
   ragged = model_cfg.moe_dispatch == "ragged" or (model_cfg.moe_dispatch == "auto" and accelerator)
-  act = activation_bytes(model_cfg, sizes, rules_preset, batch_per_device_tokens, seq_len, ragged=ragged)
-  total = params_bytes + grads_bytes + grad_accum + opt_bytes + gathered + act
+  flash = model_cfg.attention == "flash" or (model_cfg.attention == "auto" and accelerator)
+  act = activation_bytes(model_cfg, sizes, rules_preset, batch_per_device_tokens, seq_len, ragged=ragged, flash=flash)
+  # XLA:TPU (libtpu 0.0.50) holds a second buffer of the microbatch loop's carried gradient accumulator
+  # and of each microbatch's gradient: fitted to its compiled peaks of 1t on v5p-1024 at 4, 16 and 61
+  # layers (0.83 GiB per layer against 0.59 GiB of state, activations and gradients per layer). The
+  # mechanism (copies of loop-carried buffers for overlapped iterations) is inferred, not checked.
+  loop_copy = grads_bytes + grad_accum if accelerator and num_microbatches > 1 else 0
+  total = params_bytes + grads_bytes + grad_accum + opt_bytes + copy_bytes + gathered + act + loop_copy
   return dict(
     num_devices=n_dev,
     mesh=",".join(f"{a}={s}" for a, s in sizes.items()),
@@ -127,6 +141,8 @@ def plan(
     grads_bytes_per_device=grads_bytes,
     grad_accum_bytes_per_device=grad_accum,
     opt_bytes_per_device=opt_bytes,
+    compute_copy_bytes_per_device=copy_bytes,
+    loop_copy_bytes_per_device=loop_copy,
     gathered_bytes_per_device=gathered,
     act_bytes_per_device=act,
     total_bytes_per_device=total,
@@ -143,9 +159,10 @@ def format_plan(p: dict) -> str:
 
 
 def gathered_layer_bytes(cfg: K2Config, shapes: dict, specs: dict, sizes: Mapping[str, int]) -> int:
-  """One layer's weights as FSDP all-gathers them for its forward and backward, per device: the
-  gathered copy in the compute dtype, its gradient before the reduce-scatter, and the next layer's
-  copy prefetched meanwhile (3 copies of the largest layer kind; only fsdp shards are gathered)."""
+  """One layer's weights as FSDP all-gathers them for its backward, per device: the gathered copy in
+  the compute dtype and its gradient before the reduce-scatter (2 copies of the largest layer kind;
+  only fsdp shards are gathered). XLA:TPU's peak for 1t on v5p-1024 holds exactly these for one MoE
+  layer."""
   c = jnp.dtype(cfg.compute_dtype).itemsize
   per_kind: dict[str, int] = {}
   for name, x in shapes.items():
@@ -158,20 +175,29 @@ def gathered_layer_bytes(cfg: K2Config, shapes: dict, specs: dict, sizes: Mappin
       for d, e in zip(x.shape[1:], entries[1:])
     ]
     per_kind[kind] = per_kind.get(kind, 0) + math.prod(kept) * c
-  return 3 * max(per_kind.values(), default=0)
+  return 2 * max(per_kind.values(), default=0)
 
 
 def activation_bytes(
-  cfg: K2Config, sizes: Mapping[str, int], preset: str, tokens: int, seq_len: int, *, ragged: bool = False
+  cfg: K2Config,
+  sizes: Mapping[str, int],
+  preset: str,
+  tokens: int,
+  seq_len: int,
+  *,
+  ragged: bool = False,
+  flash: bool = False,
 ) -> int:
   """Estimated activation bytes held for the backward pass, per device.
 
   Per token and layer (c = compute dtype bytes; widths divided by their `tensor` sharding):
-    attention: c*(2D + 2Rq + 2H(Kn+Kr) + 2(Rkv+Kr) + H(Kn+V) + HV) + (4 + c)*H*seq_len
-               (float32 logits and compute-dtype probabilities: the plain XLA attention path)
-    MoE:       c*(D + o*k*(2D + 3F) + 3Fs) + 4E (router scores), o = EP worst-case rows over real
-               rows (both dispatches receive into a dropless worst-case buffer); ragged EP sends
-               exact rows: c*(D + k*D + o*k*(D + 3F) + 3Fs) + 4E
+    attention: c*(2D + 2Rq + 2H(Kn+Kr) + 2(Rkv+Kr) + H(Kn+V) + HV) + scores, where scores =
+               (4 + c)*H*seq_len on the einsum path (float32 logits, compute-dtype probabilities) and
+               0 with the flash kernel (memory linear in seq_len)
+    MoE:       c*(D + 3Fs) + 4E (router scores), plus the routed rows per token of one dispatch chunk
+               (`moe_chunk_tokens` under expert parallelism: the rest of the chunks are rematerialised):
+               ragged c*(k*D + o*k*(D + 3F)), fixed c*o*k*(2D + 3F), o = the dropless worst-case rows
+               over real rows of the receive buffer (`expert_parallel.padding_overhead`)
     dense FFN: c*(D + 3F_dense)
   Remat: 'none' and 'dots' keep every layer; 'dots_no_batch' drops the attention score terms
   (batched dots); 'full' keeps only each layer's input (c*D) plus one layer recomputed in backward.
@@ -184,29 +210,36 @@ def activation_bytes(
   D, H, S = cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size
   Kn, Kr, V, Rq, Rkv = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank)
   ht = tp("q_heads")
-  scores = (4 + c) * H * seq_len / ht
+  scores = 0 if flash else (4 + c) * H * seq_len / ht
   attn = c * (2 * D + 2 * Rq + 2 * H * (Kn + Kr) / ht + 2 * (Rkv + Kr) + H * (Kn + V + V) / ht)
   ep = tp("experts")
+  chunk = tokens // expert_parallel.num_chunks(tokens, cfg.moe_chunk_tokens) if ep > 1 else tokens
   o = (
-    expert_parallel.padding_overhead(max(tokens, 1), cfg.num_experts_per_tok, cfg.n_routed_experts // ep, ep)
+    expert_parallel.padding_overhead(max(chunk, 1), cfg.num_experts_per_tok, cfg.n_routed_experts // ep, ep)
     if ep > 1
     else 1.0
   )
   F, Fs = cfg.moe_intermediate_size / tp("expert_mlp"), cfg.moe_intermediate_size * cfg.n_shared_experts
   k = cfg.num_experts_per_tok
-  routed = k * D + o * k * (D + 3 * F) if ragged else o * k * (2 * D + 3 * F)
-  moe = c * (D + routed + 3 * Fs / tp("shared_mlp")) + 4 * cfg.n_routed_experts
-  dense = c * (D + 3 * cfg.intermediate_size / tp("mlp"))
-  per_layer = {"dense": attn + scores + dense, "moe": attn + scores + moe}
+  routed = c * (k * D + o * k * (D + 3 * F) if ragged else o * k * (2 * D + 3 * F))
+  moe = tokens * (c * (D + 3 * Fs / tp("shared_mlp")) + 4 * cfg.n_routed_experts) + chunk * routed
+  dense = tokens * c * (D + 3 * cfg.intermediate_size / tp("mlp"))
+  per_layer = {"dense": tokens * (attn + scores) + dense, "moe": tokens * (attn + scores) + moe}
   if cfg.remat_policy == "dots_no_batch":
-    per_layer = {k: v - scores for k, v in per_layer.items()}
+    per_layer = {k: v - tokens * scores for k, v in per_layer.items()}
   n = {"dense": cfg.num_dense_layers, "moe": cfg.num_moe_layers}
   if cfg.remat_policy == "full":
-    held = cfg.num_hidden_layers * c * D + max(per_layer[k] for k in n if n[k])
+    held = tokens * cfg.num_hidden_layers * c * D + max(per_layer[k] for k in n if n[k])
   else:
     held = sum(n[k] * per_layer[k] for k in n)
-  logits = 2 * 4 * S / tp("act_vocab")
-  return int(tokens * (held + logits))
+  logits = tokens * 2 * 4 * S / tp("act_vocab")
+  return int(held + logits)
+
+
+def _compute_copied(name: str) -> bool:
+  """Whether param `name` is a stacked layer matrix the layer scan reads in the compute dtype."""
+  parts = name.split(".")
+  return parts[0] in ("dense_layers", "moe_layers") and parts[-1].startswith("w_") and "router" not in parts
 
 
 def _shard_bytes(x, spec, sizes, name) -> int:

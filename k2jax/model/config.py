@@ -21,7 +21,15 @@ MOE_DISPATCHES = ("auto", "fixed", "ragged")
 
 # Execution knobs: how to run the architecture, never written to config.json. A key of that name in a
 # config.json is not one of ours: it is kept verbatim in `extra` like any unknown HF key.
-EXEC_FIELDS = ("param_dtype", "compute_dtype", "scan_layers", "remat_policy", "attention", "moe_dispatch")
+EXEC_FIELDS = (
+  "param_dtype",
+  "compute_dtype",
+  "scan_layers",
+  "remat_policy",
+  "attention",
+  "moe_dispatch",
+  "moe_chunk_tokens",
+)
 _K2JAX_FIELDS = EXEC_FIELDS + ("extra",)
 # HF keys derived from others or meaningless here; accepted on input, not kept in `extra`.
 _IGNORED_HF_KEYS = (
@@ -103,6 +111,11 @@ class K2Config:
   # 'fixed' a dropless worst-case buffer per destination (XLA:CPU has no ragged-all-to-all);
   # 'auto' picks ragged where the compile target's platform has it.
   moe_dispatch: str = "auto"
+  # Expert parallelism runs each device's tokens through dispatch, experts and combine in chunks of at
+  # most this many tokens (0: one chunk), each chunk rematerialised in the backward pass: the dropless
+  # worst-case receive buffer (ep * n * min(k, E_loc) rows) shrinks with n. Outputs are the same; the
+  # routed experts' weight gradients are summed over chunks in the compute dtype.
+  moe_chunk_tokens: int = 0
   extra: tuple[tuple[str, str], ...] = ()  # unknown HF keys -> JSON-encoded values
 
   def __post_init__(self):
@@ -262,6 +275,7 @@ def validate(c: K2Config) -> None:
   _need(c.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
   _need(c.remat_policy in REMAT_POLICIES, "remat_policy", f"one of {REMAT_POLICIES}, got {c.remat_policy!r}")
   _need(c.attention in ATTENTION_KINDS, "attention", f"one of {ATTENTION_KINDS}, got {c.attention!r}")
+  _need(c.moe_chunk_tokens >= 0, "moe_chunk_tokens", f">= 0 (0: one chunk), got {c.moe_chunk_tokens}")
   _need(c.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", f"one of {MOE_DISPATCHES}, got {c.moe_dispatch!r}")
   for name in ("param_dtype", "compute_dtype"):
     _need(getattr(c, name) in ("float32", "bfloat16"), name, f"float32 or bfloat16, got {getattr(c, name)!r}")

@@ -46,13 +46,26 @@ RAGGED_PLATFORMS = ("tpu", "gpu")  # XLA backends with ragged-all-to-all
 FUSED_CPU = True  # one device's MoE on CPU through moe_cpu.moe_swiglu (tests compare it with False)
 
 
-def routed_experts(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, dispatch: str = "auto"):
+def routed_experts(
+  x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, dispatch: str = "auto", chunk_tokens: int = 0
+):
   """Σ_k weights[n,k] · Expert_{idx[n,k]}(x[n]): on one device, or by expert parallelism when a
-  multi-device mesh is active (`sharding.use`). `dispatch`: 'auto' | 'fixed' | 'ragged'."""
+  multi-device mesh is active (`sharding.use`). `dispatch`: 'auto' | 'fixed' | 'ragged';
+  `chunk_tokens`: expert parallelism takes each device's tokens in chunks of at most this many (0: all)."""
   ctx = sharding_lib.current()
   if ctx is None:
     return dispatch_compute_combine(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD)
-  return ep_experts(ctx, x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, ragged=use_ragged(dispatch))
+  return ep_experts(
+    ctx,
+    x_ND,
+    weights_Nk,
+    idx_Nk,
+    w_gate_EDF,
+    w_up_EDF,
+    w_down_EFD,
+    ragged=use_ragged(dispatch),
+    chunk_tokens=chunk_tokens,
+  )
 
 
 def use_ragged(dispatch: str) -> bool:
@@ -110,10 +123,25 @@ def combine(y_sorted_MD, order_M, weights_Nk, N: int, k: int):
 
 # --------------------------------------------------------------------------------- expert parallel
 def ep_experts(
-  ctx: sharding_lib.Context, x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, ragged: bool = False
+  ctx: sharding_lib.Context,
+  x_ND,
+  weights_Nk,
+  idx_Nk,
+  w_gate_EDF,
+  w_up_EDF,
+  w_down_EFD,
+  *,
+  ragged: bool = False,
+  chunk_tokens: int = 0,
 ):
   """Σ_k weights[n,k] · Expert_{idx[n,k]}(x[n]) with tokens sharded over the batch axes and experts
-  over the `experts` rule's mesh axes. Same contract as `routed_experts` on the global arrays."""
+  over the `experts` rule's mesh axes. Same contract as `routed_experts` on the global arrays.
+
+  `chunk_tokens` > 0 runs each device's n tokens in `num_chunks(n, chunk_tokens)` sequential chunks, each
+  rematerialised in the backward pass (only the chunk's inputs are saved): every dispatch buffer is
+  sized by the chunk's tokens, so the dropless worst case shrinks by the chunk count (K2 at EP 8 with
+  4096 tokens per device: 262144 received rows, 3.5 GiB in bf16, per buffer unchunked). Each token's
+  output is unchanged; the weight gradients are summed over chunks (in the weights' compute dtype)."""
   N, k = idx_Nk.shape
   E = w_gate_EDF.shape[0]
   batch_spec = sharding_lib.logical_to_spec(("act_batch",), ctx.preset)
@@ -131,16 +159,31 @@ def ep_experts(
     )
   tok, tp = P(batch_spec[0], None), (tp_axes[0] if len(tp_axes) == 1 else tp_axes or None)
   ep_name = ep_axes[0] if len(ep_axes) == 1 else (ep_axes or None)
-  w_in, w_out = P(ep_name, None, tp), P(ep_name, tp, None)
-  fn = functools.partial(_local_moe, ep_axis=ep_name, ep=ep, tp_axis=tp, ragged=ragged)
-  # Cast to the compute dtype before shard_map gathers the fsdp shards: the all-gather, the gathered
-  # copy and the weight gradients' reduce-scatter are then bf16, not float32 (K2: 4.2 GB instead of
-  # 8.4 GB per MoE layer and device at EP 8).
+  # The weights' `embed` shards (FSDP) are all-gathered inside shard_map, so the transpose is a
+  # reduce-scatter: the weight gradient leaves as this device's shard. (Gathered by the partitioner
+  # before shard_map, the gradient was all-reduced at full size, then sliced.)
+  fsdp = sharding_lib.logical_to_spec(("experts", "embed", "expert_mlp"), ctx.preset)[1]
+  w_in, w_out = P(ep_name, fsdp, tp), P(ep_name, tp, fsdp)
+  chunks = num_chunks(N // n_shards, chunk_tokens)
+  fn = functools.partial(_local_moe, ep_axis=ep_name, ep=ep, tp_axis=tp, ragged=ragged, chunks=chunks, fsdp_axis=fsdp)
+  # Cast to the compute dtype before the fsdp shards are gathered: the all-gather, the gathered copy and
+  # the weight gradients' reduce-scatter are then bf16, not float32 (K2: 4.2 GB instead of 8.4 GB per
+  # MoE layer and device at EP 8).
   dt = x_ND.dtype
   weights = (w_gate_EDF.astype(dt), w_up_EDF.astype(dt), w_down_EFD.astype(dt))
   return jax.shard_map(fn, mesh=ctx.mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=tok)(
     x_ND, weights_Nk, idx_Nk, *weights
   )
+
+
+def num_chunks(n_local: int, chunk_tokens: int) -> int:
+  """Chunks of at most `chunk_tokens` tokens that split `n_local` evenly (1 when chunk_tokens <= 0)."""
+  if chunk_tokens <= 0 or n_local <= chunk_tokens:
+    return 1
+  c = -(-n_local // chunk_tokens)
+  while n_local % c:
+    c += 1
+  return c
 
 
 def send_capacity(n_local: int, k: int, experts_per_device: int) -> int:
@@ -154,7 +197,19 @@ def padding_overhead(n_local: int, k: int, experts_per_device: int, ep: int) -> 
   return ep * send_capacity(n_local, k, experts_per_device) / (n_local * k)
 
 
-def _local_moe(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, *, ep_axis, ep: int, tp_axis, ragged: bool):
+def _local_moe(
+  x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, *, ep_axis, ep: int, tp_axis, ragged: bool, chunks=1, fsdp_axis=None
+):
+  if fsdp_axis is not None:  # [E_loc, D/f, F] shards -> [E_loc, D, F] (w_down: [E_loc, F, D])
+    w_gate = jax.lax.all_gather(w_gate, fsdp_axis, axis=1, tiled=True)
+    w_up = jax.lax.all_gather(w_up, fsdp_axis, axis=1, tiled=True)
+    w_down = jax.lax.all_gather(w_down, fsdp_axis, axis=2, tiled=True)
+  if chunks > 1:
+    one = functools.partial(_local_moe, ep_axis=ep_axis, ep=ep, tp_axis=tp_axis, ragged=ragged)
+    body = jax.checkpoint(lambda xs: one(*xs, w_gate, w_up, w_down), policy=jax.checkpoint_policies.nothing_saveable)
+    split = lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:])  # noqa: E731
+    y_cnD = jax.lax.map(body, (split(x_nD), split(weights_nk), split(idx_nk)))
+    return y_cnD.reshape(x_nD.shape)
   n, k = idx_nk.shape
   if ep == 1:
     y_nD = dispatch_compute_combine(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down)

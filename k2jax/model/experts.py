@@ -20,6 +20,7 @@ class Experts(nnx.Module):
     E, D, F = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     std, dt = cfg.initializer_range, jnp.dtype(cfg.param_dtype)
     self.dispatch = cfg.moe_dispatch
+    self.chunk_tokens = cfg.moe_chunk_tokens
     self.w_gate = make_param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), stack=stack, std=std, dtype=dt)
     self.w_up = make_param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), stack=stack, std=std, dtype=dt)
     self.w_down = make_param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), stack=stack, std=std, dtype=dt)
@@ -27,4 +28,6 @@ class Experts(nnx.Module):
   def __call__(self, x_ND, weights_Nk, idx_Nk):
     """Σ_k weights[n,k] · Expert_{idx[n,k]}(x[n]) for every token n. Returns [N, D] in x's dtype."""
     weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
-    return expert_parallel.routed_experts(x_ND, weights_Nk, idx_Nk, *weights, dispatch=self.dispatch)
+    return expert_parallel.routed_experts(
+      x_ND, weights_Nk, idx_Nk, *weights, dispatch=self.dispatch, chunk_tokens=self.chunk_tokens
+    )

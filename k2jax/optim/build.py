@@ -89,7 +89,7 @@ def muonclip(
 
   def muon_branch(branch_owners):
     return optax.chain(
-      muon_lib.scale_by_muon(owners=branch_owners, **muon_kw),
+      muon_lib.scale_by_muon(owners=branch_owners, layout=True, **muon_kw),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate),
     )

@@ -8,7 +8,10 @@ import pytest
 from conftest import SPEC, synthetic_params
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from k2jax import sharding
 from k2jax.optim import OwnerSharding, muonclip
+from k2jax.model.transformer import param_logical_axes
+from k2jax.optim.muon import layout_newton_schulz, newton_schulz
 
 
 def _spec(path, x):
@@ -93,3 +96,25 @@ class _null:
 
   def __exit__(self, *a):
     return False
+
+
+@pytest.mark.parametrize(
+  "name,shape",
+  [
+    ("moe_layers.moe.experts.w_up", (3, 8, 16, 8)),  # [L, E, D, F]: D over fsdp, E over expert
+    ("moe_layers.moe.experts.w_down", (3, 8, 8, 16)),  # [L, E, F, D]
+    ("moe_layers.attn.w_o", (3, 8, 16)),  # [L, H*V, D]: 3 matrices padded to 4 for fsdp 4
+  ],
+)
+def test_layout_newton_schulz_on_whole_matrices_equals_per_matrix_ns(name, shape):
+  """FSDP-sharded stacks: an all-to-all gives each device whole matrices; the same NS result."""
+  mesh = sharding.make_mesh({"fsdp": 4, "expert": 2})
+  x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+  spec = sharding.logical_to_spec(param_logical_axes()[name], "fsdp_ep")
+  xs = jax.device_put(x, NamedSharding(mesh, spec))
+  with sharding.use(mesh, "fsdp_ep"):
+    fn = jax.jit(lambda a: layout_newton_schulz(a, name))
+    hlo = fn.lower(xs).compile().as_text()
+    got = fn(xs)
+  assert "all-to-all" in hlo and "all-reduce" not in hlo  # whole matrices moved, no partial Gram reduced
+  np.testing.assert_allclose(np.asarray(got), np.asarray(newton_schulz(jnp.asarray(x))), rtol=1e-5, atol=1e-6)

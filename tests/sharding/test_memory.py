@@ -31,9 +31,9 @@ def test_plan_matches_real_sharded_params_and_optimizer_state(preset, mesh_shape
   shardings = sharding.opt_state_shardings(jax.eval_shape(opt.init, params), params, mesh, preset)
   opt_state = jax.jit(opt.init, out_shardings=shardings)(params)
   assert p["opt_bytes_per_device"] == _device0_bytes(opt_state)
-  terms = ("params", "grads", "grad_accum", "opt", "gathered", "act")
+  terms = ("params", "grads", "grad_accum", "opt", "compute_copy", "gathered", "act", "loop_copy")
   assert p["total_bytes_per_device"] == sum(p[f"{k}_bytes_per_device"] for k in terms)
-  assert p["grad_accum_bytes_per_device"] == 0  # one microbatch: no accumulator
+  assert p["grad_accum_bytes_per_device"] == p["compute_copy_bytes_per_device"] == 0  # 1 microbatch, f32 compute
   assert p["fits"] is True
   lines = memory.format_plan(p).splitlines()
   assert lines[-1] == "fits=True" and f"opt_bytes_per_device={p['opt_bytes_per_device']}" in lines
@@ -62,3 +62,21 @@ def test_plan_errors_name_the_problem():
     memory.plan(presets.get("1t"), {"fsdp": 2, "expert": 256}, "fsdp_ep", 4096, seq_len=4096, topology="v5p-1024")
   with pytest.raises(KeyError, match="unknown topology 'v4'"):
     memory.topology("v4")
+
+
+def test_bf16_compute_copy_and_microbatch_gradient():
+  """bf16 compute: the layer stack's w_* matrices are held once more in bf16 (the scan's copy), and with
+  microbatches their bf16 gradient sits beside the float32 accumulator (the rest of it in float32)."""
+  cfg = presets.get("tiny", compute_dtype="bfloat16")
+  mesh = {"fsdp": 2, "expert": 4}
+  p1 = memory.plan(cfg, mesh, "fsdp_ep", 128, seq_len=16, device_memory_bytes=2**30)
+  p4 = memory.plan(cfg, mesh, "fsdp_ep", 128, seq_len=16, device_memory_bytes=2**30, num_microbatches=4)
+  copy = p1["compute_copy_bytes_per_device"]
+  assert 0 < copy < p1["params_bytes_per_device"] / 2  # half of the matrices' float32 bytes; norms, router, embed stay
+  assert p1["grad_accum_bytes_per_device"] == 0
+  assert p4["grad_accum_bytes_per_device"] == p4["grads_bytes_per_device"] - copy
+  assert p4["loop_copy_bytes_per_device"] == 0  # CPU plan; on TPU/GPU XLA holds both gradients twice
+  pa = memory.plan(
+    cfg, mesh, "fsdp_ep", 128, seq_len=16, device_memory_bytes=2**30, num_microbatches=4, accelerator=True
+  )
+  assert pa["loop_copy_bytes_per_device"] == pa["grads_bytes_per_device"] + pa["grad_accum_bytes_per_device"]

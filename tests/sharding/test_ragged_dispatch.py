@@ -76,7 +76,11 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
   return result
 
 
-def test_ragged_ep_matches_single_device_values_and_gradients(monkeypatch):
+@pytest.mark.parametrize(
+  "ragged,chunk_tokens,mesh_shape",
+  [(True, 0, {"data": 2, "expert": 4}), (True, 4, {"data": 2, "expert": 4}), (False, 4, {"fsdp": 2, "expert": 4})],
+)
+def test_ragged_ep_matches_single_device_values_and_gradients(monkeypatch, ragged, chunk_tokens, mesh_shape):
   monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
   N, D, F, E, k = 64, 16, 8, 16, 2
   rng = np.random.default_rng(0)
@@ -93,12 +97,14 @@ def test_ragged_ep_matches_single_device_values_and_gradients(monkeypatch):
 
   grad = lambda fn: jax.jit(jax.value_and_grad(functools.partial(loss, fn), argnums=(0, 1, 2, 3), has_aux=True))  # noqa: E731
   (_, y0), g0 = grad(ep_lib.dispatch_compute_combine)(x, *weights)
-  mesh = sharding.make_mesh({"data": 2, "expert": 4})
+  mesh = sharding.make_mesh(mesh_shape)  # fsdp 2: the expert weights' D shards are gathered in shard_map
   with sharding.use(mesh, "fsdp_ep"):
     ctx = sharding.current()
-    hlo = jax.jit(functools.partial(ep_lib.ep_experts, ctx, ragged=True)).lower(x, w, idx, *weights).as_text()
-    (_, y1), g1 = grad(functools.partial(ep_lib.ep_experts, ctx, ragged=True))(x, *weights)
-  assert "all_to_all" not in hlo and "all-to-all" not in hlo  # no fixed-size buffer was exchanged
+    fn = functools.partial(ep_lib.ep_experts, ctx, ragged=ragged, chunk_tokens=chunk_tokens)
+    hlo = jax.jit(fn).lower(x, w, idx, *weights).as_text()
+    (_, y1), g1 = grad(fn)(x, *weights)
+  assert ragged == ("all_to_all" not in hlo and "all-to-all" not in hlo)  # ragged: no fixed-size buffer
+  assert ep_lib.num_chunks(8, chunk_tokens) == (2 if chunk_tokens else 1)
   np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5)
   for a, b in zip(g1, g0):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
