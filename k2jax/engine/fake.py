@@ -74,12 +74,12 @@ class FakeEngine(Engine):
     try:
       t0 = time.monotonic() + cfg.prefill_latency_s
       duration = cfg.prefill_latency_s + n_max * cfg.per_token_latency_s
+      n = n_max
       if aborted.wait(timeout=duration):
         elapsed = time.monotonic() - t0
         n = min(n_max, max(0, int(elapsed / cfg.per_token_latency_s))) if elapsed > 0 else 0
-        finish = "abort"
-      else:
-        n = n_max
+        if n < n_max:  # an abort that lands after the last token finds the request finished, as in a real engine
+          finish = "abort"
       times = [t0 + (i + 1) * cfg.per_token_latency_s for i in range(n)]
       with self._lock:
         self.busy_slot_s += min(time.monotonic() - t0 + cfg.prefill_latency_s, duration)
