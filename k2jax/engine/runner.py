@@ -92,18 +92,17 @@ class ModelRunner:
   def precompile(self) -> None:
     """Compiles every prefill bucket, the decode step and the row copies now, so that no request waits
     behind a compile later (a compile cannot be aborted). Every write lands at position max_len: dropped."""
-    T = self.min_bucket
+    T = min(self.min_bucket, self.max_len)  # every length bucket_length can return
     while True:
-      T = bucket_length(T, self.min_bucket, self.max_len)
-      self.prefill_padding(T)
+      self._prefill_padding(T)
       if T >= self.max_len:
         break
-      T *= 2
+      T = min(2 * T, self.max_len)
     n = self.num_slots
     self.decode(np.zeros(n, np.int32), np.full(n, self.max_len, np.int32), _greedy(n))
     self.write_row(0, self.read_row(0))
 
-  def prefill_padding(self, T: int) -> None:
+  def _prefill_padding(self, T: int) -> None:
     """Runs the prefill of bucket T on padding only: compiles it and changes no cache row."""
     tokens_1T, positions_1T = np.zeros((1, T), np.int32), np.full((1, T), self.max_len, np.int32)
     _, self.cache = self._prefill(

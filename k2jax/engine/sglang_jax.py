@@ -292,9 +292,9 @@ class SglangJaxEngine(Engine):
     for hf_key, m in mappings.items():
       for field in ("transpose_axes", "reshape", "repeat", "physical_to_logical_map"):
         if getattr(m, field, None) is not None:
-          raise NotImplementedError(f"sglang-jax maps {hf_key} with {field}={getattr(m, field)!r}")
+          raise ValueError(f"the colocated swap refuses sglang-jax's {field}={getattr(m, field)!r} mapping of {hf_key}")
       if getattr(m, "kv_head_padding", False) or getattr(m, "head_dim_padding", False):
-        raise NotImplementedError(f"sglang-jax pads heads of {hf_key}; the colocated swap does not")
+        raise ValueError(f"the colocated swap refuses {hf_key}: sglang-jax pads its heads (serve it over HTTP instead)")
       if hf_key.startswith(_MOE):
         path, *keys = m.target_path
         srcs = [source.get(k) for k in keys]
