@@ -1,38 +1,42 @@
-"""The routed-expert SwiGLU of one device on CPU, dispatch and combine fused around the grouped matmuls.
+"""The routed-expert SwiGLU of one device on CPU: dispatch, grouped SwiGLU and combine in one custom VJP.
 
   y[n] = Σ_j w[n, j] · down_e(silu(x[n] gate_e) * (x[n] up_e)),  e = idx[n, j]
 
 Same function as `expert_parallel`'s sort -> three grouped matmuls -> unsort -> weighted sum, built for
-XLA:CPU, where that chain spent more time moving rows than multiplying them: every grouped matmul
-gathered its input rows into the [E, C] expert stack and scattered its output back to sorted rows
-(forward and backward), and the sort and unsort each moved the [N*k, D] copies once more (profile of
-bench/moe.py, small width: the gathers, scatters and the scatter-add of the sort's gradient were about
-a quarter of the MoE layer's fwd+bwd). Here rows move once each way:
+XLA:CPU. Layout: token copies sorted by expert into a padded row stack X [P, D], each expert's group
+rounded up to a multiple of q rows (zero rows in the padding), so the rows computed are the real ones
+plus under q per expert: work proportional to the routing, whatever its imbalance.
 
-  dispatch  X[e, c] = x[token of the c-th copy routed to e] (zeros past the group's end): one gather
-            straight from x [N, D], no sorted copy;
-  experts   G = X gate, U = X up, H = silu(G) * U, Y = H down: batched dot_generals over [E, C, .],
-            the same dots as grouped_matmul.py's bulk stack, without its scatters in between;
+  dispatch  X[p] = x[token of the copy at padded row p]: one gather straight from x [N, D];
+  experts   each group is cut into tiles of T0, T0/2, ... q rows (whole T0 tiles, then the binary
+            digits of the remainder), one `fori_loop` per tile size whose trip count is the number of
+            such tiles; a tile is three dots against its one expert's weights, written in place;
   combine   y[n] = Σ_j w[n, j] Y[slot(n, j)]: one gather + weighted sum, no scatter.
 
-The backward is the same two gathers with the roles swapped (dY[e, c] = w · dy[token], dx[n] =
-Σ_j dX[slot(n, j)]), so no scatter-add either. Copies past the bulk capacity C of their expert (a hot
-expert) run as overflow tiles of `tile` rows, as in grouped_matmul.py; C comes from the same ladder and
-cost model (`grouped_matmul.capacities`, `choose_capacity`), tiles of `overflow_tile` rows. Dropless:
-no copy is lost.
+The backward runs the same tiles (dX, and the weight gradients accumulated per expert) with the
+routing plan, G, U and the gathered Y saved from the forward: nothing is recomputed.
 
-Residuals: G, U and Y at the top rung of the ladder (~1.125 N*k rows), so the backward recomputes no
-matmul; branches with a smaller C pad to it.
+Why tiles, not the padded [E, C] stack of batched dot_generals this module used before: measured on
+2 cores (XLA:CPU, jax 0.10; 16384 rows, D=1024, F=512, process CPU time, fwd dot rate): a `fori_loop`
+of [T, D] x [D, F] tile dots runs at 130 / 149 / 169 GFLOP/s for T = 64 / 128 / 256 against 148 for
+the batched [64, 256, D] dot, so the batched layout buys no speed, while its capacity C must be static:
+the random router of bench/moe.py (busiest expert 1.8x the mean) left 17% of the [E, C] stack empty
+and sent 17% of the rows through overflow tiles recomputed in the backward (1.23x the real rows in
+all). Here: 1.06x (q = 32 at the small width), one compiled path instead of a `lax.switch` over six.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from k2jax.model import grouped_matmul as gm
+
+MAX_TILE = 256  # measured: 256-row tiles ran the fwd dot at 169 GFLOP/s, 512 no faster
+MIN_TILE = 8
 
 
 def moe_swiglu(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD):
@@ -44,183 +48,146 @@ def moe_swiglu(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD):
   operands = (x_ND, weights_Nk.astype(dt), idx_Nk.astype(jnp.int32), *ws)
   vma = frozenset().union(*(gm._varying_axes(a) for a in operands))
   operands = tuple(gm._cast(a, vma) for a in operands)
-  return _moe_swiglu(*operands, overflow_tile(N * k, E))
+  return _moe_swiglu(*operands, tile_sizes(N * k, E))
 
 
-def overflow_tile(copies: int, experts: int) -> int:
-  """Overflow tile rows: a quarter of the mean group, as a power of two in [8, 128]. Larger than
-  grouped_matmul's (each tile here runs the whole SwiGLU and its gradient, so per-tile overhead
-  counts more): measured on bench/moe.py's random routing, 128-row tiles cut the tiny width's
-  fwd+bwd ~8% against 32-row ones and left the small width unchanged."""
-  mean = max(copies // max(4 * experts, 1), 1)
-  return int(min(128, max(8, 1 << (mean.bit_length() - 1))))
+def tile_sizes(copies: int, experts: int) -> tuple[int, ...]:
+  """Tile rows, largest first: T0 = the mean group as a power of two in [MIN_TILE, MAX_TILE], then its
+  halves down to q = T0 / 8 (at least MIN_TILE). Groups are padded to multiples of q (under q wasted
+  rows per expert); the smaller tiles only cover each group's remainder below T0."""
+  mean = max(copies // max(experts, 1), 1)
+  top = int(min(MAX_TILE, max(MIN_TILE, 1 << (mean.bit_length() - 1))))
+  return tuple(t for t in (top, top // 2, top // 4, top // 8) if t >= MIN_TILE)
 
 
-class _Routing:
-  """Where every token copy m = n*k + j goes for bulk capacity C: slots of the [E, C] stack and tiles."""
-
-  def __init__(self, idx_Nk, E: int, C: int, tile: int):
-    N, k = idx_Nk.shape
-    M = N * k
-    self.N, self.k, self.M, self.C, self.tile = N, k, M, C, tile
-    e_M = idx_Nk.reshape(-1)
-    self.order_M = jnp.argsort(e_M, stable=True).astype(jnp.int32)  # sorted position -> copy
-    self.sizes_E = jnp.bincount(e_M, length=E).astype(jnp.int32)
-    ends_E = jnp.cumsum(self.sizes_E)
-    self.starts_E, self.ends_E = ends_E - self.sizes_E, ends_E
-    # Copy at bulk slot (e, c); M (no copy) past the group's end.
-    i_C = jnp.arange(C, dtype=jnp.int32)
-    pos_EC = jnp.where(i_C[None] < self.sizes_E[:, None], self.starts_E[:, None] + i_C, M)
-    self.copy_EC = jnp.take(self.order_M, pos_EC, axis=0, mode="fill", fill_value=M)
-    self.token_EC = jnp.where(self.copy_EC < M, self.copy_EC // k, N)  # N: out of range -> zero row
-    # Slot of copy m: e*C + rank within its group while the rank is below C; E*C (none) otherwise.
-    pos_M = jnp.zeros((M,), jnp.int32).at[self.order_M].set(jnp.arange(M, dtype=jnp.int32), unique_indices=True)
-    rank_M = pos_M - self.starts_E[e_M]
-    self.slot_Nk = jnp.where(rank_M < C, e_M * C + rank_M, E * C).reshape(N, k)
-    # Overflow tiles over sorted positions: group e's copies from starts[e] + C in `tile`-row pieces.
-    # Windows read `tile` sorted positions; with fewer than `tile` copies, the order is padded with M.
-    self.Mp = max(M, tile)
-    self.order_pad = jnp.pad(self.order_M, (0, self.Mp - M), constant_values=M)
-    n_E = (jnp.maximum(self.sizes_E - C, 0) + tile - 1) // tile
-    cum_E = jnp.cumsum(n_E)
-    self.n_tiles = cum_E[-1]
-    t_T = jnp.arange(-(-M // tile) + E, dtype=jnp.int32)  # static bound on the tile count
-    self.e_T = jnp.minimum(jnp.searchsorted(cum_E, t_T, side="right"), E - 1).astype(jnp.int32)
-    self.r_T = self.starts_E[self.e_T] + C + (t_T - (cum_E - n_E)[self.e_T]) * tile
-
-  def dispatch(self, a_NX):
-    """[N, X] -> [E, C, X]: each bulk slot's token row (zeros in empty slots)."""
-    return jnp.take(a_NX, self.token_EC, axis=0, mode="fill", fill_value=0)
-
-  def slot_weights(self, w_Nk):
-    """[E, C]: the routing weight of each bulk slot's copy (0 in empty slots)."""
-    return jnp.take(w_Nk.reshape(-1), self.copy_EC, axis=0, mode="fill", fill_value=0)
-
-  def gather_slots(self, a_ECX):
-    """[E, C, X] -> [N, k, X]: each copy's bulk row (zeros for overflow copies)."""
-    E, C, X = a_ECX.shape
-    return jnp.take(a_ECX.reshape(E * C, X), self.slot_Nk, axis=0, mode="fill", fill_value=0)
-
-  def tile_at(self, t):
-    """(expert, copies [tile], keep mask [tile]) of overflow tile t; rows outside it are masked off."""
-    e, r = self.e_T[t], self.r_T[t]
-    r0 = jnp.minimum(r, self.Mp - self.tile)  # windows past the end slide back; the mask keeps r..
-    pos_t = r0 + jnp.arange(self.tile, dtype=jnp.int32)
-    copies_t = jax.lax.dynamic_slice_in_dim(self.order_pad, r0, self.tile)
-    return e, copies_t, (pos_t >= r) & (pos_t < self.ends_E[e])
+def padded_rows(copies: int, experts: int, sizes: tuple[int, ...]) -> int:
+  """Static row count P of the padded stack: every group rounded up to q, at most min(E, copies) groups."""
+  q = sizes[-1]
+  return gm._round_up(copies + min(experts, copies) * (q - 1), q)
 
 
-def _swiglu_parts(x, wg, wu, wd, batched: bool):
-  spec = ("ecd,edf->ecf", "ecf,efd->ecd") if batched else ("cd,df->cf", "cf,fd->cd")
-  g = jnp.einsum(spec[0], x, wg, preferred_element_type=jnp.float32).astype(x.dtype)
-  u = jnp.einsum(spec[0], x, wu, preferred_element_type=jnp.float32).astype(x.dtype)
-  y = jnp.einsum(spec[1], jax.nn.silu(g) * u, wd, preferred_element_type=jnp.float32).astype(x.dtype)
-  return g, u, y
+class _Plan(NamedTuple):
+  """Where the copies go (int32 arrays; saved for the backward). m = n*k + j is copy j of token n."""
+
+  slot_Nk: jax.Array  # padded row of each copy
+  copy_P: jax.Array  # copy at each padded row; M (none) in the padding
+  tiles: tuple  # per tile size: (number of tiles, expert [bound], first row [bound])
 
 
-def _forward_at(x_ND, w_Nk, idx_Nk, wg, wu, wd, *, C, C_max, tile):
-  """Output [N, D] and residuals (G, U [E, C_max, F], Y [E, C_max, D]) for bulk capacity C."""
-  E, D, F = wg.shape
+def _plan(idx_Nk, E: int, sizes: tuple[int, ...]) -> _Plan:
   N, k = idx_Nk.shape
-  r = _Routing(idx_Nk, E, C, tile)
-  if C:
-    g, u, y = _swiglu_parts(r.dispatch(x_ND), wg, wu, wd, batched=True)
-    y_ND = jnp.einsum("nkd,nk->nd", r.gather_slots(y), w_Nk)
-  else:
-    g = u = jnp.zeros((E, 0, F), x_ND.dtype)
-    y = jnp.zeros((E, 0, D), x_ND.dtype)
-    y_ND = jnp.zeros((N, D), x_ND.dtype)
-  y_ND = gm._varying_like(y_ND, x_ND, w_Nk, wg)
-  w_M = w_Nk.reshape(-1)
-
-  def one_tile(t, y_ND):
-    e, copies_t, keep_t = r.tile_at(t)
-    tok_t = copies_t // k  # masked-off rows may name token N (padding): clipped reads, dropped adds
-    x_tD = jnp.take(x_ND, tok_t, axis=0, mode="clip")
-    _, _, y_tD = _swiglu_parts(x_tD, wg[e], wu[e], wd[e], batched=False)
-    add_tD = jnp.where(keep_t[:, None], jnp.take(w_M, copies_t, mode="clip")[:, None] * y_tD, 0)
-    return y_ND.at[tok_t].add(add_tD, mode="drop")
-
-  y_ND = jax.lax.fori_loop(0, r.n_tiles, one_tile, y_ND)
-  pad = ((0, 0), (0, C_max - C), (0, 0))
-  res = tuple(gm._varying_like(jnp.pad(a, pad), x_ND, w_Nk, wg) for a in (g, u, y))
-  return y_ND, res
+  M, q, T0 = N * k, sizes[-1], sizes[0]
+  P = padded_rows(M, E, sizes)
+  e_M = idx_Nk.reshape(-1)
+  order_S = jnp.argsort(e_M, stable=True).astype(jnp.int32)  # sorted position -> copy
+  count_E = jnp.bincount(e_M, length=E).astype(jnp.int32)
+  start_E = jnp.cumsum(count_E) - count_E
+  pcount_E = (count_E + q - 1) // q * q
+  pstart_E = jnp.cumsum(pcount_E) - pcount_E
+  e_S = jnp.take(e_M, order_S)
+  slot_S = pstart_E[e_S] + jnp.arange(M, dtype=jnp.int32) - start_E[e_S]
+  slot_M = jnp.zeros((M,), jnp.int32).at[order_S].set(slot_S, unique_indices=True)
+  copy_P = jnp.full((P,), M, jnp.int32).at[slot_S].set(order_S, unique_indices=True)
+  # Whole T0 tiles first, then one tile per binary digit of the remainder (a multiple of q below T0).
+  n_E = pcount_E // T0
+  tiles = [_tile_table(n_E, pstart_E, T0, P // T0)]
+  off_E, rem_E = pstart_E + n_E * T0, pcount_E - n_E * T0
+  for T in sizes[1:]:
+    bit_E = (rem_E // T) % 2
+    tiles.append(_tile_table(bit_E, off_E, T, E))
+    off_E = off_E + bit_E * T
+  return _Plan(slot_M.reshape(N, k), copy_P, tuple(tiles))
 
 
-def _backward_at(x_ND, w_Nk, idx_Nk, wg, wu, wd, res, dy_ND, *, C, tile):
-  E, D, F = wg.shape
-  N, k = idx_Nk.shape
-  r = _Routing(idx_Nk, E, C, tile)
-  refs = (x_ND, w_Nk, wg, dy_ND)
-  if C:
-    g, u, y = (a[:, :C] for a in res)
-    x_ECD, dy_ECD = r.dispatch(x_ND), r.dispatch(dy_ND)
-    dw_Nk = jnp.einsum("nkd,nd->nk", r.gather_slots(y), dy_ND)
-    dyw_ECD = dy_ECD * r.slot_weights(w_Nk)[..., None]
-    sg = jax.nn.sigmoid(g)
-    h = g * sg * u
-    dh = jnp.einsum("ecd,efd->ecf", dyw_ECD, wd, preferred_element_type=jnp.float32).astype(x_ND.dtype)
-    dwd = jnp.einsum("ecf,ecd->efd", h, dyw_ECD, preferred_element_type=jnp.float32)
-    dg = dh * u * sg * (1 + g * (1 - sg))
-    du = dh * g * sg
-    dx_ECD = jnp.einsum("ecf,edf->ecd", dg, wg, preferred_element_type=jnp.float32) + jnp.einsum(
-      "ecf,edf->ecd", du, wu, preferred_element_type=jnp.float32
-    )
-    dwg = jnp.einsum("ecd,ecf->edf", x_ECD, dg, preferred_element_type=jnp.float32)
-    dwu = jnp.einsum("ecd,ecf->edf", x_ECD, du, preferred_element_type=jnp.float32)
-    dx_ND = jnp.sum(r.gather_slots(dx_ECD.astype(x_ND.dtype)), axis=1)
-  else:
-    dw_Nk, dx_ND = jnp.zeros_like(w_Nk), jnp.zeros_like(x_ND)
-    dwg, dwu, dwd = (jnp.zeros(a.shape, jnp.float32) for a in (wg, wu, wd))
-  carry = tuple(gm._varying_like(a, *refs) for a in (dx_ND, dw_Nk.reshape(-1), dwg, dwu, dwd))
-  w_M = w_Nk.reshape(-1)
+def _tile_table(n_E, first_E, T: int, bound: int):
+  """(number of tiles, expert of tile t, first row of tile t) for n_E tiles of T rows from row first_E."""
+  E = n_E.shape[0]
+  cum_E = jnp.cumsum(n_E)
+  t_T = jnp.arange(max(bound, 1), dtype=jnp.int32)
+  e_T = jnp.minimum(jnp.searchsorted(cum_E, t_T, side="right"), E - 1).astype(jnp.int32)
+  return cum_E[-1], e_T, first_E[e_T] + (t_T - (cum_E - n_E)[e_T]) * T
 
-  def one_tile(t, carry):
-    dx_ND, dw_M, dwg, dwu, dwd = carry
-    e, copies_t, keep_t = r.tile_at(t)
-    tok_t = copies_t // k
-    x_tD = jnp.take(x_ND, tok_t, axis=0, mode="clip")
-    dy_tD = jnp.where(keep_t[:, None], jnp.take(dy_ND, tok_t, axis=0, mode="clip"), 0)
 
-    def f(x_tD, w_t, wg_e, wu_e, wd_e):
-      return w_t[:, None] * _swiglu_parts(x_tD, wg_e, wu_e, wd_e, batched=False)[2]
+def _run_tiles(plan: _Plan, sizes, body, carry):
+  """carry = body(T, expert, first row, carry) over every tile of every size."""
+  for T, (n, e_T, r_T) in zip(sizes, plan.tiles):
+    step = functools.partial(body, T)
+    carry = jax.lax.fori_loop(0, n, lambda t, c, e_T=e_T, r_T=r_T, step=step: step(e_T[t], r_T[t], c), carry)
+  return carry
 
-    _, vjp = jax.vjp(f, x_tD, jnp.take(w_M, copies_t, mode="clip"), wg[e], wu[e], wd[e])
-    dx_tD, dw_t, dwg_e, dwu_e, dwd_e = vjp(dy_tD)
-    dx_ND = dx_ND.at[tok_t].add(jnp.where(keep_t[:, None], dx_tD, 0), mode="drop")
-    dw_M = dw_M.at[copies_t].add(jnp.where(keep_t, dw_t, 0), mode="drop")
-    upd = lambda acc, d: jax.lax.dynamic_update_index_in_dim(acc, acc[e] + d, e, 0)  # noqa: E731
-    return dx_ND, dw_M, upd(dwg, dwg_e), upd(dwu, dwu_e), upd(dwd, dwd_e)
 
-  dx_ND, dw_M, dwg, dwu, dwd = jax.lax.fori_loop(0, r.n_tiles, one_tile, carry)
-  return dx_ND, dw_M.reshape(N, k), dwg, dwu, dwd
+def _dot(a, b, spec):
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _rows(plan: _Plan, a_NX, k: int):
+  """[N, X] -> [P, X]: each padded row's token row (zeros in the padding)."""
+  tok_P = jnp.where(plan.copy_P < plan.slot_Nk.size, plan.copy_P // k, a_NX.shape[0])
+  return jnp.take(a_NX, tok_P, axis=0, mode="fill", fill_value=0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _moe_swiglu(x_ND, w_Nk, idx_Nk, wg, wu, wd, tile: int):
-  return _fwd(x_ND, w_Nk, idx_Nk, wg, wu, wd, tile)[0]
+def _moe_swiglu(x_ND, w_Nk, idx_Nk, wg, wu, wd, sizes):
+  return _fwd(x_ND, w_Nk, idx_Nk, wg, wu, wd, sizes)[0]
 
 
-def _caps(idx_Nk, E: int, tile: int):
-  """(static capacity ladder, traced index of the cheapest rung for this routing)."""
-  M = idx_Nk.size
-  sizes_E = jnp.bincount(idx_Nk.reshape(-1), length=E).astype(jnp.int32)
-  return gm.capacities(M, E), gm.choose_capacity(sizes_E, M, tile)
+def _fwd(x_ND, w_Nk, idx_Nk, wg, wu, wd, sizes):
+  E, D, F = wg.shape
+  k = idx_Nk.shape[1]
+  dt = x_ND.dtype
+  plan = _plan(idx_Nk, E, sizes)
+  P = plan.copy_P.shape[0]
+  x_PD = _rows(plan, x_ND, k)
+
+  def tile(T, e, r, carry):
+    g_PF, u_PF, y_PD = carry
+    x_tD = jax.lax.dynamic_slice_in_dim(x_PD, r, T)
+    g_tF = _dot(x_tD, wg[e], "td,df->tf").astype(dt)
+    u_tF = _dot(x_tD, wu[e], "td,df->tf").astype(dt)
+    y_tD = _dot(jax.nn.silu(g_tF) * u_tF, wd[e], "tf,fd->td").astype(dt)
+    put = jax.lax.dynamic_update_slice_in_dim
+    return put(g_PF, g_tF, r, 0), put(u_PF, u_tF, r, 0), put(y_PD, y_tD, r, 0)
+
+  refs = (x_ND, w_Nk, wg)
+  init = tuple(gm._varying_like(jnp.zeros(s, dt), *refs) for s in ((P, F), (P, F), (P, D)))
+  g_PF, u_PF, y_PD = _run_tiles(plan, sizes, tile, init)
+  y_NkD = jnp.take(y_PD, plan.slot_Nk, axis=0)
+  y_ND = jnp.einsum("nkd,nk->nd", y_NkD, w_Nk)
+  return y_ND, (x_ND, w_Nk, wg, wu, wd, plan, g_PF, u_PF, y_NkD)
 
 
-def _fwd(x_ND, w_Nk, idx_Nk, wg, wu, wd, tile):
-  caps, i = _caps(idx_Nk, wg.shape[0], tile)
-  branches = [functools.partial(_forward_at, C=C, C_max=caps[-1], tile=tile) for C in caps]
-  y_ND, res = jax.lax.switch(i, branches, x_ND, w_Nk, idx_Nk, wg, wu, wd)
-  return y_ND, (x_ND, w_Nk, idx_Nk, wg, wu, wd, res, i)
+def _bwd(sizes, saved, dy_ND):
+  x_ND, w_Nk, wg, wu, wd, plan, g_PF, u_PF, y_NkD = saved
+  k = plan.slot_Nk.shape[1]
+  dt = x_ND.dtype
+  x_PD = _rows(plan, x_ND, k)
+  w_P = jnp.take(w_Nk.reshape(-1), plan.copy_P, mode="fill", fill_value=0)
+  dy_PD = _rows(plan, dy_ND, k) * w_P[:, None]
+  dw_Nk = jnp.einsum("nkd,nd->nk", y_NkD, dy_ND)
 
+  def tile(T, e, r, carry):
+    dx_PD, dwg, dwu, dwd = carry
+    cut = lambda a: jax.lax.dynamic_slice_in_dim(a, r, T)  # noqa: E731
+    x_tD, dy_tD, g_tF, u_tF = cut(x_PD), cut(dy_PD), cut(g_PF), cut(u_PF)
+    sg = jax.nn.sigmoid(g_tF)
+    h_tF = g_tF * sg * u_tF
+    dh_tF = _dot(dy_tD, wd[e], "td,fd->tf").astype(dt)
+    dg_tF = dh_tF * u_tF * sg * (1 + g_tF * (1 - sg))
+    du_tF = dh_tF * g_tF * sg
+    dx_tD = _dot(dg_tF, wg[e], "tf,df->td") + _dot(du_tF, wu[e], "tf,df->td")
+    acc = lambda a, d: jax.lax.dynamic_update_index_in_dim(a, a[e] + d, e, 0)  # noqa: E731
+    return (
+      jax.lax.dynamic_update_slice_in_dim(dx_PD, dx_tD.astype(dt), r, 0),
+      acc(dwg, _dot(x_tD, dg_tF, "td,tf->df")),
+      acc(dwu, _dot(x_tD, du_tF, "td,tf->df")),
+      acc(dwd, _dot(h_tF, dy_tD, "tf,td->fd")),
+    )
 
-def _bwd(tile, saved, dy_ND):
-  x_ND, w_Nk, idx_Nk, wg, wu, wd, res, i = saved
-  caps = gm.capacities(idx_Nk.size, wg.shape[0])
-  branches = [functools.partial(_backward_at, C=C, tile=tile) for C in caps]
-  dx, dw, dwg, dwu, dwd = jax.lax.switch(i, branches, x_ND, w_Nk, idx_Nk, wg, wu, wd, res, dy_ND)
-  return dx, dw, None, dwg.astype(wg.dtype), dwu.astype(wu.dtype), dwd.astype(wd.dtype)
+  refs = (x_ND, w_Nk, wg, dy_ND)
+  init = (jnp.zeros(x_PD.shape, dt),) + tuple(jnp.zeros(a.shape, jnp.float32) for a in (wg, wu, wd))
+  dx_PD, dwg, dwu, dwd = _run_tiles(plan, sizes, tile, tuple(gm._varying_like(a, *refs) for a in init))
+  dx_ND = jnp.sum(jnp.take(dx_PD, plan.slot_Nk, axis=0), axis=1)
+  return dx_ND, dw_Nk, None, dwg.astype(wg.dtype), dwu.astype(wu.dtype), dwd.astype(wd.dtype)
 
 
 _moe_swiglu.defvjp(_fwd, _bwd)

@@ -75,6 +75,53 @@ def test_cpu_dispatch_takes_the_fused_path(monkeypatch):
   assert calls == [1]
 
 
-def test_overflow_tile_is_a_bounded_power_of_two():
-  assert moe_cpu.overflow_tile(4096 * 8, 64) == 128 and moe_cpu.overflow_tile(16384, 64) == 64
-  assert moe_cpu.overflow_tile(2, 64) == 8 and moe_cpu.overflow_tile(10**7, 8) == 128
+def test_tile_sizes_halve_from_the_mean_group():
+  assert moe_cpu.tile_sizes(16384, 64) == (256, 128, 64, 32)  # bench/moe.py small: mean group 256
+  assert moe_cpu.tile_sizes(4096, 8) == (256, 128, 64, 32)  # tiny: mean 512, capped at MAX_TILE
+  assert moe_cpu.tile_sizes(2, 64) == (8,) and moe_cpu.tile_sizes(40, 2) == (16, 8)
+
+
+@pytest.mark.parametrize("routing", ["random", "one_expert", "skewed"])
+def test_every_tile_size_matches_ragged_dot(routing):
+  """512 copies over 4 experts: tiles of 128, 64, 32 and 16 rows, groups of every remainder."""
+  n, e = 256, 4
+  rng = np.random.default_rng(2)
+  idx = {
+    "random": rng.integers(0, e, (n, K)),
+    "one_expert": np.full((n, K), 1),  # every copy in one expert, three experts empty
+    "skewed": np.minimum(rng.geometric(0.45, (n, K)) - 1, e - 1),  # 1, 2, 3 copies of ~60%, 25%, ...
+  }[routing]
+  assert moe_cpu.tile_sizes(n * K, e) == (128, 64, 32, 16)
+  rng = np.random.default_rng(3)
+  f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+  x, w, dy = f(n, D), jnp.asarray(rng.random((n, K)), jnp.float32), f(n, D)
+  wg, wu, wd = f(e, D, F) / 4, f(e, D, F) / 4, f(e, F, D) / 4
+  idx = jnp.asarray(idx, jnp.int32)
+  got = _value_and_grads(moe_cpu.moe_swiglu, idx, x, w, wg, wu, wd, dy)
+  want = _value_and_grads(_reference, idx, x, w, wg, wu, wd, dy)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tiles_cover_each_padded_group_exactly_once(seed):
+  """The plan: every copy has its own padded row inside its expert's group; the tiles of all sizes
+  cover each group's rows exactly once and nothing else."""
+  rng = np.random.default_rng(seed)
+  n, k, e = 300, 3, 7
+  sizes = moe_cpu.tile_sizes(n * k, e)
+  idx = np.minimum(rng.geometric(0.3, (n, k)) - 1, e - 1) if seed % 2 else rng.integers(0, e, (n, k))
+  plan = jax.jit(lambda i: moe_cpu._plan(i, e, sizes))(jnp.asarray(idx, jnp.int32))
+  slot, copy = np.asarray(plan.slot_Nk).reshape(-1), np.asarray(plan.copy_P)
+  assert len(copy) == moe_cpu.padded_rows(n * k, e, sizes)
+  assert np.array_equal(copy[slot], np.arange(n * k)) and np.sum(copy < n * k) == n * k
+  owner = np.full(len(copy), -1)
+  for T, (count, e_T, r_T) in zip(sizes, plan.tiles):
+    for t in range(int(count)):
+      rows = slice(int(r_T[t]), int(r_T[t]) + T)
+      assert np.all(owner[rows] == -1)
+      owner[rows] = int(e_T[t])
+  real = copy < n * k
+  assert np.array_equal(owner[real], idx.reshape(-1)[copy[real]])  # each copy computed by its expert
+  counts = np.bincount(idx.reshape(-1), minlength=e)
+  assert np.sum(owner >= 0) == np.sum(-(-counts // sizes[-1]) * sizes[-1])  # only the padding to q
