@@ -79,15 +79,16 @@ def _plan(idx_Nk, E: int, sizes: tuple[int, ...]) -> _Plan:
   M, q, T0 = N * k, sizes[-1], sizes[0]
   P = padded_rows(M, E, sizes)
   e_M = idx_Nk.reshape(-1)
-  order_S = jnp.argsort(e_M, stable=True).astype(jnp.int32)  # sorted position -> copy
-  count_E = jnp.bincount(e_M, length=E).astype(jnp.int32)
-  start_E = jnp.cumsum(count_E) - count_E
+  # Rank of each copy within its expert, in copy order (a counting sort: XLA:CPU's comparator sort of the
+  # 4096 copies of the tiny width took 0.46 ms, this 0.08 ms; equal at the small width's 16384).
+  hit_ME = e_M[:, None] == jnp.arange(E, dtype=jnp.int32)
+  seen_ME = jnp.cumsum(hit_ME.astype(jnp.int32), axis=0)
+  count_E = seen_ME[-1]
+  rank_M = jnp.take_along_axis(seen_ME, e_M[:, None], axis=1)[:, 0] - 1
   pcount_E = (count_E + q - 1) // q * q
   pstart_E = jnp.cumsum(pcount_E) - pcount_E
-  e_S = jnp.take(e_M, order_S)
-  slot_S = pstart_E[e_S] + jnp.arange(M, dtype=jnp.int32) - start_E[e_S]
-  slot_M = jnp.zeros((M,), jnp.int32).at[order_S].set(slot_S, unique_indices=True)
-  copy_P = jnp.full((P,), M, jnp.int32).at[slot_S].set(order_S, unique_indices=True)
+  slot_M = pstart_E[e_M] + rank_M
+  copy_P = jnp.full((P,), M, jnp.int32).at[slot_M].set(jnp.arange(M, dtype=jnp.int32), unique_indices=True)
   # Whole T0 tiles first, then one tile per binary digit of the remainder (a multiple of q below T0).
   n_E = pcount_E // T0
   tiles = [_tile_table(n_E, pstart_E, T0, P // T0)]
