@@ -3,26 +3,32 @@
   y[n] = Σ_j w[n, j] · down_e(silu(x[n] gate_e) * (x[n] up_e)),  e = idx[n, j]
 
 Same function as `expert_parallel`'s sort -> three grouped matmuls -> unsort -> weighted sum, built for
-XLA:CPU. Layout: token copies sorted by expert into a padded row stack X [P, D], each expert's group
-rounded up to a multiple of q rows (zero rows in the padding), so the rows computed are the real ones
-plus under q per expert: work proportional to the routing, whatever its imbalance.
+XLA:CPU. Layout: token copies sorted by expert (a counting sort) into a padded row stack X [P, D], each
+expert's group rounded up to a multiple of q rows (zero rows in the padding), so the rows computed are
+the real ones plus under q per expert: work proportional to the routing, whatever its imbalance.
 
   dispatch  X[p] = x[token of the copy at padded row p]: one gather straight from x [N, D];
-  experts   each group is cut into tiles of T0, T0/2, ... q rows (whole T0 tiles, then the binary
-            digits of the remainder), one `fori_loop` per tile size whose trip count is the number of
-            such tiles; a tile is three dots against its one expert's weights, written in place;
+  experts   tiles of rows of one expert each, in one of two ways (below);
   combine   y[n] = Σ_j w[n, j] Y[slot(n, j)]: one gather + weighted sum, no scatter.
 
-The backward runs the same tiles (dX, and the weight gradients accumulated per expert) with the
-routing plan, G, U and the gathered Y saved from the forward: nothing is recomputed.
+The backward runs the same tiles with the routing plan, G, U and the gathered Y saved from the forward:
+nothing is recomputed, no routing redone.
 
-Why tiles, not the padded [E, C] stack of batched dot_generals this module used before: measured on
-2 cores (XLA:CPU, jax 0.10; 16384 rows, D=1024, F=512, process CPU time, fwd dot rate): a `fori_loop`
-of [T, D] x [D, F] tile dots runs at 130 / 149 / 169 GFLOP/s for T = 64 / 128 / 256 against 148 for
-the batched [64, 256, D] dot, so the batched layout buys no speed, while its capacity C must be static:
-the random router of bench/moe.py (busiest expert 1.8x the mean) left 17% of the [E, C] stack empty
-and sent 17% of the rows through overflow tiles recomputed in the backward (1.23x the real rows in
-all). Here: 1.06x (q = 32 at the small width), one compiled path instead of a `lax.switch` over six.
+Wide experts (F > the batched tile; the small width): a `fori_loop` over experts slices the expert's
+weights once and runs its group as whole tiles of T0 rows (an inner loop) plus one tile per binary digit
+of the remainder (T0/2 .. q, each under a `cond`); the weight gradients accumulate in [D, F] carries
+written to row e once. Narrow experts (F <= T, the tiny width): the tiles are T-row slices of the
+stack, each with its expert's weights gathered ([P / T, D, F]: no more bytes than the rows), one
+batched dot per product, gate and up as one [D, 2F] dot, weight gradients summed per expert by a
+one-hot matmul; about 100 thunks per fwd+bwd against ~1150 for the loops at that width.
+
+Measured (2 cores, XLA:CPU, jax 0.10, process CPU time, interleaved; bench/moe.py shapes): a loop of
+[T, D] x [D, F] tile dots (D=1024, F=512) runs at 130 / 149 / 169 GFLOP/s for T = 64 / 128 / 256
+against 148 for one batched [64, 256, D] dot, so tiles cost nothing in dot speed, while the [E, C]
+stack this module used before needs a static capacity C: with bench/moe.py's random router (busiest
+expert 1.8x the mean) it left 17% of the stack empty and ran 17% of the rows as overflow tiles
+recomputed in the backward (1.23x the real rows; here 1.06x). MoE fwd+bwd over the dense layer of the
+same FLOPs: small 1.40 -> 1.18-1.21, tiny 1.47 -> 1.08 (CPU-time ratios on a quiet machine).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ from k2jax.model import grouped_matmul as gm
 
 MAX_TILE = 256  # measured: 256-row tiles ran the fwd dot at 169 GFLOP/s, 512 no faster
 MIN_TILE = 8
+# Tiny width, CPU time of the MoE layer against the loops: 128-row tiles 0.94, 64-row 0.95 (less padding
+# does not pay); before gate and up were fused, 32-row tiles 1.17 (many small batched dots are slow).
+BATCHED_TILE = 128
 
 
 def moe_swiglu(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD):
@@ -48,7 +57,16 @@ def moe_swiglu(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD):
   operands = (x_ND, weights_Nk.astype(dt), idx_Nk.astype(jnp.int32), *ws)
   vma = frozenset().union(*(gm._varying_axes(a) for a in operands))
   operands = tuple(gm._cast(a, vma) for a in operands)
-  return _moe_swiglu(*operands, tile_sizes(N * k, E))
+  sizes = tile_sizes(N * k, E)
+  T = batched_tile(w_gate_EDF.shape[2], sizes)
+  return _moe_swiglu_batched(*operands, T) if T else _moe_swiglu(*operands, sizes)
+
+
+def batched_tile(width: int, sizes: tuple[int, ...]) -> int:
+  """Rows of a batched tile for experts of this width (F), or 0 for the tile loops: batched when a tile's
+  gathered weights [D, F] are no larger than its rows [T, D]."""
+  T = min(BATCHED_TILE, sizes[0])
+  return T if width <= T else 0
 
 
 def tile_sizes(copies: int, experts: int) -> tuple[int, ...]:
@@ -71,49 +89,39 @@ class _Plan(NamedTuple):
 
   slot_Nk: jax.Array  # padded row of each copy
   copy_P: jax.Array  # copy at each padded row; M (none) in the padding
-  tiles: tuple  # per tile size: (number of tiles, expert [bound], first row [bound])
+  first_E: jax.Array  # first padded row of each expert's group
+  rows_E: jax.Array  # padded rows of each expert's group (a multiple of q)
 
 
 def _plan(idx_Nk, E: int, sizes: tuple[int, ...]) -> _Plan:
   N, k = idx_Nk.shape
-  M, q, T0 = N * k, sizes[-1], sizes[0]
+  M, q = N * k, sizes[-1]
   P = padded_rows(M, E, sizes)
   e_M = idx_Nk.reshape(-1)
   # Rank of each copy within its expert, in copy order (a counting sort: XLA:CPU's comparator sort of the
   # 4096 copies of the tiny width took 0.46 ms, this 0.08 ms; equal at the small width's 16384).
   hit_ME = e_M[:, None] == jnp.arange(E, dtype=jnp.int32)
   seen_ME = jnp.cumsum(hit_ME.astype(jnp.int32), axis=0)
-  count_E = seen_ME[-1]
   rank_M = jnp.take_along_axis(seen_ME, e_M[:, None], axis=1)[:, 0] - 1
-  pcount_E = (count_E + q - 1) // q * q
-  pstart_E = jnp.cumsum(pcount_E) - pcount_E
-  slot_M = pstart_E[e_M] + rank_M
+  rows_E = (seen_ME[-1] + q - 1) // q * q
+  first_E = jnp.cumsum(rows_E) - rows_E
+  slot_M = first_E[e_M] + rank_M
   copy_P = jnp.full((P,), M, jnp.int32).at[slot_M].set(jnp.arange(M, dtype=jnp.int32), unique_indices=True)
-  # Whole T0 tiles first, then one tile per binary digit of the remainder (a multiple of q below T0).
-  n_E = pcount_E // T0
-  tiles = [_tile_table(n_E, pstart_E, T0, P // T0)]
-  off_E, rem_E = pstart_E + n_E * T0, pcount_E - n_E * T0
+  return _Plan(slot_M.reshape(N, k), copy_P, first_E, rows_E)
+
+
+def _expert_tiles(sizes, first, rows, tile, carry):
+  """carry = tile(T, first row, carry) over one expert's group of `rows` rows from row `first`: whole
+  T0 tiles, then one tile per binary digit of the remainder (a multiple of q below T0)."""
+  T0 = sizes[0]
+  n = rows // T0
+  carry = jax.lax.fori_loop(0, n, lambda i, c: tile(T0, first + i * T0, c), carry)
+  at, rest = first + n * T0, rows - n * T0
   for T in sizes[1:]:
-    bit_E = (rem_E // T) % 2
-    tiles.append(_tile_table(bit_E, off_E, T, E))
-    off_E = off_E + bit_E * T
-  return _Plan(slot_M.reshape(N, k), copy_P, tuple(tiles))
-
-
-def _tile_table(n_E, first_E, T: int, bound: int):
-  """(number of tiles, expert of tile t, first row of tile t) for n_E tiles of T rows from row first_E."""
-  E = n_E.shape[0]
-  cum_E = jnp.cumsum(n_E)
-  t_T = jnp.arange(max(bound, 1), dtype=jnp.int32)
-  e_T = jnp.minimum(jnp.searchsorted(cum_E, t_T, side="right"), E - 1).astype(jnp.int32)
-  return cum_E[-1], e_T, first_E[e_T] + (t_T - (cum_E - n_E)[e_T]) * T
-
-
-def _run_tiles(plan: _Plan, sizes, body, carry):
-  """carry = body(T, expert, first row, carry) over every tile of every size."""
-  for T, (n, e_T, r_T) in zip(sizes, plan.tiles):
-    step = functools.partial(body, T)
-    carry = jax.lax.fori_loop(0, n, lambda t, c, e_T=e_T, r_T=r_T, step=step: step(e_T[t], r_T[t], c), carry)
+    bit = (rest // T) % 2
+    # A cond, not a 0/1-trip loop: XLA hoists a loop-invariant tile out of such a loop and runs it always.
+    carry = jax.lax.cond(bit > 0, lambda c, T=T, at=at: tile(T, at, c), lambda c: c, carry)
+    at = at + bit * T
   return carry
 
 
@@ -140,18 +148,23 @@ def _fwd(x_ND, w_Nk, idx_Nk, wg, wu, wd, sizes):
   P = plan.copy_P.shape[0]
   x_PD = _rows(plan, x_ND, k)
 
-  def tile(T, e, r, carry):
-    g_PF, u_PF, y_PD = carry
-    x_tD = jax.lax.dynamic_slice_in_dim(x_PD, r, T)
-    g_tF = _dot(x_tD, wg[e], "td,df->tf").astype(dt)
-    u_tF = _dot(x_tD, wu[e], "td,df->tf").astype(dt)
-    y_tD = _dot(jax.nn.silu(g_tF) * u_tF, wd[e], "tf,fd->td").astype(dt)
-    put = jax.lax.dynamic_update_slice_in_dim
-    return put(g_PF, g_tF, r, 0), put(u_PF, u_tF, r, 0), put(y_PD, y_tD, r, 0)
+  def expert(e, carry):
+    wg_DF, wu_DF, wd_FD = wg[e], wu[e], wd[e]  # sliced once per expert, not per tile
+
+    def tile(T, r, carry):
+      g_PF, u_PF, y_PD = carry
+      x_tD = jax.lax.dynamic_slice_in_dim(x_PD, r, T)
+      g_tF = _dot(x_tD, wg_DF, "td,df->tf").astype(dt)
+      u_tF = _dot(x_tD, wu_DF, "td,df->tf").astype(dt)
+      y_tD = _dot(jax.nn.silu(g_tF) * u_tF, wd_FD, "tf,fd->td").astype(dt)
+      put = jax.lax.dynamic_update_slice_in_dim
+      return put(g_PF, g_tF, r, 0), put(u_PF, u_tF, r, 0), put(y_PD, y_tD, r, 0)
+
+    return _expert_tiles(sizes, plan.first_E[e], plan.rows_E[e], tile, carry)
 
   refs = (x_ND, w_Nk, wg)
   init = tuple(gm._varying_like(jnp.zeros(s, dt), *refs) for s in ((P, F), (P, F), (P, D)))
-  g_PF, u_PF, y_PD = _run_tiles(plan, sizes, tile, init)
+  g_PF, u_PF, y_PD = jax.lax.fori_loop(0, E, expert, init)
   y_NkD = jnp.take(y_PD, plan.slot_Nk, axis=0)
   y_ND = jnp.einsum("nkd,nk->nd", y_NkD, w_Nk)
   return y_ND, (x_ND, w_Nk, wg, wu, wd, plan, g_PF, u_PF, y_NkD)
@@ -159,36 +172,116 @@ def _fwd(x_ND, w_Nk, idx_Nk, wg, wu, wd, sizes):
 
 def _bwd(sizes, saved, dy_ND):
   x_ND, w_Nk, wg, wu, wd, plan, g_PF, u_PF, y_NkD = saved
+  E = wg.shape[0]
   k = plan.slot_Nk.shape[1]
   dt = x_ND.dtype
   x_PD = _rows(plan, x_ND, k)
   w_P = jnp.take(w_Nk.reshape(-1), plan.copy_P, mode="fill", fill_value=0)
-  dy_PD = _rows(plan, dy_ND, k) * w_P[:, None]
+  dy_PD = _rows(plan, dy_ND, k)
   dw_Nk = jnp.einsum("nkd,nd->nk", y_NkD, dy_ND)
-
-  def tile(T, e, r, carry):
-    dx_PD, dwg, dwu, dwd = carry
-    cut = lambda a: jax.lax.dynamic_slice_in_dim(a, r, T)  # noqa: E731
-    x_tD, dy_tD, g_tF, u_tF = cut(x_PD), cut(dy_PD), cut(g_PF), cut(u_PF)
-    sg = jax.nn.sigmoid(g_tF)
-    h_tF = g_tF * sg * u_tF
-    dh_tF = _dot(dy_tD, wd[e], "td,fd->tf").astype(dt)
-    dg_tF = dh_tF * u_tF * sg * (1 + g_tF * (1 - sg))
-    du_tF = dh_tF * g_tF * sg
-    dx_tD = _dot(dg_tF, wg[e], "tf,df->td") + _dot(du_tF, wu[e], "tf,df->td")
-    acc = lambda a, d: jax.lax.dynamic_update_index_in_dim(a, a[e] + d, e, 0)  # noqa: E731
-    return (
-      jax.lax.dynamic_update_slice_in_dim(dx_PD, dx_tD.astype(dt), r, 0),
-      acc(dwg, _dot(x_tD, dg_tF, "td,tf->df")),
-      acc(dwu, _dot(x_tD, du_tF, "td,tf->df")),
-      acc(dwd, _dot(h_tF, dy_tD, "tf,td->fd")),
-    )
-
   refs = (x_ND, w_Nk, wg, dy_ND)
+
+  def expert(e, carry):
+    dx_PD, dwg, dwu, dwd = carry
+    wg_DF, wu_DF, wd_FD = wg[e], wu[e], wd[e]
+
+    def tile(T, r, carry):
+      dx_PD, dwg_DF, dwu_DF, dwd_FD = carry
+      cut = lambda a: jax.lax.dynamic_slice_in_dim(a, r, T)  # noqa: E731
+      x_tD, g_tF, u_tF = cut(x_PD), cut(g_PF), cut(u_PF)
+      dy_tD = cut(dy_PD) * cut(w_P)[:, None]
+      sg = jax.nn.sigmoid(g_tF)
+      h_tF = g_tF * sg * u_tF
+      dh_tF = _dot(dy_tD, wd_FD, "td,fd->tf").astype(dt)
+      dg_tF = dh_tF * u_tF * sg * (1 + g_tF * (1 - sg))
+      du_tF = dh_tF * g_tF * sg
+      dx_tD = _dot(dg_tF, wg_DF, "tf,df->td") + _dot(du_tF, wu_DF, "tf,df->td")
+      return (
+        jax.lax.dynamic_update_slice_in_dim(dx_PD, dx_tD.astype(dt), r, 0),
+        dwg_DF + _dot(x_tD, dg_tF, "td,tf->df"),
+        dwu_DF + _dot(x_tD, du_tF, "td,tf->df"),
+        dwd_FD + _dot(h_tF, dy_tD, "tf,td->fd"),
+      )
+
+    # The expert's weight gradients accumulate in [D, F] carries, written to row e once.
+    zeros = tuple(gm._varying_like(jnp.zeros(a.shape[1:], jnp.float32), *refs) for a in (wg, wu, wd))
+    dx_PD, *dw = _expert_tiles(sizes, plan.first_E[e], plan.rows_E[e], tile, (dx_PD, *zeros))
+    put = lambda acc, d: jax.lax.dynamic_update_index_in_dim(acc, d, e, 0)  # noqa: E731
+    return (dx_PD, *(put(acc, d) for acc, d in zip((dwg, dwu, dwd), dw)))
+
   init = (jnp.zeros(x_PD.shape, dt),) + tuple(jnp.zeros(a.shape, jnp.float32) for a in (wg, wu, wd))
-  dx_PD, dwg, dwu, dwd = _run_tiles(plan, sizes, tile, tuple(gm._varying_like(a, *refs) for a in init))
+  dx_PD, dwg, dwu, dwd = jax.lax.fori_loop(0, E, expert, tuple(gm._varying_like(a, *refs) for a in init))
   dx_ND = jnp.sum(jnp.take(dx_PD, plan.slot_Nk, axis=0), axis=1)
   return dx_ND, dw_Nk, None, dwg.astype(wg.dtype), dwu.astype(wu.dtype), dwd.astype(wd.dtype)
 
 
 _moe_swiglu.defvjp(_fwd, _bwd)
+
+
+# ---------------------------------------------------------------------------- narrow experts: batched tiles
+def _tile_experts(plan: _Plan, T: int):
+  """[P / T]: the expert of each T-row tile of the stack (groups padded to T); tiles past the last group
+  (zero rows) get the last expert."""
+  nT, E = plan.copy_P.shape[0] // T, plan.rows_E.shape[0]
+  tile_T = jnp.arange(nT, dtype=jnp.int32) * T
+  ends_E = jnp.cumsum(plan.rows_E)
+  return jnp.minimum(jnp.searchsorted(ends_E, tile_T, side="right", method="compare_all"), E - 1).astype(jnp.int32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _moe_swiglu_batched(x_ND, w_Nk, idx_Nk, wg, wu, wd, T):
+  return _fwd_batched(x_ND, w_Nk, idx_Nk, wg, wu, wd, T)[0]
+
+
+def _fwd_batched(x_ND, w_Nk, idx_Nk, wg, wu, wd, T):
+  E, D, F = wg.shape
+  k = idx_Nk.shape[1]
+  dt = x_ND.dtype
+  plan = _plan(idx_Nk, E, (T,))
+  e_T = _tile_experts(plan, T)
+  x_TtD = _rows(plan, x_ND, k).reshape(e_T.shape[0], T, D)
+  # Gate and up as one dot against the tile's [D, 2F] weights: fewer, wider dots (narrow experts only).
+  gu_TtG = _dot(x_TtD, _tile_weights(e_T, wg, wu), "ntd,ndg->ntg").astype(dt)
+  g_TtF, u_TtF = gu_TtG[..., :F], gu_TtG[..., F:]
+  y_TtD = _dot(jax.nn.silu(g_TtF) * u_TtF, jnp.take(wd, e_T, axis=0), "ntf,nfd->ntd").astype(dt)
+  y_NkD = jnp.take(y_TtD.reshape(-1, D), plan.slot_Nk, axis=0)
+  y_ND = jnp.einsum("nkd,nk->nd", y_NkD, w_Nk)
+  return y_ND, (x_ND, w_Nk, wg, wu, wd, plan, e_T, gu_TtG, y_NkD)
+
+
+def _tile_weights(e_T, wg, wu):
+  """[P / T, D, 2F]: each tile's gate and up weights side by side."""
+  return jnp.take(jnp.concatenate([wg, wu], axis=2), e_T, axis=0)
+
+
+def _bwd_batched(T, saved, dy_ND):
+  x_ND, w_Nk, wg, wu, wd, plan, e_T, gu_TtG, y_NkD = saved
+  E, D, F = wg.shape
+  k = plan.slot_Nk.shape[1]
+  dt = x_ND.dtype
+  nT = e_T.shape[0]
+  x_TtD = _rows(plan, x_ND, k).reshape(nT, T, D)
+  w_P = jnp.take(w_Nk.reshape(-1), plan.copy_P, mode="fill", fill_value=0)
+  dy_TtD = (_rows(plan, dy_ND, k) * w_P[:, None]).reshape(nT, T, D)
+  dw_Nk = jnp.einsum("nkd,nd->nk", y_NkD, dy_ND)
+  g_TtF, u_TtF = gu_TtG[..., :F], gu_TtG[..., F:]
+  sg = jax.nn.sigmoid(g_TtF)
+  h_TtF = g_TtF * sg * u_TtF
+  dh_TtF = _dot(dy_TtD, jnp.take(wd, e_T, axis=0), "ntd,nfd->ntf").astype(dt)
+  dgu_TtG = jnp.concatenate([dh_TtF * u_TtF * sg * (1 + g_TtF * (1 - sg)), dh_TtF * g_TtF * sg], axis=2)
+  dx_TtD = _dot(dgu_TtG, _tile_weights(e_T, wg, wu), "ntg,ndg->ntd").astype(dt)
+  dx_ND = _gather_sum(dx_TtD.reshape(-1, D), plan.slot_Nk)
+  # Per-tile weight gradients, summed per expert by a one-hot matmul (tiles of one expert are adjacent).
+  onehot_TE = (e_T[:, None] == jnp.arange(E, dtype=jnp.int32)).astype(jnp.float32)
+  dwgu = jnp.einsum("ne,nxy->exy", onehot_TE, _dot(x_TtD, dgu_TtG, "ntd,ntg->ndg"))
+  dwd = jnp.einsum("ne,nxy->exy", onehot_TE, _dot(h_TtF, dy_TtD, "ntf,ntd->nfd"))
+  dwg, dwu = dwgu[..., :F], dwgu[..., F:]
+  return dx_ND, dw_Nk, None, dwg.astype(wg.dtype), dwu.astype(wu.dtype), dwd.astype(wd.dtype)
+
+
+def _gather_sum(a_PD, slot_Nk):
+  """[N, D]: Σ_j a[slot[n, j]], as k adds of gathered rows (one loop fusion, no [N, k, D] reduce)."""
+  return functools.reduce(jnp.add, (jnp.take(a_PD, slot_Nk[:, j], axis=0) for j in range(slot_Nk.shape[1])))
+
+
+_moe_swiglu_batched.defvjp(_fwd_batched, _bwd_batched)

@@ -1,4 +1,5 @@
-"""The fused CPU MoE (`moe_cpu.moe_swiglu`) equals sort -> ragged_dot SwiGLU -> unsort -> weighted sum."""
+"""The fused CPU MoE (`moe_cpu.moe_swiglu`) equals sort -> ragged_dot SwiGLU -> unsort -> weighted sum, on
+both of its paths: tile loops (wide experts) and batched tiles (narrow experts, F <= BATCHED_TILE)."""
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,13 @@ def _value_and_grads(fn, idx, x, w, wg, wu, wd, dy):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(x, w, wg, wu, wd)
 
 
+@pytest.fixture(params=["loops", "batched"])
+def path(request, monkeypatch):
+  """Either path whatever the shapes: the loops, or batched tiles of 16 rows."""
+  monkeypatch.setattr(moe_cpu, "batched_tile", lambda width, sizes: 0 if request.param == "loops" else 16)
+  return request.param
+
+
 def _routings():
   rng = np.random.default_rng(1)
   ar = np.arange(N)
@@ -45,7 +53,7 @@ def _routings():
 
 
 @pytest.mark.parametrize("routing", list(_routings()))
-def test_values_and_gradients_match_ragged_dot(routing):
+def test_values_and_gradients_match_ragged_dot(routing, path):
   idx = jnp.asarray(_routings()[routing], jnp.int32)
   x, w, wg, wu, wd, dy = _operands(N)
   got = _value_and_grads(moe_cpu.moe_swiglu, idx, x, w, wg, wu, wd, dy)
@@ -56,8 +64,8 @@ def test_values_and_gradients_match_ragged_dot(routing):
   np.testing.assert_allclose(y, _reference(x, w, idx, wg, wu, wd), rtol=1e-5, atol=1e-5)
 
 
-def test_fewer_copies_than_a_tile():
-  """One token, two picks (decode): the overflow windows read past the copies and mask them off."""
+def test_one_token(path):
+  """One token, two picks (decode): two groups of one copy, each padded to a whole tile."""
   x, w, wg, wu, wd, dy = _operands(1)
   idx = jnp.asarray([[2, 4]], jnp.int32)
   got = _value_and_grads(moe_cpu.moe_swiglu, idx, x, w, wg, wu, wd, dy)
@@ -75,6 +83,12 @@ def test_cpu_dispatch_takes_the_fused_path(monkeypatch):
   assert calls == [1]
 
 
+def test_narrow_experts_take_batched_tiles():
+  assert moe_cpu.batched_tile(32, moe_cpu.tile_sizes(4096, 8)) == 128  # bench/moe.py tiny
+  assert moe_cpu.batched_tile(512, moe_cpu.tile_sizes(16384, 64)) == 0  # small: the loops
+  assert moe_cpu.batched_tile(32, moe_cpu.tile_sizes(2, 8)) == 0  # one token: 8-row tiles, F > 8
+
+
 def test_tile_sizes_halve_from_the_mean_group():
   assert moe_cpu.tile_sizes(16384, 64) == (256, 128, 64, 32)  # bench/moe.py small: mean group 256
   assert moe_cpu.tile_sizes(4096, 8) == (256, 128, 64, 32)  # tiny: mean 512, capped at MAX_TILE
@@ -82,7 +96,7 @@ def test_tile_sizes_halve_from_the_mean_group():
 
 
 @pytest.mark.parametrize("routing", ["random", "one_expert", "skewed"])
-def test_every_tile_size_matches_ragged_dot(routing):
+def test_every_tile_size_matches_ragged_dot(routing, path):
   """512 copies over 4 experts: tiles of 128, 64, 32 and 16 rows, groups of every remainder."""
   n, e = 256, 4
   rng = np.random.default_rng(2)
@@ -105,23 +119,35 @@ def test_every_tile_size_matches_ragged_dot(routing):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_tiles_cover_each_padded_group_exactly_once(seed):
-  """The plan: every copy has its own padded row inside its expert's group; the tiles of all sizes
-  cover each group's rows exactly once and nothing else."""
+  """The plan: every copy has its own padded row inside its expert's group; the tile loops cover each
+  group's rows exactly once and nothing else; batched tiles name the group they lie in."""
   rng = np.random.default_rng(seed)
   n, k, e = 300, 3, 7
   sizes = moe_cpu.tile_sizes(n * k, e)
   idx = np.minimum(rng.geometric(0.3, (n, k)) - 1, e - 1) if seed % 2 else rng.integers(0, e, (n, k))
   plan = jax.jit(lambda i: moe_cpu._plan(i, e, sizes))(jnp.asarray(idx, jnp.int32))
   slot, copy = np.asarray(plan.slot_Nk).reshape(-1), np.asarray(plan.copy_P)
-  assert len(copy) == moe_cpu.padded_rows(n * k, e, sizes)
+  P = moe_cpu.padded_rows(n * k, e, sizes)
+  assert len(copy) == P
   assert np.array_equal(copy[slot], np.arange(n * k)) and np.sum(copy < n * k) == n * k
-  owner = np.full(len(copy), -1)
-  for T, (count, e_T, r_T) in zip(sizes, plan.tiles):
-    for t in range(int(count)):
-      rows = slice(int(r_T[t]), int(r_T[t]) + T)
-      assert np.all(owner[rows] == -1)
-      owner[rows] = int(e_T[t])
+
+  @jax.jit
+  def coverage(first_E, rows_E):
+    def expert(x, c):  # c: (times each row is computed, sum of the experts that computed it)
+      def tile(T, r, c):
+        cut = lambda a: jax.lax.dynamic_slice_in_dim(a, r, T)  # noqa: E731
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, cut(a) + v, r, 0) for a, v in zip(c, (1, x)))
+
+      return moe_cpu._expert_tiles(sizes, first_E[x], rows_E[x], tile, c)
+
+    return jax.lax.fori_loop(0, e, expert, (jnp.zeros(P, jnp.int32), jnp.zeros(P, jnp.int32)))
+
+  times, owner = (np.asarray(a) for a in coverage(plan.first_E, plan.rows_E))
+  counts = np.bincount(idx.reshape(-1), minlength=e)
+  assert np.array_equal(np.asarray(plan.rows_E), -(-counts // sizes[-1]) * sizes[-1])  # padded to q only
+  assert np.array_equal(times, (np.arange(P) < np.sum(plan.rows_E)).astype(int))  # each group row once
   real = copy < n * k
   assert np.array_equal(owner[real], idx.reshape(-1)[copy[real]])  # each copy computed by its expert
-  counts = np.bincount(idx.reshape(-1), minlength=e)
-  assert np.sum(owner >= 0) == np.sum(-(-counts // sizes[-1]) * sizes[-1])  # only the padding to q
+  T = sizes[-1]
+  e_T = np.asarray(moe_cpu._tile_experts(plan, T))
+  assert len(e_T) == P // T and np.array_equal(np.repeat(e_T, T)[real], idx.reshape(-1)[copy[real]])
