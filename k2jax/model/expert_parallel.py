@@ -3,7 +3,7 @@ all-to-all. Owns every dispatch path (`experts.Experts` only holds the weights).
 
 One device (no multi-device mesh active): sort the N*k copies by expert id, run `ragged_dot` over the
 contiguous groups, undo the sort, weighted sum. On CPU the four steps are one fused op
-(`moe_cpu.moe_swiglu`: rows gathered once into the [E, C] expert stack and combined once).
+(`moe_cpu.moe_swiglu`: rows gathered once into an expert-sorted stack and combined once).
 
 Expert parallelism runs under `shard_map` over the whole mesh. Per device (tokens n = its batch
 shard, k picks each, E_loc = E / ep experts per expert-rank):
