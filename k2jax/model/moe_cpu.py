@@ -3,24 +3,23 @@
   y[n] = Σ_j w[n, j] · down_e(silu(x[n] gate_e) * (x[n] up_e)),  e = idx[n, j]
 
 Same function as `expert_parallel`'s sort -> three grouped matmuls -> unsort -> weighted sum, built for
-XLA:CPU. Layout: token copies sorted by expert (a counting sort) into a padded row stack X [P, D], each
-expert's group rounded up to a multiple of q rows (zero rows in the padding), so the rows computed are
-the real ones plus under q per expert: work proportional to the routing, whatever its imbalance.
-
-  dispatch  X[p] = x[token of the copy at padded row p]: one gather straight from x [N, D];
-  experts   tiles of rows of one expert each, in one of two ways (below);
-  combine   y[n] = Σ_j w[n, j] Y[slot(n, j)]: one gather + weighted sum, no scatter.
-
-The backward runs the same tiles with the routing plan, G, U and the gathered Y saved from the forward:
-nothing is recomputed, no routing redone.
+XLA:CPU. Layout: token copies sorted by expert (a counting sort) into P padded rows, each expert's group
+rounded up to a multiple of q rows (zero rows in the padding), so the rows computed are the real ones
+plus under q per expert: work proportional to the routing, whatever its imbalance. The backward runs
+the same tiles with the routing plan and the forward's G, U, Y saved: nothing recomputed, no routing
+redone. Combine: y[n] = Σ_j w[n, j] Y[slot(n, j)], one gather + weighted sum.
 
 Wide experts (F > the batched tile; the small width): a `fori_loop` over experts slices the expert's
 weights once and runs its group as whole tiles of T0 rows (an inner loop) plus one tile per binary digit
-of the remainder (T0/2 .. q, each under a `cond`); the weight gradients accumulate in [D, F] carries
-written to row e once. Narrow experts (F <= T, the tiny width): the tiles are T-row slices of the
-stack, each with its expert's weights gathered ([P / T, D, F]: no more bytes than the rows), one
-batched dot per product, gate and up as one [D, 2F] dot, weight gradients summed per expert by a
-one-hot matmul; about 100 thunks per fwd+bwd against ~1150 for the loops at that width.
+of the remainder (T0/2 .. q, each under a `cond`); a tile gathers its rows of x (and of dy) by token
+and writes G, U, Y in place; the weight gradients accumulate in [D, F] carries written to row e once,
+dx by a scatter-add of the tile's rows. No [P, D] copy of x or dy exists: 147k page faults per
+fwd+bwd instead of 209k with them gathered up front (the same CPU time otherwise).
+
+Narrow experts (F <= T, the tiny width): the tiles are T-row slices of the gathered stack X [P, D],
+each with its expert's weights gathered ([P / T, D, F]: no more bytes than the rows), one batched dot
+per product, gate and up as one [D, 2F] dot, weight gradients summed per expert by a one-hot matmul:
+~70 thunks per fwd+bwd of the MoE layer instead of ~1150 for the loops at that width.
 
 Measured (2 cores, XLA:CPU, jax 0.10, process CPU time, interleaved; bench/moe.py shapes): a loop of
 [T, D] x [D, F] tile dots (D=1024, F=512) runs at 130 / 149 / 169 GFLOP/s for T = 64 / 128 / 256
@@ -28,7 +27,7 @@ against 148 for one batched [64, 256, D] dot, so tiles cost nothing in dot speed
 stack this module used before needs a static capacity C: with bench/moe.py's random router (busiest
 expert 1.8x the mean) it left 17% of the stack empty and ran 17% of the rows as overflow tiles
 recomputed in the backward (1.23x the real rows; here 1.06x). MoE fwd+bwd over the dense layer of the
-same FLOPs: small 1.40 -> 1.18-1.21, tiny 1.47 -> 1.08 (CPU-time ratios on a quiet machine).
+same FLOPs: small 1.40 -> 1.18-1.21, tiny 1.47 -> 1.06-1.08 (CPU-time ratios, lightly loaded machine).
 """
 
 from __future__ import annotations
@@ -129,10 +128,14 @@ def _dot(a, b, spec):
   return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def _rows(plan: _Plan, a_NX, k: int):
+def _tokens(plan: _Plan, N: int):
+  """[P]: the token of each padded row's copy; N (out of range: zero rows, dropped adds) in the padding."""
+  return jnp.where(plan.copy_P < plan.slot_Nk.size, plan.copy_P // plan.slot_Nk.shape[1], N)
+
+
+def _rows(plan: _Plan, a_NX):
   """[N, X] -> [P, X]: each padded row's token row (zeros in the padding)."""
-  tok_P = jnp.where(plan.copy_P < plan.slot_Nk.size, plan.copy_P // k, a_NX.shape[0])
-  return jnp.take(a_NX, tok_P, axis=0, mode="fill", fill_value=0)
+  return jnp.take(a_NX, _tokens(plan, a_NX.shape[0]), axis=0, mode="fill", fill_value=0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -142,18 +145,17 @@ def _moe_swiglu(x_ND, w_Nk, idx_Nk, wg, wu, wd, sizes):
 
 def _fwd(x_ND, w_Nk, idx_Nk, wg, wu, wd, sizes):
   E, D, F = wg.shape
-  k = idx_Nk.shape[1]
   dt = x_ND.dtype
   plan = _plan(idx_Nk, E, sizes)
   P = plan.copy_P.shape[0]
-  x_PD = _rows(plan, x_ND, k)
+  tok_P = _tokens(plan, x_ND.shape[0])
 
   def expert(e, carry):
     wg_DF, wu_DF, wd_FD = wg[e], wu[e], wd[e]  # sliced once per expert, not per tile
 
     def tile(T, r, carry):
       g_PF, u_PF, y_PD = carry
-      x_tD = jax.lax.dynamic_slice_in_dim(x_PD, r, T)
+      x_tD = jnp.take(x_ND, jax.lax.dynamic_slice_in_dim(tok_P, r, T), axis=0, mode="fill", fill_value=0)
       g_tF = _dot(x_tD, wg_DF, "td,df->tf").astype(dt)
       u_tF = _dot(x_tD, wu_DF, "td,df->tf").astype(dt)
       y_tD = _dot(jax.nn.silu(g_tF) * u_tF, wd_FD, "tf,fd->td").astype(dt)
@@ -165,31 +167,31 @@ def _fwd(x_ND, w_Nk, idx_Nk, wg, wu, wd, sizes):
   refs = (x_ND, w_Nk, wg)
   init = tuple(gm._varying_like(jnp.zeros(s, dt), *refs) for s in ((P, F), (P, F), (P, D)))
   g_PF, u_PF, y_PD = jax.lax.fori_loop(0, E, expert, init)
-  y_NkD = jnp.take(y_PD, plan.slot_Nk, axis=0)
-  y_ND = jnp.einsum("nkd,nk->nd", y_NkD, w_Nk)
-  return y_ND, (x_ND, w_Nk, wg, wu, wd, plan, g_PF, u_PF, y_NkD)
+  y_ND = jnp.einsum("nkd,nk->nd", jnp.take(y_PD, plan.slot_Nk, axis=0), w_Nk)
+  return y_ND, (x_ND, w_Nk, wg, wu, wd, plan, g_PF, u_PF, y_PD)
 
 
 def _bwd(sizes, saved, dy_ND):
-  x_ND, w_Nk, wg, wu, wd, plan, g_PF, u_PF, y_NkD = saved
-  E = wg.shape[0]
-  k = plan.slot_Nk.shape[1]
+  x_ND, w_Nk, wg, wu, wd, plan, g_PF, u_PF, y_PD = saved
+  N = x_ND.shape[0]
   dt = x_ND.dtype
-  x_PD = _rows(plan, x_ND, k)
+  tok_P = _tokens(plan, N)
   w_P = jnp.take(w_Nk.reshape(-1), plan.copy_P, mode="fill", fill_value=0)
-  dy_PD = _rows(plan, dy_ND, k)
-  dw_Nk = jnp.einsum("nkd,nd->nk", y_NkD, dy_ND)
   refs = (x_ND, w_Nk, wg, dy_ND)
 
   def expert(e, carry):
-    dx_PD, dwg, dwu, dwd = carry
+    dx_ND, dw_P, dwg, dwu, dwd = carry
     wg_DF, wu_DF, wd_FD = wg[e], wu[e], wd[e]
 
     def tile(T, r, carry):
-      dx_PD, dwg_DF, dwu_DF, dwd_FD = carry
+      dx_ND, dw_P, dwg_DF, dwu_DF, dwd_FD = carry
       cut = lambda a: jax.lax.dynamic_slice_in_dim(a, r, T)  # noqa: E731
-      x_tD, g_tF, u_tF = cut(x_PD), cut(g_PF), cut(u_PF)
-      dy_tD = cut(dy_PD) * cut(w_P)[:, None]
+      tok_t = cut(tok_P)
+      x_tD = jnp.take(x_ND, tok_t, axis=0, mode="fill", fill_value=0)
+      dy_tD = jnp.take(dy_ND, tok_t, axis=0, mode="fill", fill_value=0)
+      g_tF, u_tF = cut(g_PF), cut(u_PF)
+      dw_t = jnp.sum(cut(y_PD) * dy_tD, axis=1)
+      dy_tD = dy_tD * cut(w_P)[:, None]
       sg = jax.nn.sigmoid(g_tF)
       h_tF = g_tF * sg * u_tF
       dh_tF = _dot(dy_tD, wd_FD, "td,fd->tf").astype(dt)
@@ -197,7 +199,8 @@ def _bwd(sizes, saved, dy_ND):
       du_tF = dh_tF * g_tF * sg
       dx_tD = _dot(dg_tF, wg_DF, "tf,df->td") + _dot(du_tF, wu_DF, "tf,df->td")
       return (
-        jax.lax.dynamic_update_slice_in_dim(dx_PD, dx_tD.astype(dt), r, 0),
+        dx_ND.at[tok_t].add(dx_tD.astype(dt), mode="drop"),  # padding rows name token N: dropped
+        jax.lax.dynamic_update_slice_in_dim(dw_P, dw_t, r, 0),
         dwg_DF + _dot(x_tD, dg_tF, "td,tf->df"),
         dwu_DF + _dot(x_tD, du_tF, "td,tf->df"),
         dwd_FD + _dot(h_tF, dy_tD, "tf,td->fd"),
@@ -205,13 +208,16 @@ def _bwd(sizes, saved, dy_ND):
 
     # The expert's weight gradients accumulate in [D, F] carries, written to row e once.
     zeros = tuple(gm._varying_like(jnp.zeros(a.shape[1:], jnp.float32), *refs) for a in (wg, wu, wd))
-    dx_PD, *dw = _expert_tiles(sizes, plan.first_E[e], plan.rows_E[e], tile, (dx_PD, *zeros))
+    dx_ND, dw_P, *dw = _expert_tiles(sizes, plan.first_E[e], plan.rows_E[e], tile, (dx_ND, dw_P, *zeros))
     put = lambda acc, d: jax.lax.dynamic_update_index_in_dim(acc, d, e, 0)  # noqa: E731
-    return (dx_PD, *(put(acc, d) for acc, d in zip((dwg, dwu, dwd), dw)))
+    return (dx_ND, dw_P, *(put(acc, d) for acc, d in zip((dwg, dwu, dwd), dw)))
 
-  init = (jnp.zeros(x_PD.shape, dt),) + tuple(jnp.zeros(a.shape, jnp.float32) for a in (wg, wu, wd))
-  dx_PD, dwg, dwu, dwd = jax.lax.fori_loop(0, E, expert, tuple(gm._varying_like(a, *refs) for a in init))
-  dx_ND = jnp.sum(jnp.take(dx_PD, plan.slot_Nk, axis=0), axis=1)
+  init = (jnp.zeros_like(x_ND), jnp.zeros(w_P.shape, dt))
+  init += tuple(jnp.zeros(a.shape, jnp.float32) for a in (wg, wu, wd))
+  dx_ND, dw_P, dwg, dwu, dwd = jax.lax.fori_loop(
+    0, wg.shape[0], expert, tuple(gm._varying_like(a, *refs) for a in init)
+  )
+  dw_Nk = jnp.take(dw_P, plan.slot_Nk)
   return dx_ND, dw_Nk, None, dwg.astype(wg.dtype), dwu.astype(wu.dtype), dwd.astype(wd.dtype)
 
 
@@ -235,11 +241,10 @@ def _moe_swiglu_batched(x_ND, w_Nk, idx_Nk, wg, wu, wd, T):
 
 def _fwd_batched(x_ND, w_Nk, idx_Nk, wg, wu, wd, T):
   E, D, F = wg.shape
-  k = idx_Nk.shape[1]
   dt = x_ND.dtype
   plan = _plan(idx_Nk, E, (T,))
   e_T = _tile_experts(plan, T)
-  x_TtD = _rows(plan, x_ND, k).reshape(e_T.shape[0], T, D)
+  x_TtD = _rows(plan, x_ND).reshape(e_T.shape[0], T, D)
   # Gate and up as one dot against the tile's [D, 2F] weights: fewer, wider dots (narrow experts only).
   gu_TtG = _dot(x_TtD, _tile_weights(e_T, wg, wu), "ntd,ndg->ntg").astype(dt)
   g_TtF, u_TtF = gu_TtG[..., :F], gu_TtG[..., F:]
@@ -257,12 +262,11 @@ def _tile_weights(e_T, wg, wu):
 def _bwd_batched(T, saved, dy_ND):
   x_ND, w_Nk, wg, wu, wd, plan, e_T, gu_TtG, y_NkD = saved
   E, D, F = wg.shape
-  k = plan.slot_Nk.shape[1]
   dt = x_ND.dtype
   nT = e_T.shape[0]
-  x_TtD = _rows(plan, x_ND, k).reshape(nT, T, D)
+  x_TtD = _rows(plan, x_ND).reshape(nT, T, D)
   w_P = jnp.take(w_Nk.reshape(-1), plan.copy_P, mode="fill", fill_value=0)
-  dy_TtD = (_rows(plan, dy_ND, k) * w_P[:, None]).reshape(nT, T, D)
+  dy_TtD = (_rows(plan, dy_ND) * w_P[:, None]).reshape(nT, T, D)
   dw_Nk = jnp.einsum("nkd,nd->nk", y_NkD, dy_ND)
   g_TtF, u_TtF = gu_TtG[..., :F], gu_TtG[..., F:]
   sg = jax.nn.sigmoid(g_TtF)
