@@ -71,9 +71,24 @@ def test_step_updates_and_skips_non_finite():
   bad = jax.tree.map(jnp.asarray, bad)
   out, m = step(bad, batch)
   assert int(out.skipped_steps) == 1 and not bool(m["finite"]) and int(out.step) == 1
+  assert float(m["update_norm"]) == 0.0  # the optimizer's branch did not run
   np.testing.assert_array_equal(np.asarray(out.params["lm_head"]["w"]), before.params["lm_head"]["w"])
   np.testing.assert_array_equal(
     np.asarray(out.bias["moe_layers"]["moe"]["router"]["bias"]), before.bias["moe_layers"]["moe"]["router"]["bias"]
   )
   for a, b in zip(jax.tree.leaves(out.opt_state), jax.tree.leaves(state.opt_state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_offloading_the_optimizer_state_changes_nothing_on_cpu():
+  # On CPU the device memory is host memory: the layout keeps every leaf in device memory (offloading to
+  # TPU/GPU host memory is compiled by tests/train/test_aot.py).
+  from k2jax import sharding  # noqa: PLC0415
+  from k2jax.train import core  # noqa: PLC0415
+
+  opt = muonclip(1e-2, qk_clip_spec=QKClipSpec.from_config(CFG))
+  mesh = sharding.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
+  lay = core.layout(CFG, opt, mesh=mesh, preset="fsdp", seed=0, offload_opt_state=True)
+  kinds = {s.memory_kind for s in jax.tree.leaves(lay.shardings)}
+  assert kinds <= {None, "device"}, kinds
+  assert lay.device_shardings == lay.shardings
