@@ -224,6 +224,7 @@ def planner_over_xla(config: config_dict.ConfigDict, report: dict) -> float:
     device_memory_bytes=report["hbm_bytes_per_device"],
     num_microbatches=tc.data.num_microbatches,
     accelerator=True,
+    offload_opt_state=tc.optim.offload_state,
   )
   return p["total_bytes_per_device"] / (report["peak_gib_per_device"] * GIB)
 
