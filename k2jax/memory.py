@@ -180,6 +180,12 @@ def gathered_layer_bytes(cfg: K2Config, shapes: dict, specs: dict, sizes: Mappin
   return 2 * max(per_kind.values(), default=0)
 
 
+# The einsum attention's backward of one layer holds this many float32 [T, H, S] buffers at XLA:TPU's
+# peak: 1t on v5p-1024 (4096 tokens per device, full remat) allocates 28.7 GiB more with the einsum path
+# than with the flash kernel (bench/aot.py: 69.50 vs 40.76 GiB), 7.2 such buffers of 4 GiB.
+SCORES_BACKWARD = 7
+
+
 def activation_bytes(
   cfg: K2Config,
   sizes: Mapping[str, int],
@@ -195,14 +201,17 @@ def activation_bytes(
   Per token and layer (c = compute dtype bytes; widths divided by their `tensor` sharding):
     attention: c*(2D + 2Rq + 2H(Kn+Kr) + 2(Rkv+Kr) + H(Kn+V) + HV) + scores, where scores =
                (4 + c)*H*seq_len on the einsum path (float32 logits, compute-dtype probabilities) and
-               0 with the flash kernel (memory linear in seq_len)
+               0 with the flash kernel (memory linear in seq_len); the layer being differentiated holds
+               SCORES_BACKWARD float32 [H, seq_len] rows per token instead (logits, probabilities, their
+               gradients and masks)
     MoE:       c*(D + 3Fs) + 4E (router scores), plus the routed rows per token of one dispatch chunk
                (`moe_chunk_tokens` under expert parallelism: the rest of the chunks are rematerialised):
                ragged c*(k*D + o*k*(D + 3F)), fixed c*o*k*(2D + 3F), o = the dropless worst-case rows
                over real rows of the receive buffer (`expert_parallel.padding_overhead`)
     dense FFN: c*(D + 3F_dense)
   Remat: 'none' and 'dots' keep every layer; 'dots_no_batch' drops the attention score terms
-  (batched dots); 'full' keeps only each layer's input (c*D) plus one layer recomputed in backward.
+  (batched dots); 'full' keeps only each layer's input (c*D) plus one layer recomputed in backward (with
+  the backward's score rows).
   Plus the float32 logits and their gradient (2 * 4 * S per token).
   """
   c = jnp.dtype(cfg.compute_dtype).itemsize
@@ -231,7 +240,8 @@ def activation_bytes(
     per_layer = {k: v - tokens * scores for k, v in per_layer.items()}
   n = {"dense": cfg.num_dense_layers, "moe": cfg.num_moe_layers}
   if cfg.remat_policy == "full":
-    held = tokens * cfg.num_hidden_layers * c * D + max(per_layer[k] for k in n if n[k])
+    backward = 0 if flash else tokens * (4 * SCORES_BACKWARD - 4 - c) * H * seq_len / ht
+    held = tokens * cfg.num_hidden_layers * c * D + max(per_layer[k] for k in n if n[k]) + backward
   else:
     held = sum(n[k] * per_layer[k] for k in n)
   logits = tokens * 2 * 4 * S / tp("act_vocab")
