@@ -50,7 +50,9 @@ class Layout:
     """`state` moved to `shardings` (the optimizer state to host memory when offloaded; else unchanged)."""
     if self.shardings == self.device_shardings:
       return state
-    return jax.device_put(state, self.shardings, donate=True)
+    # Not donated: "Donation across different memory kinds is not implemented" (jax 0.10). The device
+    # copies go when the caller drops `state`.
+    return state._replace(opt_state=jax.device_put(state.opt_state, self.shardings.opt_state))
 
   @property
   def batch_sharding(self) -> NamedSharding:
