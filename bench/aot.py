@@ -1,13 +1,16 @@
 """K2 1T on a TPU slice by XLA's own numbers: compile `configs/k2.py:1t`'s train step for `v5p-1024`
 (no TPU needed; Python >= 3.12 with `pip install -e '.[tpu]'`) in each variant and print, per variant,
 
-  <variant>_peak_gib_per_device=  <variant>_temp_gib_per_device=  <variant>_fits=
+  <variant>_peak_gib_per_device=  <variant>_temp_gib_per_device=  <variant>_fits=  <variant>_host_state_gib_per_device=
   <variant>_flops_per_device=     <variant>_a2a_bytes_per_device=  <variant>_planner_over_xla=
 
 Variants are <attention>_<dispatch>: attention 'einsum' (the [B,H,T,S] float32 logits) or 'flash'
 (where the model has `model.attention`), EP dispatch 'fixed' (worst-case buffers) or 'ragged'
 (ragged_all_to_all, exact rows). a2a bytes = all-to-all + ragged-all-to-all bytes per device per
-step. planner_over_xla = k2jax.memory.plan's total over XLA's peak. Layers are scanned, so the compile
+step. planner_over_xla = k2jax.memory.plan's total over XLA's peak. Peak = the device bytes XLA's buffer
+assignment allocates (`aot.peak_bytes`; XLA:TPU's temp_size_in_bytes alone exceeds it). `1t` keeps its
+optimizer state in host memory (`optim.offload_state`, host_state_gib_per_device); `--set
+optim.offload_state=False` compiles it on the device. Layers are scanned, so the compile
 costs about the same at any depth: full depth by default.
 
   python bench/aot.py                                   # all variants, 61 layers (tens of minutes)
@@ -43,7 +46,10 @@ def _config(attention: str, dispatch: str, layers: int, sets: list[str]):
       node = c
       for p in path:
         node = node[p]
-      node[name] = type(node[name])(value) if node[name] is not None else int(value)
+      if isinstance(node[name], bool):
+        node[name] = {"true": True, "false": False}[value.lower()]
+      else:
+        node[name] = type(node[name])(value) if node[name] is not None else int(value)
   return c
 
 
@@ -73,6 +79,7 @@ def main():
     out = {
       "peak_gib_per_device": r["peak_gib_per_device"],
       "temp_gib_per_device": r.get("temp_gib_per_device", r.get("xla_required_temp_gib_per_device")),
+      "host_state_gib_per_device": round(r["host_state_bytes_per_device"] / 2**30, 2),
       "fits": str(r["fits"]).lower(),
       "headroom_gib_per_device": r.get("headroom_gib_per_device", "n/a"),
       "flops_per_device": f"{r.get('flops_per_device', float('nan')):.4e}",

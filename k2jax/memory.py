@@ -69,6 +69,7 @@ def plan(
   mu_dtype=None,
   num_microbatches: int = 1,
   accelerator: bool | None = None,
+  offload_opt_state: bool = False,
 ) -> dict:
   """Per-device memory of training `model_cfg` under `rules_preset` on a mesh of `mesh_shape`.
 
@@ -82,6 +83,8 @@ def plan(
       compute dtype, the rest in the parameter dtype) beside the float32 gradient accumulator (`grads`).
     accelerator: whether the plan is for TPU/GPU (EP 'auto' dispatch is ragged there); None: true
       when `topology` is given, else this host's backend.
+    offload_opt_state: the optimizer state waits in host memory (`optim.offload_state`; TPU/GPU only):
+      its bytes are reported as `host_opt_bytes_per_device` and leave the device total.
   Returns a dict of ints (bytes per device, parameter counts) plus `fits` (bool or None when no
   device memory is known).
   """
@@ -125,12 +128,11 @@ def plan(
   ragged = model_cfg.moe_dispatch == "ragged" or (model_cfg.moe_dispatch == "auto" and accelerator)
   flash = model_cfg.attention == "flash" or (model_cfg.attention == "auto" and accelerator)
   act = activation_bytes(model_cfg, sizes, rules_preset, batch_per_device_tokens, seq_len, ragged=ragged, flash=flash)
-  # XLA:TPU (libtpu 0.0.50) holds a second buffer of the microbatch loop's carried gradient accumulator
-  # and of each microbatch's gradient: fitted to its compiled peaks of 1t on v5p-1024 at 4, 16 and 61
-  # layers (0.83 GiB per layer against 0.59 GiB of state, activations and gradients per layer). The
-  # mechanism (copies of loop-carried buffers for overlapped iterations) is inferred, not checked.
-  loop_copy = grads_bytes + grad_accum if accelerator and num_microbatches > 1 else 0
-  total = params_bytes + grads_bytes + grad_accum + opt_bytes + copy_bytes + gathered + act + loop_copy
+  host_opt = opt_bytes if offload_opt_state and accelerator else 0
+  # A sum, not the peak of one program point: XLA's own allocation for 1t on v5p-1024 (bench/aot.py, flash
+  # attention, ragged EP) is 48.96 GiB against this plan's 50.65 (1.035), 40.76 with the optimizer state
+  # offloaded against 42.45.
+  total = params_bytes + grads_bytes + grad_accum + opt_bytes - host_opt + copy_bytes + gathered + act
   return dict(
     num_devices=n_dev,
     mesh=",".join(f"{a}={s}" for a, s in sizes.items()),
@@ -140,9 +142,9 @@ def plan(
     params_bytes_per_device=params_bytes,
     grads_bytes_per_device=grads_bytes,
     grad_accum_bytes_per_device=grad_accum,
-    opt_bytes_per_device=opt_bytes,
+    opt_bytes_per_device=opt_bytes - host_opt,
+    host_opt_bytes_per_device=host_opt,
     compute_copy_bytes_per_device=copy_bytes,
-    loop_copy_bytes_per_device=loop_copy,
     gathered_bytes_per_device=gathered,
     act_bytes_per_device=act,
     total_bytes_per_device=total,
@@ -178,6 +180,12 @@ def gathered_layer_bytes(cfg: K2Config, shapes: dict, specs: dict, sizes: Mappin
   return 2 * max(per_kind.values(), default=0)
 
 
+# The einsum attention's backward of one layer holds this many float32 [T, H, S] buffers at XLA:TPU's
+# peak: 1t on v5p-1024 (4096 tokens per device, full remat) allocates 28.7 GiB more with the einsum path
+# than with the flash kernel (bench/aot.py: 69.50 vs 40.76 GiB), 7.2 such buffers of 4 GiB.
+SCORES_BACKWARD = 7
+
+
 def activation_bytes(
   cfg: K2Config,
   sizes: Mapping[str, int],
@@ -193,14 +201,17 @@ def activation_bytes(
   Per token and layer (c = compute dtype bytes; widths divided by their `tensor` sharding):
     attention: c*(2D + 2Rq + 2H(Kn+Kr) + 2(Rkv+Kr) + H(Kn+V) + HV) + scores, where scores =
                (4 + c)*H*seq_len on the einsum path (float32 logits, compute-dtype probabilities) and
-               0 with the flash kernel (memory linear in seq_len)
+               0 with the flash kernel (memory linear in seq_len); the layer being differentiated holds
+               SCORES_BACKWARD float32 [H, seq_len] rows per token instead (logits, probabilities, their
+               gradients and masks)
     MoE:       c*(D + 3Fs) + 4E (router scores), plus the routed rows per token of one dispatch chunk
                (`moe_chunk_tokens` under expert parallelism: the rest of the chunks are rematerialised):
                ragged c*(k*D + o*k*(D + 3F)), fixed c*o*k*(2D + 3F), o = the dropless worst-case rows
                over real rows of the receive buffer (`expert_parallel.padding_overhead`)
     dense FFN: c*(D + 3F_dense)
   Remat: 'none' and 'dots' keep every layer; 'dots_no_batch' drops the attention score terms
-  (batched dots); 'full' keeps only each layer's input (c*D) plus one layer recomputed in backward.
+  (batched dots); 'full' keeps only each layer's input (c*D) plus one layer recomputed in backward (with
+  the backward's score rows).
   Plus the float32 logits and their gradient (2 * 4 * S per token).
   """
   c = jnp.dtype(cfg.compute_dtype).itemsize
@@ -229,7 +240,8 @@ def activation_bytes(
     per_layer = {k: v - tokens * scores for k, v in per_layer.items()}
   n = {"dense": cfg.num_dense_layers, "moe": cfg.num_moe_layers}
   if cfg.remat_policy == "full":
-    held = tokens * cfg.num_hidden_layers * c * D + max(per_layer[k] for k in n if n[k])
+    backward = 0 if flash else tokens * (4 * SCORES_BACKWARD - 4 - c) * H * seq_len / ht
+    held = tokens * cfg.num_hidden_layers * c * D + max(per_layer[k] for k in n if n[k]) + backward
   else:
     held = sum(n[k] * per_layer[k] for k in n)
   logits = tokens * 2 * 4 * S / tp("act_vocab")

@@ -47,6 +47,7 @@ class OptimSpec:
   adam_eps: float
   qk_clip_tau: float
   bias_update_rate: float
+  offload_state: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

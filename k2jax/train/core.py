@@ -39,7 +39,20 @@ class Layout:
   make: Callable[[], K2Model]  # builds the model (random init with the run's seed)
   mdef: ModelDef
   abstract_state: TrainState
-  shardings: TrainState  # NamedSharding per state leaf
+  shardings: TrainState  # NamedSharding per state leaf (the optimizer state's in host memory when offloaded)
+
+  @property
+  def device_shardings(self) -> TrainState:
+    """`shardings` all in device memory: where a state is initialised or restored before `place`."""
+    return jax.tree.map(lambda s: s.with_memory_kind("device") if s.memory_kind == "pinned_host" else s, self.shardings)
+
+  def place(self, state: TrainState) -> TrainState:
+    """`state` moved to `shardings` (the optimizer state to host memory when offloaded; else unchanged)."""
+    if self.shardings == self.device_shardings:
+      return state
+    # Not donated: "Donation across different memory kinds is not implemented" (jax 0.10). The device
+    # copies go when the caller drops `state`.
+    return state._replace(opt_state=jax.device_put(state.opt_state, self.shardings.opt_state))
 
   @property
   def batch_sharding(self) -> NamedSharding:
@@ -84,14 +97,23 @@ class Core(Layout):
 
 
 def layout(
-  model: K2Config, optimizer: optax.GradientTransformationExtraArgs, *, mesh: Mesh, preset: str, seed: int
+  model: K2Config,
+  optimizer: optax.GradientTransformationExtraArgs,
+  *,
+  mesh: Mesh,
+  preset: str,
+  seed: int,
+  offload_opt_state: bool = False,
 ) -> Layout:
-  """The abstract sharded state of `model` trained by `optimizer` on `mesh` (allocates nothing)."""
+  """The abstract sharded state of `model` trained by `optimizer` on `mesh` (allocates nothing).
+  `offload_opt_state`: the optimizer state lives in pinned host memory between steps (TPU/GPU meshes; on
+  CPU, device memory is host memory and the flag changes nothing)."""
+  offload = offload_opt_state and sharding.platform(mesh) != "cpu"
   with sharding.use(mesh, preset):
     make = lambda: K2Model(model, rngs=nnx.Rngs(seed))  # noqa: E731
     abstract_model = nnx.eval_shape(make)
     abstract_state = jax.eval_shape(lambda: init_state(make(), optimizer))
-    shardings = state_shardings(abstract_model, abstract_state, mesh, preset)
+    shardings = state_shardings(abstract_model, abstract_state, mesh, preset, offload_opt_state=offload)
   return Layout(mesh, preset, model, optimizer, make, ModelDef.from_model(abstract_model), abstract_state, shardings)
 
 
@@ -107,21 +129,26 @@ def build(
   keep: int,
   async_save: bool,
   data_iter=None,
+  offload_opt_state: bool = False,
 ) -> Core:
   """Mesh -> abstract state and shardings -> restore the newest readable checkpoint of `workdir` (or
   initialise: `init_from`'s weights, else random with `seed`). Nothing unsharded is ever allocated.
   `data_iter` (a grain iterator) is restored in place when the checkpoint holds its position."""
-  lay = layout(model, optimizer, mesh=sharding.make_mesh(mesh_shape), preset=preset, seed=seed)
+  mesh = sharding.make_mesh(mesh_shape)
+  lay = layout(model, optimizer, mesh=mesh, preset=preset, seed=seed, offload_opt_state=offload_opt_state)
   with lay.use():
     if jax.process_index() == 0:
       wd.write_model_config(model, workdir)
     ckpt = Checkpointer(workdir, keep=keep, async_save=async_save)
-    restored = ckpt.restore_latest(abstract_like(lay.abstract_state, lay.shardings), data_iter)
+    # Restored (or initialised) in device memory, then placed: an offloaded optimizer state moves to host.
+    restored = ckpt.restore_latest(abstract_like(lay.abstract_state, lay.device_shardings), data_iter)
     if restored is None:
-      state, meta, step, data_ok = initial_state(model, init_from, lay.make, optimizer, lay.shardings), {}, None, False
+      state = initial_state(model, init_from, lay.make, optimizer, lay.device_shardings)
+      meta, step, data_ok = {}, None, False
     else:
       state, meta, data_ok = restored.state, restored.meta, restored.data_restored
       step = meta.get("checkpoint_step", int(state.step))
+    state = lay.place(state)
   return Core(
     **{f.name: getattr(lay, f.name) for f in dataclasses.fields(Layout)},
     ckpt=ckpt,

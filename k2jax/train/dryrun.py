@@ -25,6 +25,7 @@ def report(config: config_dict.ConfigDict) -> str:
     tokens_per_step=tc.data.global_batch_size * tc.data.seq_len,
     tokens_per_pass=micro_rows * tc.data.seq_len,
     num_microbatches=tc.data.num_microbatches,
+    offload_opt_state=tc.optim.offload_state,
   )
 
 
@@ -37,6 +38,7 @@ def plan_report(
   tokens_per_step: int,
   tokens_per_pass: int,
   num_microbatches: int = 1,
+  offload_opt_state: bool = False,
 ) -> str:
   """Counts and (with a topology) the per-device memory plan of one forward/backward over
   `tokens_per_pass` tokens (all rows whose activations live at once), shared by every loop."""
@@ -59,6 +61,7 @@ def plan_report(
       seq_len=seq_len,
       topology=topology,
       num_microbatches=num_microbatches,
+      offload_opt_state=offload_opt_state,
     )
     lines.append(f"topology={topology}")
     lines.append(memory.format_plan(plan))

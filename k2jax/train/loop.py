@@ -54,6 +54,7 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
     keep=tc.checkpoint.keep,
     async_save=tc.checkpoint.async_save,
     data_iter=it,
+    offload_opt_state=tc.optim.offload_state,
   )
   if c.restored_step is not None:
     say(f"resumed from {c.ckpt.directory}/{c.restored_step}")

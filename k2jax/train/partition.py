@@ -2,7 +2,8 @@
 
 Params and the balancing bias take their preset sharding; every optimizer-state leaf whose key path
 ends with a parameter's path and has that parameter's shape (Muon momentum, Adam moments) takes that
-parameter's sharding; everything else (counters, scalars) is replicated.
+parameter's sharding; everything else (counters, scalars) is replicated. With `offload_opt_state` the
+optimizer state's shardings name pinned host memory (`step.apply_update` brings it to HBM for the update).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from k2jax.model.layers import RouterBias
 from k2jax.train.step import TrainState
 
 
-def state_shardings(abstract_model: nnx.Module, abstract_state: TrainState, mesh: Mesh, preset: str) -> TrainState:
+def state_shardings(
+  abstract_model: nnx.Module, abstract_state: TrainState, mesh: Mesh, preset: str, *, offload_opt_state: bool = False
+) -> TrainState:
   """A TrainState-shaped tree of NamedShardings for `abstract_state`."""
   params = nnx.to_pure_dict(sharding.param_shardings(nnx.state(abstract_model, nnx.Param), mesh, preset))
   bias = nnx.to_pure_dict(sharding.param_shardings(nnx.state(abstract_model, RouterBias), mesh, preset))
@@ -34,6 +37,8 @@ def state_shardings(abstract_model: nnx.Module, abstract_state: TrainState, mesh
     return replicated
 
   opt = jax.tree_util.tree_map_with_path(opt_leaf, abstract_state.opt_state)
+  if offload_opt_state:
+    opt = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt)
   return TrainState(step=replicated, params=params, bias=bias, opt_state=opt, skipped_steps=replicated)
 
 

@@ -97,18 +97,36 @@ def apply_update(
   `aux` carries this step's forward side outputs: `max_logits` (QK-Clip inside MuonClip), `expert_counts`
   (balancing bias) and `tokens`. A non-finite loss or gradient keeps the old params, optimizer state and
   bias, and counts the step in `skipped_steps`.
+
+  The optimizer runs inside a `lax.cond` on that finite check (a skipped step applies a zero update and
+  keeps the old state; one branch runs, not both and a select). An optimizer state held in host memory
+  (`core.layout(offload_opt_state=True)`) is copied to device memory inside the taken branch, so XLA
+  cannot start the copy before the gradients exist: outside a branch its scheduler prefetched the state at
+  the top of the step and held it through the forward and backward passes (1t on v5p-1024: no HBM saved).
+  The new state goes back to host memory.
   """
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params, max_logits=aux["max_logits"])
-  params = optax.apply_updates(state.params, updates)
-  bias = update_bias(state.bias, aux["expert_counts"], bias_update_rate)
   grad_norm = optax.tree.norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  offloaded = _in_host_memory(state.opt_state)
+
+  def update(opt_state, grads):
+    if offloaded:
+      opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
+    updates, opt_state = optimizer.update(grads, opt_state, state.params, max_logits=aux["max_logits"])
+    return updates, jax.device_put(opt_state, jax.memory.Space.Host) if offloaded else opt_state
+
+  def skip(opt_state, grads):
+    return jax.tree.map(jnp.zeros_like, grads), opt_state
+
+  updates, opt_state = jax.lax.cond(ok, update, skip, state.opt_state, grads)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+  params = optax.apply_updates(state.params, updates)
+  bias = update_bias(state.bias, aux["expert_counts"], bias_update_rate)
   new_state = TrainState(
     step=state.step + 1,
     params=keep(params, state.params),
     bias=keep(bias, state.bias),
-    opt_state=keep(opt_state, state.opt_state),
+    opt_state=opt_state,
     skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32),
   )
   metrics = step_metrics(
@@ -123,6 +141,12 @@ def apply_update(
     skipped=new_state.skipped_steps,
   )
   return new_state, metrics
+
+
+def _in_host_memory(tree) -> bool:
+  """Whether the (traced) arrays of `tree` live in host memory (all or none: `partition.state_shardings`)."""
+  host = [getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host for x in jax.tree.leaves(tree)]
+  return bool(host) and all(host)
 
 
 def accumulate_grads(mdef: ModelDef, params: dict, bias: dict, batch: dict, num_microbatches: int):

@@ -71,9 +71,58 @@ def test_step_updates_and_skips_non_finite():
   bad = jax.tree.map(jnp.asarray, bad)
   out, m = step(bad, batch)
   assert int(out.skipped_steps) == 1 and not bool(m["finite"]) and int(out.step) == 1
+  assert float(m["update_norm"]) == 0.0  # the optimizer's branch did not run
   np.testing.assert_array_equal(np.asarray(out.params["lm_head"]["w"]), before.params["lm_head"]["w"])
   np.testing.assert_array_equal(
     np.asarray(out.bias["moe_layers"]["moe"]["router"]["bias"]), before.bias["moe_layers"]["moe"]["router"]["bias"]
   )
   for a, b in zip(jax.tree.leaves(out.opt_state), jax.tree.leaves(state.opt_state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_offloading_the_optimizer_state_changes_nothing_on_cpu():
+  # On CPU the device memory is host memory: the layout keeps every leaf in device memory (offloading to
+  # TPU/GPU host memory is compiled by tests/train/test_aot.py).
+  from k2jax import sharding  # noqa: PLC0415
+  from k2jax.train import core  # noqa: PLC0415
+
+  opt = muonclip(1e-2, qk_clip_spec=QKClipSpec.from_config(CFG))
+  mesh = sharding.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
+  lay = core.layout(CFG, opt, mesh=mesh, preset="fsdp", seed=0, offload_opt_state=True)
+  kinds = {s.memory_kind for s in jax.tree.leaves(lay.shardings)}
+  assert kinds <= {None, "device"}, kinds
+  assert lay.device_shardings == lay.shardings
+
+
+def test_offloaded_optimizer_state_places_saves_and_restores(tmp_path):
+  # The pieces of an offloaded run that CPU can run (a jitted step with host-memory arguments cannot: jax
+  # 0.10's CPU client aborts): `Layout.place` moves the optimizer state to pinned host memory, and a
+  # checkpoint of it restores, onto device memory (what `core.build` does before placing) or host memory.
+  import dataclasses  # noqa: PLC0415
+
+  from k2jax import sharding  # noqa: PLC0415
+  from k2jax.train import core  # noqa: PLC0415
+  from k2jax.train.checkpoint import Checkpointer, abstract_like  # noqa: PLC0415
+  from k2jax.train.init_from import initial_state  # noqa: PLC0415
+
+  opt = muonclip(1e-2, qk_clip_spec=QKClipSpec.from_config(CFG))
+  mesh = sharding.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
+  lay = core.layout(CFG, opt, mesh=mesh, preset="fsdp", seed=0)
+  host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), lay.shardings.opt_state)
+  off = dataclasses.replace(lay, shardings=lay.shardings._replace(opt_state=host))
+  assert off.device_shardings == lay.shardings
+  state = initial_state(CFG, "", lay.make, opt, lay.shardings)
+  state = jax.tree.map(lambda x: x + 1 if jnp.issubdtype(x.dtype, jnp.floating) else x, state)  # non-zero moments
+  want = jax.tree.map(np.asarray, state)
+  placed = off.place(state)
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(placed.opt_state)} == {"pinned_host"}
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(placed.params)} == {"device"}
+  ckpt = Checkpointer(str(tmp_path), keep=1, async_save=False)
+  ckpt.save(3, placed, None, {})
+  ckpt.wait()
+  for shardings, kind in ((off.device_shardings, "device"), (off.shardings, "pinned_host")):
+    back = ckpt.restore_latest(abstract_like(lay.abstract_state, shardings)).state
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(back.opt_state)} == {kind}
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), b)
+  ckpt.close()
