@@ -71,7 +71,8 @@ def batched_tile(width: int, sizes: tuple[int, ...]) -> int:
 def tile_sizes(copies: int, experts: int) -> tuple[int, ...]:
   """Tile rows, largest first: T0 = the mean group as a power of two in [MIN_TILE, MAX_TILE], then its
   halves down to q = T0 / 8 (at least MIN_TILE). Groups are padded to multiples of q (under q wasted
-  rows per expert); the smaller tiles only cover each group's remainder below T0."""
+  rows per expert); the smaller tiles only cover each group's remainder below T0. Small width, CPU time
+  against q = T0 / 8: T0 / 4 1.025 (more padding), T0 / 16 1.019 (more tiles)."""
   mean = max(copies // max(experts, 1), 1)
   top = int(min(MAX_TILE, max(MIN_TILE, 1 << (mean.bit_length() - 1))))
   return tuple(t for t in (top, top // 2, top // 4, top // 8) if t >= MIN_TILE)
