@@ -6,6 +6,7 @@ come from `one_device_subprocess` (a fresh process with one CPU device), never f
 8 fake devices share the cores.
 """
 
+import math
 import os
 import statistics
 import subprocess
@@ -13,22 +14,31 @@ import sys
 import time
 
 
-def time_interleaved(fns: dict, reps: int, cpu: dict | None = None) -> dict[str, list[float]]:
-  """Wall seconds per call of each blocking fn, `reps` rounds of one call each in dict order.
+def time_interleaved(fns: dict, reps: int, cpu: dict | None = None, min_rep_s: float = 0.05) -> dict[str, list[float]]:
+  """Seconds per call of each blocking fn over `reps` rounds in dict order, a round timing each fn over
+  enough back-to-back calls to last about `min_rep_s` (counted once, from one untimed call each, as
+  `timeit`'s autorange does): a 2 ms call timed alone swings with the scheduler's tick and the other
+  thread's wake-ups, and its ratio with it.
 
   If `cpu` is a dict, it receives the same for this process's CPU seconds (all threads, user + system):
   on a machine shared with other jobs, a call's CPU time barely moves with their load while its wall
   time can double, so CPU-time ratios (`<name>_cpu=`) are the figures to compare under load."""
+  calls = {}
+  for name, fn in fns.items():
+    t = time.perf_counter()
+    fn()
+    calls[name] = max(1, math.ceil(min_rep_s / max(time.perf_counter() - t, 1e-9)))
   times = {name: [] for name in fns}
   if cpu is not None:
     cpu.update({name: [] for name in fns})
   for _ in range(reps):
     for name, fn in fns.items():
       t, c = time.perf_counter(), time.process_time()
-      fn()
-      times[name].append(time.perf_counter() - t)
+      for _ in range(calls[name]):
+        fn()
+      times[name].append((time.perf_counter() - t) / calls[name])
       if cpu is not None:
-        cpu[name].append(time.process_time() - c)
+        cpu[name].append((time.process_time() - c) / calls[name])
   return times
 
 
