@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from k2jax import sharding  # noqa: E402
+from k2jax import host_malloc, sharding  # noqa: E402
 from k2jax.model import expert_parallel, grouped_matmul, presets  # noqa: E402
 from k2jax.model.block import MoE  # noqa: E402
 from k2jax.model.layers import SwiGLU  # noqa: E402
@@ -177,6 +177,7 @@ def main():
   parser.add_argument("--widths", default=",".join(SHAPES))
   parser.add_argument("--profile", type=int, default=0, help="one device: print the top N ops of each layer's fwd+bwd")
   args = parser.parse_args()
+  host_malloc.keep_freed_memory()  # as the launchers run (k2jax/host_malloc.py)
   widths = args.widths.split(",")
   if args.one_device:
     print(f"backend={jax.default_backend()} devices={jax.device_count()}")

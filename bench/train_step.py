@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from k2jax import memory  # noqa: E402
+from k2jax import host_malloc, memory  # noqa: E402
 from k2jax.data import PretrainDataConfig, make_pretrain_iter  # noqa: E402
 from k2jax.model import K2Model, presets  # noqa: E402
 from k2jax.optim import QKClipSpec, muonclip  # noqa: E402
@@ -157,6 +157,7 @@ def main():
   ap.add_argument("--small_microbatches", type=int, default=1)
   ap.add_argument("--profile", type=int, default=0, help="after timing, trace one step and print its top N ops")
   args = ap.parse_args()
+  host_malloc.keep_freed_memory()  # as the launchers run (k2jax/host_malloc.py)
   print(f"device={jax.devices()[0].device_kind} devices={jax.device_count()}")
   for name in args.presets.split(","):
     small = name == "small"

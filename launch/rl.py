@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from k2jax import compile_cache  # noqa: E402
+from k2jax import compile_cache, host_malloc  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:tiny", "RL config file and variant.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, weight pushes).")
@@ -47,6 +47,7 @@ def main(argv):
   distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   compile_cache.enable(_COMPILE_CACHE.value)
+  host_malloc.keep_freed_memory()  # freed XLA:CPU buffers stay in the heap (k2jax/host_malloc.py)
   final = learner.run(_CONFIG.value, _WORKDIR.value)
   if final:
     print(json.dumps({k: final[k] for k in ("step", "reward_mean", "eval_accuracy") if k in final}))

@@ -14,7 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
-from k2jax import compile_cache  # noqa: E402
+from k2jax import compile_cache, host_malloc  # noqa: E402
 
 from k2jax.engine import EngineConfig  # noqa: E402
 from k2jax.httpservice import HttpLimits  # noqa: E402
@@ -48,6 +48,7 @@ _COMPILE_CACHE = compile_cache.define_flag()
 def main(argv):
   del argv
   compile_cache.enable(_COMPILE_CACHE.value)
+  host_malloc.keep_freed_memory()  # freed XLA:CPU buffers stay in the heap (k2jax/host_malloc.py)
   logging.basicConfig(level=logging.INFO)
   config = EngineConfig(
     max_slots=_SLOTS.value,
