@@ -89,8 +89,9 @@ def bench(name, reps, layers, microbatches, profile=0):
   jax.block_until_ready(m["loss"])
   compile_s = time.perf_counter() - t
 
-  def run_step():
-    holder["state"], holder["m"] = step(holder["state"], batches[1 + len(holder.setdefault("done", []))])
+  def run_step():  # the timing may call it more than `reps` times: the batches go round
+    i = len(holder.setdefault("done", []))
+    holder["state"], holder["m"] = step(holder["state"], batches[1 + i % reps])
     holder["done"].append(jax.block_until_ready(holder["m"]["loss"]))
 
   # The optimizer alone: muonclip's update and its application, on gradients of the step's shapes.
