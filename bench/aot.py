@@ -3,6 +3,7 @@
 
   <variant>_peak_gib_per_device=  <variant>_temp_gib_per_device=  <variant>_fits=  <variant>_host_state_gib_per_device=
   <variant>_flops_per_device=     <variant>_a2a_bytes_per_device=  <variant>_planner_over_xla=
+  <variant>_custom_call_flops_per_device= (Mosaic kernels' own estimates: ragged_dot, flash; k2jax.train.hlo_stats)
 
 Variants are <attention>_<dispatch>: attention 'einsum' (the [B,H,T,S] float32 logits) or 'flash'
 (where the model has `model.attention`), EP dispatch 'fixed' (worst-case buffers) or 'ragged'
@@ -83,6 +84,7 @@ def main():
       "fits": str(r["fits"]).lower(),
       "headroom_gib_per_device": r.get("headroom_gib_per_device", "n/a"),
       "flops_per_device": f"{r.get('flops_per_device', float('nan')):.4e}",
+      "custom_call_flops_per_device": f"{r.get('custom_call_flops_per_device', float('nan')):.4e}",
       "a2a_bytes_per_device": a2a if "flops_per_device" in r else "n/a",
       "all_gather_bytes_per_device": r.get("all-gather_bytes_per_device", "n/a"),
       "reduce_scatter_bytes_per_device": r.get("reduce-scatter_bytes_per_device", "n/a"),

@@ -177,6 +177,7 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
   stats = hlo_stats.hlo_stats(compiled.as_text())
   report["unknown_trip_counts"] = stats.pop("unknown_trip_counts")
   report["flops_per_device"] = stats.pop("matmul_flops")
+  report["custom_call_flops_per_device"] = stats.pop("custom_call_flops")
   for kind in hlo_stats.COLLECTIVES:
     report[f"{kind}_bytes_per_device"] = stats.pop(f"{kind}_bytes")
   if keep_hlo:

@@ -8,6 +8,11 @@ the form `lax.scan` and `fori_loop` lower to), start from the loop's initial tup
 body's counter update (XLA:TPU peels and unrolls loops, so start 1 and step 2 occur); a loop whose
 count cannot be read counts once and is reported in `unknown_trip_counts`.
 
+FLOPs: `matmul_flops` counts XLA's `dot`/`convolution` instructions; kernels XLA:TPU runs as Mosaic custom
+calls (jax's `ragged_dot`, the Pallas flash attention) are no dots, so their own cost estimates are summed
+apart as `custom_call_flops`. ragged_dot's estimate is a dense product over its whole row buffer: for EP's
+receive buffer, the dropless worst case (at K2's EP 8, 8x the routed rows), so read it as an upper bound.
+
 Bytes per collective instruction (per device, per execution):
   all-gather          the gathered result          reduce-scatter, all-reduce   the operand
   all-to-all          the operand                  collective-permute            the operand
@@ -51,6 +56,7 @@ _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_COST_FLOPS = re.compile(r'"cost_estimate":\{[^}]*"flops":"?(\d+)')
 
 
 def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -229,11 +235,11 @@ def _dot_flops(ins: _Instr, shapes: dict[str, str]) -> float:
 
 def hlo_stats(hlo_text: str) -> dict:
   """{'<kind>_bytes': per-device bytes per step for each COLLECTIVES kind, 'matmul_flops',
-  'unknown_trip_counts'} of a compiled module's `as_text()`."""
+  'custom_call_flops', 'unknown_trip_counts'} of a compiled module's `as_text()`."""
   comps, entry, shapes = parse(hlo_text)
   mult, unknown = multiplicities(comps, entry)
   out = {f"{kind}_bytes": 0 for kind in COLLECTIVES}
-  flops = 0.0
+  flops = custom_flops = 0.0
   for name, instrs in comps.items():
     times = mult.get(name, 0)
     if not times:
@@ -242,6 +248,9 @@ def hlo_stats(hlo_text: str) -> dict:
       op = ins.op[: -len("-start")] if ins.op.endswith("-start") else ins.op
       if op in ("dot", "convolution"):
         flops += times * _dot_flops(ins, shapes)
+      elif op == "custom-call":
+        m = _COST_FLOPS.search(ins.args)
+        custom_flops += times * float(m.group(1)) if m else 0.0
       if op not in COLLECTIVES:
         continue
       operands = [shape_bytes(shapes.get(o, "")) for o in _operand_names(ins.args)]
@@ -255,5 +264,6 @@ def hlo_stats(hlo_text: str) -> dict:
         nbytes = sum(operands)
       out[f"{op}_bytes"] += times * nbytes
   out["matmul_flops"] = flops
+  out["custom_call_flops"] = custom_flops
   out["unknown_trip_counts"] = unknown
   return out

@@ -24,6 +24,7 @@ HLO = """HloModule jit_step, is_scheduled=true
   %all-gather-start.1 = (bf16[8,32]{1,0}, bf16[32,32]{1,0}) all-gather-start(%gte.1), dimensions={0}
   %all-gather-done.1 = bf16[32,32]{1,0} all-gather-done(%all-gather-start.1)
   %dot.1 = bf16[32,64]{1,0} dot(%all-gather-done.1, %gte.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %kernel.1 = bf16[32,64]{1,0} custom-call(%dot.1), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"x","cost_estimate":{"bytes_accessed":"8192","flops":"5000","transcendentals":"0"}}}
   %all-reduce.1 = bf16[32,64]{1,0} all-reduce(%dot.1), replica_groups={{0,1,2,3}}, to_apply=%add
   %constant.1 = s32[] constant(1)
   %add.1 = s32[] add(%gte.0, %constant.1)
@@ -68,6 +69,7 @@ def test_collective_bytes_and_flops_count_each_execution():
   assert s["ragged-all-to-all_bytes"] == 12 * 16 * 4
   assert s["all-to-all_bytes"] == s["reduce-scatter_bytes"] == s["collective-permute_bytes"] == 0
   assert s["matmul_flops"] == 7 * 2 * 32 * 64 * 32
+  assert s["custom_call_flops"] == 7 * 5000  # a Mosaic kernel's own cost estimate, per execution
 
 
 def test_peeled_and_unrolled_loop_counts_its_real_trips():
