@@ -225,12 +225,33 @@ def _dot_flops(ins: _Instr, shapes: dict[str, str]) -> float:
     m = re.search(r"rhs_contracting_dims=\{([\d,]*)\}", ins.args)
     contracted = [int(d) for d in m.group(1).split(",") if d] if m else []
     return 2.0 * out_elems * math.prod(rhs_dims[d] for d in contracted)
-  # convolution: dim_labels=<lhs>_<rhs>-><out>; the contraction is rhs 'i' times the rhs window dims.
+  # convolution: dim_labels=<lhs>_<rhs>-><out>; the contraction is rhs 'i' times the window taps that land
+  # on the input, not in its padding (XLA:TPU writes some batched dots as a window over the batch padded
+  # size-1 on both sides: one of its taps per output position is real).
   m = re.search(r"dim_labels=([\w]+)_([\w]+)->([\w]+)", ins.args)
   if not m or len(m.group(2)) != len(rhs_dims):
     return 0.0
-  k = math.prod(size for label, size in zip(m.group(2), rhs_dims) if label == "i" or label.isdigit())
-  return 2.0 * out_elems * k
+  i = math.prod(size for label, size in zip(m.group(2), rhs_dims) if label == "i")
+  out_spatial = {label: size for label, size in zip(m.group(3), out[0][1]) if label.isdigit()}
+  lhs = _arrays(shapes.get(ops[0], ""))
+  lhs_spatial = {label: size for label, size in zip(m.group(1), lhs[0][1]) if label.isdigit()} if lhs else {}
+  window = re.search(r"window=\{([^}]*)\}", ins.args)
+  fields = dict(kv.split("=", 1) for kv in window.group(1).split()) if window else {}
+  pads = [p.split("_") for p in fields["pad"].split("x")] if "pad" in fields else None
+  # Stride 1 and no dilation: the taps are counted exactly (otherwise every tap counts).
+  plain = all(
+    k in ("size", "pad", "rhs_reversal") or (k == "stride" and set(v.split("x")) == {"1"}) for k, v in fields.items()
+  )
+  pairs = 1.0  # (output position, tap on the input) pairs, over the spatial dims
+  for label in out_spatial:
+    k = rhs_dims[m.group(2).index(label)]
+    if not plain or pads is None or label not in lhs_spatial:
+      pairs *= out_spatial[label] * k
+      continue
+    size, lo, outs = lhs_spatial[label], int(pads[int(label)][0]), out_spatial[label]
+    # Tap t reads input o + t - lo for output o: real for max(0, lo - t) <= o <= min(outs, lo - t + size) - 1.
+    pairs *= sum(max(0, min(outs, lo - t + size) - max(0, lo - t)) for t in range(k))
+  return 2.0 * out_elems / max(math.prod(out_spatial.values()), 1) * i * pairs
 
 
 def hlo_stats(hlo_text: str) -> dict:
