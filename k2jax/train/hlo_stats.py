@@ -226,8 +226,9 @@ def _dot_flops(ins: _Instr, shapes: dict[str, str]) -> float:
     contracted = [int(d) for d in m.group(1).split(",") if d] if m else []
     return 2.0 * out_elems * math.prod(rhs_dims[d] for d in contracted)
   # convolution: dim_labels=<lhs>_<rhs>-><out>; the contraction is rhs 'i' times the window taps that land
-  # on the input, not in its padding (XLA:TPU writes some batched dots as a window over the batch padded
-  # size-1 on both sides: one of its taps per output position is real).
+  # on the input, not on its padding or between dilated elements (XLA:TPU writes batched dots of MLA as
+  # a window over the batch: `size=64 pad=63_63` or `size=64 stride=63 lhs_dilate=64`, one real tap per
+  # output position; counting all 64 overstated those dots 64x).
   m = re.search(r"dim_labels=([\w]+)_([\w]+)->([\w]+)", ins.args)
   if not m or len(m.group(2)) != len(rhs_dims):
     return 0.0
@@ -237,21 +238,28 @@ def _dot_flops(ins: _Instr, shapes: dict[str, str]) -> float:
   lhs_spatial = {label: size for label, size in zip(m.group(1), lhs[0][1]) if label.isdigit()} if lhs else {}
   window = re.search(r"window=\{([^}]*)\}", ins.args)
   fields = dict(kv.split("=", 1) for kv in window.group(1).split()) if window else {}
-  pads = [p.split("_") for p in fields["pad"].split("x")] if "pad" in fields else None
-  # Stride 1 and no dilation: the taps are counted exactly (otherwise every tap counts).
-  plain = all(
-    k in ("size", "pad", "rhs_reversal") or (k == "stride" and set(v.split("x")) == {"1"}) for k, v in fields.items()
-  )
-  pairs = 1.0  # (output position, tap on the input) pairs, over the spatial dims
-  for label in out_spatial:
+  per_dim = lambda key, default: [int(v) for v in fields[key].split("x")] if key in fields else None  # noqa: E731
+  stride, dilate = per_dim("stride", 1), per_dim("lhs_dilate", 1)
+  pads = [[int(v) for v in p.split("_")] for p in fields["pad"].split("x")] if "pad" in fields else None
+  exact = "rhs_dilate" not in fields and set(fields) <= {"size", "pad", "stride", "lhs_dilate", "rhs_reversal"}
+  pairs = 1.0  # (output position, tap on a real input element) pairs, over the spatial dims
+  for label, outs in out_spatial.items():
     k = rhs_dims[m.group(2).index(label)]
-    if not plain or pads is None or label not in lhs_spatial:
-      pairs *= out_spatial[label] * k
+    if not exact or label not in lhs_spatial:
+      pairs *= outs * k
       continue
-    size, lo, outs = lhs_spatial[label], int(pads[int(label)][0]), out_spatial[label]
-    # Tap t reads input o + t - lo for output o: real for max(0, lo - t) <= o <= min(outs, lo - t + size) - 1.
-    pairs *= sum(max(0, min(outs, lo - t + size) - max(0, lo - t)) for t in range(k))
+    d = int(label)
+    pairs *= _taps_on_input(
+      lhs_spatial[label], outs, k, stride[d] if stride else 1, pads[d][0] if pads else 0, dilate[d] if dilate else 1
+    )
   return 2.0 * out_elems / max(math.prod(out_spatial.values()), 1) * i * pairs
+
+
+def _taps_on_input(size: int, outs: int, k: int, stride: int, lo: int, dilate: int) -> int:
+  """(output, tap) pairs of a 1-D window whose tap lands on an input element: output o, tap t reads
+  position o * stride + t - lo of the input dilated by `dilate` (elements at multiples of it)."""
+  last = (size - 1) * dilate
+  return sum(1 for o in range(outs) for t in range(k) if 0 <= (p := o * stride + t - lo) <= last and p % dilate == 0)
 
 
 def hlo_stats(hlo_text: str) -> dict:

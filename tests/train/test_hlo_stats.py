@@ -88,14 +88,16 @@ def test_unreadable_trip_count_counts_once_and_is_reported():
 
 CONV = """HloModule jit_conv, is_scheduled=true
 
-ENTRY %main (a: f32[8,16,1], w: f32[4,32,16], x: f32[8,16,10], v: f32[3,32,16]) -> (f32[8,4,32], f32[8,8,32]) {
+ENTRY %main (a: f32[8,16,1], w: f32[4,32,16], x: f32[8,16,10], v: f32[3,32,16], b: f32[8,16,4]) -> (f32[8,4,32], f32[8,8,32], f32[8,4,32]) {
   %a = f32[8,16,1]{2,1,0} parameter(0)
   %w = f32[4,32,16]{2,1,0} parameter(1)
   %x = f32[8,16,10]{2,1,0} parameter(2)
   %v = f32[3,32,16]{2,1,0} parameter(3)
   %convolution.1 = f32[8,4,32]{2,1,0} convolution(%a, %w), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=bf0_0oi->b0f
   %convolution.2 = f32[8,8,32]{2,1,0} convolution(%x, %v), window={size=3}, dim_labels=bf0_0oi->b0f
-  ROOT %t = (f32[8,4,32]{2,1,0}, f32[8,8,32]{2,1,0}) tuple(%convolution.1, %convolution.2)
+  %b = f32[8,16,4]{2,1,0} parameter(4)
+  %convolution.3 = f32[8,4,32]{2,1,0} convolution(%b, %w), window={size=4 stride=3 lhs_dilate=4}, dim_labels=bf0_0oi->b0f
+  ROOT %t = (f32[8,4,32]{2,1,0}, f32[8,8,32]{2,1,0}, f32[8,4,32]{2,1,0}) tuple(%convolution.1, %convolution.2, %convolution.3)
 }
 """
 
@@ -103,5 +105,6 @@ ENTRY %main (a: f32[8,16,1], w: f32[4,32,16], x: f32[8,16,10], v: f32[3,32,16]) 
 def test_convolution_counts_only_taps_on_the_input():
   # .1: a batched dot XLA:TPU writes as a 4-tap window over a size-1 input padded by 3 on both sides: one
   # real tap per output position (counting all 4 overstated it 4x). .2: a plain valid convolution, 8 x 3 taps.
+  # .3: the other form, a size-4 input dilated by 4 under a stride-3 window: again one real tap per output.
   s = hlo_stats.hlo_stats(CONV)
-  assert s["matmul_flops"] == 2 * 8 * 32 * 16 * 4 + 2 * 8 * 32 * 16 * 8 * 3
+  assert s["matmul_flops"] == 2 * 8 * 32 * 16 * 4 + 2 * 8 * 32 * 16 * 8 * 3 + 2 * 8 * 32 * 16 * 4
