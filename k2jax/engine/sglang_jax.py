@@ -92,7 +92,7 @@ class SglangJaxConfig:
       random_seed=self.random_seed,
       enable_single_process=True,  # the scheduler is a thread here: its weights are reachable
       enable_engine_loop_run_forever_daemon=True,  # requests from any thread via run_coroutine_threadsafe
-      load_format="dummy",  # no weights read: the first push replaces every parameter
+      load_format="dummy",  # sglang's random-init load format: no weights read; the first push replaces every parameter
       skip_server_warmup=True,
       trust_remote_code=True,
       log_level="warning",
@@ -144,7 +144,7 @@ class SglangJaxEngine(Engine):
     self._in_flight: set[str] = set()
     self._updating = False
     self._closed = False
-    self._version = 0  # the launch weights (dummy until the first push)
+    self._version = 0  # the launch weights (random until the first push)
     self._counters: collections.Counter[str] = collections.Counter()
     self._plan = self._make_plan()
     self._copy_fns: dict[tuple[str, ...], Any] = {}
