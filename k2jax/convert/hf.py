@@ -21,6 +21,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from k2jax.convert.errors import CheckpointError
 from k2jax.convert.export_dir import recover, write_export
 from k2jax.convert.layout import Entry, entries, hf_shape
 from k2jax.model.config import ConfigError, K2Config
@@ -29,10 +30,6 @@ from k2jax.model.transformer import K2Model
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-
-
-class CheckpointError(ValueError):
-  """A checkpoint directory is incomplete or inconsistent; the message names the file/tensor."""
 
 
 def abstract_state(cfg: K2Config) -> dict:

@@ -1,0 +1,151 @@
+"""The published block-FP8 layout of Kimi-K2 / DeepSeek-V3 (`quant_method: fp8`, e4m3, 128x128 blocks).
+
+A quantized Linear stores `X.weight` as F8_E4M3 `[out, in]` (HF orientation, not transposed) and
+`X.weight_scale_inv` as float32 `[ceil(out/b0), ceil(in/b1)]`. Despite its name the scale is the
+multiplier (DeepSeek `README_WEIGHTS.md`):
+
+  W[i, j] = float32(W_fp8[i, j]) * scale_inv[i // b0, j // b1]
+
+Ragged edge blocks (Kimi's `kv_a_proj_with_mqa` is [576, 7168] with a [5, 56] grid) are zero-padded
+before their scale is computed and cropped after. The release quantizes every attention and MLP
+projection (dense, shared and routed experts); embeddings, lm_head, norms and the router weight stay
+bf16, the router's `e_score_correction_bias` float32 (a bf16 bias routes wrongly).
+
+Written here rather than taken from a library: transformers' `Fp8Dequantize` raises on the 576-row
+tensor and its `Fp8Quantize` leaves it unquantized; the other writers (slime, prime-rl) are PyTorch on
+GPU. These are numpy, exact per slice, and never materialise more than the slice being converted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import ml_dtypes
+import numpy as np
+
+from k2jax.convert.errors import CheckpointError
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"  # HF key of a weight's scale: f"{key}{SCALE_SUFFIX}"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+  """`config.json`'s `quantization_config` for the block-FP8 layout."""
+
+  block: tuple[int, int] = (128, 128)
+
+  def to_hf(self) -> dict:
+    return {
+      "activation_scheme": "dynamic",
+      "fmt": "e4m3",
+      "quant_method": "fp8",
+      "weight_block_size": list(self.block),
+    }
+
+  @classmethod
+  def from_hf(cls, qc, where: str) -> QuantConfig:
+    """Validate a `quantization_config` object; CheckpointError naming `where` (the config file) if it is
+    not the block-FP8 layout k2jax reads."""
+    if not isinstance(qc, Mapping):
+      raise CheckpointError(f"{where}: quantization_config must be an object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method != "fp8":
+      raise CheckpointError(
+        f"{where}: quantization_config.quant_method={method!r} is not supported (k2jax reads quant_method "
+        "'fp8', the block-FP8 layout of the released Kimi-K2 / DeepSeek-V3)"
+      )
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+      raise CheckpointError(f"{where}: quantization_config.fmt={fmt!r} is not supported (expected 'e4m3')")
+    act = qc.get("activation_scheme", "dynamic")
+    if act != "dynamic":
+      raise CheckpointError(
+        f"{where}: quantization_config.activation_scheme={act!r} is not supported: block-FP8 checkpoints use "
+        "'dynamic' activation scales (there are no static activation scales to read)"
+      )
+    scale_fmt = qc.get("scale_fmt", "float")
+    if scale_fmt not in ("float", "ue8m0"):  # ue8m0 scales are still float32 on disk (powers of two)
+      raise CheckpointError(f"{where}: quantization_config.scale_fmt={scale_fmt!r} is not supported")
+    block = qc.get("weight_block_size")
+    ok = (
+      isinstance(block, (list, tuple))
+      and len(block) == 2
+      and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    )
+    if not ok:
+      raise CheckpointError(
+        f"{where}: quantization_config.weight_block_size={block!r} is not a pair of positive integers "
+        "(block-wise FP8 needs [rows, cols], e.g. [128, 128]; per-tensor or per-channel FP8 is not supported)"
+      )
+    return cls(block=(block[0], block[1]))
+
+
+def is_quantized_key(key: str) -> bool:
+  """Whether the release stores this HF key as block-FP8: every attention/MLP projection weight."""
+  return key.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+  """The `weight_scale_inv` grid of an `[out, in]` weight."""
+  if len(shape) != 2:
+    raise ValueError(f"block-FP8 weights are 2-D [out, in], got shape {list(shape)}")
+  return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+
+
+def dequantize(
+  w_fp8: np.ndarray,
+  scale_inv: np.ndarray,
+  block: tuple[int, int] = (128, 128),
+  origin: tuple[int, int] = (0, 0),
+) -> np.ndarray:
+  """float32 of a 2-D slice `w_fp8` whose first element is the full weight's `origin` (row, col).
+
+  `scale_inv` is the full weight's scale grid (or any grid whose [0, 0] is block (0, 0)); each element
+  gets the scale of the block it lies in, so a slice that is not block-aligned (FSDP-64 rows of a
+  7168-wide axis) still dequantizes exactly as the whole tensor would."""
+  if w_fp8.ndim != 2 or scale_inv.ndim != 2:
+    raise ValueError(f"dequantize: expected 2-D weight and scale, got {w_fp8.shape} and {scale_inv.shape}")
+  r0, c0 = origin
+  n_r, n_c = w_fp8.shape
+  col_blocks = (c0 + np.arange(n_c)) // block[1]
+  out = w_fp8.astype(np.float32)
+  row = 0
+  while row < n_r:  # one block row at a time: the transient is one row of column scales
+    b = (r0 + row) // block[0]
+    end = min(n_r, (b + 1) * block[0] - r0)
+    out[row:end] *= scale_inv[b, col_blocks].astype(np.float32)[None, :]
+    row = end
+  return out
+
+
+def quantize(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.ndarray, np.ndarray]:
+  """(F8_E4M3 weight, float32 scale_inv) of a 2-D `[out, in]` weight, per block `scale = amax / 448`.
+
+  An all-zero block gets scale 1.0 (not 0, inf or NaN: 0/0 is what writers without a guard produce),
+  so its zeros stay zeros and every scale a reader multiplies by is finite and positive."""
+  if w.ndim != 2:
+    raise ValueError(f"quantize: expected a 2-D [out, in] weight, got shape {list(w.shape)}")
+  w32 = np.asarray(w, np.float32)
+  if not np.all(np.isfinite(w32)):
+    raise ValueError("quantize: the weight has NaN or inf entries; FP8 cannot represent them")
+  n_r, n_c = w32.shape
+  g_r, g_c = scale_shape(w32.shape, block)
+  amax = np.zeros((g_r, g_c), np.float32)
+  for b in range(g_r):  # per block row: no padded copy of the whole tensor
+    rows = np.abs(w32[b * block[0] : (b + 1) * block[0]])
+    pad = g_c * block[1] - n_c
+    if pad:
+      rows = np.pad(rows, ((0, 0), (0, pad)))
+    amax[b] = rows.reshape(rows.shape[0], g_c, block[1]).max(axis=(0, 2))
+  scale = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
+  q = np.empty((n_r, n_c), E4M3)
+  col_blocks = np.arange(n_c) // block[1]
+  for b in range(g_r):
+    sl = slice(b * block[0], (b + 1) * block[0])
+    x = w32[sl] / scale[b, col_blocks][None, :]
+    q[sl] = np.clip(x, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+  return q, scale

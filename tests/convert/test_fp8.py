@@ -1,0 +1,70 @@
+"""The block-FP8 codec against a direct numpy reading of the format's equation."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from k2jax.convert import fp8
+from k2jax.convert.errors import CheckpointError
+
+
+def _reference_dequant(q, s, block):
+  """W = float32(q) * repeat(scale, block) cropped: MaxText's repeat-and-crop form."""
+  full = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[: q.shape[0], : q.shape[1]]
+  return q.astype(np.float32) * full
+
+
+@pytest.mark.parametrize("shape", [(576, 700), (130, 256), (64, 64)])
+def test_roundtrip_within_e4m3_rounding_and_ragged_blocks(shape):
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=shape).astype(np.float32) * rng.uniform(0.01, 3.0, size=(shape[0], 1)).astype(np.float32)
+  w[:128, :128] = 0.0  # an all-zero block
+  q, s = fp8.quantize(w)
+  assert q.dtype == ml_dtypes.float8_e4m3fn and s.dtype == np.float32
+  assert s.shape == fp8.scale_shape(shape, (128, 128))
+  assert np.all(np.isfinite(s)) and np.all(s > 0)
+  assert s[0, 0] == 1.0 and np.all(q[:128, :128].astype(np.float32) == 0)
+  back = fp8.dequantize(q, s)
+  np.testing.assert_array_equal(back, _reference_dequant(q, s, (128, 128)))
+  # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 of the value, plus the subnormal step of the block
+  sub = np.repeat(np.repeat(s, 128, 0), 128, 1)[: shape[0], : shape[1]] * 2.0**-9
+  assert np.all(np.abs(back - w) <= np.abs(w) * 2.0**-4 + sub)
+  # re-quantizing the dequantized weight gives the same bytes
+  q2, _ = fp8.quantize(back)
+  np.testing.assert_array_equal(q2.view(np.uint8), q.view(np.uint8))
+
+
+def test_unaligned_slice_equals_slice_of_whole():
+  rng = np.random.default_rng(1)
+  q, s = fp8.quantize(rng.normal(size=(576, 7 * 64)).astype(np.float32))
+  whole = fp8.dequantize(q, s)
+  for r0, r1, c0, c1 in [(112, 224, 0, 448), (500, 576, 70, 300), (0, 1, 447, 448)]:
+    part = fp8.dequantize(q[r0:r1, c0:c1], s, origin=(r0, c0))
+    np.testing.assert_array_equal(part, whole[r0:r1, c0:c1])
+
+
+def test_quant_config_validation():
+  good = fp8.QuantConfig().to_hf()
+  assert fp8.QuantConfig.from_hf(good, "c.json").block == (128, 128)
+  for bad, word in [
+    ({**good, "quant_method": "awq"}, "quant_method"),
+    ({**good, "weight_block_size": [128]}, "weight_block_size"),
+    ({**good, "weight_block_size": [0, 128]}, "weight_block_size"),
+    ({**good, "fmt": "e5m2"}, "fmt"),
+    ({**good, "activation_scheme": "static"}, "activation_scheme"),
+  ]:
+    with pytest.raises(CheckpointError, match=word):
+      fp8.QuantConfig.from_hf(bad, "c.json")
+
+
+def test_quantized_keys_are_the_release_linears():
+  assert fp8.is_quantized_key("model.layers.0.self_attn.kv_a_proj_with_mqa.weight")
+  assert fp8.is_quantized_key("model.layers.3.mlp.experts.7.down_proj.weight")
+  for key in (
+    "model.layers.3.mlp.gate.weight",
+    "lm_head.weight",
+    "model.embed_tokens.weight",
+    "model.layers.0.input_layernorm.weight",
+    "model.layers.3.mlp.gate.e_score_correction_bias",
+  ):
+    assert not fp8.is_quantized_key(key)
