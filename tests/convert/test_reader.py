@@ -120,6 +120,66 @@ def test_kimi_tokenizer_files_load_as_published(fp8_dir):
   assert not os.path.exists(os.path.join(fp8_dir, "tokenizer.json"))
 
 
+def _have_transformers_fp8():
+  try:
+    import accelerate  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    return True
+  except ImportError:
+    return False
+
+
+# Every dim a multiple of 128 or under 128: transformers 5.24's Fp8Dequantize derives the block from the
+# scale grid (rows // grid_rows), so a ragged dim over 128 (Kimi's 576-row kv_a, hidden 192 here) is
+# refused when it does not divide and misread when it does (192 / 2 -> 96-wide blocks); k2jax reads both.
+ALIGNED = dict(
+  CFG,
+  hidden_size=256,
+  q_lora_rank=128,
+  kv_lora_rank=120,
+  v_head_dim=16,
+  intermediate_size=384,
+  moe_intermediate_size=64,
+  vocab_size=512,
+  model_type="deepseek_v3",
+)
+
+
+@pytest.mark.skipif(not _have_transformers_fp8(), reason="torch/transformers/accelerate not installed")
+def test_transformers_loads_the_same_fp8_directory(tmp_path):
+  """transformers 5.x on CPU dequantizes FP8 checkpoints itself (no GPU: dequantize=True): its weights
+  equal k2jax's bitwise and its logits agree."""
+  import torch
+  import transformers
+
+  path = kimi_dir.write_dir(str(tmp_path / "hf"), ALIGNED, kimi_dir.quantized_state(ALIGNED, 5), kimi=False)
+  with open(os.path.join(path, "config.json")) as f:
+    config = json.load(f)
+  with open(os.path.join(path, "config.json"), "w") as f:  # deepseek_v3: no remote code needed
+    json.dump(dict(config, quantization_config=kimi_dir.KIMI_KEYS["quantization_config"]), f)
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+  cfg, state = hf_io.load_hf(path)
+  theirs = model.state_dict()
+  checked = 0
+  for entry in entries(cfg):
+    for idx, key in entry.keys(cfg):
+      mine = hf_io.get_path(state, entry.path)[idx]
+      if "experts." in key and ".shared_experts." not in key:
+        continue  # transformers 5 fuses routed experts into one parameter per layer
+      t = theirs[key].detach().numpy()
+      assert (t.T if entry.transpose else t).tobytes() == mine.tobytes(), key
+      checked += int(fp8.is_quantized_key(key))
+  assert checked >= 14  # every attention, dense and shared-expert projection
+  ids = np.random.default_rng(0).integers(0, ALIGNED["vocab_size"], (2, 16))
+  with torch.no_grad():
+    ref = model(torch.from_numpy(ids)).logits.numpy()
+  out = np.asarray(k2jax.load(path)(ids.astype(np.int32)).logits)
+  assert np.abs(ref).max() > 1.0
+  np.testing.assert_array_less(np.abs(out - ref).max(), 1e-4)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 
 
