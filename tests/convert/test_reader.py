@@ -284,3 +284,26 @@ def _get(tree, path):
   for p in path:
     tree = tree[p]
   return tree
+
+
+def test_overlay_applies_an_fp8_weight_push(fp8_dir, tmp_path):
+  """A weight-sync delta in block-FP8 (index + shard, no config.json) is dequantized onto the served state."""
+  from k2jax.convert import overlay
+
+  cfg, state = hf_io.load_hf(fp8_dir)
+  key = "model.layers.1.mlp.experts.5.down_proj.weight"
+  w = np.random.default_rng(7).standard_normal((CFG["hidden_size"], CFG["moe_intermediate_size"])).astype(np.float32)
+  q, s = fp8.quantize(w)
+  delta = tmp_path / "v1"
+  delta.mkdir()
+  save_file({key: q, key + fp8.SCALE_SUFFIX: s}, str(delta / "model-p00000-00001.safetensors"))
+  with open(delta / "model.safetensors.index.json", "w") as f:
+    json.dump({"metadata": {}, "weight_map": {key: "model-p00000-00001.safetensors"}}, f)
+  assert overlay.is_partial_hf_dir(str(delta))
+  new = overlay.overlay_hf_tensors(cfg, state, str(delta))
+  got = new["moe_layers"]["moe"]["experts"]["w_down"][0, 5]
+  assert got.tobytes() == fp8.dequantize(q, s).T.tobytes()
+  assert (
+    new["moe_layers"]["moe"]["experts"]["w_down"][0, 4].tobytes()
+    == state["moe_layers"]["moe"]["experts"]["w_down"][0, 4].tobytes()
+  )
