@@ -174,7 +174,7 @@ def test_verdict_parts_never_enter_the_sandbox():
   assert s.steps == (("eval", "add(2, 3)"),) and "987654321" not in json.dumps(s.steps)
   s = split_test("x = [5]\nx.append(f())\nassert x == [5, 3]")  # mutated by a sandbox statement: moves there
   assert s.steps == (("exec", "x = [5]"), ("exec", "x.append(f())"), ("eval", "x"))
-  with pytest.raises(ValueError, match="test 3: no top-level assert"):
+  with pytest.raises(ValueError, match="(?s)test 3: an assert inside .* would be judged inside the sandbox"):
     split_test("def check(candidate):\n    assert candidate(1) == 2\ncheck(add)", "test 3")
   with pytest.raises(ValueError, match="not valid Python"):
     split_test("assert add(1,", "t")
