@@ -143,9 +143,10 @@ def _full(workdir):
   try:
     with open("/proc/sysvipc/shm") as f:
       rows = f.read().splitlines()[1:]
-    pages = sum((int(r.split()[3]) + 4095) // 4096 for r in rows)
-    if pages * 4096 >= cfg["shm_bytes"] or len(rows) >= cfg["ipc_sysctls"]["kernel/shmmni"]:
-      flags.append("shm")
+    used = sum(int(r.split()[3]) for r in rows)
+    # A refused shmget leaves no trace: over half the budget held means the next request could not fit.
+    if 2 * used >= cfg["shm_bytes"] or len(rows) >= cfg["ipc_sysctls"]["kernel/shmmni"]:
+      flags.append(f"shm={used}")
   except (OSError, ValueError, IndexError, KeyError):
     pass
   return ",".join(flags) or "-"

@@ -90,7 +90,7 @@ class SandboxResult:
   elapsed_s: float
   workdir: str  # already deleted; kept for checks and logs
   report: str = ""  # what the program wrote to $K2JAX_REPORT_FD (capped)
-  full: tuple[str, ...] = ()  # limits found exhausted at the end: "scratch", "shm", "cgroup_memory"
+  full: tuple[str, ...] = ()  # limits found (nearly) exhausted at the end: "scratch", "shm=BYTES", "cgroup_memory"
 
 
 def run_python(
@@ -317,8 +317,10 @@ def _reason(code: int, timed_out: bool, err: str, config: SandboxConfig, full: t
   last = err.strip().splitlines()[-1][:200] if err.strip() else ""
   if code != 0 and "scratch" in full:
     return f"scratch space limit (scratch_bytes={config.scratch_bytes}, {config.scratch_inodes} inodes): {last}"
-  if code != 0 and "shm" in full:
-    return f"shared memory limit (shm_bytes={config.shm_bytes}, SysV, the run's IPC namespace): {last}"
+  shm = [f for f in full if f.startswith("shm=")]
+  if code != 0 and shm:
+    used = shm[0].split("=")[1]
+    return f"shared memory limit (shm_bytes={config.shm_bytes}, SysV, {used} bytes held at exit): {last}"
   if code < 0:
     sig = signal.Signals(-code)
     return {
