@@ -13,9 +13,12 @@ The caller writes the launcher's pid into `cgroup.procs` before the launcher sta
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import os
+import queue
+import threading
 import time
 
 _COUNTER = itertools.count()
@@ -40,6 +43,11 @@ class RunCgroup:
       return False
     return int(fields.get("oom_kill", "0")) > 0
 
+  def release(self) -> None:
+    """Removes the cgroup off the caller's path: the verdict does not wait for the tasks to leave."""
+    _REAPER.put(self)
+    _start_reaper()
+
   def remove(self) -> None:
     """Kills what is left (there should be nothing: the PID namespace died) and removes the dirs."""
     if self.version == 2:
@@ -53,6 +61,33 @@ class RunCgroup:
           break
         except OSError:
           time.sleep(0.005)
+
+
+_REAPER: queue.Queue[RunCgroup | None] = queue.Queue()
+_REAPER_LOCK = threading.Lock()
+_REAPER_THREAD: list[threading.Thread] = []
+
+
+def _start_reaper() -> None:
+  with _REAPER_LOCK:
+    if not _REAPER_THREAD:
+      t = threading.Thread(target=_reap, name="k2jax-sandbox-cgroup-reaper", daemon=True)
+      t.start()
+      _REAPER_THREAD.append(t)
+      atexit.register(_drain)
+
+
+def _reap() -> None:
+  while (cg := _REAPER.get()) is not None:
+    cg.remove()
+    _REAPER.task_done()
+  _REAPER.task_done()
+
+
+def _drain() -> None:
+  """At exit: every cgroup handed to the reaper is removed before the process ends."""
+  _REAPER.put(None)
+  _REAPER.join()
 
 
 def create(memory_bytes: int, max_tasks: int, parent: str = "") -> tuple[RunCgroup | None, str]:
@@ -102,10 +137,10 @@ def _candidates(parent: str):
   if "" in own and "cgroup2" in mounts:
     d = mounts["cgroup2"] + own[""]
     while True:
-      if {"memory", "pids"} <= set(_read(os.path.join(d, "cgroup.subtree_control")).split()):
-        if os.access(d, os.W_OK):
-          yield 2, [d]
-          break
+      enabled = set(_read(os.path.join(d, "cgroup.subtree_control")).split())
+      if {"memory", "pids"} <= enabled and os.access(d, os.W_OK):
+        yield 2, [d]
+        break
       if os.path.normpath(d) == os.path.normpath(mounts["cgroup2"]):
         break
       d = os.path.dirname(d.rstrip("/"))
@@ -127,7 +162,7 @@ def _own_cgroups() -> dict[str, str]:
 
 
 def _mounts() -> dict[str, str]:
-  """"cgroup2" -> its mount point; each v1 controller -> the mount point of its hierarchy."""
+  """ "cgroup2" -> its mount point; each v1 controller -> the mount point of its hierarchy."""
   out = {}
   for line in _read("/proc/self/mountinfo").splitlines():
     left, _, right = line.partition(" - ")

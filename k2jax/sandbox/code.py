@@ -25,7 +25,8 @@ import builtins
 import dataclasses
 import json
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from k2jax.sandbox import expr
 from k2jax.sandbox.runner import SandboxConfig, run_python
@@ -336,7 +337,9 @@ class _Splitter:
     self.code.discard(name)
 
   def _known(self, name: str) -> bool:
-    return name in self.names or (name not in self.inside and (name in expr.FUNCTIONS or name in ("math", "isinstance")))
+    return name in self.names or (
+      name not in self.inside and (name in expr.FUNCTIONS or name in ("math", "isinstance"))
+    )
 
   def _pure(self, node: ast.AST) -> bool:
     """Computable here without the solution: every name is a test constant or one the grader knows."""

@@ -19,7 +19,8 @@ import ast
 import dataclasses
 import math
 import operator
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 MAX_INT_BITS = 1 << 16  # ints the grader builds; multiplying two of these stays microseconds
 MAX_STR_DIGITS = 4300  # int <-> decimal str conversion is quadratic past this (CPython's own default cap)
@@ -112,8 +113,8 @@ class Evaluator:
       return MATH_MODULE
     raise EvalError(f"name `{node.id}` is not known to the grader")
 
-  def _Attribute(self, node: ast.Attribute) -> Any:
-    base = self(node.value)
+  def _Attribute(self, node: ast.Attribute, base: Any = None) -> Any:
+    base = self(node.value) if base is None else base
     if base is MATH_MODULE and node.attr in MATH_CONSTANTS:
       return MATH_CONSTANTS[node.attr]
     if base is MATH_MODULE and node.attr in MATH_FUNCTIONS:
@@ -193,19 +194,21 @@ class Evaluator:
   def _Call(self, node: ast.Call) -> Any:
     if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
       raise EvalError(f"`{_src(node)}`: * or ** arguments are not evaluated by the grader")
-    if isinstance(node.func, ast.Attribute) and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "math"):
-      return self._method(node)
+    if isinstance(node.func, ast.Attribute):
+      obj = self(node.func.value)
+      if obj is not MATH_MODULE:  # `math.f(...)` (or an alias of math) is a function, the rest methods
+        return self._method(node, obj)
     if isinstance(node.func, ast.Name) and node.func.id == "isinstance" and "isinstance" not in self.names:
       if len(node.args) != 2 or node.keywords:
         raise EvalError(f"`{_src(node)}`: isinstance takes (value, type or tuple of types)")
       return isinstance(self(node.args[0]), plain_types(node.args[1]))
-    fn = self(node.func)
+    fn = self._Attribute(node.func, MATH_MODULE) if isinstance(node.func, ast.Attribute) else self(node.func)
     if not isinstance(fn, _Function):
       raise EvalError(f"`{_src(node)}`: calls {type(fn).__name__}, not a function the grader knows")
     return self.check(fn(self, [self(a) for a in node.args], {k.arg: self(k.value) for k in node.keywords}))
 
-  def _method(self, node: ast.Call) -> Any:
-    obj, name = self(node.func.value), node.func.attr
+  def _method(self, node: ast.Call, obj: Any) -> Any:
+    name = node.func.attr
     rule = METHODS.get((type(obj), name))
     if rule is None:
       raise EvalError(f"`{_src(node)}`: method {type(obj).__name__}.{name} is not evaluated by the grader")
@@ -259,9 +262,8 @@ def _mul(ev: Evaluator, a, b):
 
 def _pow(ev: Evaluator, a, b):
   _numbers("**", a, b)
-  if type(a) is int and type(b) is int and b > 0 and abs(a) > 1:
-    if a.bit_length() * b > MAX_INT_BITS:
-      raise LimitError(f"an int power of about {a.bit_length() * b} bits (grader cap {MAX_INT_BITS})")
+  if type(a) is int and type(b) is int and b > 0 and abs(a) > 1 and a.bit_length() * b > MAX_INT_BITS:
+    raise LimitError(f"an int power of about {a.bit_length() * b} bits (grader cap {MAX_INT_BITS})")
   try:
     return a**b
   except OverflowError as e:
@@ -297,7 +299,9 @@ def _bits(op: Callable) -> Callable:
 
 _BINOPS = {
   ast.Add: _add,
-  ast.Sub: lambda ev, a, b: _bits(operator.sub)(ev, a, b) if isinstance(a, (set, frozenset)) else _arith(operator.sub)(ev, a, b),
+  ast.Sub: lambda ev, a, b: (
+    _bits(operator.sub)(ev, a, b) if isinstance(a, (set, frozenset)) else _arith(operator.sub)(ev, a, b)
+  ),
   ast.Mult: _mul,
   ast.Div: _arith(operator.truediv),
   ast.FloorDiv: _arith(operator.floordiv),
@@ -343,7 +347,18 @@ class _Function:
 def _iterable(ev: Evaluator, v, what: str):
   if type(v) is range:
     ev.need(len(v), f"{what}(range)")
-  elif type(v) not in (str, bytes, list, tuple, set, frozenset, dict, type({}.keys()), type({}.values()), type({}.items())):
+  elif type(v) not in (
+    str,
+    bytes,
+    list,
+    tuple,
+    set,
+    frozenset,
+    dict,
+    type({}.keys()),
+    type({}.values()),
+    type({}.items()),
+  ):
     raise EvalError(f"{what}() of a {type(v).__name__}")
   return v
 
@@ -443,12 +458,24 @@ FUNCTIONS = {
 }
 MATH_MODULE = object()  # the `math` module as the grader sees it: only the names below
 MATH_CONSTANTS = {n: getattr(math, n) for n in ("pi", "e", "tau", "inf", "nan")}
+
+
+def _math(fn: Callable) -> Callable:
+  return lambda ev, *a, **kw: fn(*a, **kw)  # float functions and gcd: cost bounded by their inputs
+
+
 MATH_FUNCTIONS = {
-  n: _Function(f"math.{n}", (lambda f: lambda ev, *a, **kw: f(*a, **kw))(getattr(math, n)))
+  n: _Function(f"math.{n}", _math(getattr(math, n)))
   for n in ("sqrt", "isclose", "isfinite", "isinf", "isnan", "fabs", "floor", "ceil", "trunc", "exp", "log")
   + ("log2", "log10", "sin", "cos", "tan", "atan", "atan2", "hypot", "gcd", "copysign")
 }
 MATH_FUNCTIONS["factorial"] = _Function("math.factorial", _factorial)
+
+
+def _codec(ev, s, args, kwargs):
+  name = (args or [kwargs.get("encoding", "utf-8")])[0]
+  if name not in ("utf-8", "utf8", "ascii", "latin-1", "latin1", "utf-16", "utf-32"):  # punycode is quadratic
+    raise EvalError(f"encoding {name!r}: the grader evaluates utf-8, ascii, latin-1, utf-16 and utf-32 only")
 
 
 def _pad(ev, s, args, kwargs):
@@ -475,7 +502,7 @@ for _t in (str, bytes):
   METHODS.update({(_t, m): True for m in _STR_METHODS if hasattr(_t, m)})
   METHODS.update({(_t, "replace"): _replace, (_t, "join"): _join})
   METHODS.update({(_t, m): _pad for m in ("center", "ljust", "rjust", "zfill")})
-METHODS.update({(str, "encode"): True, (bytes, "decode"): True, (bytes, "hex"): True})
+METHODS.update({(str, "encode"): _codec, (bytes, "decode"): _codec, (bytes, "hex"): True})
 METHODS.update({(t, m): True for t in (list, tuple) for m in ("count", "index")})
 METHODS.update({(dict, m): True for m in ("keys", "values", "items", "get")})
 METHODS.update({(t, m): True for t in (set, frozenset) for m in ("issubset", "issuperset", "isdisjoint")})
@@ -485,5 +512,5 @@ METHODS.update({(t, m): True for t in (set, frozenset) for m in ("union", "inter
 def _src(node: ast.AST) -> str:
   try:
     return ast.unparse(node)[:80]
-  except Exception:  # a Slot has no source
+  except (AttributeError, TypeError, ValueError):  # a Slot has no source
     return type(node).__name__

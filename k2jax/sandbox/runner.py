@@ -242,7 +242,7 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
   full: tuple[str, ...] = ()
   if cgroup is not None:
     full = ("cgroup_memory",) if cgroup.oom_killed() else ()
-    cgroup.remove()
+    cgroup.release()
   out, err = (_read_capped(os.path.join(io_dir, n), config.max_output_bytes) for n in ("stdout", "stderr"))
   if status and status[0] == "SETUP":
     raise SandboxUnavailable(f"isolation setup failed: {status[1].strip() if len(status) > 1 else '?'}")

@@ -175,3 +175,19 @@ def test_grader_limit_names_the_caller_cap_not_the_sandbox():
   # Values cross only within the report cap, and ints only up to 4300 digits.
   r = run_tests("def f():\n    return 10 ** 5000\n", ["assert f() > 0"], CFG)
   assert r.reward == 0.0, r
+
+
+def test_grader_side_failures_never_blame_the_sandbox(monkeypatch):
+  from k2jax.sandbox import code
+
+  s = split_test("import math as m\nassert m.sqrt(f()) == m.sqrt(4) and 'é'.encode('utf-8') == b'\\xc3\\xa9'")
+  assert code._grade(s, ("values", [4]), expr.Budget()) == (True, "")
+  with pytest.raises(ValueError, match="punycode is quadratic|utf-8, ascii"):
+    split_test("assert f() == 'x'.encode('punycode')")
+
+  def out_of_memory(self, node):
+    raise MemoryError
+
+  monkeypatch.setattr(expr.Evaluator, "__call__", out_of_memory)
+  ok, why = code._grade(s, ("values", [4]), expr.Budget())
+  assert not ok and why.startswith("the grader ran out of memory") and "not the sandbox's" in why, why

@@ -282,7 +282,9 @@ def test_memory_that_is_not_address_space_is_bounded(name, code, reason):
 @needs_isolation
 def test_scratch_is_a_private_tmpfs_and_no_nested_namespaces():
   code = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-  code += "print([l.split(' - ')[1].split()[0] for l in open('/proc/self/mountinfo') if ' ' + os.getcwd() + ' ' in l])\n"
+  code += (
+    "print([l.split(' - ')[1].split()[0] for l in open('/proc/self/mountinfo') if ' ' + os.getcwd() + ' ' in l])\n"
+  )
   code += "print(libc.unshare(0x10000000), ctypes.get_errno())\n"  # CLONE_NEWUSER
   code += "os.mkdir('m')\nprint(libc.mount(b'tmpfs', b'm', b'tmpfs', 0, b'size=1g'), ctypes.get_errno())\n"
   r = run_python({"main.py": code}, "main.py", LIMITS)
