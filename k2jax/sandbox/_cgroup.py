@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import itertools
 import os
 import queue
@@ -161,6 +162,7 @@ def _own_cgroups() -> dict[str, str]:
   return out
 
 
+@functools.cache
 def _mounts() -> dict[str, str]:
   """ "cgroup2" -> its mount point; each v1 controller -> the mount point of its hierarchy."""
   out = {}

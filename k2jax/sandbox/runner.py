@@ -14,7 +14,9 @@ them with unshare(2); no privilege needed where unprivileged user namespaces are
   locked memory;
 - memory that is not address space, each bounded where it lives: the only writable path is a private
   tmpfs of `scratch_bytes` (files the program writes never reach the host's disk; POSIX shm is there
-  too), SysV shm and message queues by the run's own IPC namespace limits (`shm_bytes`), no nested user
+  too), SysV shm and message queues by the run's own IPC namespace limits (`shm_bytes`; kernels before
+  5.19 refuse them to a user namespace: there `layers` lacks "ipc_limits" and only a cgroup bounds
+  SysV shm), no nested user
   namespaces (so no tmpfs of its own), and, where this host lets the caller make a cgroup (v2, or v1
   on hybrid hosts; `cgroup`), `total_memory_bytes` and a task cap over everything the run holds
   together (memfd, kernel memory included). A run killed by a limit says which in `reason`.
@@ -216,7 +218,13 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
         **ids,
       )
     if cgroup is not None:
-      cgroup.add(proc.pid)  # before the go byte: nothing has run yet
+      try:
+        cgroup.add(proc.pid)  # before the go byte: nothing has run yet
+      except OSError as e:
+        cgroup.release()
+        cgroup = None
+        if config.cgroup == "required":
+          raise SandboxUnavailable(f"SandboxConfig(cgroup='required'): cannot move the run into its cgroup: {e}")
       os.write(go_w, b"g")
   except BaseException:
     if proc is not None:
@@ -253,7 +261,9 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
   else:
     code = proc.returncode  # the launcher itself was killed (deadline)
   layers = ISOLATED_LAYERS if isolate else ("rlimits",)
-  layers = (*layers, *(LIMIT_LAYERS if isolate and config.kernel_limits else ()))
+  limits = [x for x in LIMIT_LAYERS if x != "ipc_limits" or "no_ipc_limits" not in full]
+  layers = (*layers, *(limits if isolate and config.kernel_limits else ()))
+  full = tuple(f for f in full if f != "no_ipc_limits")
   layers = (*layers, *(["cgroup"] if cgroup is not None else []), *(["uid"] if uid is not None else []))
   reason = _reason(code, timed_out, err, config, full)
   elapsed = time.monotonic() - start
