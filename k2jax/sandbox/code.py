@@ -231,6 +231,12 @@ class _Splitter:
       return [(node, "value"), (node, "slice")]
     if isinstance(node, ast.Subscript):
       return [(node, "value")] + [(node.slice, f) for f in ("lower", "upper", "step") if getattr(node.slice, f)]
+    if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+      first = node.generators[0]  # over the program's values, the rest evaluated here: `x > 0 for x in f()`
+      iterable, first.iter = first.iter, ast.Constant(())
+      rest_pure = self._pure(node)
+      first.iter = iterable
+      return [(first, "iter")] if rest_pure else None
     if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args):
       return None
     if any(k.arg is None for k in node.keywords):
@@ -342,9 +348,12 @@ class _Splitter:
     )
 
   def _pure(self, node: ast.AST) -> bool:
-    """Computable here without the solution: every name is a test constant or one the grader knows."""
+    """Computable here without the solution: every name is a test constant, one the grader knows, or a
+    comprehension's loop variable."""
+    targets = [t for c in ast.walk(node) if isinstance(c, ast.comprehension) for t in ast.walk(c.target)]
+    loop = {t.id for t in targets if isinstance(t, ast.Name)}
     for n in ast.walk(node):
-      if isinstance(n, ast.Name) and not (isinstance(n.ctx, ast.Load) and self._known(n.id)):
+      if isinstance(n, ast.Name) and not (n.id in loop or (isinstance(n.ctx, ast.Load) and self._known(n.id))):
         return False
       if isinstance(n, expr.Slot):
         return False

@@ -158,6 +158,46 @@ class Evaluator:
         return v
     return v
 
+  # Comprehensions: loop variables in a scope of their own; iterations and the items built count against
+  # the budget. A generator expression is built as a list: all(), any(), sum(), sorted() take it alike.
+  def _ListComp(self, node: ast.ListComp) -> list:
+    return self._comprehension(node, lambda: self(node.elt))
+
+  _GeneratorExp = _ListComp
+
+  def _SetComp(self, node: ast.SetComp) -> set:
+    return set(self._comprehension(node, lambda: self(node.elt)))
+
+  def _DictComp(self, node: ast.DictComp) -> dict:
+    return dict(self._comprehension(node, lambda: (self(node.key), self(node.value))))
+
+  def _comprehension(self, node, produce: Callable[[], Any]) -> list:
+    out, outer, counts = [], self.names, [0, 0]  # iterations, items built
+
+    def loop(k: int, scope: Mapping[str, Any]) -> None:
+      self.names = scope
+      if k == len(node.generators):
+        out.append(produce())
+        counts[1] += items(out[-1], self.budget.max_items)
+        self.need(counts[1], "a comprehension's result")
+        return
+      gen = node.generators[k]
+      if gen.is_async:
+        raise EvalError("an async comprehension is not evaluated by the grader")
+      for item in _iterable(self, self(gen.iter), "a comprehension over"):
+        counts[0] += 1
+        self.need(counts[0], "a comprehension's iterations")
+        inner = {**scope, **_unpack(gen.target, item)}
+        self.names = inner
+        if all(self(c) for c in gen.ifs):
+          loop(k + 1, inner)
+
+    try:
+      loop(0, outer)
+    finally:
+      self.names = outer
+    return out
+
   def _IfExp(self, node: ast.IfExp) -> Any:
     return self(node.body) if self(node.test) else self(node.orelse)
 
@@ -217,6 +257,20 @@ class Evaluator:
     if rule is not True:
       rule(self, obj, args, kwargs)  # a size check before the call
     return self.check(getattr(obj, name)(*args, **kwargs))
+
+
+def _unpack(target: ast.expr, value: Any) -> dict[str, Any]:
+  """A comprehension's `for` target bound to one item: a name, or (nested) tuples of names."""
+  if isinstance(target, ast.Name):
+    return {target.id: value}
+  if isinstance(target, (ast.Tuple, ast.List)) and not any(isinstance(e, ast.Starred) for e in target.elts):
+    if type(value) not in (tuple, list, str, bytes) or len(value) != len(target.elts):
+      raise EvalError(f"cannot unpack a {type(value).__name__} into `{_src(target)}`")
+    out = {}
+    for t, v in zip(target.elts, value):
+      out.update(_unpack(t, v))
+    return out
+  raise EvalError(f"`{_src(target)}`: a loop target other than names is not evaluated by the grader")
 
 
 PLAIN_TYPES = {t.__name__: t for t in (int, float, bool, str, bytes, list, tuple, dict, set, frozenset, range)}

@@ -191,3 +191,25 @@ def test_grader_side_failures_never_blame_the_sandbox(monkeypatch):
   monkeypatch.setattr(expr.Evaluator, "__call__", out_of_memory)
   ok, why = code._grade(s, ("values", [4]), expr.Budget())
   assert not ok and why.startswith("the grader ran out of memory") and "not the sandbox's" in why, why
+
+
+def test_comprehensions_are_evaluated_here_with_a_budget():
+  from k2jax.sandbox.code import _grade
+
+  budget = expr.Budget(max_items=10000)
+  cases = [
+    ("assert f([1, 2, 3]) == [x * 2 for x in [1, 2, 3]]", [[2, 4, 6]], True),
+    ("assert all(x > 0 for x in f(3))", [[1, 2]], True),
+    ("assert all(x > 0 for x in f(3))", [[1, -2]], False),
+    ("assert {k: v for k, v in f()} == {i: i * i for i in range(3)}", [[[0, 0], [1, 1], [2, 4]]], True),
+    ("assert sum(x * x for x in f() if x % 2) == 10", [[1, 3, 4]], True),
+  ]
+  for test, values, want in cases:
+    s = split_test(test)
+    assert s.steps == (("eval", s.steps[0][1]),) and s.steps[0][1].startswith("f("), s.steps
+    assert _grade(s, ("values", values), budget)[0] is want, test
+  s = split_test("assert [x * 50 for x in f()] != []")
+  ok, why = _grade(s, ("values", [["ab" * 50] * 200]), budget)  # each element fits, the list does not
+  assert not ok and "grader limit" in why and "comprehension's result" in why, why
+  with pytest.raises(ValueError, match="grader cap"):
+    split_test("assert f() == [i for i in range(10**9)]")
