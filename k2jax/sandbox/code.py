@@ -9,8 +9,8 @@ A test is Python source whose top-level `assert` statements are the checks: `ass
   test's constants, and every comparison and operator applied to the program's values) is computed here
   by `expr.Evaluator`, a tree walker over the test's AST with bounded cost (never `eval`), expected values
   once at split time. A test the grader cannot evaluate that way is rejected with a ValueError naming the
-  expression (a builtin it does not know, a function the test defines, a comprehension over the
-  program's values, an assert inside a loop): it would otherwise be judged inside the sandbox.
+  expression (a builtin it does not know, a function or class the test defines, a comprehension whose
+  body calls the solution, an assert inside a loop): it would otherwise be judged inside the sandbox.
 So the program supplies only the values of its own calls, never an expected value or a verdict; it never
 sees an expected value (they are not in the files it gets); values cross as plain data (None, bool, int,
 float, str, bytes, list, tuple, dict, set, by exact type) within the report cap, ints of at most 4300
@@ -111,10 +111,10 @@ class SplitTest:
   """One test: what the sandbox runs (`steps`) and the checks evaluated here on the values it reports."""
 
   steps: tuple[tuple[str, str], ...]  # ("exec", statement) | ("eval", expression), in source order
-  checks: tuple[ast.expr, ...]  # the asserts' ASTs with expr.Slot leaves: sandbox values and constants
+  # Each assert's AST with expr.Slot leaves (sandbox values, constants), and the test's names at that point.
+  checks: tuple[tuple[ast.expr, Mapping[str, Any]], ...]
   n_values: int
   constants: tuple[Any, ...]  # Slot("const", k)'s values, computed here when the test was split
-  names: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the test's constants and imports
 
 
 def extract_code(text: str) -> str:
@@ -148,7 +148,7 @@ def split_test(source: str, name: str = "test", max_items: int = 1 << 18) -> Spl
       "inside the sandbox: write them as top-level asserts"
     )
   n_values = sum(kind == "eval" for kind, _ in splitter.steps)
-  return SplitTest(tuple(splitter.steps), tuple(splitter.checks), n_values, tuple(splitter.constants), splitter.names)
+  return SplitTest(tuple(splitter.steps), tuple(splitter.checks), n_values, tuple(splitter.constants))
 
 
 def run_tests(code: str, tests: Sequence[str], config: CodeRewardConfig = CodeRewardConfig()) -> Graded:
@@ -182,7 +182,7 @@ class _Splitter:
   def __init__(self, name: str, budget: expr.Budget):
     self.name, self.budget = name, budget
     self.steps: list[tuple[str, str]] = []
-    self.checks: list[ast.expr] = []
+    self.checks: list[tuple[ast.expr, Mapping[str, Any]]] = []
     self.constants: list[Any] = []
     self.names: dict[str, Any] = {}  # the test's constants (and math imports), as values here
     self.sources: dict[str, str | None] = {}  # how to define each in the sandbox (None: already there)
@@ -191,7 +191,8 @@ class _Splitter:
 
   def statement(self, stmt: ast.stmt) -> None:
     if isinstance(stmt, ast.Assert):
-      self.checks.append(self.outside(stmt.test))
+      check = self.outside(stmt.test)
+      self.checks.append((check, dict(self.names)))  # later statements may rebind a name it uses
     elif isinstance(stmt, (ast.Import, ast.ImportFrom)) and self._math_import(stmt):
       self.steps.append(("exec", ast.unparse(stmt)))
     elif self._const_assign(stmt):
@@ -483,10 +484,9 @@ def _grade(split: SplitTest, got: tuple[str, Any] | None, budget: expr.Budget) -
     return False, f"{len(payload)} values reported, {split.n_values} expected"
   slots = {("value", k): v for k, v in enumerate(payload)}
   slots.update({("const", k): v for k, v in enumerate(split.constants)})
-  evaluate = expr.Evaluator(budget, slots, split.names)
-  for check in split.checks:
+  for check, names in split.checks:
     try:
-      if not evaluate(check):
+      if not expr.Evaluator(budget, slots, names)(check):
         return False, "AssertionError: " + _describe(payload)
     except expr.LimitError as e:
       return False, f"grader limit (max_check_items={budget.max_items}, the caller's cap, not the sandbox's): {e}"[:300]
