@@ -8,9 +8,11 @@ A test is Python source whose top-level `assert` statements are the checks: `ass
 - everything else (every expected value, `2**40`, `'abc'[::-1]`, `math.sqrt(2)`, `list(range(5))`, the
   test's constants, and every comparison and operator applied to the program's values) is computed here
   by `expr.Evaluator`, a tree walker over the test's AST with bounded cost (never `eval`), expected values
-  once at split time. A test the grader cannot evaluate that way is rejected with a ValueError naming the
-  expression (a builtin it does not know, a function or class the test defines, a comprehension whose
-  body calls the solution, an assert inside a loop): it would otherwise be judged inside the sandbox.
+  once at split time. An assignment that mixes the two (`ok = f(1) == 2**40`) is split the same way and
+  its expression reused by later asserts. A test the grader cannot evaluate that way is rejected with a
+  ValueError naming the expression (a builtin it does not know, a function or class the test defines or
+  a value it computed inside with a loop or `+=`, a comprehension whose body calls the solution, an assert
+  inside a loop): it would otherwise be judged inside the sandbox.
 So the program supplies only the values of its own calls, never an expected value or a verdict; it never
 sees an expected value (they are not in the files it gets); values cross as plain data (None, bool, int,
 float, str, bytes, list, tuple, dict, set, by exact type) within the report cap, ints of at most 4300
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import dataclasses
 import json
 import math
@@ -187,7 +190,8 @@ class _Splitter:
     self.names: dict[str, Any] = {}  # the test's constants (and math imports), as values here
     self.sources: dict[str, str | None] = {}  # how to define each in the sandbox (None: already there)
     self.inside: set[str] = set()  # names bound by statements run in the sandbox
-    self.code: set[str] = set()  # of those, names of test code (def, class, lambda, import)
+    self.code: set[str] = set()  # of those, test code (def, class, lambda, import) or its results inside
+    self.derived: dict[str, ast.expr] = {}  # `ok = f(1) == 2`: computed here, as the split expression
 
   def statement(self, stmt: ast.stmt) -> None:
     if isinstance(stmt, ast.Assert):
@@ -195,13 +199,15 @@ class _Splitter:
       self.checks.append((check, dict(self.names)))  # later statements may rebind a name it uses
     elif isinstance(stmt, (ast.Import, ast.ImportFrom)) and self._math_import(stmt):
       self.steps.append(("exec", ast.unparse(stmt)))
-    elif self._const_assign(stmt):
+    elif self._const_assign(stmt) or self._derived_assign(stmt):
       pass
     else:
       self._to_sandbox(stmt)
 
   def outside(self, node: ast.expr) -> ast.expr:
     """`node` rewritten for the grader: pure parts become constants, calls into the solution sandbox values."""
+    if isinstance(node, ast.Name) and node.id in self.derived:
+      return copy.deepcopy(self.derived[node.id])
     if self._pure(node):
       self.constants.append(self._evaluate(node))
       return ast.copy_location(expr.Slot("const", len(self.constants) - 1), node)
@@ -260,8 +266,9 @@ class _Splitter:
       )
     if root in self.code:
       raise ValueError(
-        f"{self.name}: `{src}` calls `{root}`, which the test defines: it would run inside the sandbox, "
-        "where the program controls it; compare plain values in the assert instead"
+        f"{self.name}: `{src}` uses `{root}`, which the test's own code defines or computes inside the sandbox "
+        "(a def, class, import, loop or augmented assignment), where the program controls it; compare plain "
+        "values in the assert instead"
       )
     if root not in self.inside and hasattr(builtins, root):
       raise ValueError(
@@ -281,9 +288,21 @@ class _Splitter:
       )
     if isinstance(stmt, ast.ImportFrom) and any(a.name == "*" for a in stmt.names):
       raise ValueError(f"{self.name}: `{ast.unparse(stmt)}`: import the names the test uses")
+    used = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)} & set(self.derived)
+    if used:
+      raise ValueError(
+        f"{self.name}: `{ast.unparse(stmt)[:60]}` uses `{sorted(used)[0]}`, which the grader computes from the "
+        "program's values: a statement run in the sandbox cannot read it"
+      )
     self._send_names(stmt)
     self.steps.append(("exec", ast.unparse(stmt)))
     bound, code = _bindings(stmt)
+    if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Expr, ast.Import, ast.ImportFrom, ast.FunctionDef)):
+      code |= bound  # a loop, branch or `+=` computed these with the test's logic, inside: never asserted
+    elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None and _root(stmt.value) in self.code:
+      code |= bound  # `expected = reference(3)`: the test's own code ran inside, where the program controls it
+    for n in bound:
+      self.derived.pop(n, None)
     for n in bound:
       self.names.pop(n, None)
       self.sources.pop(n, None)
@@ -302,6 +321,23 @@ class _Splitter:
         self.sources.pop(n, None)
         self.inside.add(n)
 
+  def _derived_assign(self, stmt: ast.stmt) -> bool:
+    """`name = <expr over the program's values>` that is not just a call into the solution: split like an
+    assert (so `ok = f(1) == 2**40` is never judged inside); later asserts use the split expression."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+      return False
+    root = _root(stmt.value)
+    known_here = root is not None and root not in self.inside and (self._known(root) or hasattr(builtins, root))
+    if root is not None and not known_here:
+      return False  # `r = solve(3)`, `y = r.strip()`, `t = TreeNode(1)`: bound in the sandbox
+    name = stmt.targets[0].id
+    self.derived[name] = self.outside(stmt.value)
+    self.names.pop(name, None)
+    self.sources.pop(name, None)
+    self.inside.discard(name)
+    self.code.discard(name)
+    return True
+
   def _const_assign(self, stmt: ast.stmt) -> bool:
     """`name = <pure>` or `a, b = <pure>`: evaluated here; the sandbox gets it only when it reads it."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and self._pure(stmt.value)):
@@ -315,6 +351,7 @@ class _Splitter:
     if len(values) != len(names):
       raise ValueError(f"{self.name}: `{ast.unparse(stmt)[:60]}` unpacks {len(values)} values into {len(names)}")
     for t, v in zip(names, values):
+      self.derived.pop(t.id, None)
       self.names[t.id] = v
       self.sources[t.id] = f"{t.id} = {_to_source(v, self.name)}"
       self.inside.discard(t.id)
@@ -339,6 +376,7 @@ class _Splitter:
     return True
 
   def _bind_here(self, name: str, value: Any) -> None:
+    self.derived.pop(name, None)
     self.names[name], self.sources[name] = value, None
     self.inside.discard(name)
     self.code.discard(name)

@@ -66,7 +66,7 @@ class Slot(ast.expr):
 
   _fields = ()
 
-  def __init__(self, kind: str, index: int):
+  def __init__(self, kind: str = "value", index: int = 0):  # defaults: copy.deepcopy rebuilds it empty
     super().__init__()
     self.kind, self.index = kind, index
 
