@@ -33,7 +33,7 @@ from typing import Any
 
 from k2jax.sandbox import expr
 from k2jax.sandbox._harness import HARNESS, parse_report
-from k2jax.sandbox.runner import SandboxConfig, run_python
+from k2jax.sandbox.runner import SandboxConfig, limit_named, run_python
 
 
 _FENCE_TAGS = ("", "python", "py", "python3", "py3")
@@ -122,8 +122,9 @@ def run_tests(code: str, tests: Sequence[str], config: CodeRewardConfig = CodeRe
   passed = sum(ok for ok, _ in outcomes)
   failures = [f"test {i}: {why}" for i, (ok, why) in enumerate(outcomes) if not ok]
   reason = f"{passed}/{len(outcomes)} tests passed" + (f"; {failures[0]}" if failures else "")
-  if any(why.startswith("MemoryError") for _, why in outcomes):  # the harness's, inside: the sandbox's limit
-    reason = f"memory limit ({config.sandbox.memory_bytes} bytes) hit; {reason}"
+  limits = [limit_named(why, config.sandbox) for ok, why in outcomes if not ok]  # caught inside, by the harness
+  if limit := next((x for x in limits if x), None):  # the grader's own errors start "grader ...": never these
+    reason = f"{limit} hit; {reason}"
   return Graded(passed / len(outcomes), reason, {**info, "outcomes": outcomes})
 
 

@@ -233,3 +233,10 @@ def test_a_judgment_assigned_before_the_assert_is_made_here():
   )
   bad = run_tests(forged, tests, CFG)
   assert bad.reward == 0.0, bad
+
+
+def test_a_returned_string_cannot_pose_as_a_sandbox_limit():
+  assert runner.limit_named("AssertionError: got '[Errno 11] x'", CFG.sandbox) is None
+  assert runner.limit_named("BlockingIOError: [Errno 11] Resource temporarily unavailable", CFG.sandbox).startswith(
+    "process limit"
+  )
