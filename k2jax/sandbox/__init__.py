@@ -5,7 +5,14 @@ use it.
 """
 
 from k2jax.sandbox.code import CodeRewardConfig, Graded, extract_code, run_tests, split_test
-from k2jax.sandbox.runner import SandboxConfig, SandboxResult, SandboxUnavailable, isolation_error, run_python
+from k2jax.sandbox.runner import (
+  SandboxConfig,
+  SandboxResult,
+  SandboxUnavailable,
+  cgroup_error,
+  isolation_error,
+  run_python,
+)
 
 __all__ = [
   "CodeRewardConfig",
@@ -13,6 +20,7 @@ __all__ = [
   "SandboxConfig",
   "SandboxResult",
   "SandboxUnavailable",
+  "cgroup_error",
   "extract_code",
   "isolation_error",
   "run_python",

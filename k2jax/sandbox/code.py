@@ -8,9 +8,11 @@ A test is Python source whose top-level `assert` statements are the checks: `ass
 - everything else (every expected value, `2**40`, `'abc'[::-1]`, `math.sqrt(2)`, `list(range(5))`, the
   test's constants, and every comparison and operator applied to the program's values) is computed here
   by `expr.Evaluator`, a tree walker over the test's AST with bounded cost (never `eval`), expected values
-  once at split time. A test the grader cannot evaluate that way is rejected with a ValueError naming the
-  expression (a builtin it does not know, a function the test defines, a comprehension over the
-  program's values, an assert inside a loop): it would otherwise be judged inside the sandbox.
+  once at split time. An assignment that mixes the two (`ok = f(1) == 2**40`) is split the same way and
+  its expression reused by later asserts. A test the grader cannot evaluate that way is rejected with a
+  ValueError naming the expression (a builtin it does not know, a function or class the test defines or
+  a value it computed inside with a loop or `+=`, a comprehension whose body calls the solution, an assert
+  inside a loop): it would otherwise be judged inside the sandbox.
 So the program supplies only the values of its own calls, never an expected value or a verdict; it never
 sees an expected value (they are not in the files it gets); values cross as plain data (None, bool, int,
 float, str, bytes, list, tuple, dict, set, by exact type) within the report cap, ints of at most 4300
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import dataclasses
 import json
 import math
@@ -29,62 +32,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from k2jax.sandbox import expr
-from k2jax.sandbox.runner import SandboxConfig, run_python
-
-_HARNESS = r'''
-import json, os
-_out = os.fdopen(int(os.environ["K2JAX_REPORT_FD"]), "w")
-_plan = json.load(open("calls.json"))
-_ns = {"__name__": "solution"}
-try:
-    exec(compile(open("solution.py").read(), "solution.py", "exec"), _ns)
-    _load_error = None
-except BaseException as e:  # noqa: B036 - SystemExit from the solution must not end the harness
-    _load_error = f"{type(e).__name__}: {e}"[:200]
+from k2jax.sandbox._harness import HARNESS, parse_report
+from k2jax.sandbox.runner import SandboxConfig, limit_named, run_python
 
 
-def _plain(v, depth=0):
-    if depth > 64:
-        raise ValueError("value nested deeper than 64 levels")
-    t = type(v)
-    if v is None or t in (bool, int, float, str):
-        return v
-    if t is list:
-        return [_plain(x, depth + 1) for x in v]
-    if t in (tuple, set, frozenset):
-        return {t.__name__: [_plain(x, depth + 1) for x in v]}
-    if t is dict:
-        return {"dict": [[_plain(k, depth + 1), _plain(x, depth + 1)] for k, x in v.items()]}
-    if t is bytes:
-        return {"bytes": v.hex()}
-    raise TypeError(f"a {t.__module__}.{t.__qualname__} is not plain data (None, bool, int, float, str, bytes, "
-                    "list, tuple, dict, set)")
-
-
-for _i, _steps in enumerate(_plan):
-    if _load_error is not None:
-        _line = {"test": _i, "error": _load_error}
-    else:
-        _g, _vals = dict(_ns), []
-        try:
-            for _kind, _src in _steps:
-                if _kind == "exec":
-                    exec(compile(_src, "<test>", "exec"), _g)
-                else:
-                    _vals.append(_plain(eval(compile(_src, "<test>", "eval"), _g)))
-            _line = {"test": _i, "values": _vals}
-        except BaseException as e:  # noqa: B036
-            _line = {"test": _i, "error": f"{type(e).__name__}: {e}"[:200]}
-    try:
-        _text = json.dumps(_line)
-    except (TypeError, ValueError, RecursionError) as e:
-        _text = json.dumps({"test": _i, "error": f"unencodable value: {e}"[:200]})
-    _out.write(_text + "\n")
-    _out.flush()
-'''
-
-_TAGS = {"tuple": tuple, "set": set, "frozenset": frozenset}
-_MAX_DEPTH = 66
 _FENCE_TAGS = ("", "python", "py", "python3", "py3")
 _MUTABLE = (list, dict, set)
 _PLAIN_METHODS = {name for _, name in expr.METHODS}
@@ -111,10 +62,10 @@ class SplitTest:
   """One test: what the sandbox runs (`steps`) and the checks evaluated here on the values it reports."""
 
   steps: tuple[tuple[str, str], ...]  # ("exec", statement) | ("eval", expression), in source order
-  checks: tuple[ast.expr, ...]  # the asserts' ASTs with expr.Slot leaves: sandbox values and constants
+  # Each assert's AST with expr.Slot leaves (sandbox values, constants), and the test's names at that point.
+  checks: tuple[tuple[ast.expr, Mapping[str, Any]], ...]
   n_values: int
   constants: tuple[Any, ...]  # Slot("const", k)'s values, computed here when the test was split
-  names: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the test's constants and imports
 
 
 def extract_code(text: str) -> str:
@@ -148,14 +99,14 @@ def split_test(source: str, name: str = "test", max_items: int = 1 << 18) -> Spl
       "inside the sandbox: write them as top-level asserts"
     )
   n_values = sum(kind == "eval" for kind, _ in splitter.steps)
-  return SplitTest(tuple(splitter.steps), tuple(splitter.checks), n_values, tuple(splitter.constants), splitter.names)
+  return SplitTest(tuple(splitter.steps), tuple(splitter.checks), n_values, tuple(splitter.constants))
 
 
 def run_tests(code: str, tests: Sequence[str], config: CodeRewardConfig = CodeRewardConfig()) -> Graded:
   if not tests:
     raise ValueError("run_tests: no tests given")
   split = [split_test(t, f"test {i}", config.max_check_items) for i, t in enumerate(tests)]
-  files = {"main.py": _HARNESS, "solution.py": code, "calls.json": json.dumps([s.steps for s in split])}
+  files = {"main.py": HARNESS, "solution.py": code, "calls.json": json.dumps([s.steps for s in split])}
   result = run_python(files, "main.py", config.sandbox)
   info = {
     "sandbox_reason": result.reason,
@@ -165,14 +116,15 @@ def run_tests(code: str, tests: Sequence[str], config: CodeRewardConfig = CodeRe
   }
   if result.reason != "ok":
     return Graded(0.0, result.reason, info)
-  reported = _parse_report(result.report, len(tests))
+  reported = parse_report(result.report, len(tests))
   budget = expr.Budget(config.max_check_items)
   outcomes = [_grade(s, reported.get(i), budget) for i, s in enumerate(split)]
   passed = sum(ok for ok, _ in outcomes)
   failures = [f"test {i}: {why}" for i, (ok, why) in enumerate(outcomes) if not ok]
   reason = f"{passed}/{len(outcomes)} tests passed" + (f"; {failures[0]}" if failures else "")
-  if any(why.startswith("MemoryError") for _, why in outcomes):  # the harness's, inside: the sandbox's limit
-    reason = f"memory limit ({config.sandbox.memory_bytes} bytes) hit; {reason}"
+  limits = [limit_named(why, config.sandbox) for ok, why in outcomes if not ok]  # caught inside, by the harness
+  if limit := next((x for x in limits if x), None):  # the grader's own errors start "grader ...": never these
+    reason = f"{limit} hit; {reason}"
   return Graded(passed / len(outcomes), reason, {**info, "outcomes": outcomes})
 
 
@@ -182,25 +134,29 @@ class _Splitter:
   def __init__(self, name: str, budget: expr.Budget):
     self.name, self.budget = name, budget
     self.steps: list[tuple[str, str]] = []
-    self.checks: list[ast.expr] = []
+    self.checks: list[tuple[ast.expr, Mapping[str, Any]]] = []
     self.constants: list[Any] = []
     self.names: dict[str, Any] = {}  # the test's constants (and math imports), as values here
     self.sources: dict[str, str | None] = {}  # how to define each in the sandbox (None: already there)
     self.inside: set[str] = set()  # names bound by statements run in the sandbox
-    self.code: set[str] = set()  # of those, names of test code (def, class, lambda, import)
+    self.code: set[str] = set()  # of those, test code (def, class, lambda, import) or its results inside
+    self.derived: dict[str, ast.expr] = {}  # `ok = f(1) == 2`: computed here, as the split expression
 
   def statement(self, stmt: ast.stmt) -> None:
     if isinstance(stmt, ast.Assert):
-      self.checks.append(self.outside(stmt.test))
+      check = self.outside(stmt.test)
+      self.checks.append((check, dict(self.names)))  # later statements may rebind a name it uses
     elif isinstance(stmt, (ast.Import, ast.ImportFrom)) and self._math_import(stmt):
       self.steps.append(("exec", ast.unparse(stmt)))
-    elif self._const_assign(stmt):
+    elif self._const_assign(stmt) or self._derived_assign(stmt):
       pass
     else:
       self._to_sandbox(stmt)
 
   def outside(self, node: ast.expr) -> ast.expr:
     """`node` rewritten for the grader: pure parts become constants, calls into the solution sandbox values."""
+    if isinstance(node, ast.Name) and node.id in self.derived:
+      return copy.deepcopy(self.derived[node.id])
     if self._pure(node):
       self.constants.append(self._evaluate(node))
       return ast.copy_location(expr.Slot("const", len(self.constants) - 1), node)
@@ -259,8 +215,9 @@ class _Splitter:
       )
     if root in self.code:
       raise ValueError(
-        f"{self.name}: `{src}` calls `{root}`, which the test defines: it would run inside the sandbox, "
-        "where the program controls it; compare plain values in the assert instead"
+        f"{self.name}: `{src}` uses `{root}`, which the test's own code defines or computes inside the sandbox "
+        "(a def, class, import, loop or augmented assignment), where the program controls it; compare plain "
+        "values in the assert instead"
       )
     if root not in self.inside and hasattr(builtins, root):
       raise ValueError(
@@ -280,9 +237,21 @@ class _Splitter:
       )
     if isinstance(stmt, ast.ImportFrom) and any(a.name == "*" for a in stmt.names):
       raise ValueError(f"{self.name}: `{ast.unparse(stmt)}`: import the names the test uses")
+    used = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)} & set(self.derived)
+    if used:
+      raise ValueError(
+        f"{self.name}: `{ast.unparse(stmt)[:60]}` uses `{sorted(used)[0]}`, which the grader computes from the "
+        "program's values: a statement run in the sandbox cannot read it"
+      )
     self._send_names(stmt)
     self.steps.append(("exec", ast.unparse(stmt)))
     bound, code = _bindings(stmt)
+    if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Expr, ast.Import, ast.ImportFrom, ast.FunctionDef)):
+      code |= bound  # a loop, branch or `+=` computed these with the test's logic, inside: never asserted
+    elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None and _root(stmt.value) in self.code:
+      code |= bound  # `expected = reference(3)`: the test's own code ran inside, where the program controls it
+    for n in bound:
+      self.derived.pop(n, None)
     for n in bound:
       self.names.pop(n, None)
       self.sources.pop(n, None)
@@ -301,6 +270,23 @@ class _Splitter:
         self.sources.pop(n, None)
         self.inside.add(n)
 
+  def _derived_assign(self, stmt: ast.stmt) -> bool:
+    """`name = <expr over the program's values>` that is not just a call into the solution: split like an
+    assert (so `ok = f(1) == 2**40` is never judged inside); later asserts use the split expression."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+      return False
+    root = _root(stmt.value)
+    known_here = root is not None and root not in self.inside and (self._known(root) or hasattr(builtins, root))
+    if root is not None and not known_here:
+      return False  # `r = solve(3)`, `y = r.strip()`, `t = TreeNode(1)`: bound in the sandbox
+    name = stmt.targets[0].id
+    self.derived[name] = self.outside(stmt.value)
+    self.names.pop(name, None)
+    self.sources.pop(name, None)
+    self.inside.discard(name)
+    self.code.discard(name)
+    return True
+
   def _const_assign(self, stmt: ast.stmt) -> bool:
     """`name = <pure>` or `a, b = <pure>`: evaluated here; the sandbox gets it only when it reads it."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and self._pure(stmt.value)):
@@ -314,6 +300,7 @@ class _Splitter:
     if len(values) != len(names):
       raise ValueError(f"{self.name}: `{ast.unparse(stmt)[:60]}` unpacks {len(values)} values into {len(names)}")
     for t, v in zip(names, values):
+      self.derived.pop(t.id, None)
       self.names[t.id] = v
       self.sources[t.id] = f"{t.id} = {_to_source(v, self.name)}"
       self.inside.discard(t.id)
@@ -338,6 +325,7 @@ class _Splitter:
     return True
 
   def _bind_here(self, name: str, value: Any) -> None:
+    self.derived.pop(name, None)
     self.names[name], self.sources[name] = value, None
     self.inside.discard(name)
     self.code.discard(name)
@@ -430,49 +418,6 @@ def _to_source(v: Any, name: str) -> str:
   raise ValueError(f"{name}: a test constant of type {t.__name__} is used by a statement run in the sandbox")
 
 
-def _parse_report(report: str, n_tests: int) -> dict[int, tuple[str, Any]]:
-  """test index -> ("values", [decoded]) | ("error", text); the first well-formed line per test counts."""
-  out: dict[int, tuple[str, Any]] = {}
-  for line in report.splitlines():
-    try:
-      obj = json.loads(line, parse_int=_parse_int)
-      i = obj["test"]
-      if type(i) is not int or not 0 <= i < n_tests or i in out or len(obj) != 2:
-        continue
-      if "error" in obj and type(obj["error"]) is str:
-        out[i] = ("error", obj["error"][:200])
-      elif "values" in obj and type(obj["values"]) is list:
-        out[i] = ("values", [_decode(v, 0) for v in obj["values"]])
-    except (ValueError, TypeError, KeyError, RecursionError):
-      continue  # not a line the harness wrote: the program's own output, which decides nothing
-  return out
-
-
-def _decode(v: Any, depth: int) -> Any:
-  """Tagged JSON -> plain Python data; anything else is a ValueError."""
-  if depth > _MAX_DEPTH:
-    raise ValueError("value nested too deep")
-  if v is None or type(v) in (bool, int, float, str):
-    return v
-  if type(v) is list:
-    return [_decode(x, depth + 1) for x in v]
-  if type(v) is dict and len(v) == 1:
-    ((tag, body),) = v.items()
-    if tag in _TAGS and type(body) is list:
-      return _TAGS[tag](_decode(x, depth + 1) for x in body)
-    if tag == "dict" and type(body) is list and all(type(p) is list and len(p) == 2 for p in body):
-      return {_decode(k, depth + 1): _decode(x, depth + 1) for k, x in body}
-    if tag == "bytes" and type(body) is str:
-      return bytes.fromhex(body)
-  raise ValueError(f"not a plain-data encoding: {str(v)[:80]}")
-
-
-def _parse_int(text: str) -> int:
-  if len(text) > expr.MAX_STR_DIGITS:  # decimal -> int is quadratic in the digits
-    raise ValueError(f"an int of {len(text)} digits crossed the boundary (cap {expr.MAX_STR_DIGITS})")
-  return int(text)
-
-
 def _grade(split: SplitTest, got: tuple[str, Any] | None, budget: expr.Budget) -> tuple[bool, str]:
   if got is None:
     return False, "no values reported"
@@ -483,10 +428,9 @@ def _grade(split: SplitTest, got: tuple[str, Any] | None, budget: expr.Budget) -
     return False, f"{len(payload)} values reported, {split.n_values} expected"
   slots = {("value", k): v for k, v in enumerate(payload)}
   slots.update({("const", k): v for k, v in enumerate(split.constants)})
-  evaluate = expr.Evaluator(budget, slots, split.names)
-  for check in split.checks:
+  for check, names in split.checks:
     try:
-      if not evaluate(check):
+      if not expr.Evaluator(budget, slots, names)(check):
         return False, "AssertionError: " + _describe(payload)
     except expr.LimitError as e:
       return False, f"grader limit (max_check_items={budget.max_items}, the caller's cap, not the sandbox's): {e}"[:300]

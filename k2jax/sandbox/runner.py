@@ -341,8 +341,25 @@ def _reason(code: int, timed_out: bool, err: str, config: SandboxConfig, full: t
   if code != 0:
     if "MemoryError" in err:
       return f"memory limit ({config.memory_bytes} bytes)"
-    return f"exited with code {code}: {last}"
+    limit = limit_named(last, config)
+    return f"{limit}: {last}" if limit else f"exited with code {code}: {last}"
   return "ok"
+
+
+def limit_named(error: str, config: SandboxConfig) -> str | None:
+  """The rlimit a program's error line (`OSError: [Errno 27] ...`) says it hit, in words, or None."""
+  if error.startswith("MemoryError"):
+    return f"memory limit ({config.memory_bytes} bytes)"
+  if error.split(":", 1)[0] not in ("OSError", "BlockingIOError"):  # not a failed comparison's `got ...`
+    return None
+  for errno_text, limit in (
+    ("[Errno 11]", f"process limit (max_processes={config.max_processes})"),  # EAGAIN from fork/clone
+    ("[Errno 27]", f"file size limit ({config.file_size_bytes} bytes)"),  # EFBIG: Python ignores SIGXFSZ
+    ("[Errno 24]", f"open files limit (max_open_files={config.max_open_files})"),  # EMFILE
+  ):
+    if errno_text in error:
+      return limit
+  return None
 
 
 def _kill_group(pgid: int) -> None:

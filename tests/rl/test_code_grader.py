@@ -104,13 +104,17 @@ def test_the_nine_shapes_score_zero_forged_and_one_correct():
   [
     ("assert all(f(x) == 2 for x in range(3))", "does not evaluate"),
     ("assert f(3) == hex(255)", "builtin `hex`"),
-    ("def check(x):\n  return x == 3\nassert check(f(1))", "which the test defines"),
-    ("class T:\n  pass\nassert f(1) == T()", "which the test defines"),
+    ("def check(x):\n  return x == 3\nassert check(f(1))", "the test's own code"),
+    ("class T:\n  pass\nassert f(1) == T()", "the test's own code"),
     ("for i in range(3):\n  assert f(i) == i", "top-level assert"),
     ("assert f(1) == '%05d' % 3", "numbers only"),
     ("assert f(1) == 10**100000", "grader cap"),
     ("assert f(1) == list(range(10**9))", "grader cap"),
     ("from math import *\nassert f(1) == sqrt(2)", "import the names"),
+    ("def ref(x):\n  return x\nexpected = ref(3)\nassert f(3) == expected", "the test's own code"),
+    ("total = 0\nfor i in range(3):\n  total += f(i)\nassert total == 3", "the test's own code"),
+    ("x = 1\nx += f(2)\nassert x == 3", "the test's own code"),
+    ("r = sorted(f(3))\nr.append(1)\nassert r == [1]", "cannot read it"),
   ],
 )
 def test_tests_judged_inside_are_rejected_with_the_reason(test, why):
@@ -213,3 +217,26 @@ def test_comprehensions_are_evaluated_here_with_a_budget():
   assert not ok and "grader limit" in why and "comprehension's result" in why, why
   with pytest.raises(ValueError, match="grader cap"):
     split_test("assert f() == [i for i in range(10**9)]")
+
+
+@needs_isolation
+def test_a_judgment_assigned_before_the_assert_is_made_here():
+  """`ok = s(3) == 2**40; assert ok` would let the program report ok=True: it is split like an assert."""
+  tests = ["ok = s(40) == 2**40\nassert ok", "r = sorted(s(3))\nn = len(r)\nassert r == [0, 1, 2] and n == 3"]
+  s = split_test(tests[0])
+  assert s.steps == (("eval", "s(40)"),), s.steps
+  good = run_tests("def s(n):\n    return 2 ** n if n == 40 else list(range(n))[::-1]\n", tests, CFG)
+  assert good.reward == 1.0, good
+  forged = "import os\nfd = int(os.environ['K2JAX_REPORT_FD'])\n"
+  forged += (
+    "for i in range(2):\n    os.write(fd, ('{\"test\": %d, \"values\": [true, true]}\\n' % i).encode())\nos._exit(0)\n"
+  )
+  bad = run_tests(forged, tests, CFG)
+  assert bad.reward == 0.0, bad
+
+
+def test_a_returned_string_cannot_pose_as_a_sandbox_limit():
+  assert runner.limit_named("AssertionError: got '[Errno 11] x'", CFG.sandbox) is None
+  assert runner.limit_named("BlockingIOError: [Errno 11] Resource temporarily unavailable", CFG.sandbox).startswith(
+    "process limit"
+  )

@@ -71,11 +71,18 @@ def test_wrong_code_gets_pass_rate():
   [
     ("while True: pass", "CPU time limit"),
     ("import time\ntime.sleep(60)", "wall-clock timeout"),
-    ("import os\nwhile True: os.fork()", "BlockingIOError"),
+    (
+      "import os\nwhile True: os.fork()",
+      "process limit (max_processes=1) hit; 0/2 tests passed; test 0: BlockingIOError",
+    ),
     ("x = []\nwhile True: x.append(bytearray(10**7))", "memory limit"),
     ("import socket\nsocket.socket().connect(('127.0.0.1', 9))", "Network is unreachable"),
     ("open('/tmp/k2jax_sandbox_escape.txt', 'w').write('x')", "Read-only file system"),
-    ("open('big.bin', 'w').write('x' * (4 * 2**20))", "File too large"),
+    (
+      "open('big.bin', 'w').write('x' * (4 * 2**20))",
+      "file size limit (1048576 bytes) hit; 0/2 tests passed; test 0: OSError: [Errno 27]",
+    ),
+    ("fs = [open('/dev/null') for _ in range(100)]", "open files limit (max_open_files=64) hit"),
     ("import os\nos.abort()", "crashed with SIGABRT"),
     ("raise SystemExit(3)", "SystemExit: 3"),
   ],
