@@ -96,6 +96,16 @@ def _bind(src, root, read_only, is_file=False):
   else:
     os.makedirs(dst, exist_ok=True)
   _mount(src, dst, None, MS_BIND)
+  # A device node bound with MS_NODEV cannot be opened (EACCES on /dev/null): only dirs get nodev.
+  nodev = 0 if is_file else MS_NODEV
+  flags = MS_BIND | MS_REMOUNT | MS_NOSUID | _locked_flags(src) | (MS_RDONLY if read_only else nodev)
+  _mount(None, dst, None, flags)
+
+
+def _bind_at(src, dst, read_only):
+  """Like `_bind`, but mounts `src` at `dst` (a path under the new root) rather than at its own path."""
+  os.makedirs(dst, exist_ok=True)
+  _mount(src, dst, None, MS_BIND)
   flags = MS_BIND | MS_REMOUNT | MS_NOSUID | _locked_flags(src) | (MS_RDONLY if read_only else MS_NODEV)
   _mount(None, dst, None, flags)
 
@@ -126,6 +136,8 @@ def build_root(ro_paths):
   for dev in DEVICES:
     _bind("/dev/" + dev, root, read_only=False, is_file=True)
   _bind(cfg["workdir"], root, read_only=False)
+  for src, dst, read_only in cfg.get("binds", ()):  # SandboxConfig.binds: host path -> a path inside
+    _bind_at(src, root + dst, read_only)
   os.makedirs(root + "/proc", exist_ok=True)
   try:  # refused where the caller's /proc is partly masked (some containers); Python does not need it
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)

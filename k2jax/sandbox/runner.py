@@ -57,6 +57,9 @@ class SandboxConfig:
   # Run with rlimits and a uid only where namespaces are unavailable. Untrusted code can then read the
   # caller's files and signal its processes: only for code you would run yourself.
   unsafe_no_isolation: bool = False
+  # Extra bind mounts into the new root, (host path, path inside, read_only): a workspace read-write at a
+  # fixed path, a venv's site-packages read-only (k2jax/sandbox/workspace.py). Isolated runs only.
+  binds: tuple[tuple[str, str, bool], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +162,7 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
     "file_size_bytes": config.file_size_bytes,
     "max_processes": config.max_processes,
     "max_open_files": config.max_open_files,
+    "binds": [[os.path.realpath(src), dst, bool(ro)] for src, dst, ro in config.binds],
   }
   ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
   report = _Drain(report_r, config.max_output_bytes)
