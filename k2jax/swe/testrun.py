@@ -132,7 +132,31 @@ emit = lambda text: out.write(nonce + " " + text + "\n")
 emit("START")
 
 
+def fingerprint():
+    """Identity of every function and class (and class member) of pytest and pluggy: the code under test
+    runs in this process and could monkeypatch the machinery that decides outcomes."""
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.split(".")[0] in ("_pytest", "pytest", "pluggy"):
+            continue
+        for key, val in list(vars(mod).items()):
+            if callable(val):
+                out[(name, key)] = id(val)
+                if isinstance(val, type):
+                    for k2, v2 in list(vars(val).items()):
+                        out[(name, key, k2)] = id(v2)
+    return out
+
+
 class Reporter:
+    before = None
+
+    def pytest_sessionstart(self, session):
+        Reporter.before = fingerprint()
+
+    def pytest_sessionfinish(self, session):  # before pytest's own cleanup undoes its plugins' setattrs
+        Reporter.after = fingerprint()
+
     def pytest_runtest_logreport(self, report):
         rec = {"t": "test", "id": report.nodeid, "when": report.when, "outcome": report.outcome,
                "xfail": bool(getattr(report, "wasxfail", None) is not None)}
@@ -147,6 +171,9 @@ os.environ.pop("K2JAX_ENV", None)
 sys.path.insert(0, testbed)
 os.chdir(testbed)
 code = int(pytest.main(spec["args"], plugins=[Reporter()]))
+after = getattr(Reporter, "after", None) or {}
+if Reporter.before is None or any(after.get(k) != v for k, v in Reporter.before.items()):
+    out.write("TAMPERED %s\n" % [k for k, v in Reporter.before.items() if after.get(k) != v][:20])
 emit("END %d" % code)
 out.flush()
 sys.stdout.flush()
