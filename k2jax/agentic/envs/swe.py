@@ -15,7 +15,8 @@ resolved (0/1), with K2's pass rate in the info. A grading infrastructure failur
 info, which the rollout masks from the loss instead of scoring 0.
 
 Task record: {"id", "instruction" (the problem statement), "instance_id", "task_set" (the dir holding
-instances.jsonl; relative paths are taken from the working directory), "max_turns"?}.
+instances.jsonl; a relative path is taken from the working directory, else from the k2jax checkout),
+"max_turns"?}.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class SweEnv(ToolEnvironment):
       if not isinstance(task.get(key), str):
         raise ValueError(f"SweEnv: task {task.get('id')!r} needs a string {key!r}")
     self.close()
-    root = os.path.abspath(task["task_set"])
+    root = _task_set_dir(task["task_set"])
     instance = _instances(os.path.join(root, "instances.jsonl")).get(task["instance_id"])
     if instance is None:
       raise ValueError(f"SweEnv: no instance {task['instance_id']!r} in {root}/instances.jsonl")
@@ -217,6 +218,14 @@ def shared_pool(config: PoolConfig = PoolConfig()) -> WorkspacePool:
       _POOLS[config] = WorkspacePool(config)
       atexit.register(_POOLS[config].close)
     return _POOLS[config]
+
+
+def _task_set_dir(given: str) -> str:
+  """An absolute task set dir; a relative one from the working dir, else from the k2jax checkout (data/...)."""
+  if os.path.isabs(given) or os.path.isdir(given):
+    return os.path.abspath(given)
+  checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  return os.path.join(checkout, given)
 
 
 @functools.lru_cache(maxsize=64)
