@@ -71,7 +71,9 @@ def unpack(archive: str, dest: str) -> str:
   return os.path.join(dest, tops[0]) if len(tops) == 1 and os.path.isdir(os.path.join(dest, tops[0])) else dest
 
 
-def build_task_set(sources: str, out: str, config: build.BuildConfig, llm=None, version_diffs: bool = True) -> list[Instance]:
+def build_task_set(
+  sources: str, out: str, config: build.BuildConfig, llm=None, version_diffs: bool = True
+) -> list[Instance]:
   """Builds every task of `sources` into `out` and writes instances.jsonl and rl_tasks.jsonl."""
   os.makedirs(out, exist_ok=True)
   instances: list[Instance] = []
