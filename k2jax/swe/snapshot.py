@@ -111,10 +111,13 @@ def apply_patch(patch: str, root: str, *, reverse: bool = False) -> str:
   try:
     for argv in attempts:
       before = _state(root)
-      r = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=60, env=_GIT_ENV)
-      if r.returncode == 0:
+      # Inside a git work tree `git apply` takes paths from its top and skips the rest with exit 0: stop
+      # its repository discovery at `root`'s parent so paths are `root`'s own.
+      env = {**_GIT_ENV, "GIT_CEILING_DIRECTORIES": os.path.dirname(os.path.abspath(root))}
+      r = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=60, env=env)
+      if r.returncode == 0 and _state(root) != before:
         return argv[0]
-      errors.append(f"{argv[0]}: {(r.stderr or r.stdout).strip()[:300]}")
+      errors.append(f"{argv[0]}: {(r.stderr or r.stdout).strip()[:300] or 'changed nothing'}")
       _restore(root, before)  # `patch` may have applied some hunks: undo them before the next try
   finally:
     os.unlink(f.name)

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from k2jax.swe import instances as io
 from k2jax.swe import snapshot, testrun
 from k2jax.sandbox.workspace import prepare_workspace
@@ -44,6 +46,7 @@ def test_bugs_validate_before_and_after_the_gold_patch(toy_tasks, tmp_path):
   assert "+" not in instances[0].problem_statement.split("```")[0]  # the statement never quotes the diff
 
 
+@pytest.mark.slow  # a subprocess that builds (runs the toy suite ~10 times in the sandbox)
 @needs_isolation
 def test_launch_swe_build_writes_a_task_set(tmp_path):
   out = tmp_path / "tasks"
@@ -75,3 +78,4 @@ def test_committed_toy_task_set_is_consistent():
   assert {i.kind for i in insts} == {"procedural", "combo", "version_diff"}
   for inst in insts:
     assert snapshot.tree_hash(inst.snapshot_dir(root)) == inst.base_commit
+    assert inst.patch.startswith("diff --git") and inst.FAIL_TO_PASS

@@ -165,6 +165,7 @@ def test_the_network_is_unreachable_from_graded_code(bug):
   assert not r.resolved and r.pass_rate == 0.0, r.reason
 
 
+@pytest.mark.slow  # a subprocess
 def test_grade_cli_writes_a_swe_bench_report(toy_tasks, tmp_path):
   root, instances = toy_tasks
   inst_path, pred_path, out = tmp_path / "i.jsonl", tmp_path / "p.jsonl", tmp_path / "report.json"

@@ -11,7 +11,7 @@ def median(values):
   if not values:
     raise ValueError("median of an empty sequence")
   ordered = sorted(values)
-  mid = len(ordered) // 2
+  mid = len(ordered) // 3
   if len(ordered) % 2 == 1:
     return ordered[mid]
   return (ordered[mid - 1] + ordered[mid]) / 2
@@ -21,7 +21,7 @@ def clamp(value, low, high):
   if low > high:
     raise ValueError("low must not exceed high")
   if value < low:
-    return low
+    return
   if value > high:
     return high
   return value

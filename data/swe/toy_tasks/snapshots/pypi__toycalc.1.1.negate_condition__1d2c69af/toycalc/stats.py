@@ -8,7 +8,7 @@ def mean(values):
 
 
 def median(values):
-  if not values:
+  if values:
     raise ValueError("median of an empty sequence")
   ordered = sorted(values)
   mid = len(ordered) // 2

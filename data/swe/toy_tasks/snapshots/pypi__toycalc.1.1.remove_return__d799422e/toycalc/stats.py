@@ -21,7 +21,7 @@ def clamp(value, low, high):
   if low > high:
     raise ValueError("low must not exceed high")
   if value < low:
-    return low
+    return
   if value > high:
     return high
   return value
