@@ -12,7 +12,6 @@ same tests directly (pytest in a subprocess on a prepared tree, no sandbox, no p
 """
 
 import concurrent.futures
-import glob
 import os
 import statistics
 import subprocess
@@ -74,12 +73,17 @@ def _episode(env_cfg, pool, root, inst, files) -> tuple[float, float]:
 
 def _leaks(pool) -> tuple[int, int, int]:
   c = pool.counts()
-  stray = len(glob.glob(os.path.join(tempfile.gettempdir(), "k2jax-sandbox-*")))
-  stray += len(glob.glob(os.path.join(tempfile.gettempdir(), "k2jax-swe-grade-*")))
+  stray = len(
+    [
+      n
+      for n in os.listdir(tempfile.gettempdir())
+      if not os.path.samefile(os.path.join(tempfile.gettempdir(), n), pool.root)
+    ]
+  )
   procs = 0
   for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
-      procs += "k2jax-sandbox-io-" in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+      procs += tempfile.gettempdir() in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
     except OSError:
       pass
   return c["live"], c["dirs"] - c["ready"] - c["live"] + stray, procs
@@ -88,6 +92,8 @@ def _leaks(pool) -> tuple[int, int, int]:
 def main(argv):
   del argv
   root = os.path.abspath(_TASKS.value)
+  tempfile.tempdir = tempfile.mkdtemp(prefix="k2jax-bench-swe-")  # leaks are counted in this run's own dir
+  os.chmod(tempfile.tempdir, 0o711)  # the sandbox uid mounts workspaces from under it
   instances = read_instances(os.path.join(root, "instances.jsonl"))
   files = {i.instance_id: _gold_files(i, root) for i in instances}
   run = WorkspaceRunConfig(timeout_s=120.0, python_paths=default_python_paths())
@@ -114,6 +120,7 @@ def main(argv):
       f"leaked_workspaces={live} leaked_dirs={dirs} leaked_procs={procs} {load_average()}"
     )
   _grading_ratio(instances, root, run)
+  os.rmdir(tempfile.tempdir)  # empty: anything left would be a leak (and fails here, loudly)
 
 
 def _grading_ratio(instances, root, run):

@@ -35,6 +35,7 @@ class WorkspaceRunConfig:
   max_open_files: int = 256
   head_bytes: int = 6000  # output kept from the start ...
   tail_bytes: int = 6000  # ... and from the end
+  max_report_bytes: int = 32 * 2**20  # what run_entry's program may write to $K2JAX_REPORT_FD (test records)
   python_paths: tuple[str, ...] = ()  # read-only dirs mounted at their own path and put on PYTHONPATH
   env: tuple[tuple[str, str], ...] = ()  # extra environment variables of the command
   unsafe_no_isolation: bool = False  # runner.SandboxConfig's escape hatch (trusted code only)
@@ -105,7 +106,8 @@ def run_entry(
     file_size_bytes=config.file_size_bytes,
     max_processes=config.max_processes,
     max_open_files=config.max_open_files,
-    max_output_bytes=config.head_bytes + config.tail_bytes + 4096,
+    # runner.py caps stdout, stderr and the report alike: the report must fit a whole suite's records
+    max_output_bytes=max(config.head_bytes + config.tail_bytes + 4096, config.max_report_bytes),
     unsafe_no_isolation=config.unsafe_no_isolation,
     binds=((workspace, WORKSPACE_MOUNT, False), *((p, p, True) for p in paths)),
   )
