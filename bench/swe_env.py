@@ -31,7 +31,7 @@ from k2jax.swe.grade import GradeConfig, grade  # noqa: E402
 from k2jax.swe.instances import read_instances  # noqa: E402
 from k2jax.swe.workspace import PoolConfig, WorkspacePool  # noqa: E402
 
-_LEVELS = flags.DEFINE_list("levels", ["8", "32", "128"], "Concurrent episodes per round.")
+_LEVELS = flags.DEFINE_list("levels", ["8", "32", "128"], "Concurrent episodes per round ('' = grading only).")
 _REPS = flags.DEFINE_integer("reps", 5, "Rounds per level (and interleaved grading repetitions).")
 _TASKS = flags.DEFINE_string("tasks", "data/swe/toy_tasks", "Built task set (instances.jsonl + snapshots).")
 
@@ -130,8 +130,16 @@ def _grading_ratio(instances, root, run):
     snapshot.copy_tree(inst.snapshot_dir(root), direct_tree)
     snapshot.apply_patch(inst.patch, direct_tree)
     tests = list(inst.FAIL_TO_PASS + inst.PASS_TO_PASS)
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": direct_tree, "PYTHONDONTWRITEBYTECODE": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
+    # The sandbox's interpreter, the same site-packages on PYTHONPATH and the same pytest options (no plugin
+    # autoload): what differs is only the isolation and the grader's copy / patch / restore steps.
+    paths = os.pathsep.join((direct_tree, *run.python_paths))
+    env = {
+      "PATH": "/usr/bin:/bin",
+      "PYTHONPATH": paths,
+      "PYTHONDONTWRITEBYTECODE": "1",
+      "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    cmd = [_sandbox_python(), "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
 
     def direct():
       r = subprocess.run(cmd, cwd=direct_tree, env=env, capture_output=True, check=False)
@@ -143,6 +151,13 @@ def _grading_ratio(instances, root, run):
     times = time_interleaved({"grade": graded, "direct": direct}, _REPS.value)
   g, d = statistics.median(times["grade"]), statistics.median(times["direct"])
   print(f"grade_s={g:.3f} direct_s={d:.3f} " + fmt("grade_over_direct", ratio(times, "grade", "direct"), _REPS.value))
+
+
+def _sandbox_python() -> str:
+  from k2jax.sandbox.runner import _python_for
+  from k2jax.sandbox.workspace import sandbox_uid
+
+  return _python_for(sandbox_uid())
 
 
 def _med(xs, digits, scale=1.0):
