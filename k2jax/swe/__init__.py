@@ -1,9 +1,10 @@
 """Software-engineering RL tasks: SWE-bench-convention instances built offline from package sources
 (AST-mutation bugs, combinations, version diffs), a bounded workspace pool, and a grader that runs a patch in a
-fresh sandbox and closes the known reward hacks. The environment is `k2jax.agentic.envs.swe`."""
+fresh sandbox and closes the known reward hacks. The environment is `k2jax.agentic.envs.swe`. The grader,
+`k2jax.swe.grade` (`grade`, `grade_all`, `GradeConfig`), is not imported here: it is also the CLI
+`python -m k2jax.swe.grade`, which runpy must load first."""
 
 from k2jax.swe.build import BuildConfig, build_repo, build_version_diff
-from k2jax.swe.grade import GradeConfig, grade, grade_all
 from k2jax.swe.instances import (
   Instance,
   InstanceReport,
@@ -21,7 +22,6 @@ from k2jax.swe.workspace import PoolConfig, Workspace, WorkspacePool
 
 __all__ = [
   "BuildConfig",
-  "GradeConfig",
   "Instance",
   "InstanceReport",
   "Mutation",
@@ -33,8 +33,6 @@ __all__ = [
   "build_repo",
   "build_task_set",
   "build_version_diff",
-  "grade",
-  "grade_all",
   "mutations",
   "read_instances",
   "read_predictions",

@@ -121,9 +121,9 @@ def test_bash_deadline_kills_every_process(task_set, pool):
   root, instances = task_set
   env = _env(pool)
   env.reset(_task(root, instances[0]))
-  out = _out(env.step(_call("bash", command="(sleep 300 &) ; sleep 301")))
+  out = _out(env.step(_call("bash", command="(sleep 313 &) ; sleep 314")))
   assert "exit code: 124" in out and "timed out" in out
-  assert not [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith(("sleep 300", "sleep 301"))]
+  assert not [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith(("sleep 313", "sleep 314"))]
   env.close()
 
 

@@ -156,7 +156,15 @@ def test_the_network_is_unreachable_from_graded_code(bug):
   root, inst, module, _ = bug
   srv = socket.create_server(("127.0.0.1", 0))
   port = srv.getsockname()[1]
-  threading.Thread(target=lambda: [srv.accept()[0].close() for _ in range(100)], daemon=True).start()
+
+  def serve():
+    try:
+      while True:
+        srv.accept()[0].close()
+    except OSError:  # closed at the end of the test
+      pass
+
+  threading.Thread(target=serve, daemon=True).start()
   probe = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).close()\n"
   try:
     r = _grade(root, inst, patch_with(root, inst, {"__gold__": True, module: probe + read(root, inst, module)}))
