@@ -73,6 +73,10 @@ def test_iterations_complete_with_swe_and_arith_in_every_batch(run):
   for r in records:
     assert r["num_samples/swe"] == 2.0 and r["num_samples/arith"] == 2.0
     assert 0.0 <= r["reward_mean/swe"] <= 1.0
+    # K2's pass rate beside resolved, for the episodes that reached grading (an episode cut by the token
+    # budget ends before it)
+    for key in ("rollout_pass_rate/swe", "rollout_resolved/swe"):
+      assert key not in r or 0.0 <= r[key] <= 1.0
   assert '"step": 2' in proc.stdout
 
 
