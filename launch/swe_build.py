@@ -22,6 +22,7 @@ _RUNS = flags.DEFINE_integer("runs", 3, "Baseline suite runs: tests must pass in
 _TIMEOUT = flags.DEFINE_float("timeout_s", 120.0, "Deadline of one suite run (SWE-smith validation: 120 s).")
 _WORKERS = flags.DEFINE_integer("workers", 0, "Validations at once (0 = CPU count).")
 _SEED = flags.DEFINE_integer("seed", 0, "Mutation sampling seed.")
+_TURNS = flags.DEFINE_integer("max_turns", 0, "Turn limit written into rl_tasks.jsonl (0 = the env's default).")
 _LLM_URL = flags.DEFINE_string("llm_url", "", "OpenAI-compatible endpoint for issue texts ('' = templates).")
 _LLM_MODEL = flags.DEFINE_string("llm_model", "default", "Model name sent to --llm_url.")
 
@@ -48,7 +49,7 @@ def main(argv):
     seed=_SEED.value,
   )
   logging.set_verbosity(logging.INFO)
-  instances = taskset.build_task_set(_SOURCES.value, _OUT.value, cfg, llm)
+  instances = taskset.build_task_set(_SOURCES.value, _OUT.value, cfg, llm, max_turns=_TURNS.value)
   kinds = {k: sum(i.kind == k for i in instances) for k in ("procedural", "combo", "version_diff")}
   print(f"instances={len(instances)} " + " ".join(f"{k}={v}" for k, v in kinds.items()) + f" out={_OUT.value}")
 

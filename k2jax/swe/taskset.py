@@ -72,7 +72,7 @@ def unpack(archive: str, dest: str) -> str:
 
 
 def build_task_set(
-  sources: str, out: str, config: build.BuildConfig, llm=None, version_diffs: bool = True
+  sources: str, out: str, config: build.BuildConfig, llm=None, version_diffs: bool = True, max_turns: int = 0
 ) -> list[Instance]:
   """Builds every task of `sources` into `out` and writes instances.jsonl and rl_tasks.jsonl."""
   os.makedirs(out, exist_ok=True)
@@ -91,16 +91,19 @@ def build_task_set(
         continue
       if inst is not None:
         instances.append(inst)
-  write_task_set(out, instances)
+  write_task_set(out, instances, max_turns=max_turns)
   return instances
 
 
-def write_task_set(out: str, instances: list[Instance], task_set_path: str | None = None) -> None:
-  """instances.jsonl, and rl_tasks.jsonl whose records name `task_set_path` (default: `out`) as their set."""
+def write_task_set(out: str, instances: list[Instance], task_set_path: str | None = None, max_turns: int = 0) -> None:
+  """instances.jsonl, and rl_tasks.jsonl whose records name `task_set_path` (default: `out`) as their set.
+
+  `max_turns` > 0 goes into each record: the environment then grades at that turn (a rollout's own turn
+  cap would end the episode ungraded)."""
   write_instances(os.path.join(out, "instances.jsonl"), instances)
   where = task_set_path or out
   with open(os.path.join(out, "rl_tasks.jsonl"), "w") as f:
     for i in instances:
       rec = {"id": i.instance_id, "instruction": i.problem_statement + GUIDE, "instance_id": i.instance_id}
-      rec.update(task_set=where, demo=DEMO)
+      rec.update(task_set=where, demo=DEMO, **({"max_turns": max_turns} if max_turns > 0 else {}))
       f.write(json.dumps(rec) + "\n")
