@@ -77,6 +77,7 @@ def test_iterations_complete_with_swe_and_arith_in_every_batch(run):
     # budget ends before it)
     for key in ("rollout_pass_rate/swe", "rollout_resolved/swe"):
       assert key not in r or 0.0 <= r[key] <= 1.0
+  assert any("rollout_pass_rate/swe" in r for r in records)  # episodes reached grading (at their turn limit)
   assert '"step": 2' in proc.stdout
 
 
