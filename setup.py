@@ -51,5 +51,7 @@ setup(
     # TPU VMs, and AOT compiles for TPU slices from any Linux host (Python >= 3.12 for these wheels).
     "tpu": ["jax[tpu]==0.12.0.1"],
     "sglang": ["sglang>=0.5"],
+    # SWE tasks and their environment (k2jax/swe, agentic/envs/swe.py): pytest runs the repositories' tests.
+    "swe": ["pytest>=8", "pytest-timeout>=2.3", "packaging>=23"],
   },
 )

@@ -28,6 +28,14 @@ multi-turn tool-use task against a `sim_tools` environment service, which the le
 
   python launch/rl.py --config=configs/rl.py:agentic_tiny --workdir=/tmp/rl_agentic \
       --config.agentic.env_urls=sim_tools=http://127.0.0.1:8080   # python -m k2jax.agentic.envs --port=8080
+
+`swe_tiny` mixes software-engineering episodes (env "swe": fix a bug in a repository with bash and an editor,
+graded by the repository's tests in a fresh sandbox; the toy tasks in data/swe/toy_tasks, built by
+launch/swe_build.py) with arithmetic in every batch; the env service starts itself unless `agentic.env_urls`
+names one (`swe=http://env-swe.k2jax-envs.svc:8080`, deploy/k8s/env-swe.yaml). Point `tasks.swe.path` at
+another built set's rl_tasks.jsonl for real repositories:
+
+  python launch/rl.py --config=configs/rl.py:swe_tiny --workdir=/tmp/rl_swe
 """
 
 import os
@@ -35,7 +43,8 @@ import os
 from ml_collections import config_dict
 
 TASK_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "rl", "agentic_tiny")
-VARIANTS = ("tiny", "1t", "agentic_tiny")
+SWE_TASKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "swe", "toy_tasks")
+VARIANTS = ("tiny", "1t", "agentic_tiny", "swe_tiny")
 
 
 def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
@@ -46,6 +55,8 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
     _k2_1t(c)
   if arg == "agentic_tiny":
     _agentic_tiny(c)
+  if arg == "swe_tiny":
+    _swe_tiny(c)
   c.lock()
   return c
 
@@ -239,6 +250,36 @@ def _agentic_tiny(c: config_dict.ConfigDict) -> None:
   c.train.seq_len = 224  # agentic: ~90 prompt tokens + the 128-token budget
   c.loss.ptx_coef = 0.0
   c.warm_start.steps = 20
+  c.warm_start.batch_size = 4
+  c.eval.every = 0
+  c.checkpoint.every = 2
+  c.log.rollouts = True
+
+
+def _swe_tiny(c: config_dict.ConfigDict) -> None:
+  """SWE episodes + arithmetic, one group of each per batch. A warm start on the tasks' demo tool call (a bash
+  test run) and on the arithmetic format teaches the random tiny model the call format, so episodes reach tool
+  results (masked out of the loss). The tiny model resolves nothing: the run checks the plumbing."""
+  c.iterations = 2
+  for name, kind, reward, budget, path, env in (
+    ("arith", "arith", "exact", 4, "", ""),
+    ("swe", "agentic", "env", 160, os.path.join(SWE_TASKS, "rl_tasks.jsonl"), "swe"),
+  ):
+    t = config_dict.ConfigDict()
+    t.kind, t.reward, t.budget, t.weight, t.path, t.env = kind, reward, budget, 1, path, env
+    c.tasks[name] = t
+  c.task.truncation_penalty = 0.0
+  c.rollout.group_size = 2
+  c.rollout.target_groups = c.rollout.launch_groups = 2  # = the number of task types
+  c.rollout.partial_rollout = False
+  c.agentic.max_turns = 3
+  c.agentic.max_new_tokens_per_turn = 48
+  c.agentic.step_timeout_s = 300.0  # a step may grade: the repository's tests in a fresh sandbox
+  c.engine.max_slots = 8
+  c.engine.max_seq_len = 1024
+  c.train.seq_len = 800  # ~600 prompt tokens (the issue and three tool schemas) + the 160-token budget
+  c.loss.ptx_coef = 0.0
+  c.warm_start.steps = 10
   c.warm_start.batch_size = 4
   c.eval.every = 0
   c.checkpoint.every = 2

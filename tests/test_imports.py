@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "k2jax"
 LAYERS = (
   ("sharding", "distributed", "transport", "httpservice"),
   ("model", "sandbox", "llm_client", "data.tokenizer"),  # the tokenizer is a leaf: exports write it
-  ("convert", "optim"),
+  ("convert", "optim", "swe"),  # swe: SWE tasks and grading over the sandbox
   ("api", "memory", "data"),
   ("engine", "train"),
   ("serve", "agentic"),

@@ -162,6 +162,7 @@ class RolloutManager:
       truncation_penalty=self.config.truncation_penalty,
       temperature=temperature,
     )
+    stats.update(_episode_scores(batch_groups))
     stats.update(
       rollout_wall_s=time.monotonic() - t0,
       temperature=temperature,
@@ -292,6 +293,7 @@ class RolloutManager:
     s.segments = len(traj.turns)
     s.finish, s.truncated = ("length" if traj.truncated else "stop"), traj.truncated
     s.info = {"env_reward": float(traj.reward), "end": traj.end, "turns": len(traj.turns)}
+    s.info.update({k: float(traj.info[k]) for k in EPISODE_SCORES if k in traj.info})
     if traj.failed:
       s.info["error"] = str(traj.info.get("error", ""))[:300]
 
@@ -331,6 +333,21 @@ class _TrackedEngine:
 
   def abort(self, rids: Sequence[str]) -> None:
     self._m.engine.abort(rids)
+
+
+# Scores an environment reports beside its reward (SWE: binary resolved, and K2's test pass rate), averaged
+# per task into the rollout stats (`rollout_pass_rate/<task>` in metrics.jsonl).
+EPISODE_SCORES = ("resolved", "pass_rate")
+
+
+def _episode_scores(groups: Sequence[Group]) -> dict[str, float]:
+  seen: dict[str, list[float]] = {}
+  for g in groups:
+    for s in g.samples:
+      for key in EPISODE_SCORES:
+        if key in s.info:
+          seen.setdefault(f"{key}/{g.prompt.task}", []).append(s.info[key])
+  return {k: sum(v) / len(v) for k, v in seen.items()}
 
 
 def _checked_rewards(fn: GroupRewardFn, prompt: Prompt, completions) -> list:

@@ -217,7 +217,11 @@ class AgenticTask:
     out = []
     for _ in range(n):
       r = demos[int(rng.integers(len(demos)))]
-      obs = make_env(Guard()).reset({k: v for k, v in r.items() if k != "demo"})
+      env = make_env(Guard())
+      try:
+        obs = env.reset({k: v for k, v in r.items() if k != "demo"})
+      finally:
+        env.close()  # an environment may hold a workspace or a sandbox per episode
       prompt, _ = render_chat(obs["messages"], obs.get("tools"), tokenizer=self._tok, add_generation_prompt=True)
       full, _ = render_chat(
         obs["messages"] + [{"role": "assistant", **r["demo"]}], obs.get("tools"), tokenizer=self._tok

@@ -171,6 +171,14 @@ def _bind(src, root, read_only, is_file=False, device=False):
   _mount(None, dst, None, flags)
 
 
+def _bind_at(src, dst, read_only):
+  """Like `_bind`, but mounts `src` at `dst` (a path under the new root) rather than at its own path."""
+  os.makedirs(dst, exist_ok=True)
+  _mount(src, dst, None, MS_BIND)
+  flags = MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | _locked_flags(src) | (MS_RDONLY if read_only else 0)
+  _mount(None, dst, None, flags)
+
+
 def _ro_paths():
   """System library dirs and this interpreter's prefix (it may live outside /usr, e.g. pyenv, /opt)."""
   exe_dir = os.path.dirname(os.path.realpath(sys.executable))
@@ -200,6 +208,8 @@ def build_root(ro_paths):
     _scratch(cfg["workdir"], root)
   else:
     _bind(cfg["workdir"], root, read_only=False)
+  for src, dst, read_only in cfg["binds"]:  # SandboxConfig.binds: host path -> a path inside
+    _bind_at(src, root + dst, read_only)
   os.makedirs(root + "/proc", exist_ok=True)
   try:  # refused where the caller's /proc is partly masked (some containers); Python does not need it
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)

@@ -79,6 +79,9 @@ class SandboxConfig:
   # Run with rlimits and a uid only where namespaces are unavailable. Untrusted code can then read the
   # caller's files and signal its processes: only for code you would run yourself.
   unsafe_no_isolation: bool = False
+  # Extra bind mounts into the new root, (host path, path inside, read_only): a workspace read-write at a
+  # fixed path, a venv's site-packages read-only (k2jax/sandbox/workspace.py). Isolated runs only.
+  binds: tuple[tuple[str, str, bool], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +198,7 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
     "scratch_inodes": config.scratch_inodes,
     "shm_bytes": config.shm_bytes,
     "ipc_sysctls": _ipc_sysctls(config),
+    "binds": [[os.path.realpath(src), dst, bool(ro)] for src, dst, ro in config.binds],
   }
   ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
   report = _Drain(report_r, config.max_output_bytes)

@@ -26,7 +26,7 @@ def _objects():
 def test_manifests_match_the_services():
   objs = _objects()
   deployments = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Deployment"}
-  assert set(deployments) == {"env-sim-tools", "env-code"}
+  assert set(deployments) == {"env-sim-tools", "env-code", "env-swe"}
   for name, d in deployments.items():
     pod = d["spec"]["template"]["spec"]
     (c,) = pod["containers"]
@@ -58,10 +58,14 @@ def test_kustomize_renders():
       "Namespace",
       "Deployment",
       "Deployment",
+      "Deployment",
+      "Service",
       "Service",
       "Service",
       "HorizontalPodAutoscaler",
       "HorizontalPodAutoscaler",
+      "HorizontalPodAutoscaler",
+      "PersistentVolumeClaim",
       "NetworkPolicy",
     ]
   )

@@ -1,5 +1,5 @@
-"""Agent environments: the Gym-like interface, tool environments (simulated office world, sandboxed code),
-and their HTTP service, client and process pool."""
+"""Agent environments: the Gym-like interface, tool environments (simulated office world, sandboxed code,
+repository SWE tasks in `swe.py`), and their HTTP service, client and process pool."""
 
 from k2jax.agentic.envs.base import Environment, StepResult, ToolEnvironment
 from k2jax.agentic.envs.client import RemoteEnvConfig, RemoteEnvironment

@@ -8,7 +8,7 @@ from absl import app, flags
 from k2jax.agentic.guards import install_egress_hook
 from k2jax.agentic.envs.service import EnvService
 
-_ENV = flags.DEFINE_string("env", "sim_tools", "Environment to host (sim_tools | code).")
+_ENV = flags.DEFINE_string("env", "sim_tools", "Environment to host (sim_tools | code | swe).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Bind address (0.0.0.0 in a container).")
 _PORT = flags.DEFINE_integer("port", 0, "Port (0 = any free port; printed as READY <port>).")
 _EGRESS = flags.DEFINE_list("egress_allow", [], "host:port targets tools may reach (default: none).")

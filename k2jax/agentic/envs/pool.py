@@ -13,9 +13,11 @@ import dataclasses
 import logging
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Mapping
@@ -59,6 +61,11 @@ class _Worker:
     ]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
+    # Everything the worker puts in temp dirs (sandbox runs, SWE workspaces) lives under one dir of its
+    # own, deleted by stop(): a killed worker leaves nothing behind. Searchable by the sandbox uid.
+    self.tmp = tempfile.mkdtemp(prefix="k2jax-envworker-")
+    os.chmod(self.tmp, 0o711)
+    env["TMPDIR"] = self.tmp
     self.proc = subprocess.Popen(
       cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=env
     )
@@ -86,6 +93,8 @@ class _Worker:
       except ProcessLookupError:
         pass
       self.proc.wait()
+    if getattr(self, "tmp", None):
+      shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 class EnvPool:

@@ -40,8 +40,9 @@ def env_factories() -> dict[str, Callable[[Guard], Environment]]:
   """Environments a service can host, by name (imported lazily: the code env pulls the sandbox)."""
   from k2jax.agentic.envs.code import CodeEnv
   from k2jax.agentic.envs.simulated import SimToolsEnv
+  from k2jax.agentic.envs.swe import SweEnv
 
-  return {"sim_tools": lambda g: SimToolsEnv(g), "code": lambda g: CodeEnv(g)}
+  return {"sim_tools": lambda g: SimToolsEnv(g), "code": lambda g: CodeEnv(g), "swe": lambda g: SweEnv(g)}
 
 
 class ResetBody(httpservice.StrictBody):
