@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
@@ -36,13 +38,17 @@ from k2jax.convert import fp8
 from k2jax.convert.errors import CheckpointError
 from k2jax.convert.hf_dir import INDEX, abstract_state, check_unexpected, get_path, read_config, set_path, weight_map
 from k2jax.convert.layout import Entry, entries, hf_shape
-from k2jax.convert.safetensors_io import ShardFiles, TensorInfo, read_block, read_header
+from k2jax.convert.safetensors_io import DTYPES, ShardFiles, TensorInfo, read_block, read_header
 from k2jax.model.config import K2Config
 
 READ_BUDGET_BYTES = 2 << 30  # default in-flight host buffer (orbax's SafetensorsLayout uses 2 GiB too)
+# Blocks of at least this many (leaf) bytes are converted on the device (`_convert`: one XLA compile per
+# distinct block shape, vectorised), smaller ones (norms, biases, tiny models) with numpy on the host.
+DEVICE_CONVERT_BYTES = 1 << 20
 _READ_THREADS = 4  # concurrent block reads: pread and the numpy casts release the GIL
 _FLOAT = ("F32", "BF16", "F16")
 _LEAD = {"global": 0, "layer": 1, "expert": 2}
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # stored bytes travel as unsigned ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +62,33 @@ class Quant:
     module = key.rsplit(".", 1)[0]
     skipped = any(module == m or module.endswith("." + m) or module.startswith(m + ".") for m in self.skip)
     return fp8.is_quantized_key(key) and not skipped
+
+
+@dataclasses.dataclass(frozen=True)
+class RawBlock:
+  """Stored bytes of one leaf block (unsigned ints of the file dtype's width) and how to convert them."""
+
+  raw: np.ndarray  # [lead..., rows, cols] HF orientation (or [lead..., n] for vectors)
+  scale: np.ndarray | None  # [lead..., grid rows, grid cols] float32 for block-FP8
+  dtype: str  # safetensors dtype of `raw`
+  origin: tuple[int, int]  # the block's first element within the scale sub-grid's first block
+  transpose: bool
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "block", "origin", "transpose", "out_dtype"))
+def _convert(raw, scale, *, dtype, block, origin, transpose, out_dtype):
+  """On the device (XLA vectorises what numpy does element by element, and a TPU host's cores stay free):
+  bitcast the stored bytes, dequantize (W = float32(W_fp8) * scale_inv[i // b0, j // b1], the same float32
+  multiply as `fp8.dequantize`), transpose [out, in] -> [in, out] and cast to the leaf dtype."""
+  w = jax.lax.bitcast_convert_type(raw, DTYPES[dtype])
+  if scale is not None:
+    rows, cols = raw.shape[-2:]
+    full = jnp.repeat(jnp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
+    full = full[..., origin[0] : origin[0] + rows, origin[1] : origin[1] + cols]
+    w = w.astype(jnp.float32) * full
+  if transpose:
+    w = jnp.swapaxes(w, -1, -2)
+  return w.astype(out_dtype)
 
 
 @dataclasses.dataclass
@@ -79,6 +112,37 @@ class Checkpoint:
       rel = tuple(i - lo for i, (lo, _) in zip(lead, bounds))
       out[rel] = block.T if entry.transpose else block
     return out
+
+  def raw_block(self, files: ShardFiles, entry: Entry, bounds: tuple[tuple[int, int], ...]) -> RawBlock | None:
+    """The bytes behind the block `bounds` of leaf `entry` as stored (HF orientation, file dtype, stacked
+    over the leading axes; FP8 with its stacked scale sub-grid), for `_convert` on the device. None when
+    the leaf's tensors do not share one dtype (then `leaf_block` converts on the host)."""
+    n_lead = _LEAD[entry.kind]
+    keys = dict(entry.keys(self.cfg))
+    lead = list(itertools.product(*(range(lo, hi) for lo, hi in bounds[:n_lead])))
+    infos = [self.tensors[keys[i]] for i in lead]
+    if len({t.dtype for t in infos}) != 1:
+      return None
+    inner = bounds[n_lead:]
+    hf_bounds = inner[::-1] if entry.transpose else inner
+    lead_shape = [hi - lo for lo, hi in bounds[:n_lead]]
+    raw = np.empty(lead_shape + [hi - lo for lo, hi in hf_bounds], _UINT[infos[0].np_dtype.itemsize])
+    flat = raw.reshape(-1, *raw.shape[n_lead:])
+    quantized = infos[0].dtype == "F8_E4M3"
+    if quantized:
+      (r0, r1), (c0, c1) = hf_bounds
+      b0, b1 = self.quant.block
+      grid = ((r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1)))
+      scale = np.empty(lead_shape + [hi - lo for lo, hi in grid], np.float32)
+      flat_s = scale.reshape(-1, *scale.shape[n_lead:])
+    for j, t in enumerate(infos):
+      read_block(files, t, hf_bounds, into=flat[j])
+      if quantized:
+        read_block(files, self.tensors[t.key + fp8.SCALE_SUFFIX], grid, into=flat_s[j])
+    if not quantized:
+      return RawBlock(raw, None, infos[0].dtype, (0, 0), entry.transpose)
+    origin = (r0 - grid[0][0] * b0, c0 - grid[1][0] * b1)
+    return RawBlock(raw, scale, infos[0].dtype, origin, entry.transpose)
 
   def _tensor_block(self, files: ShardFiles, key: str, bounds) -> np.ndarray:
     t = self.tensors[key]
@@ -147,11 +211,33 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
       jobs.append((entry, leaf, bounds, devices, nbytes))
   arrays = collections.defaultdict(list)
 
-  def place(job, block):
-    entry, _, _, devices, _ = job
-    arrays[entry.path] += [jax.device_put(block, d).block_until_ready() for d in devices]
+  def read(files, job):
+    entry, leaf, bounds, _, nbytes = job
+    if nbytes >= DEVICE_CONVERT_BYTES:  # smaller blocks: numpy is cheaper than a compile per shape
+      block = ckpt.raw_block(files, entry, bounds)
+      if block is not None:
+        return block
+    return ckpt.leaf_block(files, entry, leaf, bounds)
 
-  _run(ckpt, jobs, read_budget_bytes, place)
+  def place(job, block):
+    entry, leaf, _, devices, _ = job
+    for d in devices:  # blocking per device: at most one converted block in flight beyond the shards
+      if isinstance(block, np.ndarray):  # converted on the host (a leaf of mixed stored dtypes)
+        arrays[entry.path].append(jax.device_put(block, d).block_until_ready())
+        continue
+      scale = None if block.scale is None else jax.device_put(block.scale, d)
+      out = _convert(
+        jax.device_put(block.raw, d),
+        scale,
+        dtype=block.dtype,
+        block=None if scale is None else ckpt.quant.block,
+        origin=block.origin,
+        transpose=block.transpose,
+        out_dtype=np.dtype(leaf.dtype),
+      )
+      arrays[entry.path].append(out.block_until_ready())
+
+  _run(jobs, read_budget_bytes, read, place)
   state: dict = {}
   for entry in entries(cfg):
     leaf = get_path(abstract, entry.path)
@@ -171,12 +257,13 @@ def load_hf(path: str, **k2jax_fields) -> tuple[K2Config, dict]:
   for entry in entries(cfg):
     leaf = get_path(abstract, entry.path)
     jobs.append((entry, leaf, tuple((0, d) for d in leaf.shape), None, leaf.size * np.dtype(leaf.dtype).itemsize))
-  _run(ckpt, jobs, READ_BUDGET_BYTES, lambda job, block: set_path(state, job[0].path, block))
+  read = lambda files, job: ckpt.leaf_block(files, job[0], job[1], job[2])
+  _run(jobs, READ_BUDGET_BYTES, read, lambda job, block: set_path(state, job[0].path, block))
   return cfg, state
 
 
-def _run(ckpt: Checkpoint, jobs, budget: int, done) -> None:
-  """Read `jobs` on a thread pool, calling `done(job, block)` in order; blocks read but not yet handed to
+def _run(jobs, budget: int, read, done) -> None:
+  """`read(files, job)` on a thread pool, `done(job, block)` in order; blocks read but not yet handed to
   `done` never total more than `budget` bytes (or one block, when a single block is larger)."""
   with ShardFiles() as files, ThreadPoolExecutor(_READ_THREADS) as pool:
     pending: collections.deque = collections.deque()
@@ -186,7 +273,7 @@ def _run(ckpt: Checkpoint, jobs, budget: int, done) -> None:
         first, fut = pending.popleft()
         done(first, fut.result())
         in_flight -= first[4]
-      pending.append((job, pool.submit(ckpt.leaf_block, files, job[0], job[1], job[2])))
+      pending.append((job, pool.submit(read, files, job)))
       in_flight += job[4]
     while pending:
       first, fut = pending.popleft()

@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 
 import k2jax
 from k2jax import sharding
-from k2jax.convert import fp8
+from k2jax.convert import fp8, reader
 from k2jax.convert import hf as hf_io
 from k2jax.convert.errors import CheckpointError
 from k2jax.convert.layout import entries
@@ -66,8 +66,11 @@ def test_fp8_loads_bitwise_equal_to_numpy_dequantization(fp8_dir, fp8_state):
   assert np.all(zero[:128, :48] == 0) and np.all(np.isfinite(zero))
 
 
-def test_sharded_read_equals_host_read_and_bf16_params(fp8_dir):
-  """Onto 8 devices with `fsdp_ep` (slices not 128-aligned: kv_lora 136 / 2 = 68), and cast to bf16."""
+@pytest.mark.slow  # compile-bound
+def test_sharded_read_equals_host_read_and_bf16_params(fp8_dir, monkeypatch):
+  """Onto 8 devices with `fsdp_ep` (slices not 128-aligned: kv_lora 136 / 2 = 68), and cast to bf16;
+  every block converted on the device (`_convert`), as a real model's large blocks are."""
+  monkeypatch.setattr(reader, "DEVICE_CONVERT_BYTES", 0)
   _, host = hf_io.load_hf(fp8_dir)
   cfg = hf_io.read_config(fp8_dir, param_dtype="bfloat16")
   mesh = sharding.make_mesh({"fsdp": 2, "expert": 4})
@@ -80,6 +83,7 @@ def test_sharded_read_equals_host_read_and_bf16_params(fp8_dir):
     assert leaf.dtype == want.dtype and np.asarray(leaf).tobytes() == want.tobytes(), path
 
 
+@pytest.mark.slow  # compile-bound
 def test_fp8_logits_equal_dequantized_bf16_twin(fp8_dir, fp8_state, tmp_path):
   ref = kimi_dir.dequantized(fp8_state)
   twin = {k: (v if k.endswith("correction_bias") else v.astype(ml_dtypes.bfloat16)) for k, v in ref.items()}
@@ -147,6 +151,7 @@ ALIGNED = dict(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _have_transformers_fp8(), reason="torch/transformers/accelerate not installed")
 def test_transformers_loads_the_same_fp8_directory(tmp_path):
   """transformers 5.x on CPU dequantizes FP8 checkpoints itself (no GPU: dequantize=True): its weights
