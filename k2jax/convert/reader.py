@@ -3,9 +3,11 @@
 `read_state(path, cfg, abstract)` takes the abstract state (jax.ShapeDtypeStruct leaves with shardings)
 and returns it as jax.Arrays. For every leaf and every distinct slice among this process's addressable
 devices it reads the matching block of each HF tensor behind the slice (`safetensors_io.read_block`:
-only those bytes), transposes HF `[out, in]` to k2jax `[in, out]`, stacks layers/experts (one HF key per
-layer and expert, `layout.py`), dequantizes block-FP8 with the scale rows/cols of that block
-(`fp8.dequantize`, ragged edges exact), casts to the leaf dtype and puts it on those devices. Host
+only those bytes) into one host buffer stacked over layers/experts (one HF key per layer and expert,
+`layout.py`), with the scale rows/cols of that block for block-FP8; puts the stored bytes on those
+devices and there (`_convert`) dequantizes (ragged edges exact), transposes HF `[out, in]` to k2jax
+`[in, out]` and casts to the leaf dtype. Blocks under DEVICE_CONVERT_BYTES are converted the same way
+with numpy on the host (`fp8.dequantize`), which is also `load_hf`'s path; the two are bitwise equal. Host
 memory is this process's shards plus at most `read_budget_bytes` of blocks in flight (one block when a
 single block is larger). `load_hf` is the same reader into whole numpy leaves (one host, small models).
 

@@ -312,3 +312,23 @@ def test_overlay_applies_an_fp8_weight_push(fp8_dir, tmp_path):
     new["moe_layers"]["moe"]["experts"]["w_down"][0, 4].tobytes()
     == state["moe_layers"]["moe"]["experts"]["w_down"][0, 4].tobytes()
   )
+
+
+@pytest.mark.slow  # compile-bound (optimizer init)
+def test_init_from_the_fp8_release_layout_onto_a_training_mesh(fp8_dir):
+  """`init_from=<Kimi FP8 dir>` (pretraining/SFT `checkpoint.init_from`, RL `model.init_from`): the
+  architecture comes from its config.json, the step-0 params from the reader, straight onto the mesh."""
+  from k2jax.model import presets
+  from k2jax.optim import QKClipSpec, muonclip
+  from k2jax.train import core
+  from k2jax.train.init_from import initial_state, resolve_model
+
+  cfg = resolve_model(presets.get("tiny"), fp8_dir, key="checkpoint.init_from")
+  assert (cfg.hidden_size, cfg.model_type) == (CFG["hidden_size"], "kimi_k2")
+  opt = muonclip(1e-2, qk_clip_spec=QKClipSpec.from_config(cfg))
+  lay = core.layout(cfg, opt, mesh=sharding.make_mesh({"fsdp": 2, "expert": 4}), preset="fsdp_ep", seed=0)
+  state = initial_state(cfg, fp8_dir, lay.make, opt, lay.shardings, read_budget_bytes=1 << 16)
+  _, host = hf_io.load_hf(fp8_dir)
+  for path, want in _flat(host):
+    tree = state.bias if path[-1] == "bias" else state.params
+    assert np.asarray(_get(tree, path)).tobytes() == want.tobytes(), path
