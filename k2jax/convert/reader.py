@@ -200,7 +200,7 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
     raise ValueError(f"read_budget_bytes must be positive, got {read_budget_bytes}")
   ckpt = open_checkpoint(path, cfg)
   here = SingleDeviceSharding(jax.local_devices()[0])
-  jobs, shardings = [], {}
+  jobs, shardings, outs = [], {}, {}
   for entry in entries(cfg):
     leaf = get_path(abstract, entry.path)
     sharding = getattr(leaf, "sharding", None) or here
@@ -209,12 +209,12 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
     for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
       by_slice[_bounds(index, leaf.shape)].append(device)
     for bounds, devices in by_slice.items():
-      nbytes = int(np.prod([hi - lo for lo, hi in bounds])) * np.dtype(leaf.dtype).itemsize
-      jobs.append((entry, leaf, bounds, devices, nbytes))
-  arrays = collections.defaultdict(list)
+      for piece in _pieces(bounds, _LEAD[entry.kind], np.dtype(leaf.dtype).itemsize, read_budget_bytes):
+        nbytes = int(np.prod([hi - lo for lo, hi in piece])) * np.dtype(leaf.dtype).itemsize
+        jobs.append((entry, leaf, piece, devices, nbytes, bounds))
 
   def read(files, job):
-    entry, leaf, bounds, _, nbytes = job
+    entry, leaf, bounds, _, nbytes, _ = job
     if nbytes >= DEVICE_CONVERT_BYTES:  # smaller blocks: numpy is cheaper than a compile per shape
       block = ckpt.raw_block(files, entry, bounds)
       if block is not None:
@@ -222,30 +222,52 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
     return ckpt.leaf_block(files, entry, leaf, bounds)
 
   def place(job, block):
-    entry, leaf, _, devices, _ = job
-    for d in devices:  # blocking per device: at most one converted block in flight beyond the shards
-      if isinstance(block, np.ndarray):  # converted on the host (a leaf of mixed stored dtypes)
-        arrays[entry.path].append(jax.device_put(block, d).block_until_ready())
+    entry, leaf, piece, devices, _, bounds = job
+    for d in devices:  # blocking per device: at most one converted piece in flight beyond the shards
+      if isinstance(block, np.ndarray):  # converted on the host
+        value = jax.device_put(block, d)
+      else:
+        scale = None if block.scale is None else jax.device_put(block.scale, d)
+        q = {"dtype": block.dtype, "block": None if scale is None else ckpt.quant.block, "origin": block.origin}
+        value = _convert(jax.device_put(block.raw, d), scale, **q, transpose=block.transpose, out_dtype=leaf.dtype)
+      key = (entry.path, bounds, d)
+      if piece == bounds:
+        outs[key] = value.block_until_ready()
         continue
-      scale = None if block.scale is None else jax.device_put(block.scale, d)
-      out = _convert(
-        jax.device_put(block.raw, d),
-        scale,
-        dtype=block.dtype,
-        block=None if scale is None else ckpt.quant.block,
-        origin=block.origin,
-        transpose=block.transpose,
-        out_dtype=np.dtype(leaf.dtype),
-      )
-      arrays[entry.path].append(out.block_until_ready())
+      if key not in outs:  # the slice is assembled in place from its pieces (donated: no second copy)
+        outs[key] = jnp.zeros([hi - lo for lo, hi in bounds], leaf.dtype, device=d)
+      at = tuple(p[0] - b[0] for p, b in zip(piece, bounds))
+      outs[key] = _insert(outs[key], value, at).block_until_ready()
 
   _run(jobs, read_budget_bytes, read, place)
   state: dict = {}
   for entry in entries(cfg):
     leaf = get_path(abstract, entry.path)
-    value = jax.make_array_from_single_device_arrays(leaf.shape, shardings[entry.path], arrays.pop(entry.path))
-    set_path(state, entry.path, value)
+    mine = [v for (path, _, _), v in outs.items() if path == entry.path]
+    set_path(state, entry.path, jax.make_array_from_single_device_arrays(leaf.shape, shardings[entry.path], mine))
   return state
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _insert(out, piece, at):
+  return jax.lax.dynamic_update_slice(out, piece, at)
+
+
+def _pieces(bounds, n_lead: int, itemsize: int, budget: int) -> list[tuple[tuple[int, int], ...]]:
+  """`bounds` cut along its stacked (layer, expert) axes into pieces of at most `budget` bytes where
+  possible (one HF tensor's block is the smallest piece), so no host or device transient exceeds it."""
+  inner = int(np.prod([hi - lo for lo, hi in bounds[n_lead:]])) * itemsize
+  sizes = [hi - lo for lo, hi in bounds[:n_lead]]
+  if n_lead == 0 or inner * int(np.prod(sizes)) <= budget:
+    return [bounds]
+  per_layer = inner * (sizes[1] if n_lead == 2 else 1)
+  (l0, l1), rest = bounds[0], bounds[1:]
+  if per_layer <= budget or n_lead == 1:
+    step = max(1, budget // per_layer)
+    return [((a, min(a + step, l1)), *rest) for a in range(l0, l1, step)]
+  (e0, e1), inner_b = bounds[1], bounds[2:]
+  step = max(1, budget // inner)
+  return [((l, l + 1), (a, min(a + step, e1)), *inner_b) for l in range(l0, l1) for a in range(e0, e1, step)]
 
 
 def load_hf(path: str, **k2jax_fields) -> tuple[K2Config, dict]:

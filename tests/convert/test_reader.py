@@ -75,7 +75,7 @@ def test_sharded_read_equals_host_read_and_bf16_params(fp8_dir, monkeypatch):
   cfg = hf_io.read_config(fp8_dir, param_dtype="bfloat16")
   mesh = sharding.make_mesh({"fsdp": 2, "expert": 4})
   shardings = _shardings(cfg, mesh)
-  got = k2jax.api.source_state(fp8_dir, cfg, shardings, read_budget_bytes=64 << 10)
+  got = k2jax.api.source_state(fp8_dir, cfg, shardings, read_budget_bytes=4096)  # expert slices arrive in pieces
   for path, leaf in _flat(got):
     assert leaf.sharding == _get(shardings, path), path
     want = _get(host, path)
