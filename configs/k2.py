@@ -78,7 +78,7 @@ def _base() -> config_dict.ConfigDict:
   c.data = config_dict.ConfigDict()
   c.data.kind = "pretrain"  # pretrain (packed documents) | sft (chat, assistant-only loss)
   c.data.path = ""  # '' = bundled corpus; else a file or glob (jsonl/parquet/array_record)
-  c.data.tokenizer_path = ""  # '' = bundled tiny BPE; else a tiktoken rank file (K2's tiktoken.model)
+  c.data.tokenizer_path = ""  # '' = bundled tiny BPE; else a tiktoken rank file (K2's tiktoken.model) or its HF dir
   c.data.seq_len = 64  # tokens per packed row
   c.data.global_batch_size = 16  # rows per optimizer step, summed over all hosts
   c.data.num_microbatches = 1  # gradient accumulation: the global batch is split into this many

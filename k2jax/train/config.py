@@ -202,9 +202,9 @@ def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[s
     found = glob.glob(tc.data.path) if glob.has_magic(tc.data.path) else [tc.data.path]
     _need(bool(found) and all(os.path.isfile(p) for p in found), "data.path", f"no data file at {tc.data.path!r}")
   if tc.data.tokenizer_path:
-    _need(
-      os.path.isfile(tc.data.tokenizer_path), "data.tokenizer_path", f"no tokenizer file at {tc.data.tokenizer_path!r}"
-    )
+    tok = tc.data.tokenizer_path  # a rank file, or a Kimi-K2 HF directory holding tiktoken.model
+    ok = os.path.isfile(tok) or os.path.isfile(os.path.join(tok, "tiktoken.model"))
+    _need(ok, "data.tokenizer_path", f"no tokenizer file at {tok!r} (nor {os.path.join(tok, 'tiktoken.model')!r})")
   if tc.checkpoint.init_from:
     _need(
       os.path.isdir(tc.checkpoint.init_from), "checkpoint.init_from", f"no directory at {tc.checkpoint.init_from!r}"
