@@ -28,6 +28,7 @@ dtype: None (the param dtype), "float32", "bfloat16", or "fp8": the release's bl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -105,7 +106,6 @@ class Writer:
     self.cfg, self.dtype, self.max_shard_bytes, self.naming = cfg, dtype, max_shard_bytes, naming
     self._plan: list[Source] | None = None
     self._files: dict[int, list[tuple[str, list[Tensor]]]] = {}
-    self._export_fns: dict[tuple, Any] = {}
 
   @property
   def total_bytes(self) -> int:
@@ -166,19 +166,20 @@ class Writer:
         written[t.name] = crc
 
   def _export(self, src: Source):
-    """jit: (leaf, *index) -> [rows, *tensor] sharded per `src.export` (one compile per leaf and depth)."""
-    key = (src.entry.path, len(src.index))
-    fn = self._export_fns.get(key)
-    if fn is None:
-      rows_axis = src.entry.kind == "expert" and len(src.index) == 1  # a layer's experts are the rows
+    return _export_fn(src.entry.kind == "expert" and len(src.index) == 1, src.export)
 
-      def export(x, *index):
-        for i in index:
-          x = jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
-        return x if rows_axis else x[None]
 
-      fn = self._export_fns[key] = jax.jit(export, out_shardings=src.export)
-    return fn
+@functools.cache
+def _export_fn(rows_axis: bool, sharding: NamedSharding):
+  """jit: (leaf, *index) -> leaf[index] as [rows, *tensor] sharded per `sharding` (rows_axis: the
+  indexed layer's experts are the rows). Cached across writers: one compile per leaf shape."""
+
+  def export(x, *index):
+    for i in index:
+      x = jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+    return x if rows_axis else x[None]
+
+  return jax.jit(export, out_shardings=sharding)
 
 
 def save_hf(

@@ -209,3 +209,23 @@ def test_two_processes_export_equals_one_process_and_loads_in_transformers(tmp_p
 def _fresh_block():
   """The block `_host` zeroes, as the worker (which does not zero it) has it."""
   return fp8_export_golden.host_state(CFG)[ZERO_BLOCK[0]][ZERO_BLOCK[1]][ZERO_BLOCK[2]][0, :128, 128:]
+
+
+@pytest.mark.slow
+def test_convert_cli_exports_a_sharded_workdir_as_fp8(tmp_path):
+  """launch/convert.py WORKDIR -> HF --dtype=fp8 restores the checkpoint sharded over the devices and
+  writes the golden FP8 layout, equal to the in-process export of the same weights."""
+  from k2jax.convert import workdir as wd
+
+  root = os.path.dirname(os.path.dirname(HERE))
+  w, hf = str(tmp_path / "w"), str(tmp_path / "hf")
+  wd.save_model_only(CFG, _host(), w)
+  env = {**os.environ, "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  cmd = [sys.executable, "launch/convert.py", f"--src={w}", f"--dst={hf}", "--dtype=fp8", "--mesh=fsdp=2"]
+  p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  with open(fp8_export_golden.GOLDEN) as f:
+    assert fp8_export_golden.key_list(hf) == json.load(f)["tensors"]
+  writer.save_hf(CFG, _host(), str(tmp_path / "ref"), dtype="fp8")
+  a, b = read_tensors(hf), read_tensors(str(tmp_path / "ref"))
+  assert all(a[k].tobytes() == b[k].tobytes() for k in b) and sorted(a) == sorted(b)
