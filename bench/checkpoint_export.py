@@ -11,7 +11,8 @@ Prints key=value lines; the ratios are per-rep throughput ratios (raw seconds / 
 with min-max spread):
   export_over_raw_write_bf16=   (target >= 0.7)
   export_over_raw_write_fp8=    (target >= 0.7)
-plus the bytes, the GB/s of each path, fp8_over_bf16_bytes (what an FP8 weight push saves) and the FP8
+plus the bytes, the GB/s of each path, the export's GB per CPU-second of this process (what one free
+core sustains: the figure to scale from on a machine whose disk and cores are shared), fp8_over_bf16_bytes (what an FP8 weight push saves) and the FP8
 quantize rate alone (`quantize_Melem_per_s`, one [moe_intermediate, hidden] expert weight at a time),
 the rates BUILD.md's pod estimates are computed from. An `os.sync()` before each timing (outside it)
 flushes what the previous one left dirty. The weights are a cheap deterministic fill (random init of
@@ -103,7 +104,8 @@ def export_rows(preset: str, param_dtype: str, reps: int, root: str) -> list[str
     lines.append(interleave.fmt(f"export_over_raw_write_{d}", interleave.ratio(times, r, e), reps))
     lines.append(
       f"export_{d}_GBps={b / statistics.median(times[e]) / 1e9:.3f} raw_{d}_GBps={b / statistics.median(times[r]) / 1e9:.3f} "
-      f"export_{d}_s={interleave.median_ms(times[e])}ms export_{d}_cpu_s={statistics.median(cpu[e]):.2f}"
+      f"export_{d}_s={interleave.median_ms(times[e])}ms export_{d}_cpu_s={statistics.median(cpu[e]):.2f} "
+      f"export_{d}_GB_per_cpu_s={b / statistics.median(cpu[e]) / 1e9:.3f}"
     )
   lines.append(_quantize_rate(cfg, reps))
   for line in lines:
