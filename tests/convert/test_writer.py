@@ -229,3 +229,41 @@ def test_convert_cli_exports_a_sharded_workdir_as_fp8(tmp_path):
   writer.save_hf(CFG, _host(), str(tmp_path / "ref"), dtype="fp8")
   a, b = read_tensors(hf), read_tensors(str(tmp_path / "ref"))
   assert all(a[k].tobytes() == b[k].tobytes() for k in b) and sorted(a) == sorted(b)
+
+
+def _from_hf_tensors(cfg, tensors: dict) -> dict:
+  """A k2jax state dict from HF tensors (FP8 ones dequantized with `fp8.dequantize`), float32."""
+  from k2jax.convert.layout import entries
+
+  state = jax.tree.map(lambda a: np.zeros(a.shape, np.float32), abstract_state(cfg))
+  for entry in entries(cfg):
+    leaf = writer.get_leaf(state, entry.path)
+    for idx, key in entry.keys(cfg):
+      t = tensors[key]
+      t = fp8.dequantize(t, tensors[key + "_scale_inv"]) if t.dtype == fp8.E4M3 else t.astype(np.float32)
+      leaf[idx] = t.T if entry.transpose else t
+  return state
+
+
+@pytest.mark.slow
+def test_fp8_export_of_an_aligned_config_loads_in_transformers(tmp_path):
+  """transformers 5.x dequantizes block-FP8 on CPU when every dim is a multiple of 128 (its
+  Fp8Dequantize refuses ragged grids such as Kimi's 576 rows): its logits equal k2jax's on the
+  dequantized weights, and differ from the unquantized model's (the rounding is real)."""
+  transformers = pytest.importorskip("transformers")
+  import torch
+
+  aligned = dict(fp8_export_golden.CONFIG, hidden_size=256, intermediate_size=256, moe_intermediate_size=128)
+  aligned.update(q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=128, v_head_dim=128)
+  cfg = presets.get("tiny", **aligned)
+  host = jax.tree.map(lambda x: x * 8, fp8_export_golden.host_state(cfg))  # std 0.4: logits of order 1
+  dst = str(tmp_path / "fp8")
+  writer.save_hf(cfg, host, dst, dtype="fp8")
+  model = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
+  ids = (np.arange(48).reshape(2, 24) * 37) % cfg.vocab_size
+  with torch.no_grad():
+    theirs = model(torch.from_numpy(ids)).logits.float().numpy()
+  ours = np.asarray(model_from_state(cfg, _from_hf_tensors(cfg, read_tensors(dst)))(ids.astype(np.int32)).logits)
+  unquantized = np.asarray(model_from_state(cfg, host)(ids.astype(np.int32)).logits)
+  assert np.abs(theirs - ours).max() < 1e-4 * max(1.0, np.abs(ours).max())
+  assert np.abs(unquantized - ours).max() > 1e-3
