@@ -31,6 +31,9 @@ flags.DEFINE_string("dst", None, "Output directory (k2jax workdir or HF director
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "fp8"], "Weight dtype written (default: the source's).")
 flags.DEFINE_string("mesh", "fsdp=-1", "WORKDIR -> HF: mesh axes, e.g. 'fsdp=-1' or 'fsdp=64,expert=8'.")
 flags.DEFINE_string("rules", "fsdp", "WORKDIR -> HF: k2jax.sharding rules preset (fsdp | fsdp_ep | fsdp_ep_tp).")
+flags.DEFINE_string(
+  "tokenizer_from", None, "WORKDIR -> HF: directory whose tiktoken.model the export carries (default: --src)."
+)
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (else K2JAX_COORDINATOR or the cluster).")
 flags.DEFINE_integer("num_processes", None, "Total JAX processes (multi-host).")
 flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
@@ -86,7 +89,7 @@ def _workdir_to_hf(src: str, dst: str) -> None:
   mesh = sharding.make_mesh(shape)
   abstract = nnx.state(nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0))))
   state = source_state(src, cfg, nnx.to_pure_dict(sharding.param_shardings(abstract, mesh, FLAGS.rules)))
-  tokenizer = lambda tmp: export_tokenizer(tmp, cfg.vocab_size, src=src)  # noqa: E731
+  tokenizer = lambda tmp: export_tokenizer(tmp, cfg.vocab_size, src=FLAGS.tokenizer_from or src)  # noqa: E731
   writer.save_hf(cfg, state, dst, dtype=FLAGS.dtype, write_extra=tokenizer)
 
 
