@@ -332,6 +332,8 @@ def plan_files(plan: list[Source], max_shard_bytes: int, naming: str) -> dict[in
 def iter_hf_tensors(cfg: K2Config, state: Mapping, dtype: str | None) -> Iterator[tuple[str, np.ndarray]]:
   """(HF key, numpy tensor) in HF order, one at a time: the plain reading of the layout that tests
   compare the writer against (float32 / bfloat16 / None; FP8 has two tensors per key, see `Writer`)."""
+  if dtype == "fp8":
+    raise ValueError("iter_hf_tensors: FP8 is a weight plus its scale grid per key; write it with `Writer`")
   for entry in entries(cfg):
     leaf = get_leaf(state, entry.path)
     for idx, key in entry.keys(cfg):
