@@ -43,10 +43,11 @@ setup(
       "hypothesis>=6.100",
       "torch==2.13.0",
       "transformers>=5.0,<6",
+      "accelerate>=1.0",  # transformers' FineGrainedFP8 loader needs it (the block-FP8 cross-check)
       "requests>=2.31",
       "ruff>=0.6",
     ],
-    "torch": ["torch==2.13.0", "transformers>=5.0,<6"],
+    "torch": ["torch==2.13.0", "transformers>=5.0,<6", "accelerate>=1.0"],
     # TPU VMs, and AOT compiles for TPU slices from any Linux host (Python >= 3.12 for these wheels).
     "tpu": ["jax[tpu]==0.12.0.1"],
     "sglang": ["sglang>=0.5"],

@@ -114,6 +114,8 @@ def _base() -> config_dict.ConfigDict:
   c.checkpoint.keep = 3  # keep the last K checkpoints
   c.checkpoint.async_save = True  # write in the background while training continues
   c.checkpoint.init_from = ""  # workdir or HF dir whose weights start a fresh run ('' = random init)
+  # HF init_from: bytes of HF blocks each process holds in flight beyond its own shards (orbax uses 2 GiB)
+  c.checkpoint.read_budget_bytes = 2 << 30
 
   c.log = config_dict.ConfigDict()
   c.log.every_steps = 10  # metrics.jsonl / TensorBoard / progress line cadence

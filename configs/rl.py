@@ -91,6 +91,8 @@ def _tiny() -> config_dict.ConfigDict:
   c.model = config_dict.ConfigDict()
   c.model.preset = "tiny"  # k2jax.model.presets name (used when init_from is empty)
   c.model.init_from = ""  # k2jax workdir or HF dir to start the policy from ("" = random init)
+  # HF init_from: bytes of HF blocks each process holds in flight beyond its own shards (orbax uses 2 GiB)
+  c.model.read_budget_bytes = 2 << 30
   c.model.param_dtype = "float32"  # master weights
   c.model.compute_dtype = "float32"  # matmuls/activations ("bfloat16" on accelerators)
   c.model.scan_layers = True  # lax.scan over stacked layers

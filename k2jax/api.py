@@ -13,6 +13,7 @@ from k2jax.convert import hf as hf_io
 from k2jax.convert import workdir as wd
 from k2jax.convert import writer
 from k2jax.convert.export_dir import recover
+from k2jax.convert.reader import READ_BUDGET_BYTES
 from k2jax.convert.tokenizer import export_tokenizer
 from k2jax.model.config import EXEC_FIELDS, K2Config
 from k2jax.model.transformer import K2Model
@@ -34,17 +35,19 @@ def source_config(src: str, **exec_kw) -> K2Config:
   return hf_io.read_config(src, **exec_kw)
 
 
-def source_state(src: str, cfg: K2Config, shardings: dict | None = None) -> dict:
-  """The model's full pure state dict (Params + RouterBias) stored in `src`, as `cfg` lays it out; placed
-  per `shardings` (a tree like the state) when given (else a workdir restores onto this process's first
-  device and an HF directory gives host arrays)."""
+def source_state(
+  src: str, cfg: K2Config, shardings: dict | None = None, *, read_budget_bytes: int = READ_BUDGET_BYTES
+) -> dict:
+  """The model's full pure state dict (Params + RouterBias) stored in `src`, as `cfg` lays it out, as
+  jax.Arrays placed per `shardings` (a tree like the state; None: this process's first device). Each
+  process reads only its own shards: orbax for a workdir, `convert.reader` for an HF directory (which
+  holds at most `read_budget_bytes` of host buffers in flight beyond them)."""
+  abstract = hf_io.abstract_state(cfg)
+  if shardings is not None:
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
   if source_kind(src) == "workdir":
-    abstract = hf_io.abstract_state(cfg)
-    if shardings is not None:
-      abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     return wd.restore_model_state(src, abstract)[1]
-  state = hf_io.load_hf(src, **{k: getattr(cfg, k) for k in EXEC_FIELDS})[1]
-  return state if shardings is None else jax.device_put(state, shardings)
+  return hf_io.read_state(src, cfg, abstract, read_budget_bytes=read_budget_bytes)
 
 
 def model_from_state(cfg: K2Config, state: dict) -> K2Model:
@@ -56,14 +59,15 @@ def model_from_state(cfg: K2Config, state: dict) -> K2Model:
   return nnx.merge(graphdef, abs_state)
 
 
-def load(path: str, **k2jax_fields) -> K2Model:
-  """A model from an HF directory (has config.json) or a k2jax workdir (has model_config.json).
+def load(path: str, *, read_budget_bytes: int = READ_BUDGET_BYTES, **k2jax_fields) -> K2Model:
+  """A model from an HF directory (has config.json; bf16/fp32 or the release's block-FP8) or a k2jax
+  workdir (has model_config.json), on this process's first device.
 
   k2jax_fields override execution knobs, e.g. `load(p, compute_dtype='bfloat16', scan_layers=False)`.
   """
   recover(path)  # an export that died between its two renames on a filesystem without RENAME_EXCHANGE
   cfg = source_config(path, **k2jax_fields)
-  return model_from_state(cfg, source_state(path, cfg))
+  return model_from_state(cfg, source_state(path, cfg, read_budget_bytes=read_budget_bytes))
 
 
 def save_hf(

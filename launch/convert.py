@@ -3,13 +3,17 @@
   python launch/convert.py --src=HF_DIR --dst=WORKDIR                     # HF -> k2jax workdir
   python launch/convert.py --src=WORKDIR --dst=HF_DIR [--dtype=bfloat16|fp8]  # k2jax -> HF safetensors
 
-WORKDIR -> HF runs on any number of processes (flags as launch/train.py, or the cluster's own
-environment on a TPU pod): the latest checkpoint is restored sharded over all devices (--mesh,
---rules), each process writes the HF tensors its devices hold and process 0 writes the index,
-config.json and tokenizer, then swaps the export into place (`k2jax.convert.writer`). --dst must be on
-a filesystem every process shares. --dtype=fp8 writes the release's block-FP8 layout (what SGLang and
-vLLM serve): F8_E4M3 projections with float32 128x128 `weight_scale_inv`, bf16 embeddings, lm_head,
-norms and router, float32 router bias.
+HF -> WORKDIR runs on any number of processes (--coordinator_address/--num_processes/--process_id, or
+the cluster's own environment on a TPU pod): the model is laid out over all devices (--mesh, --rules),
+each process reads only the byte ranges of its own slices (`k2jax.convert.reader`; the release's
+block-FP8 is dequantized on the way, into --dtype or the source's dtype) and writes its own orbax
+shards; process 0 swaps the workdir into place. --dst must be on a filesystem every process shares.
+
+WORKDIR -> HF runs the same way: the latest checkpoint is restored over all devices, each process writes
+the HF tensors its devices hold (`k2jax.convert.writer`) and process 0 the index, config.json and
+tokenizer, then swaps the export into place. --dtype=fp8 writes the release's block-FP8 layout (what
+SGLang and vLLM serve): F8_E4M3 projections with float32 128x128 `weight_scale_inv`, bf16 embeddings,
+lm_head, norms and router, float32 router bias.
 
 The HF side is the published layout (DeepseekV3ForCausalLM, per-expert keys, sharded safetensors
 with model.safetensors.index.json), loadable by transformers, SGLang and vLLM. A workdir converts
@@ -28,15 +32,18 @@ from absl import app, flags, logging  # noqa: E402
 
 flags.DEFINE_string("src", None, "HF directory (has config.json) or k2jax workdir (has model_config.json).")
 flags.DEFINE_string("dst", None, "Output directory (k2jax workdir or HF directory).")
-flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "fp8"], "Weight dtype written (default: the source's).")
-flags.DEFINE_string("mesh", "fsdp=-1", "WORKDIR -> HF: mesh axes, e.g. 'fsdp=-1' or 'fsdp=64,expert=8'.")
-flags.DEFINE_string("rules", "fsdp", "WORKDIR -> HF: k2jax.sharding rules preset (fsdp | fsdp_ep | fsdp_ep_tp).")
-flags.DEFINE_string(
-  "tokenizer_from", None, "WORKDIR -> HF: directory whose tiktoken.model the export carries (default: --src)."
+flags.DEFINE_enum(
+  "dtype", None, ["float32", "bfloat16", "fp8"], "Weight dtype written (default: the source's; fp8: HF exports)."
 )
+flags.DEFINE_string("mesh", "fsdp=-1", "Mesh axes, e.g. 'fsdp=-1' or 'fsdp=64,expert=8'.")
+flags.DEFINE_string("rules", "fsdp", "k2jax.sharding rules preset (fsdp | fsdp_ep | fsdp_ep_tp).")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (else K2JAX_COORDINATOR or the cluster).")
 flags.DEFINE_integer("num_processes", None, "Total JAX processes (multi-host).")
 flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
+flags.DEFINE_integer("read_budget_bytes", 2 << 30, "HF -> WORKDIR: host bytes of HF blocks in flight per process.")
+flags.DEFINE_string(
+  "tokenizer_from", None, "WORKDIR -> HF: directory whose tiktoken.model the export carries (default: --src)."
+)
 FLAGS = flags.FLAGS
 
 
@@ -44,7 +51,6 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
   from k2jax import distributed
-  from k2jax.convert import hf as hf_io
   from k2jax.convert import workdir as wd
   from k2jax.convert.export_dir import ExportError, check_destination
 
@@ -63,10 +69,8 @@ def main(argv):
       sys.exit(f"convert: {e}")
     print(f"wrote HF directory {dst}")
   elif os.path.isfile(os.path.join(src, "config.json")):
-    kw = {"param_dtype": FLAGS.dtype} if FLAGS.dtype else {}
-    cfg, state = hf_io.load_hf(src, **kw)
     try:
-      wd.save_model_only(cfg, state, dst)
+      _hf_to_workdir(src, dst)
     except ExportError as e:  # dst changed while we were loading
       sys.exit(f"convert: {e}")
     print(f"wrote k2jax workdir {dst}")
@@ -74,23 +78,45 @@ def main(argv):
     raise app.UsageError(f"--src={src}: neither a k2jax workdir ({wd.MODEL_CONFIG}) nor an HF directory (config.json)")
 
 
-def _workdir_to_hf(src: str, dst: str) -> None:
-  """Every process: restore the latest checkpoint sharded over all devices, write its own tensors."""
-  from flax import nnx
+def _hf_to_workdir(src: str, dst: str) -> None:
+  """Every process: read its own slices of the HF directory onto the mesh, write its own orbax shards."""
+  import jax
 
-  from k2jax import sharding
+  from k2jax.api import source_state
+  from k2jax.convert import hf as hf_io
+  from k2jax.convert import workdir as wd
+  from k2jax.convert.safetensors_io import STATS
+
+  cfg = hf_io.read_config(src, **({"param_dtype": FLAGS.dtype} if FLAGS.dtype else {}))
+  state = source_state(src, cfg, _shardings(cfg), read_budget_bytes=FLAGS.read_budget_bytes)
+  total = sum(os.path.getsize(os.path.join(src, f)) for f in set(hf_io.weight_map(src).values()))
+  print(f"process {jax.process_index()}: read {STATS.data_bytes} of {total} shard bytes", flush=True)
+  wd.save_model_only(cfg, state, dst)
+
+
+def _workdir_to_hf(src: str, dst: str) -> None:
+  """Every process: restore the latest checkpoint over the mesh, write the HF tensors it holds."""
   from k2jax.api import source_config, source_state
   from k2jax.convert import writer
   from k2jax.convert.tokenizer import export_tokenizer
-  from k2jax.model.transformer import K2Model
 
   cfg = source_config(src)
+  state = source_state(src, cfg, _shardings(cfg))
+  tokenizer = lambda tmp: export_tokenizer(tmp, cfg.vocab_size, src=FLAGS.tokenizer_from or src)  # noqa: E731
+  writer.save_hf(cfg, state, dst, dtype=FLAGS.dtype, write_extra=tokenizer)
+
+
+def _shardings(cfg):
+  """The model's param shardings over all devices (--mesh, --rules), as a pure dict."""
+  from flax import nnx
+
+  from k2jax import sharding
+  from k2jax.model.transformer import K2Model
+
   shape = {k: int(v) for k, v in (kv.split("=") for kv in FLAGS.mesh.split(",") if kv)}
   mesh = sharding.make_mesh(shape)
   abstract = nnx.state(nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0))))
-  state = source_state(src, cfg, nnx.to_pure_dict(sharding.param_shardings(abstract, mesh, FLAGS.rules)))
-  tokenizer = lambda tmp: export_tokenizer(tmp, cfg.vocab_size, src=FLAGS.tokenizer_from or src)  # noqa: E731
-  writer.save_hf(cfg, state, dst, dtype=FLAGS.dtype, write_extra=tokenizer)
+  return nnx.to_pure_dict(sharding.param_shardings(abstract, mesh, FLAGS.rules))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Apply a partial HF safetensors directory (only the tensors that changed) onto a model's state.
 
 RL weight sync (`k2jax.rl.weight_sync`) writes just the changed tensors plus an index, with no
-config.json; engines overlay them on the weights they serve. Copy-on-write: leaves that no tensor
+config.json; engines overlay them on the weights they serve. A block-FP8 push (F8_E4M3 + float32
+`weight_scale_inv`, 128x128 blocks: the release's layout, `fp8.QuantConfig`) is dequantized here. Copy-on-write: leaves that no tensor
 touches are shared with the old state, and the old state is never modified (an error leaves it intact).
 """
 
@@ -12,9 +13,11 @@ import os
 
 import jax
 import numpy as np
-from safetensors import safe_open
 
-from k2jax.convert.hf import INDEX, CheckpointError, _get, _set, check_shard_name
+from k2jax.convert import fp8
+from k2jax.convert.errors import CheckpointError
+from k2jax.convert.hf_dir import INDEX, check_shard_name, get_path as _get, set_path as _set
+from k2jax.convert.safetensors_io import ShardFiles, read_block, read_header
 from k2jax.convert.layout import entries
 from k2jax.model.config import K2Config
 
@@ -63,6 +66,24 @@ def _read_tensors(path: str):
     file = os.path.join(path, name)
     if not os.path.isfile(file):
       raise CheckpointError(f"{file}: shard listed in {INDEX} is missing")
-    with safe_open(file, "numpy") as f:
-      for key in f.keys():
-        yield file, key, f.get_tensor(key)
+    header = read_header(file)
+    with ShardFiles() as files:
+      for key, t in header.items():
+        if key.endswith(fp8.SCALE_SUFFIX):
+          continue  # applied with its weight
+        w = read_block(files, t, tuple((0, d) for d in t.shape))
+        if t.dtype == "F8_E4M3":
+          w = _dequantize(files, file, header, key, w)
+        yield file, key, w
+
+
+def _dequantize(files: ShardFiles, file: str, header: dict, key: str, w_fp8: np.ndarray) -> np.ndarray:
+  block = fp8.QuantConfig().block
+  s = header.get(key + fp8.SCALE_SUFFIX)
+  if s is None or s.dtype != "F32" or s.shape != fp8.scale_shape(w_fp8.shape, block):
+    got = "missing" if s is None else f"{s.dtype} {list(s.shape)}"
+    raise CheckpointError(
+      f"{file}: tensor {key!r} is F8_E4M3 but its scale {key + fp8.SCALE_SUFFIX!r} is {got} (expected F32 "
+      f"{list(fp8.scale_shape(w_fp8.shape, block))} in the same file)"
+    )
+  return fp8.dequantize(w_fp8, read_block(files, s, tuple((0, d) for d in s.shape)), block)

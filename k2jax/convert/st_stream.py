@@ -178,11 +178,3 @@ def header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
     head[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
     offset += nbytes
   return json.dumps(head, separators=(",", ":")).encode()
-
-
-def read_header(path: str) -> dict:
-  with open(path, "rb") as f:
-    (n,) = struct.unpack("<Q", f.read(8))
-    head = json.loads(f.read(n))
-  head.pop("__metadata__", None)
-  return head

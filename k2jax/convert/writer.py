@@ -43,7 +43,9 @@ from k2jax.convert import fp8
 from k2jax.convert.errors import CheckpointError
 from k2jax.convert.export_dir import write_export
 from k2jax.convert.layout import Entry, entries
-from k2jax.convert.st_stream import FP8_BLOCK, OUT_DTYPES, Pipe, Record, SafetensorsStream, read_header, records
+from k2jax.convert.hf_dir import get_path
+from k2jax.convert.safetensors_io import read_header
+from k2jax.convert.st_stream import FP8_BLOCK, OUT_DTYPES, Pipe, Record, SafetensorsStream, records
 from k2jax.model.config import ConfigError, K2Config
 
 INDEX = "model.safetensors.index.json"
@@ -141,7 +143,7 @@ class Writer:
     stream_of = {t.name: st for st, (_, ts) in zip(streams, mine) for t in ts}
     written: dict[str, int] = {}
     for src in self._plan:
-      array = get_leaf(state, src.entry.path)
+      array = get_path(state, src.entry.path)
       if src.export is not None:  # a collective program: run on every process, even after a failure
         array = self._export(src)(array, *src.index)
       if error is None:
@@ -250,7 +252,7 @@ def write_index(directory: str, metadata: Mapping[str, str] | None = None) -> in
   for fname in sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")):
     for name, info in read_header(os.path.join(directory, fname)).items():
       weight_map[name] = fname
-      total += info["data_offsets"][1] - info["data_offsets"][0]
+      total += info.nbytes
   with open(os.path.join(directory, INDEX), "w") as f:
     json.dump(
       {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": dict(sorted(weight_map.items()))},
@@ -264,7 +266,7 @@ def make_plan(cfg: K2Config, state: Mapping, dtype: str | None) -> list[Source]:
   """Where every HF tensor is read from and who writes it, from shapes and the mesh alone."""
   plan, turn = [], itertools.count()
   for entry in entries(cfg):
-    leaf = get_leaf(state, entry.path)
+    leaf = get_path(state, entry.path)
     keys = entry.keys(cfg)
     n_lead = len(keys[0][0])
     shape = tuple(leaf.shape[n_lead:])
@@ -335,17 +337,11 @@ def iter_hf_tensors(cfg: K2Config, state: Mapping, dtype: str | None) -> Iterato
   if dtype == "fp8":
     raise ValueError("iter_hf_tensors: FP8 is a weight plus its scale grid per key; write it with `Writer`")
   for entry in entries(cfg):
-    leaf = get_leaf(state, entry.path)
+    leaf = get_path(state, entry.path)
     for idx, key in entry.keys(cfg):
       t = np.asarray(jax.device_get(leaf[idx] if idx else leaf))
       t = t.T if entry.transpose else t
       yield key, np.ascontiguousarray(t, dtype=out_dtype(entry, key, leaf.dtype, dtype))
-
-
-def get_leaf(tree: Mapping, path: tuple[str, ...]):
-  for p in path:
-    tree = tree[p]
-  return tree
 
 
 def _holders(sharding, shape: tuple[int, ...], n_lead: int) -> dict[tuple[int, ...], list] | None:

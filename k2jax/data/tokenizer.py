@@ -28,6 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_TOKENIZER = str(REPO_ROOT / "data" / "tokenizer" / "k2tiny.tiktoken")
 
 NUM_RESERVED_SPECIAL_TOKENS = 256
+RANK_FILE = "tiktoken.model"  # the rank file's name in a Kimi-K2 HF directory
 
 # K2's pre-tokenisation regex (tokenization_kimi.py): Han runs first, case-aware Latin words with
 # English contractions, digits in groups of 1-3, punctuation runs, newline and whitespace rules.
@@ -128,11 +129,15 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str = BUNDLED_TOKENIZER) -> Tokenizer:
-  """Loads a tiktoken rank file (e.g. Kimi K2's `tiktoken.model`) with K2's special tokens.
+  """Loads a tiktoken rank file (e.g. Kimi K2's `tiktoken.model`) with K2's special tokens; a directory
+  (a Kimi-K2 HF checkpoint as published) means its `tiktoken.model` + `tokenizer_config.json`.
 
   Raises FileNotFoundError naming `path` when it is missing, ValueError when it does not parse.
   """
-  return _load_cached(os.path.abspath(os.fspath(path)))
+  path = os.fspath(path)
+  if os.path.isdir(path):
+    path = os.path.join(path, RANK_FILE)
+  return _load_cached(os.path.abspath(path))
 
 
 @functools.lru_cache(maxsize=8)

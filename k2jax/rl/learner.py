@@ -69,6 +69,7 @@ class LearnerConfig:
   topology: str  # k2jax.memory.TOPOLOGIES name for --dry_run ('' = none)
   model: K2Config
   init_from: str
+  read_budget_bytes: int  # HF init_from: host bytes of blocks in flight per process (convert/reader.py)
   mesh: MeshSpec
   tokenizer_path: str
   task_kind: str
@@ -140,6 +141,7 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     topology=c.topology,
     model=model,
     init_from=c.model.init_from,
+    read_budget_bytes=c.model.read_budget_bytes,
     mesh=mesh_spec(c.mesh),
     tokenizer_path=c.tokenizer_path or BUNDLED_TOKENIZER,
     task_kind=c.task.kind,
@@ -282,6 +284,7 @@ class Learner:
       preset=lc.mesh.rules,
       seed=lc.seed,
       init_from=lc.init_from,
+      read_budget_bytes=lc.read_budget_bytes,
       workdir=self.workdir,
       keep=lc.checkpoint_keep,
       async_save=lc.checkpoint_async,

@@ -1,18 +1,27 @@
 """The sandbox launcher (standard library only): build the kernel's isolation, then exec the program.
 
 Started by `runner.py` as the sandbox uid with argv[1] = a JSON object. Isolated runs:
-1. unshare user, mount, PID, network, IPC, UTS and cgroup namespaces; map the calling uid to uid 1000
-   inside (never 0, so the exec below clears every capability);
+1. unshare a user namespace mapping the calling uid to 0, and an IPC namespace owned by it, whose
+   SysV limits (shmmax, shmall, shmmni, msgmni, msgmnb, sem) and POSIX mqueue count it sets: the kernel lets
+   only that namespace's root write them. Then a second user namespace inside, mapping uid 1000 to it
+   (never 0, so the exec below clears every capability), whose max_user_namespaces it sets to 0: the
+   program cannot make a user namespace of its own, so it cannot mount a tmpfs the limits do not see
+   (a sysctl, not seccomp: clone3 passes its flags in memory a seccomp filter cannot read). Then mount,
+   PID, network, UTS and cgroup namespaces owned by the inner one;
 2. fork: the child is PID 1 of the new PID namespace (it cannot see or signal anything outside it, and
    when it dies the kernel kills every process left inside); it dies with the launcher (PDEATHSIG);
 3. the child builds a new root on a tmpfs: the interpreter and system libraries bind-mounted read-only,
-   /dev/{null,zero,random,urandom}, a fresh /proc, and the run's temp dir as the only writable path;
-   it moves that root over / and chroots into it (the caller's files are not in the view at all);
+   /dev/{null,zero,random,urandom} (device binds, so they open), a fresh /proc, and as the only writable
+   path a private tmpfs of `scratch_bytes` at the run's dir, filled with a copy of its files (disk writes
+   never reach the host; /dev/shm links there, so POSIX shm counts too); it moves that root over / and
+   chroots into it (the caller's files are not in the view at all);
 4. capability bounding set emptied, no_new_privs; PID 1 forks the program, which takes a new session,
    sets rlimits (CPU, address space, file size, open files, processes of this user namespace, no core)
    and execs the interpreter on the entry file.
-PID 1 waits and reports `EXIT n` / `SIGNAL n` (or `SETUP why` when isolation failed) on a status pipe
-the program never holds, then exits, which ends the namespace. Unisolated runs (the explicit unsafe
+PID 1 waits and reports `EXIT n FLAGS` / `SIGNAL n FLAGS` (or `SETUP why` when isolation failed) on a
+status pipe the program never holds, FLAGS naming the limits found full (`scratch`, `shm`), then exits,
+which ends the namespace. When the caller put the launcher in a cgroup it first waits for a byte on
+`go_fd`, so nothing runs before the cgroup's limits apply. Unisolated runs (the explicit unsafe
 mode) skip steps 1 and 3, and the launcher's child is the program.
 """
 
@@ -38,6 +47,7 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE, MS_RELATIME = (
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 INNER_ID = 1000
 DEVICES = ("null", "zero", "random", "urandom")
+NO_IPC_LIMITS = []  # the IPC sysctl this kernel refused to the namespace, if any
 
 cfg = json.loads(sys.argv[1])
 status = os.fdopen(cfg["status_fd"], "w", buffering=1)
@@ -67,12 +77,34 @@ def _write(path, text):
 
 
 def enter_namespaces():
-  uid, gid = os.geteuid(), os.getegid()
-  flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
-  _check(libc.unshare(flags), "unshare(user, mount, pid, net, ipc, uts, cgroup namespaces)")
+  rest = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWCGROUP
+  if not cfg["kernel_limits"]:  # the layout before issue 23, kept to measure what the limits cost
+    _map_user(INNER_ID, os.geteuid(), os.getegid(), rest | CLONE_NEWIPC)
+    return
+  _map_user(0, os.geteuid(), os.getegid(), CLONE_NEWIPC)
+  for name, value in cfg["ipc_sysctls"].items():  # this IPC namespace's own limits, for the whole run
+    try:
+      _write(f"/proc/sys/{name}", str(value))
+    except PermissionError:  # kernels before 5.19 let only the host's root set them: `layers` says so
+      NO_IPC_LIMITS.append(name)
+      break
+  _map_user(INNER_ID, 0, 0, 0)
+  _check_write("/proc/sys/user/max_user_namespaces", "0")
+  _check(libc.unshare(rest), "unshare(mount, pid, net, uts, cgroup namespaces)")
+
+
+def _map_user(inner, outer_uid, outer_gid, more_flags):
+  _check(libc.unshare(CLONE_NEWUSER | more_flags), f"unshare(user namespace, flags {more_flags:#x})")
   _write("/proc/self/setgroups", "deny")
-  _write("/proc/self/uid_map", f"{INNER_ID} {uid} 1")
-  _write("/proc/self/gid_map", f"{INNER_ID} {gid} 1")
+  _write("/proc/self/uid_map", f"{inner} {outer_uid} 1")
+  _write("/proc/self/gid_map", f"{inner} {outer_gid} 1")
+
+
+def _check_write(path, value):
+  try:
+    _write(path, str(value))
+  except OSError as e:
+    raise SetupError(f"cannot set {path} to {value}: {e}") from e
 
 
 def _locked_flags(path):
@@ -88,7 +120,44 @@ def _locked_flags(path):
   return out
 
 
-def _bind(src, root, read_only, is_file=False):
+def _scratch(workdir, root):
+  """A private tmpfs of scratch_bytes at the run's dir, holding a copy of its files: the only writable path."""
+  dst = root + workdir
+  os.makedirs(dst, exist_ok=True)
+  size, inodes = cfg["scratch_bytes"], cfg["scratch_inodes"]
+  _mount("tmpfs", dst, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes={inodes},mode=0755")
+  for d, dirs, names in os.walk(workdir):
+    rel = os.path.relpath(d, workdir)
+    for n in dirs:
+      os.makedirs(os.path.join(dst, rel, n), exist_ok=True)
+    for n in names:
+      with open(os.path.join(d, n), "rb") as fin, open(os.path.join(dst, rel, n), "wb") as fout:
+        fout.write(fin.read())
+  os.symlink(workdir, root + "/dev/shm")  # shm_open's files: on the scratch tmpfs, inside its limit
+
+
+def _full(workdir):
+  """Limits found full when the program ended: the scratch tmpfs, the IPC namespace's SysV shm."""
+  flags = ["no_ipc_limits"] if NO_IPC_LIMITS else []
+  try:
+    st = os.statvfs(workdir)
+    if st.f_bavail * st.f_frsize < 2 * st.f_frsize or st.f_favail == 0:
+      flags.append("scratch")
+  except OSError:
+    pass
+  try:
+    with open("/proc/sysvipc/shm") as f:
+      rows = f.read().splitlines()[1:]
+    used = sum(int(r.split()[3]) for r in rows)
+    # A refused shmget leaves no trace: over half the budget held means the next request could not fit.
+    if 2 * used >= cfg["shm_bytes"] or len(rows) >= cfg["ipc_sysctls"]["kernel/shmmni"]:
+      flags.append(f"shm={used}")
+  except (OSError, ValueError, IndexError, KeyError):
+    pass
+  return ",".join(flags) or "-"
+
+
+def _bind(src, root, read_only, is_file=False, device=False):
   dst = root + src
   if is_file:
     os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -96,7 +165,9 @@ def _bind(src, root, read_only, is_file=False):
   else:
     os.makedirs(dst, exist_ok=True)
   _mount(src, dst, None, MS_BIND)
-  flags = MS_BIND | MS_REMOUNT | MS_NOSUID | _locked_flags(src) | (MS_RDONLY if read_only else MS_NODEV)
+  # A device node opens only on a mount without nodev; everything else writable is nodev.
+  flags = MS_BIND | MS_REMOUNT | MS_NOSUID | _locked_flags(src) | (MS_RDONLY if read_only else 0)
+  flags |= 0 if device else MS_NODEV
   _mount(None, dst, None, flags)
 
 
@@ -124,8 +195,11 @@ def build_root(ro_paths):
     elif os.path.isdir(path):
       _bind(path, root, read_only=True)
   for dev in DEVICES:
-    _bind("/dev/" + dev, root, read_only=False, is_file=True)
-  _bind(cfg["workdir"], root, read_only=False)
+    _bind("/dev/" + dev, root, read_only=False, is_file=True, device=True)
+  if cfg["kernel_limits"]:
+    _scratch(cfg["workdir"], root)
+  else:
+    _bind(cfg["workdir"], root, read_only=False)
   os.makedirs(root + "/proc", exist_ok=True)
   try:  # refused where the caller's /proc is partly masked (some containers); Python does not need it
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -153,6 +227,7 @@ def set_limits():
     ("RLIMIT_NPROC", nproc, nproc),
     ("RLIMIT_NOFILE", cfg["max_open_files"], cfg["max_open_files"]),
     ("RLIMIT_CORE", 0, 0),
+    *([("RLIMIT_MEMLOCK", 0, 0)] if cfg["kernel_limits"] else []),  # nothing pinned outside the address space
   ):
     resource.setrlimit(getattr(resource, name), (soft, hard))
 
@@ -178,7 +253,8 @@ def child(cap_last):
     os._exit(2)
   os.close(cfg["report_fd"])
   _, st = os.waitpid(pid, 0)
-  status.write(f"SIGNAL {os.WTERMSIG(st)}\n" if os.WIFSIGNALED(st) else f"EXIT {os.WEXITSTATUS(st)}\n")
+  full = _full(cfg["workdir"]) if cfg["kernel_limits"] else "-"
+  status.write(f"SIGNAL {os.WTERMSIG(st)} {full}\n" if os.WIFSIGNALED(st) else f"EXIT {os.WEXITSTATUS(st)} {full}\n")
   os._exit(0)  # PID 1 exits: the kernel kills whatever the program left behind
 
 
@@ -194,6 +270,11 @@ def program():
 
 
 def main():
+  if cfg["go_fd"] is not None:  # the caller moves this process into the run's cgroup, then says go
+    go = os.read(cfg["go_fd"], 1)
+    os.close(cfg["go_fd"])
+    if go != b"g":
+      sys.exit(2)
   try:
     if cfg["isolate"]:
       enter_namespaces()

@@ -10,7 +10,16 @@ them with unshare(2); no privilege needed where unprivileged user namespaces are
   times out the kernel kills everything left in the namespace;
 - no network (a network namespace with no interface up), no capabilities (mapped to uid 1000 inside,
   bounding set emptied, no_new_privs); as root the launcher first drops to `uid` (default nobody);
-- rlimits: CPU seconds, address space, file size (stdout/stderr go to capped files), open files.
+- rlimits: CPU seconds, address space, file size (stdout/stderr go to capped files), open files, no
+  locked memory;
+- memory that is not address space, each bounded where it lives: the only writable path is a private
+  tmpfs of `scratch_bytes` (files the program writes never reach the host's disk; POSIX shm is there
+  too), SysV shm and message queues by the run's own IPC namespace limits (`shm_bytes`; kernels before
+  5.19 refuse them to a user namespace: there `layers` lacks "ipc_limits" and only a cgroup bounds
+  SysV shm), no nested user
+  namespaces (so no tmpfs of its own), and, where this host lets the caller make a cgroup (v2, or v1
+  on hybrid hosts; `cgroup`), `total_memory_bytes` and a task cap over everything the run holds
+  together (memfd, kernel memory included). A run killed by a limit says which in `reason`.
 Nothing relies on Python-level checks inside the process: the program may rewrite its own interpreter.
 
 Where the kernel refuses (user namespaces disabled, or a container seccomp profile that blocks
@@ -35,8 +44,11 @@ import tempfile
 import threading
 import time
 
+from k2jax.sandbox import _cgroup
+
 _CHILD = pathlib.Path(__file__).with_name("_child.py")
 ISOLATED_LAYERS = ("userns", "mountns", "pidns", "netns", "ipcns", "readonly_root", "no_caps", "rlimits")
+LIMIT_LAYERS = ("scratch_tmpfs", "ipc_limits", "no_nested_userns")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -54,6 +66,16 @@ class SandboxConfig:
   uid: int = 65534  # the launcher's uid when the caller is root
   max_output_bytes: int = 64 * 1024  # per stream: stdout, stderr, report
   python: str | None = None  # None: first interpreter the sandbox uid can run
+  scratch_bytes: int = 64 * 2**20  # the tmpfs that is the run's dir: its files and all it writes
+  scratch_inodes: int = 4096
+  shm_bytes: int = 64 * 2**20  # SysV shared memory of the run's IPC namespace, all segments together
+  # Everything the run holds together (cgroup memory.max): processes, scratch, shm, memfd, kernel memory.
+  total_memory_bytes: int = 768 * 2**20
+  cgroup: str = "auto"  # "auto": a cgroup per run where this host allows one; "required"; "off"
+  cgroup_parent: str = ""  # a cgroup v2 dir to make the runs' cgroups in ("": found from our own)
+  # False: the sandbox as it was before these limits (workdir bound from the host's disk, default IPC
+  # limits, nested user namespaces allowed, no cgroup); only to measure what the limits cost.
+  kernel_limits: bool = True
   # Run with rlimits and a uid only where namespaces are unavailable. Untrusted code can then read the
   # caller's files and signal its processes: only for code you would run yourself.
   unsafe_no_isolation: bool = False
@@ -70,6 +92,7 @@ class SandboxResult:
   elapsed_s: float
   workdir: str  # already deleted; kept for checks and logs
   report: str = ""  # what the program wrote to $K2JAX_REPORT_FD (capped)
+  full: tuple[str, ...] = ()  # limits found (nearly) exhausted at the end: "scratch", "shm=BYTES", "cgroup_memory"
 
 
 def run_python(
@@ -78,6 +101,11 @@ def run_python(
   """Writes `files` into a fresh temp dir, runs `entry` there isolated and limited, deletes the dir."""
   if entry not in files:
     raise ValueError(f"run_python: entry {entry!r} is not among the files {sorted(files)}")
+  if config.cgroup not in ("auto", "required", "off"):
+    raise ValueError(f"SandboxConfig.cgroup: {config.cgroup!r} is not 'auto', 'required' or 'off'")
+  size = sum(len(t.encode()) for t in files.values())
+  if config.kernel_limits and size > config.scratch_bytes // 2:
+    raise ValueError(f"run_python: the files take {size} bytes, over half of scratch_bytes={config.scratch_bytes}")
   for name in files:
     if os.path.isabs(name) or ".." in pathlib.PurePath(name).parts:
       raise ValueError(f"run_python: file name {name!r} must be relative and stay inside the run's dir")
@@ -138,6 +166,8 @@ def _execute(files: dict[str, str], entry: str, config: SandboxConfig, stdin: st
 def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) -> SandboxResult:
   report_r, report_w = os.pipe()
   status_r, status_w = os.pipe()
+  cgroup = _run_cgroup(config) if isolate and config.kernel_limits else None
+  go_r, go_w = os.pipe() if cgroup is not None else (None, None)
   env = {
     "PATH": "/usr/bin:/bin",
     "HOME": work,
@@ -154,15 +184,22 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
     "env": env,
     "report_fd": report_w,
     "status_fd": status_w,
+    "go_fd": go_r,
     "cpu_time_s": config.cpu_time_s,
     "memory_bytes": config.memory_bytes,
     "file_size_bytes": config.file_size_bytes,
     "max_processes": config.max_processes,
     "max_open_files": config.max_open_files,
+    "kernel_limits": config.kernel_limits,
+    "scratch_bytes": config.scratch_bytes,
+    "scratch_inodes": config.scratch_inodes,
+    "shm_bytes": config.shm_bytes,
+    "ipc_sysctls": _ipc_sysctls(config),
   }
   ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
   report = _Drain(report_r, config.max_output_bytes)
   start = time.monotonic()
+  proc = None
   try:
     with (
       open(os.path.join(io_dir, "stdin")) as fin,
@@ -176,13 +213,30 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
         stderr=ferr,
         cwd=work,
         env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-        pass_fds=(report_w, status_w),
+        pass_fds=tuple(fd for fd in (report_w, status_w, go_r) if fd is not None),
         start_new_session=True,
         **ids,
       )
+    if cgroup is not None:
+      try:
+        cgroup.add(proc.pid)  # before the go byte: nothing has run yet
+      except OSError as e:
+        cgroup.release()
+        cgroup = None
+        if config.cgroup == "required":
+          raise SandboxUnavailable(f"SandboxConfig(cgroup='required'): cannot move the run into its cgroup: {e}")
+      os.write(go_w, b"g")
+  except BaseException:
+    if proc is not None:
+      _kill_group(proc.pid)
+      proc.wait()
+    if cgroup is not None:
+      cgroup.remove()
+    raise
   finally:
-    os.close(report_w)
-    os.close(status_w)
+    for fd in (report_w, status_w, go_r, go_w):
+      if fd is not None:
+        os.close(fd)
   timed_out = False
   try:
     proc.wait(timeout=config.wall_time_s)
@@ -193,18 +247,58 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
   with os.fdopen(status_r) as f:
     status = (f.readline() or "").split(maxsplit=1)
   report.join(timeout=10.0)  # EOF once the last process holding the pipe is gone
+  full: tuple[str, ...] = ()
+  if cgroup is not None:
+    full = ("cgroup_memory",) if cgroup.oom_killed() else ()
+    cgroup.release()
   out, err = (_read_capped(os.path.join(io_dir, n), config.max_output_bytes) for n in ("stdout", "stderr"))
   if status and status[0] == "SETUP":
     raise SandboxUnavailable(f"isolation setup failed: {status[1].strip() if len(status) > 1 else '?'}")
   if status and status[0] in ("EXIT", "SIGNAL"):
-    code = int(status[1]) * (-1 if status[0] == "SIGNAL" else 1)
+    number, _, flags = status[1].partition(" ")
+    code = int(number) * (-1 if status[0] == "SIGNAL" else 1)
+    full += tuple(f for f in flags.strip().split(",") if f not in ("", "-"))
   else:
     code = proc.returncode  # the launcher itself was killed (deadline)
   layers = ISOLATED_LAYERS if isolate else ("rlimits",)
-  layers = (*layers, *(["uid"] if uid is not None else []))
-  reason = _reason(code, timed_out, err, config)
+  limits = [x for x in LIMIT_LAYERS if x != "ipc_limits" or "no_ipc_limits" not in full]
+  layers = (*layers, *(limits if isolate and config.kernel_limits else ()))
+  full = tuple(f for f in full if f != "no_ipc_limits")
+  layers = (*layers, *(["cgroup"] if cgroup is not None else []), *(["uid"] if uid is not None else []))
+  reason = _reason(code, timed_out, err, config, full)
   elapsed = time.monotonic() - start
-  return SandboxResult(code, out, err, reason, timed_out, layers, elapsed, work, report.text())
+  return SandboxResult(code, out, err, reason, timed_out, layers, elapsed, work, report.text(), full)
+
+
+def _ipc_sysctls(config: SandboxConfig) -> dict[str, str | int]:
+  """The run's IPC namespace limits: SysV shm within shm_bytes, message queues and semaphores small."""
+  page = os.sysconf("SC_PAGE_SIZE")
+  return {
+    "kernel/shmmax": config.shm_bytes,
+    "kernel/shmall": max(config.shm_bytes // page, 1),
+    "kernel/shmmni": 16,
+    "kernel/msgmni": 16,  # x msgmnb 16 KiB: 256 KiB of queued messages at most
+    "kernel/msgmnb": 16384,
+    "kernel/sem": "32 1024 32 16",  # semmsl semmns semopm semmni
+    "fs/mqueue/queues_max": 4,  # x msg_max 10 x msgsize_max 8 KiB
+  }
+
+
+def _run_cgroup(config: SandboxConfig) -> _cgroup.RunCgroup | None:
+  if config.cgroup == "off":
+    return None
+  cg, why = _cgroup.create(config.total_memory_bytes, config.max_processes + 2, config.cgroup_parent)
+  if cg is None and config.cgroup == "required":
+    raise SandboxUnavailable(f"SandboxConfig(cgroup='required'): cannot make a cgroup here: {why}")
+  return cg
+
+
+def cgroup_error(config: SandboxConfig = SandboxConfig()) -> str | None:
+  """None when runs get a cgroup here, else why not (for logs and tests)."""
+  cg, why = _cgroup.create(config.total_memory_bytes, config.max_processes + 2, config.cgroup_parent)
+  if cg is not None:
+    cg.remove()
+  return None if cg is not None else why
 
 
 class _Drain(threading.Thread):
@@ -225,9 +319,18 @@ class _Drain(threading.Thread):
     return bytes(self.buf).decode(errors="replace")
 
 
-def _reason(code: int, timed_out: bool, err: str, config: SandboxConfig) -> str:
+def _reason(code: int, timed_out: bool, err: str, config: SandboxConfig, full: tuple[str, ...] = ()) -> str:
+  if "cgroup_memory" in full:  # the kernel's OOM killer inside the run's cgroup
+    return f"memory limit of the whole run (cgroup memory.max={config.total_memory_bytes} bytes)"
   if timed_out:
     return f"wall-clock timeout after {config.wall_time_s}s"
+  last = err.strip().splitlines()[-1][:200] if err.strip() else ""
+  if code != 0 and "scratch" in full:
+    return f"scratch space limit (scratch_bytes={config.scratch_bytes}, {config.scratch_inodes} inodes): {last}"
+  shm = [f for f in full if f.startswith("shm=")]
+  if code != 0 and shm:
+    used = shm[0].split("=")[1]
+    return f"shared memory limit (shm_bytes={config.shm_bytes}, SysV, {used} bytes held at exit): {last}"
   if code < 0:
     sig = signal.Signals(-code)
     return {
@@ -238,8 +341,7 @@ def _reason(code: int, timed_out: bool, err: str, config: SandboxConfig) -> str:
   if code != 0:
     if "MemoryError" in err:
       return f"memory limit ({config.memory_bytes} bytes)"
-    last = err.strip().splitlines()[-1] if err.strip() else ""
-    return f"exited with code {code}: {last[:200]}"
+    return f"exited with code {code}: {last}"
   return "ok"
 
 

@@ -65,6 +65,7 @@ class CheckpointSpec:
   keep: int
   async_save: bool
   init_from: str
+  read_budget_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +178,7 @@ def _validate(tc: TrainConfig) -> None:
   _need(o.bias_update_rate >= 0, "optim.bias_update_rate", f"must be >= 0, got {o.bias_update_rate}")
   _need(tc.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   _need(tc.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+  _need(tc.checkpoint.read_budget_bytes >= 1, "checkpoint.read_budget_bytes", "must be >= 1")
   _need(tc.log.every_steps >= 1, "log.every_steps", "must be >= 1")
   _need(tc.log.spike_window >= 1, "log.spike_window", "must be >= 1")
 

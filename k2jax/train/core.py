@@ -125,6 +125,7 @@ def build(
   preset: str,
   seed: int,
   init_from: str,
+  read_budget_bytes: int,
   workdir: str,
   keep: int,
   async_save: bool,
@@ -143,7 +144,7 @@ def build(
     # Restored (or initialised) in device memory, then placed: an offloaded optimizer state moves to host.
     restored = ckpt.restore_latest(abstract_like(lay.abstract_state, lay.device_shardings), data_iter)
     if restored is None:
-      state = initial_state(model, init_from, lay.make, optimizer, lay.device_shardings)
+      state = initial_state(model, init_from, lay.make, optimizer, lay.device_shardings, read_budget_bytes)
       meta, step, data_ok = {}, None, False
     else:
       state, meta, data_ok = restored.state, restored.meta, restored.data_restored

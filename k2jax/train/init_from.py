@@ -15,6 +15,7 @@ import jax
 
 from k2jax.api import source_config, source_state
 from k2jax.convert import workdir as wd
+from k2jax.convert.reader import READ_BUDGET_BYTES
 from k2jax.model.config import EXEC_FIELDS, ConfigError, K2Config
 from k2jax.train.checkpoint import merge_dicts, split_dict
 from k2jax.train.step import TrainState, init_state
@@ -52,11 +53,15 @@ def model_config_for_run(tc, workdir: str | None = None) -> K2Config:
   return cfg
 
 
-def initial_state(cfg: K2Config, init_from: str, build, optimizer, shardings: TrainState) -> TrainState:
-  """Step-0 state: `build()`'s random init, or `init_from`'s weights, placed per `shardings`."""
+def initial_state(
+  cfg: K2Config, init_from: str, build, optimizer, shardings: TrainState, read_budget_bytes: int = READ_BUDGET_BYTES
+) -> TrainState:
+  """Step-0 state: `build()`'s random init, or `init_from`'s weights, placed per `shardings` (an HF
+  directory is read by `convert.reader`: each process only its own slices, `read_budget_bytes` in flight)."""
   if not init_from:
     return jax.jit(lambda: init_state(build(), optimizer), out_shardings=shardings)()
-  state = source_state(init_from, cfg, merge_dicts(shardings.params, shardings.bias))  # restored straight onto the mesh
+  both = merge_dicts(shardings.params, shardings.bias)
+  state = source_state(init_from, cfg, both, read_budget_bytes=read_budget_bytes)  # straight onto the mesh
   params, bias = split_dict(state, shardings.params)
 
   def fresh(p, b):

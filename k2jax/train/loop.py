@@ -50,6 +50,7 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
     preset=tc.mesh.rules,
     seed=tc.seed,
     init_from=tc.checkpoint.init_from,
+    read_budget_bytes=tc.checkpoint.read_budget_bytes,
     workdir=workdir,
     keep=tc.checkpoint.keep,
     async_save=tc.checkpoint.async_save,

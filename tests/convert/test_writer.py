@@ -26,6 +26,7 @@ from k2jax.api import model_from_state  # noqa: E402
 from k2jax.convert import fp8, writer  # noqa: E402
 from k2jax.convert.errors import CheckpointError  # noqa: E402
 from k2jax.convert.hf import abstract_state  # noqa: E402
+from k2jax.convert.hf_dir import get_path  # noqa: E402
 from k2jax.model import K2Model, presets  # noqa: E402
 
 _NP = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": fp8.E4M3}
@@ -237,7 +238,7 @@ def _from_hf_tensors(cfg, tensors: dict) -> dict:
 
   state = jax.tree.map(lambda a: np.zeros(a.shape, np.float32), abstract_state(cfg))
   for entry in entries(cfg):
-    leaf = writer.get_leaf(state, entry.path)
+    leaf = get_path(state, entry.path)
     for idx, key in entry.keys(cfg):
       t = tensors[key]
       t = fp8.dequantize(t, tensors[key + "_scale_inv"]) if t.dtype == fp8.E4M3 else t.astype(np.float32)

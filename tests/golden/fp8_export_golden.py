@@ -49,12 +49,12 @@ def host_state(cfg):
 def key_list(path: str) -> list[list]:
   """[[name, safetensors dtype, shape], ...] of every tensor in the export at `path`, sorted."""
   sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-  from k2jax.convert.st_stream import read_header
+  from k2jax.convert.safetensors_io import read_header
 
   out = []
   for f in sorted(os.listdir(path)):
     if f.endswith(".safetensors"):
-      out += [[k, v["dtype"], v["shape"]] for k, v in read_header(os.path.join(path, f)).items()]
+      out += [[k, v.dtype, list(v.shape)] for k, v in read_header(os.path.join(path, f)).items()]
   return sorted(out)
 
 

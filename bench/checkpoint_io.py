@@ -1,0 +1,240 @@
+"""Checkpoint import benchmark: the sharded HF reader against raw sequential reads of the same bytes.
+
+Run: python bench/checkpoint_io.py [--preset small] [--num_layers N] [--reps 5] [--dir /tmp/...]
+Writes two HF directories of the preset (same weights): bf16, and the release's block-FP8 layout (F8_E4M3
++ float32 128x128 `weight_scale_inv` for every projection; bf16 embeddings/norms/router; f32 bias). Then,
+interleaved over the reps (bench/interleave.py), on one device in this process:
+  raw_{src}     sequential `os.preadv` of every shard file of that directory, 64 MiB at a time
+  import_{src}  `k2jax.api.source_state(dir, cfg)`: the reader, bf16 params, onto the device
+Prints key=value lines (medians with min-max spread):
+  import_over_raw_read_{bf16,fp8} = raw / import seconds (import throughput relative to raw reads;
+                                   target >= 0.7); `_cpu`: the same in CPU seconds (steadier under load)
+  peak_rss_over_local_shard_bytes_{1,2}proc = (peak RSS - RSS before the load) / (bytes of this process's
+                                   shards + the in-flight budget), from fresh processes (1 CPU device each;
+                                   2 processes = `jax.distributed` on localhost, mesh fsdp=2), one run each
+  kimi_k2_v5p1024_*              estimated bytes read per host and seconds at the measured FP8 rate
+The files are read from the page cache in both timings (each directory is read once before timing):
+this measures the reader's CPU cost over the bytes, not the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.interleave import fmt, load_average, median_ms, ratio, time_interleaved  # noqa: E402
+from k2jax.convert import fp8  # noqa: E402
+from k2jax.convert.hf_dir import INDEX, abstract_state  # noqa: E402
+from k2jax.convert.layout import entries, hf_shape  # noqa: E402
+from k2jax.model import presets  # noqa: E402
+
+KIMI_FP8_BYTES = 958.51 * 2**30  # the release on disk (reference §1.4)
+V5P_1024_HOSTS = 128  # 512 chips, 4 per host
+_CHUNK = 64 << 20
+_SHARD_BYTES = 512 << 20
+
+
+def write_sources(cfg, root: str) -> dict[str, str]:
+  """bf16 and block-FP8 HF directories of `cfg` with the same deterministic weights, one tensor at a time."""
+  dirs = {"bf16": os.path.join(root, "bf16"), "fp8": os.path.join(root, "fp8")}
+  writers = {k: _ShardWriter(d) for k, d in dirs.items()}
+  rng = np.random.default_rng(0)
+  abstract = abstract_state(cfg)
+  for entry in entries(cfg):
+    leaf = abstract
+    for p in entry.path:
+      leaf = leaf[p]
+    shape = hf_shape(leaf.shape, entry)
+    for _, key in entry.keys(cfg):
+      w = (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float32)
+      if entry.path[-1] == "bias":
+        writers["bf16"].add(key, w)
+        writers["fp8"].add(key, w)
+        continue
+      writers["bf16"].add(key, w.astype(ml_dtypes.bfloat16))
+      if fp8.is_quantized_key(key):
+        q, s = fp8.quantize(w)
+        writers["fp8"].add(key, q)
+        writers["fp8"].add(key + fp8.SCALE_SUFFIX, s)
+      else:
+        writers["fp8"].add(key, w.astype(ml_dtypes.bfloat16))
+  hf = cfg.to_hf_dict()
+  for name, w in writers.items():
+    extra = {"quantization_config": fp8.QuantConfig().to_hf()} if name == "fp8" else {}
+    w.close(dict(hf, torch_dtype="bfloat16", **extra))
+  return dirs
+
+
+class _ShardWriter:
+  def __init__(self, path: str):
+    self.path, self.buf, self.size, self.n, self.wmap = path, {}, 0, 0, {}
+    os.makedirs(path, exist_ok=True)
+
+  def add(self, key: str, t: np.ndarray) -> None:
+    self.buf[key] = t
+    self.size += t.nbytes
+    if self.size >= _SHARD_BYTES:
+      self._flush()
+
+  def _flush(self) -> None:
+    if self.buf:
+      self.n += 1
+      name = f"model-{self.n:05d}.safetensors"
+      save_file(self.buf, os.path.join(self.path, name), metadata={"format": "pt"})
+      self.wmap.update({k: name for k in self.buf})
+      self.buf, self.size = {}, 0
+
+  def close(self, config: dict) -> None:
+    self._flush()
+    with open(os.path.join(self.path, INDEX), "w") as f:
+      json.dump({"metadata": {}, "weight_map": self.wmap}, f)
+    with open(os.path.join(self.path, "config.json"), "w") as f:
+      json.dump(config, f)
+
+
+def shard_files(path: str) -> list[str]:
+  return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def raw_read(path: str) -> int:
+  """Sequential reads of every shard file (the baseline: the same bytes, no parsing)."""
+  buf = memoryview(bytearray(_CHUNK))
+  total = 0
+  for file in shard_files(path):
+    fd = os.open(file, os.O_RDONLY)
+    try:
+      off = 0
+      while n := os.preadv(fd, [buf], off):
+        off += n
+      total += off
+    finally:
+      os.close(fd)
+  return total
+
+
+def import_once(path: str, cfg) -> None:
+  from k2jax.api import source_state
+
+  state = source_state(path, cfg)
+  jax.block_until_ready(state)
+
+
+# ------------------------------------------------------------------------------ peak RSS (subprocess)
+
+
+def rss_worker(path: str, budget: int, nproc: int, pid: int, port: int) -> None:
+  """One process of the RSS measurement: prints `rss_delta=<bytes> local=<bytes>`."""
+  if nproc > 1:
+    from k2jax import distributed
+
+    distributed.initialize(f"localhost:{port}", nproc, pid)
+  from flax import nnx
+
+  from k2jax import sharding
+  from k2jax.api import source_state
+  from k2jax.convert.hf_dir import read_config
+  from k2jax.model.transformer import K2Model
+
+  cfg = read_config(path, param_dtype="bfloat16")
+  mesh = sharding.make_mesh({"fsdp": -1})
+  abstract = nnx.state(nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0))))
+  shardings = nnx.to_pure_dict(sharding.param_shardings(abstract, mesh, "fsdp"))
+  jax.device_put(np.zeros(4), jax.local_devices()[0]).block_until_ready()  # runtime up before the baseline
+  before = _rss_now()
+  state = source_state(path, cfg, shardings, read_budget_bytes=budget)
+  jax.block_until_ready(state)
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  local = sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards)
+  print(f"rss_delta={peak - before} local={local}", flush=True)
+
+
+def _rss_now() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_ratio(path: str, nproc: int, budget: int) -> float:
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  cmd = [sys.executable, os.path.abspath(__file__), "--rss_worker", path, str(budget), str(nproc)]
+  procs = [
+    subprocess.Popen([*cmd, str(i), str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for i in range(nproc)
+  ]
+  ratios = []
+  for p in procs:
+    out, err = p.communicate(timeout=1800)
+    if p.returncode:
+      raise RuntimeError(f"rss worker failed ({p.returncode}):\n{err[-3000:]}")
+    kv = dict(x.split("=") for x in out.split() if "=" in x)
+    ratios.append(int(kv["rss_delta"]) / (int(kv["local"]) + budget))
+  return max(ratios)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--preset", default="small")
+  ap.add_argument("--num_layers", type=int, default=0, help="override the preset's layer count (0: keep it)")
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--dir", default="")
+  ap.add_argument("--read_budget_bytes", type=int, default=256 << 20)
+  ap.add_argument("--rss_worker", nargs=5, default=None)
+  args = ap.parse_args()
+  if args.rss_worker:
+    path, budget, nproc, pid, port = args.rss_worker
+    return rss_worker(path, int(budget), int(nproc), int(pid), int(port))
+  over = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
+  cfg = presets.get(args.preset, param_dtype="bfloat16", **over)
+  root = args.dir or tempfile.mkdtemp(prefix="k2jax-ckpt-bench-")
+  try:
+    dirs = write_sources(cfg, root)
+    sizes = {k: sum(os.path.getsize(f) for f in shard_files(d)) for k, d in dirs.items()}
+    print(
+      f"preset={args.preset} num_hidden_layers={cfg.num_hidden_layers} bf16_bytes={sizes['bf16']} "
+      f"fp8_bytes={sizes['fp8']} {load_average()}",
+      flush=True,
+    )
+    fns = {}
+    for k, d in dirs.items():
+      raw_read(d)  # into the page cache: both timings then read from memory
+      fns[f"raw_{k}"] = lambda d=d: raw_read(d)
+      fns[f"import_{k}"] = lambda d=d: import_once(d, cfg)
+    cpu: dict = {}
+    times = time_interleaved(fns, args.reps, cpu=cpu)
+    for k in dirs:
+      print(f"raw_{k}_ms={median_ms(times[f'raw_{k}'])} import_{k}_ms={median_ms(times[f'import_{k}'])}")
+      print(fmt(f"import_over_raw_read_{k}", ratio(times, f"raw_{k}", f"import_{k}"), args.reps), flush=True)
+      print(fmt(f"import_over_raw_read_{k}_cpu", ratio(cpu, f"raw_{k}", f"import_{k}"), args.reps), flush=True)
+    for n in (1, 2):
+      r = peak_rss_ratio(dirs["bf16"], n, args.read_budget_bytes)
+      print(f"peak_rss_over_local_shard_bytes_{n}proc={r:.3f} read_budget_bytes={args.read_budget_bytes} runs=1")
+    fp8_rate = sizes["fp8"] / float(np.median(times["import_fp8"]))
+    per_host = KIMI_FP8_BYTES / V5P_1024_HOSTS
+    print(f"kimi_k2_v5p1024_bytes_read_per_host={per_host:.3e} (estimated: 958.5 GiB / 128 hosts, fsdp over all chips)")
+    print(
+      f"kimi_k2_v5p1024_import_seconds={per_host / fp8_rate:.0f} (estimated at the measured FP8 import rate "
+      f"{fp8_rate / 2**20:.0f} MiB/s per process from page cache; untested on TPU)"
+    )
+  finally:
+    if not args.dir:
+      shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,242 @@
+"""The one Hugging Face reader: each process reads only the byte ranges of the slices its devices hold.
+
+`read_state(path, cfg, abstract)` takes the abstract state (jax.ShapeDtypeStruct leaves with shardings)
+and returns it as jax.Arrays. For every leaf and every distinct slice among this process's addressable
+devices it reads the matching block of each HF tensor behind the slice (`safetensors_io.read_block`:
+only those bytes), transposes HF `[out, in]` to k2jax `[in, out]`, stacks layers/experts (one HF key per
+layer and expert, `layout.py`), dequantizes block-FP8 with the scale rows/cols of that block
+(`fp8.dequantize`, ragged edges exact), casts to the leaf dtype and puts it on those devices. Host
+memory is this process's shards plus at most `read_budget_bytes` of blocks in flight (one block when a
+single block is larger). `load_hf` is the same reader into whole numpy leaves (one host, small models).
+
+Everything is validated before the first tensor byte is read (config.json, quantization_config, index,
+every header, shape, dtype and scale), so bad input fails fast with a CheckpointError naming the file and
+tensor, and a caller that writes afterwards (launch/convert.py) has written nothing.
+
+Why not orbax v1 `SafetensorsLayout` (orbax-checkpoint 0.12.8, installed): it reads exactly the byte
+ranges of each host's shards too, but maps one file tensor to one abstract leaf of the same shape and
+dtype. k2jax leaves are stacked [L, E, in, out] over many HF tensors, transposed, and the release's
+weights are F8_E4M3 with a separate scale grid to apply per block; none of that fits its leaf model.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from k2jax.convert import fp8
+from k2jax.convert.errors import CheckpointError
+from k2jax.convert.hf_dir import INDEX, abstract_state, check_unexpected, get_path, read_config, set_path, weight_map
+from k2jax.convert.layout import Entry, entries, hf_shape
+from k2jax.convert.safetensors_io import ShardFiles, TensorInfo, read_block, read_header
+from k2jax.model.config import K2Config
+
+READ_BUDGET_BYTES = 2 << 30  # default in-flight host buffer (orbax's SafetensorsLayout uses 2 GiB too)
+_READ_THREADS = 4  # concurrent block reads: pread and the numpy casts release the GIL
+_FLOAT = ("F32", "BF16", "F16")
+_LEAD = {"global": 0, "layer": 1, "expert": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Quant:
+  """The directory's block-FP8 layout: block size and the modules it leaves unquantized."""
+
+  block: tuple[int, int]
+  skip: tuple[str, ...]  # modules_to_not_convert / ignored_layers (module names, no `.weight`)
+
+  def quantizes(self, key: str) -> bool:
+    module = key.rsplit(".", 1)[0]
+    skipped = any(module == m or module.endswith("." + m) or module.startswith(m + ".") for m in self.skip)
+    return fp8.is_quantized_key(key) and not skipped
+
+
+@dataclasses.dataclass
+class Checkpoint:
+  """A validated HF directory: every tensor's header entry, keyed by HF name."""
+
+  path: str
+  cfg: K2Config
+  quant: Quant | None
+  tensors: dict[str, TensorInfo]
+
+  def leaf_block(self, files: ShardFiles, entry: Entry, leaf, bounds: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """The block `bounds` of the k2jax leaf `entry` (shape `leaf.shape`), in the leaf's dtype."""
+    n_lead = _LEAD[entry.kind]
+    keys = dict(entry.keys(self.cfg))
+    out = np.empty([hi - lo for lo, hi in bounds], np.dtype(leaf.dtype))
+    inner = bounds[n_lead:]
+    hf_bounds = inner[::-1] if entry.transpose else inner
+    for lead in itertools.product(*(range(lo, hi) for lo, hi in bounds[:n_lead])):
+      block = self._tensor_block(files, keys[lead], hf_bounds)
+      rel = tuple(i - lo for i, (lo, _) in zip(lead, bounds))
+      out[rel] = block.T if entry.transpose else block
+    return out
+
+  def _tensor_block(self, files: ShardFiles, key: str, bounds) -> np.ndarray:
+    t = self.tensors[key]
+    w = read_block(files, t, bounds)
+    if t.dtype != "F8_E4M3":
+      return w
+    (r0, r1), (c0, c1) = bounds
+    b0, b1 = self.quant.block
+    grid = ((r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1)))  # the scale rows/cols this block touches
+    s = read_block(files, self.tensors[key + fp8.SCALE_SUFFIX], grid)
+    return fp8.dequantize(w, s, self.quant.block, origin=(r0 - grid[0][0] * b0, c0 - grid[1][0] * b1))
+
+
+def open_checkpoint(path: str, cfg: K2Config) -> Checkpoint:
+  """Validate `path` against `cfg` (architecture of its config.json) without reading tensor data."""
+  quant = read_quant(path)
+  wmap = weight_map(path)
+  tensors = _headers(path, wmap)
+  known = set()
+  abstract = abstract_state(cfg)
+  for entry in entries(cfg):
+    want = hf_shape(get_path(abstract, entry.path).shape, entry)
+    for _, key in entry.keys(cfg):
+      if key not in tensors:
+        raise CheckpointError(f"{path}: tensor {key!r} is missing (needed for k2jax {'.'.join(entry.path)})")
+      known.add(key)
+      if _check_tensor(tensors, quant, key, want):
+        known.add(key + fp8.SCALE_SUFFIX)
+  check_unexpected(path, cfg, wmap, known)
+  return Checkpoint(path, cfg, quant, tensors)
+
+
+def read_quant(path: str) -> Quant | None:
+  """config.json's `quantization_config` (None when the weights are not quantized)."""
+  cfg_path = os.path.join(path, "config.json")
+  try:
+    with open(cfg_path) as f:
+      raw = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{cfg_path}: cannot read config.json ({e})") from e
+  qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+  if qc is None:
+    return None
+  block = fp8.QuantConfig.from_hf(qc, cfg_path).block
+  skip = tuple(qc.get("modules_to_not_convert") or ()) + tuple(qc.get("ignored_layers") or ())
+  return Quant(block, skip)
+
+
+def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: int = READ_BUDGET_BYTES) -> dict:
+  """`abstract` (pure dict of ShapeDtypeStruct; leaves without a sharding go to this process's first
+  device) as jax.Arrays read from the HF directory `path`; this process reads only its own slices."""
+  if read_budget_bytes <= 0:
+    raise ValueError(f"read_budget_bytes must be positive, got {read_budget_bytes}")
+  ckpt = open_checkpoint(path, cfg)
+  here = SingleDeviceSharding(jax.local_devices()[0])
+  jobs, shardings = [], {}
+  for entry in entries(cfg):
+    leaf = get_path(abstract, entry.path)
+    sharding = getattr(leaf, "sharding", None) or here
+    shardings[entry.path] = sharding
+    by_slice = collections.defaultdict(list)
+    for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
+      by_slice[_bounds(index, leaf.shape)].append(device)
+    for bounds, devices in by_slice.items():
+      nbytes = int(np.prod([hi - lo for lo, hi in bounds])) * np.dtype(leaf.dtype).itemsize
+      jobs.append((entry, leaf, bounds, devices, nbytes))
+  arrays = collections.defaultdict(list)
+
+  def place(job, block):
+    entry, _, _, devices, _ = job
+    arrays[entry.path] += [jax.device_put(block, d).block_until_ready() for d in devices]
+
+  _run(ckpt, jobs, read_budget_bytes, place)
+  state: dict = {}
+  for entry in entries(cfg):
+    leaf = get_path(abstract, entry.path)
+    value = jax.make_array_from_single_device_arrays(leaf.shape, shardings[entry.path], arrays.pop(entry.path))
+    set_path(state, entry.path, value)
+  return state
+
+
+def load_hf(path: str, **k2jax_fields) -> tuple[K2Config, dict]:
+  """Read an HF directory into whole numpy leaves: (config, pure state dict in the config's param dtype).
+  For one host and small models; sharded runs use `read_state`."""
+  cfg = read_config(path, **k2jax_fields)
+  ckpt = open_checkpoint(path, cfg)
+  abstract = abstract_state(cfg)
+  state: dict = {}
+  jobs = []
+  for entry in entries(cfg):
+    leaf = get_path(abstract, entry.path)
+    jobs.append((entry, leaf, tuple((0, d) for d in leaf.shape), None, leaf.size * np.dtype(leaf.dtype).itemsize))
+  _run(ckpt, jobs, READ_BUDGET_BYTES, lambda job, block: set_path(state, job[0].path, block))
+  return cfg, state
+
+
+def _run(ckpt: Checkpoint, jobs, budget: int, done) -> None:
+  """Read `jobs` on a thread pool, calling `done(job, block)` in order; blocks read but not yet handed to
+  `done` never total more than `budget` bytes (or one block, when a single block is larger)."""
+  with ShardFiles() as files, ThreadPoolExecutor(_READ_THREADS) as pool:
+    pending: collections.deque = collections.deque()
+    in_flight = 0
+    for job in jobs:
+      while pending and (in_flight + job[4] > budget or len(pending) >= 2 * _READ_THREADS):
+        first, fut = pending.popleft()
+        done(first, fut.result())
+        in_flight -= first[4]
+      pending.append((job, pool.submit(ckpt.leaf_block, files, job[0], job[1], job[2])))
+      in_flight += job[4]
+    while pending:
+      first, fut = pending.popleft()
+      done(first, fut.result())
+
+
+def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+  return tuple((s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape))
+
+
+def _headers(path: str, wmap: dict[str, str]) -> dict[str, TensorInfo]:
+  """The header entry of every tensor the index names, each read from the shard the index says."""
+  by_shard = collections.defaultdict(list)
+  for key, shard in wmap.items():
+    by_shard[shard].append(key)
+  tensors = {}
+  for shard, keys in sorted(by_shard.items()):
+    file = os.path.join(path, shard)
+    header = read_header(file)
+    for key in keys:
+      if key not in header:
+        raise CheckpointError(f"{file}: tensor {key!r} listed in {INDEX} is not in the shard")
+      tensors[key] = header[key]
+  return tensors
+
+
+def _check_tensor(tensors: dict[str, TensorInfo], quant: Quant | None, key: str, want: tuple[int, ...]) -> bool:
+  """Shape and dtype of `key` (and its scale when quantized); returns whether it is block-FP8."""
+  t = tensors[key]
+  if t.shape != want:
+    raise CheckpointError(
+      f"{t.file}: tensor {key!r} has shape {list(t.shape)}, expected {list(want)} for this config.json"
+    )
+  if quant is not None and quant.quantizes(key):
+    if t.dtype != "F8_E4M3":
+      raise CheckpointError(
+        f"{t.file}: tensor {key!r} is {t.dtype}, but config.json's quantization_config makes it block-FP8 "
+        "(F8_E4M3 + weight_scale_inv); a linear stored unquantized must be listed in modules_to_not_convert"
+      )
+    skey = key + fp8.SCALE_SUFFIX
+    if skey not in tensors:
+      raise CheckpointError(f"{t.file}: tensor {key!r} is F8_E4M3 but its scale {skey!r} is missing")
+    s, grid = tensors[skey], fp8.scale_shape(t.shape, quant.block)
+    if s.dtype != "F32" or s.shape != grid:
+      raise CheckpointError(
+        f"{s.file}: scale {skey!r} is {s.dtype} {list(s.shape)}, expected F32 {list(grid)} "
+        f"(ceil of {list(t.shape)} / weight_block_size {list(quant.block)})"
+      )
+    return True
+  if t.dtype not in _FLOAT:
+    why = "config.json has no quantization_config" if quant is None else "the block-FP8 layout keeps it unquantized"
+    raise CheckpointError(f"{t.file}: tensor {key!r} is {t.dtype}, but {why} (expected one of {list(_FLOAT)})")
+  return False

@@ -1,0 +1,184 @@
+"""Byte-range reads of safetensors shards: the header parsed here, each tensor block read with `os.preadv`.
+
+A safetensors file is `u64 header length | JSON header | data`; the header gives each tensor's dtype,
+shape and `[begin, end)` offsets into the data, which is row-major. A block `[r0:r1, c0:c1]` of a 2-D
+tensor is therefore one run when it spans whole rows and `r1 - r0` runs otherwise; only those bytes are
+read (no over-read across gaps), so a host's reads are exactly the slices its devices hold.
+
+Why not `safetensors.safe_open(...).get_slice`: it mmaps the file, so the bytes it touches are page
+faults that neither it nor `/proc/self/io` (rchar) counts, and its numpy path does not know F8_E4M3.
+Here every read goes through `read_into`, which adds to `STATS`; that counter is what tests and the
+benchmark use for "bytes this process read" (requested bytes; the page cache may fetch whole pages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+import threading
+
+import ml_dtypes
+import numpy as np
+
+from k2jax.convert.errors import CheckpointError
+
+DTYPES = {
+  "F64": np.dtype(np.float64),
+  "F32": np.dtype(np.float32),
+  "F16": np.dtype(np.float16),
+  "BF16": np.dtype(ml_dtypes.bfloat16),
+  "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+}
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+@dataclasses.dataclass
+class ReadStats:
+  """Bytes this process read from shards (tensor data and headers), and the number of read calls."""
+
+  data_bytes: int = 0
+  header_bytes: int = 0
+  calls: int = 0
+  lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+  def add(self, n: int, header: bool = False) -> None:
+    with self.lock:
+      self.calls += 1
+      if header:
+        self.header_bytes += n
+      else:
+        self.data_bytes += n
+
+  def reset(self) -> None:
+    with self.lock:
+      self.data_bytes = self.header_bytes = self.calls = 0
+
+
+STATS = ReadStats()
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  """One tensor of a shard: absolute byte offset of its first element in `file`."""
+
+  file: str
+  key: str
+  dtype: str  # safetensors dtype string, e.g. 'BF16', 'F8_E4M3'
+  shape: tuple[int, ...]
+  offset: int
+
+  @property
+  def np_dtype(self) -> np.dtype:
+    return DTYPES[self.dtype]
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * self.np_dtype.itemsize
+
+
+def read_header(file: str) -> dict[str, TensorInfo]:
+  """Every tensor of a shard; CheckpointError naming the file (and tensor) for a truncated or corrupt one."""
+  try:
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+      head = f.read(8)
+      if len(head) < 8:
+        raise CheckpointError(f"{file}: truncated safetensors shard ({size} bytes, no header)")
+      (n,) = struct.unpack("<Q", head)
+      if n > _MAX_HEADER or 8 + n > size:
+        raise CheckpointError(f"{file}: truncated or corrupt safetensors shard (header of {n} bytes, file {size})")
+      raw = f.read(n)
+  except OSError as e:
+    raise CheckpointError(f"{file}: cannot read safetensors shard ({e})") from e
+  STATS.add(8 + n, header=True)
+  try:
+    header = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{file}: corrupt safetensors header ({e})") from e
+  if not isinstance(header, dict):
+    raise CheckpointError(f"{file}: corrupt safetensors header (not an object)")
+  base = 8 + n
+  out = {}
+  for key, info in header.items():
+    if key != "__metadata__":
+      out[key] = _tensor_info(file, key, info, base, size)
+  return out
+
+
+def _tensor_info(file: str, key: str, info, base: int, size: int) -> TensorInfo:
+  try:
+    dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+  except (KeyError, TypeError, ValueError) as e:
+    raise CheckpointError(f"{file}: tensor {key!r} has a corrupt header entry ({e})") from e
+  if dtype not in DTYPES:
+    raise CheckpointError(f"{file}: tensor {key!r} has dtype {dtype}; k2jax reads {sorted(DTYPES)}")
+  t = TensorInfo(file, key, dtype, shape, base + int(begin))
+  if int(end) - int(begin) != t.nbytes:
+    raise CheckpointError(f"{file}: tensor {key!r}: {int(end) - int(begin)} bytes for shape {list(shape)} {dtype}")
+  if base + int(end) > size:
+    raise CheckpointError(
+      f"{file}: tensor {key!r} ends at byte {base + int(end)} but the file has {size} bytes (truncated shard)"
+    )
+  return t
+
+
+class ShardFiles:
+  """Open file descriptors of the shards, one per file, shared by the reader threads (pread is positionless)."""
+
+  def __init__(self):
+    self._fds: dict[str, int] = {}
+    self._lock = threading.Lock()
+
+  def fd(self, file: str) -> int:
+    with self._lock:
+      if file not in self._fds:
+        self._fds[file] = os.open(file, os.O_RDONLY)
+      return self._fds[file]
+
+  def close(self) -> None:
+    with self._lock:
+      for fd in self._fds.values():
+        os.close(fd)
+      self._fds.clear()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def read_block(files: ShardFiles, t: TensorInfo, bounds: tuple[tuple[int, int], ...]) -> np.ndarray:
+  """`t[lo0:hi0, lo1:hi1]` (or its 1-D form) in the file's dtype, reading only those bytes."""
+  if len(bounds) != len(t.shape) or len(bounds) not in (1, 2):
+    raise ValueError(f"read_block: {t.key} has shape {list(t.shape)}, got bounds {bounds}")
+  isz = t.np_dtype.itemsize
+  fd = files.fd(t.file)
+  shape = tuple(hi - lo for lo, hi in bounds)
+  out_u8 = np.empty((shape[0], (shape[1] if len(shape) == 2 else 1) * isz), np.uint8)
+  if len(shape) == 1:
+    read_into(fd, t, memoryview(out_u8.reshape(-1)), t.offset + bounds[0][0] * isz)
+    return out_u8.reshape(-1).view(t.np_dtype)
+  (r0, r1), (c0, c1) = bounds
+  cols = t.shape[1]
+  if c0 == 0 and c1 == cols:  # whole rows: one contiguous run
+    read_into(fd, t, memoryview(out_u8.reshape(-1)), t.offset + r0 * cols * isz)
+  else:  # one run per row; the gaps between them belong to other hosts' slices
+    for i, r in enumerate(range(r0, r1)):
+      read_into(fd, t, memoryview(out_u8[i]), t.offset + (r * cols + c0) * isz)
+  return out_u8.view(t.np_dtype).reshape(shape)
+
+
+def read_into(fd: int, t: TensorInfo, buf: memoryview, offset: int) -> None:
+  """Fill `buf` from `offset` (looping over short reads); a file that shrank since its header was read
+  is a CheckpointError naming it."""
+  done = 0
+  while done < len(buf):
+    n = os.preadv(fd, [buf[done:]], offset + done)
+    if n == 0:
+      raise CheckpointError(f"{t.file}: tensor {t.key!r}: unexpected end of file at byte {offset + done} (truncated)")
+    done += n
+  STATS.add(done)
