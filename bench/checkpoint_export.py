@@ -1,5 +1,7 @@
 """HF export benchmark: the one writer (`k2jax.convert.writer.save_hf`) against raw writes of the same bytes.
 
+The export half of `bench/checkpoint_io.py` (which prints these rows after its import rows; `--rows=export`
+runs only them); standalone:
 Run: python bench/checkpoint_export.py [--preset small] [--param_dtype bfloat16] [--reps 5] [--dir /tmp/...]
 One process, one CPU device. Four timings per rep, interleaved (A B C D A B C D ..., after one untimed round), on the same state:
   export_bf16  save_hf(dtype='bfloat16'): plan, per-tensor streamed safetensors, index, config.json, the
@@ -41,6 +43,9 @@ from bench import interleave  # noqa: E402
 from k2jax.convert import fp8, writer  # noqa: E402
 from k2jax.model import K2Model, presets  # noqa: E402
 
+KIMI_FP8_BYTES = 958.51 * 2**30  # the release on disk (reference §1.4); an FP8 export has the same layout
+V5P_1024_HOSTS = 128  # 512 chips, 4 per host
+
 
 def filled_state(cfg) -> dict:
   """The model's pure state dict, each leaf a distinct sine pattern (one small program per leaf)."""
@@ -70,9 +75,8 @@ def _raw_write(path: str, nbytes: int, chunk: np.ndarray) -> None:
   os.remove(path)
 
 
-def export_rows(preset: str, param_dtype: str, reps: int, root: str) -> list[str]:
-  """Runs the export half; returns (and prints) its key=value lines."""
-  cfg = presets.get(preset, param_dtype=param_dtype, compute_dtype=param_dtype)
+def export_rows(cfg, reps: int, root: str) -> list[str]:
+  """Runs the export half for model config `cfg` (files under `root`); returns (and prints) its lines."""
   state = filled_state(cfg)
   dst = {d: os.path.join(root, f"export_{d}") for d in ("bfloat16", "fp8")}
   chunk = np.ones(64 << 20, np.uint8)
@@ -95,7 +99,8 @@ def export_rows(preset: str, param_dtype: str, reps: int, root: str) -> list[str
   times = interleave.time_interleaved(fns, reps, cpu=cpu, min_rep_s=0.0)  # its untimed first round: the
   nbytes = {d: _tensor_bytes(dst[d]) for d in dst}  # exports exist before their raw twins run
   lines = [
-    f"preset={preset} param_dtype={param_dtype} reps={reps} devices={jax.device_count()} {interleave.load_average()}",
+    f"export: hidden={cfg.hidden_size} layers={cfg.num_hidden_layers} param_dtype={cfg.param_dtype} reps={reps} "
+    f"devices={jax.device_count()} {interleave.load_average()}",
     f"export_bytes_bf16={nbytes['bfloat16']} export_bytes_fp8={nbytes['fp8']} "
     f"fp8_over_bf16_bytes={nbytes['fp8'] / nbytes['bfloat16']:.3f}",
   ]
@@ -108,6 +113,16 @@ def export_rows(preset: str, param_dtype: str, reps: int, root: str) -> list[str
       f"export_{d}_GB_per_cpu_s={b / statistics.median(cpu[e]) / 1e9:.3f}"
     )
   lines.append(_quantize_rate(cfg, reps))
+  per_host = KIMI_FP8_BYTES / V5P_1024_HOSTS  # each tensor is written once: 1/128 of the export per host
+  fp8_wall, fp8_cpu = (
+    nbytes["fp8"] / statistics.median(times["export_fp8"]),
+    nbytes["fp8"] / statistics.median(cpu["export_fp8"]),
+  )
+  lines.append(
+    f"kimi_k2_v5p1024_export_fp8_bytes_per_host={per_host:.3e} kimi_k2_v5p1024_export_fp8_seconds={per_host / fp8_wall:.0f} "
+    f"(at the measured wall rate) cpu_bound_seconds={per_host / fp8_cpu:.0f} (at the GB per CPU-second; estimated, "
+    "untested on TPU)"
+  )
   for line in lines:
     print(line, flush=True)
   return lines
@@ -131,8 +146,10 @@ def main():
   ap.add_argument("--dir", default="")
   args = ap.parse_args()
   root = args.dir or tempfile.mkdtemp(prefix="k2jax_export_bench_")
+  cfg = presets.get(args.preset, param_dtype=args.param_dtype, compute_dtype=args.param_dtype)
+  print(f"preset={args.preset}", flush=True)
   try:
-    export_rows(args.preset, args.param_dtype, args.reps, root)
+    export_rows(cfg, args.reps, root)
   finally:
     shutil.rmtree(root, ignore_errors=True)
 

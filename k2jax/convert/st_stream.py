@@ -94,7 +94,7 @@ class SafetensorsStream:
     crc, b0 = 0, FP8_BLOCK[0]
     for k, i in enumerate(range(0, rows.shape[0], b0)):
       try:
-        q, s = fp8.quantize(np.ascontiguousarray(rows[i : i + b0]), FP8_BLOCK)
+        q, s = fp8.quantize(np.ascontiguousarray(rows[i : i + b0], dtype=np.float32), FP8_BLOCK)  # 1 pass
       except ValueError as e:  # NaN / inf: no FP8 code and no finite scale stands for them
         raise CheckpointError(
           f"tensor {name!r}: rows {i}..{min(i + b0, rows.shape[0]) - 1} hold NaN or inf; block-FP8 cannot "
