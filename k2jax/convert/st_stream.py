@@ -57,11 +57,11 @@ def records(name: str, hf_shape: tuple[int, ...], out: np.dtype) -> list[Record]
 class SafetensorsStream:
   """A safetensors file at `path` that will hold (a subset of) `candidates`, written in their order."""
 
-  def __init__(self, path: str, candidates: list[Record], pipe: Pipe):
+  def __init__(self, path: str, candidates: list[Record], pipe: Pipe, crc: bool = True):
     self._dtypes = {r.name: r.dtype for r in candidates}
     self._reserve = len(header([(r.name, r.dtype, r.shape, r.nbytes) for r in candidates]))
     self._reserve += -self._reserve % 8  # the data starts 8-byte aligned
-    self._pipe = pipe
+    self._pipe, self._crc = pipe, crc  # crc False: write() returns 0 (an export needs no checksums)
     self._f = open(path, "wb")
     self._f.seek(8 + self._reserve)
     self._written: list[list[tuple[str, tuple[int, ...], int]]] = []  # per write: (name, HF shape, nbytes)
@@ -108,7 +108,7 @@ class SafetensorsStream:
   def _submit(self, block: np.ndarray, crc: int) -> int:
     self._pipe.submit(self._f.write, block)
     self._end += block.nbytes
-    return zlib.crc32(block, crc)
+    return zlib.crc32(block, crc) if self._crc else 0
 
   def drop_last(self) -> None:
     """Cuts the last tensor written (with its scale) out of the file again."""
