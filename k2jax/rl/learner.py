@@ -163,7 +163,9 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     bias_update_rate=c.optim.bias_update_rate,
     updates_per_batch=c.optim.updates_per_batch,
     seq_len=c.train.seq_len,
-    sync=WeightSyncConfig(c.sync.root or os.path.join(workdir, "weights"), keep_last=c.sync.keep_last),
+    sync=WeightSyncConfig(
+      c.sync.root or os.path.join(workdir, "weights"), keep_last=c.sync.keep_last, dtype=c.sync.dtype or None
+    ),
     checkpoint_every=c.checkpoint.every,
     checkpoint_keep=c.checkpoint.keep,
     checkpoint_async=c.checkpoint.async_save,
