@@ -114,6 +114,9 @@ def _base() -> config_dict.ConfigDict:
   c.checkpoint.keep = 3  # keep the last K checkpoints
   c.checkpoint.async_save = True  # write in the background while training continues
   c.checkpoint.init_from = ""  # workdir or HF dir whose weights start a fresh run ('' = random init)
+  # When checkpoints exist but none restores: "error" stops naming each and why (nothing moved, exit != 0);
+  # "fresh" moves them to W/checkpoints_corrupt/ and trains from step 0.
+  c.checkpoint.on_unreadable = "error"
 
   c.log = config_dict.ConfigDict()
   c.log.every_steps = 10  # metrics.jsonl / TensorBoard / progress line cadence
