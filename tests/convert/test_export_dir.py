@@ -211,7 +211,8 @@ def test_exports_from_before_the_marker_are_recognised(tmp_path):
   hf_io.save_hf(cfg, a, hf)
   os.remove(os.path.join(hf, export_dir.MARKER))
   assert export_dir.is_export(hf)
-  hf_io.save_hf(cfg, a, hf)
+  hf_io.save_hf(cfg, a, hf)  # marked just before the swap, then deleted by that list: nothing left over
+  assert sorted(os.listdir(tmp_path)) == ["hf"] and export_dir.is_export(hf)
   # The same file names with a published (not k2jax-dumped) config.json are someone else's.
   other = str(tmp_path / "published")
   hf_golden.write_hf_dir(other, CFG, hf_golden.random_hf_state(CFG, 0))
