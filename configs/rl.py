@@ -201,6 +201,9 @@ def _tiny() -> config_dict.ConfigDict:
   c.checkpoint.every = 20  # iterations between orbax checkpoints (and one at the end)
   c.checkpoint.keep = 2  # checkpoints kept
   c.checkpoint.async_save = True  # write in the background while rollouts continue
+  # When checkpoints exist but none restores: "error" stops naming each and why (nothing moved, exit != 0);
+  # "fresh" moves them to WORKDIR/checkpoints_corrupt/ and starts from iteration 0.
+  c.checkpoint.on_unreadable = "error"
 
   c.log = config_dict.ConfigDict()
   c.log.tensorboard = False  # also write TensorBoard events to WORKDIR/tb

@@ -18,6 +18,8 @@ from k2jax import sharding
 from k2jax.model import presets
 from k2jax.model.config import ConfigError, K2Config
 
+ON_UNREADABLE = ("error", "fresh")  # checkpoint.on_unreadable (k2jax.train.checkpoint.restore_latest)
+
 DATA_KINDS = ("pretrain", "sft")
 
 
@@ -66,6 +68,7 @@ class CheckpointSpec:
   async_save: bool
   init_from: str
   read_budget_bytes: int
+  on_unreadable: str  # every checkpoint unreadable: "error" (stop, nothing moved) | "fresh" (start at step 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +182,11 @@ def _validate(tc: TrainConfig) -> None:
   _need(tc.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   _need(tc.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
   _need(tc.checkpoint.read_budget_bytes >= 1, "checkpoint.read_budget_bytes", "must be >= 1")
+  _need(
+    tc.checkpoint.on_unreadable in ON_UNREADABLE,
+    "checkpoint.on_unreadable",
+    f"one of {ON_UNREADABLE}, got {tc.checkpoint.on_unreadable!r}",
+  )
   _need(tc.log.every_steps >= 1, "log.every_steps", "must be >= 1")
   _need(tc.log.spike_window >= 1, "log.spike_window", "must be >= 1")
 
