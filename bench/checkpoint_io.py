@@ -1,6 +1,6 @@
 """Checkpoint import benchmark: the sharded HF reader against raw sequential reads of the same bytes.
 
-Run: python bench/checkpoint_io.py [--preset small] [--num_layers N] [--reps 5] [--dir /tmp/...]
+Run: python bench/checkpoint_io.py [--preset small] [--num_layers N] [--reps 5] [--dir /tmp/...] [--rows=import,export]
 Writes two HF directories of the preset (same weights): bf16, and the release's block-FP8 layout (F8_E4M3
 + float32 128x128 `weight_scale_inv` for every projection; bf16 embeddings/norms/router; f32 bias). Then,
 interleaved over the reps (bench/interleave.py), on one device in this process:
@@ -15,6 +15,11 @@ Prints key=value lines (medians with min-max spread):
   kimi_k2_v5p1024_*              estimated bytes read per host and seconds at the measured FP8 rate
 The files are read from the page cache in both timings (each directory is read once before timing):
 this measures the reader's CPU cost over the bytes, not the disk.
+
+Export rows (`bench/checkpoint_export.py`, after the import rows): `k2jax.convert.writer.save_hf` in bf16
+and block-FP8 against raw sequential writes of the same bytes, both fsynced (an export is durable), same
+preset and param dtype, interleaved: export_over_raw_write_{bf16,fp8} = raw / export seconds (target
+>= 0.7), with GB/s, GB per CPU-second, fp8_over_bf16_bytes and the FP8 quantize rate.
 """
 
 from __future__ import annotations
@@ -195,6 +200,7 @@ def main():
   ap.add_argument("--dir", default="")
   ap.add_argument("--read_budget_bytes", type=int, default=256 << 20)
   ap.add_argument("--rss_worker", nargs=5, default=None)
+  ap.add_argument("--rows", default="import,export", help="which halves to run: import, export or both")
   args = ap.parse_args()
   if args.rss_worker:
     path, budget, nproc, pid, port = args.rss_worker
@@ -203,37 +209,47 @@ def main():
   cfg = presets.get(args.preset, param_dtype="bfloat16", **over)
   root = args.dir or tempfile.mkdtemp(prefix="k2jax-ckpt-bench-")
   try:
-    dirs = write_sources(cfg, root)
-    sizes = {k: sum(os.path.getsize(f) for f in shard_files(d)) for k, d in dirs.items()}
-    print(
-      f"preset={args.preset} num_hidden_layers={cfg.num_hidden_layers} bf16_bytes={sizes['bf16']} "
-      f"fp8_bytes={sizes['fp8']} {load_average()}",
-      flush=True,
-    )
-    fns = {}
-    for k, d in dirs.items():
-      raw_read(d)  # into the page cache: both timings then read from memory
-      fns[f"raw_{k}"] = lambda d=d: raw_read(d)
-      fns[f"import_{k}"] = lambda d=d: import_once(d, cfg)
-    cpu: dict = {}
-    times = time_interleaved(fns, args.reps, cpu=cpu)
-    for k in dirs:
-      print(f"raw_{k}_ms={median_ms(times[f'raw_{k}'])} import_{k}_ms={median_ms(times[f'import_{k}'])}")
-      print(fmt(f"import_over_raw_read_{k}", ratio(times, f"raw_{k}", f"import_{k}"), args.reps), flush=True)
-      print(fmt(f"import_over_raw_read_{k}_cpu", ratio(cpu, f"raw_{k}", f"import_{k}"), args.reps), flush=True)
-    for n in (1, 2):
-      r = peak_rss_ratio(dirs["bf16"], n, args.read_budget_bytes)
-      print(f"peak_rss_over_local_shard_bytes_{n}proc={r:.3f} read_budget_bytes={args.read_budget_bytes} runs=1")
-    fp8_rate = sizes["fp8"] / float(np.median(times["import_fp8"]))
-    per_host = KIMI_FP8_BYTES / V5P_1024_HOSTS
-    print(f"kimi_k2_v5p1024_bytes_read_per_host={per_host:.3e} (estimated: 958.5 GiB / 128 hosts, fsdp over all chips)")
-    print(
-      f"kimi_k2_v5p1024_import_seconds={per_host / fp8_rate:.0f} (estimated at the measured FP8 import rate "
-      f"{fp8_rate / 2**20:.0f} MiB/s per process from page cache; untested on TPU)"
-    )
+    if "import" in args.rows.split(","):
+      import_rows(cfg, args, root)
+    if "export" in args.rows.split(","):
+      from bench.checkpoint_export import export_rows
+
+      export_rows(cfg, args.reps, os.path.join(root, "export"))
   finally:
     if not args.dir:
       shutil.rmtree(root, ignore_errors=True)
+
+
+def import_rows(cfg, args, root: str) -> None:
+  """The import half: the reader against raw reads, peak RSS, the Kimi-K2 projection."""
+  dirs = write_sources(cfg, root)
+  sizes = {k: sum(os.path.getsize(f) for f in shard_files(d)) for k, d in dirs.items()}
+  print(
+    f"preset={args.preset} num_hidden_layers={cfg.num_hidden_layers} bf16_bytes={sizes['bf16']} "
+    f"fp8_bytes={sizes['fp8']} {load_average()}",
+    flush=True,
+  )
+  fns = {}
+  for k, d in dirs.items():
+    raw_read(d)  # into the page cache: both timings then read from memory
+    fns[f"raw_{k}"] = lambda d=d: raw_read(d)
+    fns[f"import_{k}"] = lambda d=d: import_once(d, cfg)
+  cpu: dict = {}
+  times = time_interleaved(fns, args.reps, cpu=cpu)
+  for k in dirs:
+    print(f"raw_{k}_ms={median_ms(times[f'raw_{k}'])} import_{k}_ms={median_ms(times[f'import_{k}'])}")
+    print(fmt(f"import_over_raw_read_{k}", ratio(times, f"raw_{k}", f"import_{k}"), args.reps), flush=True)
+    print(fmt(f"import_over_raw_read_{k}_cpu", ratio(cpu, f"raw_{k}", f"import_{k}"), args.reps), flush=True)
+  for n in (1, 2):
+    r = peak_rss_ratio(dirs["bf16"], n, args.read_budget_bytes)
+    print(f"peak_rss_over_local_shard_bytes_{n}proc={r:.3f} read_budget_bytes={args.read_budget_bytes} runs=1")
+  fp8_rate = sizes["fp8"] / float(np.median(times["import_fp8"]))
+  per_host = KIMI_FP8_BYTES / V5P_1024_HOSTS
+  print(f"kimi_k2_v5p1024_bytes_read_per_host={per_host:.3e} (estimated: 958.5 GiB / 128 hosts, fsdp over all chips)")
+  print(
+    f"kimi_k2_v5p1024_import_seconds={per_host / fp8_rate:.0f} (estimated at the measured FP8 import rate "
+    f"{fp8_rate / 2**20:.0f} MiB/s per process from page cache; untested on TPU)"
+  )
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def _base() -> config_dict.ConfigDict:
   c.data = config_dict.ConfigDict()
   c.data.kind = "pretrain"  # pretrain (packed documents) | sft (chat, assistant-only loss)
   c.data.path = ""  # '' = bundled corpus; else a file or glob (jsonl/parquet/array_record)
-  c.data.tokenizer_path = ""  # '' = bundled tiny BPE; else a tiktoken rank file (K2's tiktoken.model)
+  c.data.tokenizer_path = ""  # '' = bundled tiny BPE; else a tiktoken rank file (K2's tiktoken.model) or its HF dir
   c.data.seq_len = 64  # tokens per packed row
   c.data.global_batch_size = 16  # rows per optimizer step, summed over all hosts
   c.data.num_microbatches = 1  # gradient accumulation: the global batch is split into this many
@@ -116,6 +116,9 @@ def _base() -> config_dict.ConfigDict:
   c.checkpoint.init_from = ""  # workdir or HF dir whose weights start a fresh run ('' = random init)
   # HF init_from: bytes of HF blocks each process holds in flight beyond its own shards (orbax uses 2 GiB)
   c.checkpoint.read_budget_bytes = 2 << 30
+  # When checkpoints exist but none restores: "error" stops naming each and why (nothing moved, exit != 0);
+  # "fresh" moves them to W/checkpoints_corrupt/ and trains from step 0.
+  c.checkpoint.on_unreadable = "error"
 
   c.log = config_dict.ConfigDict()
   c.log.every_steps = 10  # metrics.jsonl / TensorBoard / progress line cadence

@@ -89,6 +89,7 @@ def _k2_1t(c):
   c.checkpoint.every = 20
   c.checkpoint.keep = 3
   c.eval.every = 0
+  c.sync.dtype = "fp8"  # the SGLang workers serve the release's block-FP8 layout: half the bytes of bf16
 
 
 def _tiny() -> config_dict.ConfigDict:
@@ -205,11 +206,15 @@ def _tiny() -> config_dict.ConfigDict:
   c.sync = config_dict.ConfigDict()  # k2jax.rl.weight_sync.WeightSyncConfig
   c.sync.root = ""  # shared dir for HF safetensors pushes ("" = WORKDIR/weights)
   c.sync.keep_last = 2  # pushed version directories kept on disk
+  c.sync.dtype = ""  # remote pushes: "" (param dtype) | bfloat16 | float32 | fp8 (the release's block-FP8)
 
   c.checkpoint = config_dict.ConfigDict()
   c.checkpoint.every = 20  # iterations between orbax checkpoints (and one at the end)
   c.checkpoint.keep = 2  # checkpoints kept
   c.checkpoint.async_save = True  # write in the background while rollouts continue
+  # When checkpoints exist but none restores: "error" stops naming each and why (nothing moved, exit != 0);
+  # "fresh" moves them to WORKDIR/checkpoints_corrupt/ and starts from iteration 0.
+  c.checkpoint.on_unreadable = "error"
 
   c.log = config_dict.ConfigDict()
   c.log.tensorboard = False  # also write TensorBoard events to WORKDIR/tb

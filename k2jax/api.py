@@ -11,6 +11,7 @@ from flax import nnx
 
 from k2jax.convert import hf as hf_io
 from k2jax.convert import workdir as wd
+from k2jax.convert import writer
 from k2jax.convert.export_dir import recover
 from k2jax.convert.reader import READ_BUDGET_BYTES
 from k2jax.convert.tokenizer import export_tokenizer
@@ -77,11 +78,14 @@ def save_hf(
   max_shard_bytes: int = 4 << 30,
   tokenizer_from: str | None = None,
 ) -> None:
-  """Write `model` to `dst` in the published Kimi-K2 HF layout (float32 or bfloat16), with its tokenizer.
+  """Write `model` to `dst` in the published Kimi-K2 HF layout, with its tokenizer (`k2jax.convert.writer`).
 
+  dtype: None (the param dtype), 'float32', 'bfloat16', or 'fp8' (the release's block-FP8 layout, what
+  SGLang and vLLM serve). A model sharded over several processes is written by all of them (call it on
+  every process; each writes the tensors its devices hold, `dst` on a filesystem they share).
   The tokenizer files (`k2jax/convert/tokenizer.py`) come from `tokenizer_from`'s `tiktoken.model` when
   it has one, else from the bundled BPE when the vocabulary fits, so the export serves text on its own.
   """
   state = nnx.to_pure_dict(nnx.state(model))
   tokenizer = lambda tmp: export_tokenizer(tmp, model.cfg.vocab_size, src=tokenizer_from)  # noqa: E731
-  hf_io.save_hf(model.cfg, state, dst, dtype=dtype, max_shard_bytes=max_shard_bytes, write_extra=tokenizer)
+  writer.save_hf(model.cfg, state, dst, dtype=dtype, max_shard_bytes=max_shard_bytes, write_extra=tokenizer)

@@ -1,7 +1,8 @@
 """Conversion between Hugging Face (Kimi-K2 layout) directories, k2jax workdirs and models."""
 
 from k2jax.convert.export_dir import ExportError
-from k2jax.convert.hf import CheckpointError, load_hf, save_hf
+from k2jax.convert.hf import CheckpointError, load_hf
+from k2jax.convert.writer import save_hf
 from k2jax.convert.workdir import is_workdir, restore_model_state, save_model_only
 
 __all__ = [

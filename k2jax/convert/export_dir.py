@@ -1,17 +1,29 @@
-"""Export directories that only ever replace what k2jax wrote, in one atomic swap.
+"""Export directories that only ever replace what k2jax wrote, in one atomic swap, and never delete a
+file k2jax did not write.
 
 An export is written into a fresh sibling `.k2jax-tmp-<name>.<host>.<pid>.<rand>` (0755 dirs, 0644
 files), marked complete with `MARKER` last, and swapped with the destination by one
-renameat2(RENAME_EXCHANGE); the old export, now in the sibling, is deleted afterwards. So a reader sees
-the old complete export or the new one, never a mix. Where the filesystem lacks the exchange, the old
-export is first renamed to `.k2jax-old-...` and `recover` (run before every write and every load) puts
-it back if the process died between the two renames.
+renameat2(RENAME_EXCHANGE). So a reader sees the old complete export or the new one, never a mix. Where
+the filesystem lacks the exchange, the old export is first renamed to `.k2jax-old-...` and `recover` (run
+before every write and every load) puts it back if the process died between the two renames.
 
 A destination is replaced only when it is missing, empty, or a previous k2jax export that still holds
 exactly the files k2jax wrote: `MARKER` lists them, so a workdir that training has since added steps
 to, or an export someone put other files in, is refused. (Exports from before the marker are
-recognised by their exact file set and k2jax's byte-for-byte config.json and index formats.) Siblings
-left by dead processes of this host are deleted before each write.
+recognised by their exact file set and k2jax's byte-for-byte config.json and index formats; they get a
+`MARKER` listing their files just before the swap.)
+
+Files that appear in the old export while the new one is written (a user's notes, another tool's output)
+are never deleted. The swap re-checks the destination right before it and the swapped-out export right
+after it (undoing the swap, atomically again, when someone got in between): either way it refuses with an
+`ExportError` naming those files, the old export and the files stay at the destination, and the complete
+new export is kept beside it as `<name>.k2jax-new.<host>.<pid>.<rand>` (nothing written is lost; the user
+chooses). We refuse rather than carry the files into the new export: the new export then holds exactly
+what k2jax wrote, and the user, not k2jax, decides where their files go. An old export is deleted by the
+list in its `MARKER` only; anything else still in it afterwards (written through a handle opened inside it
+before the swap) is kept as `<name>.k2jax-kept.<host>.<pid>.<rand>`, with a warning. Siblings left by dead
+processes of this host are cleaned the same way before each write (a sibling without `MARKER` was never
+swapped in, so it holds only k2jax's partial write and is deleted whole).
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import logging
 import os
 import re
 import secrets
@@ -68,16 +81,38 @@ def _not_ours(path: str) -> str:
   files = set(_files(path))
   marker = os.path.join(path, MARKER)
   if os.path.isfile(marker):
-    try:
-      with open(marker) as f:
-        written = set(json.load(f)["files"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      return f"unreadable {MARKER} ({e})"
+    written = _marker_files(path)
+    if written is None:
+      return f"unreadable {MARKER}"
     extra = sorted(files - written - {MARKER})
-    return f"files k2jax did not write: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}" if extra else ""
+    return f"files k2jax did not write: {_names(extra)}" if extra else ""
   if all(_HF_FILES.fullmatch(n) for n in files) and _is_our_hf_format(path):
     return ""
   return f"no {MARKER} ({len(files)} files, e.g. {sorted(files)[0]})"
+
+
+def _marker_files(path: str) -> set[str] | None:
+  """The files `path`'s MARKER says k2jax wrote; None when it has none or it is unreadable."""
+  try:
+    with open(os.path.join(path, MARKER)) as f:
+      files = json.load(f)["files"]
+    return {str(n) for n in files}
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def _foreign(path: str) -> list[str]:
+  """Files in `path` k2jax did not write, sorted: not in its MARKER; without one, all but the HF files of
+  an export from before the marker."""
+  files = set(_files(path))
+  written = _marker_files(path)
+  if written is None and not os.path.isfile(os.path.join(path, MARKER)):
+    written = {n for n in files if _HF_FILES.fullmatch(n)} if _is_our_hf_format(path) else set()
+  return sorted(files - (written or set()) - {MARKER})
+
+
+def _names(files: list[str]) -> str:
+  return f"{', '.join(files[:5])}{' ...' if len(files) > 5 else ''}"
 
 
 def _is_our_hf_format(path: str) -> bool:
@@ -123,11 +158,13 @@ def write_export(dst: str, kind: str, write: Callable[[str], None], src: str | N
       json.dump(manifest, f, indent=1)
     _fix_modes(tmp)
     _fsync_tree(tmp)
-    _swap_into_place(tmp, dst, parent, name)
   except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # never swapped in: only what this call wrote
     raise
-  shutil.rmtree(tmp, ignore_errors=True)  # holds the old export after an exchange; gone after a rename
+  # From here `tmp` may hold the old export: on any failure it is left for `clean_stale`, never rmtree'd.
+  old = _swap_into_place(tmp, dst, parent, name, kind)
+  if old is not None:
+    remove_export(old, dst)
 
 
 def recover(dst: str) -> None:
@@ -146,24 +183,101 @@ def recover(dst: str) -> None:
 
 
 def clean_stale(dst: str) -> None:
-  """Deletes temp/old siblings of `dst` left by dead processes of this host."""
+  """Cleans temp/old siblings of `dst` left by dead processes of this host (`remove_export`; a temp
+  sibling without MARKER was never swapped in and is deleted whole)."""
   parent, name = os.path.split(os.path.abspath(dst))
   for prefix in (_TMP, _OLD):
     for entry in _siblings(parent, name, prefix):
-      if not _alive(entry):
-        shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+      path = os.path.join(parent, entry)
+      if _alive(entry):
+        continue
+      if os.path.isfile(os.path.join(path, MARKER)):
+        remove_export(path, dst)
+      else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
-def _swap_into_place(tmp: str, dst: str, parent: str, name: str) -> None:
+def remove_export(path: str, dst: str) -> None:
+  """Deletes the files `path`'s MARKER lists (the marker last), then its empty directories. Anything left
+  is not k2jax's: the directory is kept as `<dst>.k2jax-kept.<tag>`, with a warning naming the files."""
+  written = _marker_files(path) or set()
+  for rel in sorted(written):
+    try:
+      os.unlink(os.path.join(path, rel.rstrip("/")))  # "x/" in a manifest is a symlink to a directory
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+      pass
+  try:
+    os.unlink(os.path.join(path, MARKER))
+  except FileNotFoundError:
+    pass
+  for d, _, _ in os.walk(path, topdown=False):
+    try:
+      os.rmdir(d)
+    except OSError:
+      pass  # not empty: holds what k2jax did not write
+  if not os.path.lexists(path):
+    return
+  kept = f"{os.path.abspath(dst)}.k2jax-kept.{_tag()}"
+  os.rename(path, kept)
+  logging.warning(
+    "%s: files k2jax did not write were in the old export when it was replaced: %s; kept them at %s",
+    dst,
+    _names(sorted(_files(kept))),
+    kept,
+  )
+
+
+def _swap_into_place(tmp: str, dst: str, parent: str, name: str, kind: str) -> str | None:
+  """Puts the complete export `tmp` at `dst`; returns where the old export now is (None: there was none).
+  Refuses (ExportError, nothing replaced) when `dst` holds files k2jax did not write."""
   if not os.path.lexists(dst):
-    os.rename(tmp, dst)
-    return
+    try:
+      os.rename(tmp, dst)
+      return None
+    except OSError as e:  # someone made a non-empty `dst` meanwhile
+      if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+        raise
+      _refuse(tmp, dst, _foreign(dst))
+  _mark_unmarked(dst, kind)
+  foreign = _foreign(dst)  # written while the new export was
+  if foreign:
+    _refuse(tmp, dst, foreign)
   if _exchange(tmp, dst):
-    return
+    foreign = _foreign(tmp)  # written between the check and the exchange
+    if foreign:
+      _exchange(tmp, dst)  # undone: the old export and those files are back at dst
+      _refuse(tmp, dst, foreign)
+    return tmp
   old = os.path.join(parent, f"{_OLD}{name}.{_tag()}")
   os.rename(dst, old)  # the window `recover` closes: dst missing, old complete beside it
+  foreign = _foreign(old)
+  if foreign:
+    os.rename(old, dst)
+    _refuse(tmp, dst, foreign)
   os.rename(tmp, dst)
-  shutil.rmtree(old, ignore_errors=True)
+  return old
+
+
+def _mark_unmarked(dst: str, kind: str) -> None:
+  """Gives an empty destination, or an intact export from before the marker, a MARKER listing its files:
+  once swapped out it is then deleted by that list, and a sibling without MARKER is always a partial write."""
+  if os.path.isfile(os.path.join(dst, MARKER)) or (os.listdir(dst) and _not_ours(dst)):
+    return
+  tmp = os.path.join(dst, f"{MARKER}.{_tag()}")
+  with open(tmp, "w") as f:
+    json.dump({"kind": kind, "written_by": "k2jax", "files": sorted(_files(dst))}, f, indent=1)
+  os.chmod(tmp, 0o644)
+  os.rename(tmp, os.path.join(dst, MARKER))
+
+
+def _refuse(new: str, dst: str, foreign: list[str]) -> None:
+  kept = f"{dst}.k2jax-new.{_tag()}"
+  os.rename(new, kept)
+  raise ExportError(
+    f"{dst}: files k2jax did not write appeared there while the export ran: {_names(foreign)}; refusing to "
+    f"replace it. Nothing was deleted: {dst} still holds the previous export and those files, and the new "
+    f"export is complete at {kept}. Move those files elsewhere and export again (or use {kept} as it is)"
+  )
 
 
 def _exchange(a: str, b: str) -> bool:

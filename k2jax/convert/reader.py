@@ -3,9 +3,11 @@
 `read_state(path, cfg, abstract)` takes the abstract state (jax.ShapeDtypeStruct leaves with shardings)
 and returns it as jax.Arrays. For every leaf and every distinct slice among this process's addressable
 devices it reads the matching block of each HF tensor behind the slice (`safetensors_io.read_block`:
-only those bytes), transposes HF `[out, in]` to k2jax `[in, out]`, stacks layers/experts (one HF key per
-layer and expert, `layout.py`), dequantizes block-FP8 with the scale rows/cols of that block
-(`fp8.dequantize`, ragged edges exact), casts to the leaf dtype and puts it on those devices. Host
+only those bytes) into one host buffer stacked over layers/experts (one HF key per layer and expert,
+`layout.py`), with the scale rows/cols of that block for block-FP8; puts the stored bytes on those
+devices and there (`_convert`) dequantizes (ragged edges exact), transposes HF `[out, in]` to k2jax
+`[in, out]` and casts to the leaf dtype. Blocks under DEVICE_CONVERT_BYTES are converted the same way
+with numpy on the host (`fp8.dequantize`), which is also `load_hf`'s path; the two are bitwise equal. Host
 memory is this process's shards plus at most `read_budget_bytes` of blocks in flight (one block when a
 single block is larger). `load_hf` is the same reader into whole numpy leaves (one host, small models).
 
@@ -23,12 +25,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
@@ -36,13 +40,17 @@ from k2jax.convert import fp8
 from k2jax.convert.errors import CheckpointError
 from k2jax.convert.hf_dir import INDEX, abstract_state, check_unexpected, get_path, read_config, set_path, weight_map
 from k2jax.convert.layout import Entry, entries, hf_shape
-from k2jax.convert.safetensors_io import ShardFiles, TensorInfo, read_block, read_header
+from k2jax.convert.safetensors_io import DTYPES, ShardFiles, TensorInfo, read_block, read_header
 from k2jax.model.config import K2Config
 
 READ_BUDGET_BYTES = 2 << 30  # default in-flight host buffer (orbax's SafetensorsLayout uses 2 GiB too)
+# Blocks of at least this many (leaf) bytes are converted on the device (`_convert`: one XLA compile per
+# distinct block shape, vectorised), smaller ones (norms, biases, tiny models) with numpy on the host.
+DEVICE_CONVERT_BYTES = 1 << 20
 _READ_THREADS = 4  # concurrent block reads: pread and the numpy casts release the GIL
 _FLOAT = ("F32", "BF16", "F16")
 _LEAD = {"global": 0, "layer": 1, "expert": 2}
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # stored bytes travel as unsigned ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +64,33 @@ class Quant:
     module = key.rsplit(".", 1)[0]
     skipped = any(module == m or module.endswith("." + m) or module.startswith(m + ".") for m in self.skip)
     return fp8.is_quantized_key(key) and not skipped
+
+
+@dataclasses.dataclass(frozen=True)
+class RawBlock:
+  """Stored bytes of one leaf block (unsigned ints of the file dtype's width) and how to convert them."""
+
+  raw: np.ndarray  # [lead..., rows, cols] HF orientation (or [lead..., n] for vectors)
+  scale: np.ndarray | None  # [lead..., grid rows, grid cols] float32 for block-FP8
+  dtype: str  # safetensors dtype of `raw`
+  origin: tuple[int, int]  # the block's first element within the scale sub-grid's first block
+  transpose: bool
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "block", "origin", "transpose", "out_dtype"))
+def _convert(raw, scale, *, dtype, block, origin, transpose, out_dtype):
+  """On the device (XLA vectorises what numpy does element by element, and a TPU host's cores stay free):
+  bitcast the stored bytes, dequantize (W = float32(W_fp8) * scale_inv[i // b0, j // b1], the same float32
+  multiply as `fp8.dequantize`), transpose [out, in] -> [in, out] and cast to the leaf dtype."""
+  w = jax.lax.bitcast_convert_type(raw, DTYPES[dtype])
+  if scale is not None:
+    rows, cols = raw.shape[-2:]
+    full = jnp.repeat(jnp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
+    full = full[..., origin[0] : origin[0] + rows, origin[1] : origin[1] + cols]
+    w = w.astype(jnp.float32) * full
+  if transpose:
+    w = jnp.swapaxes(w, -1, -2)
+  return w.astype(out_dtype)
 
 
 @dataclasses.dataclass
@@ -79,6 +114,37 @@ class Checkpoint:
       rel = tuple(i - lo for i, (lo, _) in zip(lead, bounds))
       out[rel] = block.T if entry.transpose else block
     return out
+
+  def raw_block(self, files: ShardFiles, entry: Entry, bounds: tuple[tuple[int, int], ...]) -> RawBlock | None:
+    """The bytes behind the block `bounds` of leaf `entry` as stored (HF orientation, file dtype, stacked
+    over the leading axes; FP8 with its stacked scale sub-grid), for `_convert` on the device. None when
+    the leaf's tensors do not share one dtype (then `leaf_block` converts on the host)."""
+    n_lead = _LEAD[entry.kind]
+    keys = dict(entry.keys(self.cfg))
+    lead = list(itertools.product(*(range(lo, hi) for lo, hi in bounds[:n_lead])))
+    infos = [self.tensors[keys[i]] for i in lead]
+    if len({t.dtype for t in infos}) != 1:
+      return None
+    inner = bounds[n_lead:]
+    hf_bounds = inner[::-1] if entry.transpose else inner
+    lead_shape = [hi - lo for lo, hi in bounds[:n_lead]]
+    raw = np.empty(lead_shape + [hi - lo for lo, hi in hf_bounds], _UINT[infos[0].np_dtype.itemsize])
+    flat = raw.reshape(-1, *raw.shape[n_lead:])
+    quantized = infos[0].dtype == "F8_E4M3"
+    if quantized:
+      (r0, r1), (c0, c1) = hf_bounds
+      b0, b1 = self.quant.block
+      grid = ((r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1)))
+      scale = np.empty(lead_shape + [hi - lo for lo, hi in grid], np.float32)
+      flat_s = scale.reshape(-1, *scale.shape[n_lead:])
+    for j, t in enumerate(infos):
+      read_block(files, t, hf_bounds, into=flat[j])
+      if quantized:
+        read_block(files, self.tensors[t.key + fp8.SCALE_SUFFIX], grid, into=flat_s[j])
+    if not quantized:
+      return RawBlock(raw, None, infos[0].dtype, (0, 0), entry.transpose)
+    origin = (r0 - grid[0][0] * b0, c0 - grid[1][0] * b1)
+    return RawBlock(raw, scale, infos[0].dtype, origin, entry.transpose)
 
   def _tensor_block(self, files: ShardFiles, key: str, bounds) -> np.ndarray:
     t = self.tensors[key]
@@ -134,7 +200,7 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
     raise ValueError(f"read_budget_bytes must be positive, got {read_budget_bytes}")
   ckpt = open_checkpoint(path, cfg)
   here = SingleDeviceSharding(jax.local_devices()[0])
-  jobs, shardings = [], {}
+  jobs, shardings, outs = [], {}, {}
   for entry in entries(cfg):
     leaf = get_path(abstract, entry.path)
     sharding = getattr(leaf, "sharding", None) or here
@@ -143,21 +209,65 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
     for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
       by_slice[_bounds(index, leaf.shape)].append(device)
     for bounds, devices in by_slice.items():
-      nbytes = int(np.prod([hi - lo for lo, hi in bounds])) * np.dtype(leaf.dtype).itemsize
-      jobs.append((entry, leaf, bounds, devices, nbytes))
-  arrays = collections.defaultdict(list)
+      for piece in _pieces(bounds, _LEAD[entry.kind], np.dtype(leaf.dtype).itemsize, read_budget_bytes):
+        nbytes = int(np.prod([hi - lo for lo, hi in piece])) * np.dtype(leaf.dtype).itemsize
+        jobs.append((entry, leaf, piece, devices, nbytes, bounds))
+
+  def read(files, job):
+    entry, leaf, bounds, _, nbytes, _ = job
+    if nbytes >= DEVICE_CONVERT_BYTES:  # smaller blocks: numpy is cheaper than a compile per shape
+      block = ckpt.raw_block(files, entry, bounds)
+      if block is not None:
+        return block
+    return ckpt.leaf_block(files, entry, leaf, bounds)
 
   def place(job, block):
-    entry, _, _, devices, _ = job
-    arrays[entry.path] += [jax.device_put(block, d).block_until_ready() for d in devices]
+    entry, leaf, piece, devices, _, bounds = job
+    for d in devices:  # blocking per device: at most one converted piece in flight beyond the shards
+      if isinstance(block, np.ndarray):  # converted on the host
+        value = jax.device_put(block, d)
+      else:
+        scale = None if block.scale is None else jax.device_put(block.scale, d)
+        q = {"dtype": block.dtype, "block": None if scale is None else ckpt.quant.block, "origin": block.origin}
+        value = _convert(jax.device_put(block.raw, d), scale, **q, transpose=block.transpose, out_dtype=leaf.dtype)
+      key = (entry.path, bounds, d)
+      if piece == bounds:
+        outs[key] = value.block_until_ready()
+        continue
+      if key not in outs:  # the slice is assembled in place from its pieces (donated: no second copy)
+        outs[key] = jnp.zeros([hi - lo for lo, hi in bounds], leaf.dtype, device=d)
+      at = tuple(p[0] - b[0] for p, b in zip(piece, bounds))
+      outs[key] = _insert(outs[key], value, at).block_until_ready()
 
-  _run(ckpt, jobs, read_budget_bytes, place)
+  _run(jobs, read_budget_bytes, read, place)
   state: dict = {}
   for entry in entries(cfg):
     leaf = get_path(abstract, entry.path)
-    value = jax.make_array_from_single_device_arrays(leaf.shape, shardings[entry.path], arrays.pop(entry.path))
-    set_path(state, entry.path, value)
+    mine = [v for (path, _, _), v in outs.items() if path == entry.path]
+    set_path(state, entry.path, jax.make_array_from_single_device_arrays(leaf.shape, shardings[entry.path], mine))
   return state
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _insert(out, piece, at):
+  return jax.lax.dynamic_update_slice(out, piece, at)
+
+
+def _pieces(bounds, n_lead: int, itemsize: int, budget: int) -> list[tuple[tuple[int, int], ...]]:
+  """`bounds` cut along its stacked (layer, expert) axes into pieces of at most `budget` bytes where
+  possible (one HF tensor's block is the smallest piece), so no host or device transient exceeds it."""
+  inner = int(np.prod([hi - lo for lo, hi in bounds[n_lead:]])) * itemsize
+  sizes = [hi - lo for lo, hi in bounds[:n_lead]]
+  if n_lead == 0 or inner * int(np.prod(sizes)) <= budget:
+    return [bounds]
+  per_layer = inner * (sizes[1] if n_lead == 2 else 1)
+  (l0, l1), rest = bounds[0], bounds[1:]
+  if per_layer <= budget or n_lead == 1:
+    step = max(1, budget // per_layer)
+    return [((a, min(a + step, l1)), *rest) for a in range(l0, l1, step)]
+  (e0, e1), inner_b = bounds[1], bounds[2:]
+  step = max(1, budget // inner)
+  return [((l, l + 1), (a, min(a + step, e1)), *inner_b) for l in range(l0, l1) for a in range(e0, e1, step)]
 
 
 def load_hf(path: str, **k2jax_fields) -> tuple[K2Config, dict]:
@@ -171,12 +281,13 @@ def load_hf(path: str, **k2jax_fields) -> tuple[K2Config, dict]:
   for entry in entries(cfg):
     leaf = get_path(abstract, entry.path)
     jobs.append((entry, leaf, tuple((0, d) for d in leaf.shape), None, leaf.size * np.dtype(leaf.dtype).itemsize))
-  _run(ckpt, jobs, READ_BUDGET_BYTES, lambda job, block: set_path(state, job[0].path, block))
+  read = lambda files, job: ckpt.leaf_block(files, job[0], job[1], job[2])
+  _run(jobs, READ_BUDGET_BYTES, read, lambda job, block: set_path(state, job[0].path, block))
   return cfg, state
 
 
-def _run(ckpt: Checkpoint, jobs, budget: int, done) -> None:
-  """Read `jobs` on a thread pool, calling `done(job, block)` in order; blocks read but not yet handed to
+def _run(jobs, budget: int, read, done) -> None:
+  """`read(files, job)` on a thread pool, `done(job, block)` in order; blocks read but not yet handed to
   `done` never total more than `budget` bytes (or one block, when a single block is larger)."""
   with ShardFiles() as files, ThreadPoolExecutor(_READ_THREADS) as pool:
     pending: collections.deque = collections.deque()
@@ -186,7 +297,7 @@ def _run(ckpt: Checkpoint, jobs, budget: int, done) -> None:
         first, fut = pending.popleft()
         done(first, fut.result())
         in_flight -= first[4]
-      pending.append((job, pool.submit(ckpt.leaf_block, files, job[0], job[1], job[2])))
+      pending.append((job, pool.submit(read, files, job)))
       in_flight += job[4]
     while pending:
       first, fut = pending.popleft()

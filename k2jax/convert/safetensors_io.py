@@ -151,14 +151,23 @@ class ShardFiles:
     self.close()
 
 
-def read_block(files: ShardFiles, t: TensorInfo, bounds: tuple[tuple[int, int], ...]) -> np.ndarray:
-  """`t[lo0:hi0, lo1:hi1]` (or its 1-D form) in the file's dtype, reading only those bytes."""
+def read_block(
+  files: ShardFiles, t: TensorInfo, bounds: tuple[tuple[int, int], ...], into: np.ndarray | None = None
+) -> np.ndarray:
+  """`t[lo0:hi0, lo1:hi1]` (or its 1-D form) in the file's dtype, reading only those bytes; into `into`
+  (a C-contiguous array of the block's shape, any dtype of the same item size) when given."""
   if len(bounds) != len(t.shape) or len(bounds) not in (1, 2):
     raise ValueError(f"read_block: {t.key} has shape {list(t.shape)}, got bounds {bounds}")
   isz = t.np_dtype.itemsize
   fd = files.fd(t.file)
   shape = tuple(hi - lo for lo, hi in bounds)
-  out_u8 = np.empty((shape[0], (shape[1] if len(shape) == 2 else 1) * isz), np.uint8)
+  rows_u8 = (shape[0], (shape[1] if len(shape) == 2 else 1) * isz)
+  if into is None:
+    out_u8 = np.empty(rows_u8, np.uint8)
+  else:
+    if into.shape != shape or into.dtype.itemsize != isz or not into.flags.c_contiguous:
+      raise ValueError(f"read_block: {t.key}: buffer {into.shape} {into.dtype} does not fit block {shape} {t.dtype}")
+    out_u8 = into.view(np.uint8).reshape(rows_u8)
   if len(shape) == 1:
     read_into(fd, t, memoryview(out_u8.reshape(-1)), t.offset + bounds[0][0] * isz)
     return out_u8.reshape(-1).view(t.np_dtype)

@@ -53,7 +53,7 @@ from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
 from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.train import core
 from k2jax.train.checkpoint import merge_dicts
-from k2jax.train.config import MeshSpec, mesh_shape, mesh_spec
+from k2jax.train.config import ON_UNREADABLE, MeshSpec, mesh_shape, mesh_spec
 from k2jax.train.counting import flops_per_token
 from k2jax.train.dryrun import plan_report
 from k2jax.train.init_from import EXEC_FIELDS, check_workdir_model, resolve_model
@@ -95,6 +95,7 @@ class LearnerConfig:
   checkpoint_every: int
   checkpoint_keep: int
   checkpoint_async: bool
+  checkpoint_on_unreadable: str  # "error" | "fresh" (k2jax.train.checkpoint.restore_latest)
   tensorboard: bool
   eval_every: int
   log_rollouts: bool = False  # every sample's tokens and loss mask to W/rollouts.jsonl
@@ -163,10 +164,13 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     bias_update_rate=c.optim.bias_update_rate,
     updates_per_batch=c.optim.updates_per_batch,
     seq_len=c.train.seq_len,
-    sync=WeightSyncConfig(c.sync.root or os.path.join(workdir, "weights"), keep_last=c.sync.keep_last),
+    sync=WeightSyncConfig(
+      c.sync.root or os.path.join(workdir, "weights"), keep_last=c.sync.keep_last, dtype=c.sync.dtype or None
+    ),
     checkpoint_every=c.checkpoint.every,
     checkpoint_keep=c.checkpoint.keep,
     checkpoint_async=c.checkpoint.async_save,
+    checkpoint_on_unreadable=c.checkpoint.on_unreadable,
     tensorboard=c.log.tensorboard,
     eval_every=c.eval.every,
     log_rollouts=c.log.rollouts,
@@ -185,6 +189,7 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     ("warm_start.steps", lc.warm_start_steps >= 0),
     ("checkpoint.every", lc.checkpoint_every >= 1),
     ("checkpoint.keep", lc.checkpoint_keep >= 1),
+    ("checkpoint.on_unreadable", lc.checkpoint_on_unreadable in ON_UNREADABLE),
     ("train.seq_len", 2 <= lc.seq_len <= model.max_position_embeddings),
     ("rollout.engine_url", all(u.startswith(("http://", "https://")) for u in (lc.engine_url,) + lc.worker_urls if u)),
     ("rollout.worker_urls", not lc.worker_urls or bool(lc.engine_url)),
@@ -286,6 +291,7 @@ class Learner:
       workdir=self.workdir,
       keep=lc.checkpoint_keep,
       async_save=lc.checkpoint_async,
+      on_unreadable=lc.checkpoint_on_unreadable,
     )
     self.state = self.core.state
     self.meta = {"iteration": 0, "weight_version": 0, "prompts_drawn": 0, "warm_start_done": False}

@@ -10,13 +10,20 @@
 
 Saves are asynchronous (arrays are copied to host, then written in the background); a step directory
 appears only once complete, so a crash mid-write leaves the previous checkpoints intact. The restore
-order lives in `restore_latest`: newest step first; a step that fails to read is reported by path,
-moved to `W/checkpoints_corrupt/` and the next older one is tried. Arrays restore straight into the
-target shardings, so a checkpoint written on one mesh shape restores onto another.
+order lives in `restore_latest`: newest step first; a step that fails to read is reported by path and
+the next older one is tried. Once one restores, the newer unreadable ones are moved to
+`W/checkpoints_corrupt/` (later saves of those step numbers must not collide with them). When none
+restores, nothing is moved: `UnreadableCheckpoints` names each one and why it failed, unless the run asked
+for `checkpoint.on_unreadable='fresh'`, which moves them all aside and starts from step 0.
+
+Arrays restore straight into the target shapes, shardings and dtypes, so a checkpoint written on one
+mesh shape restores onto another, and one written with another `model.param_dtype` is cast (params and
+optimizer state alike, to the dtypes a fresh run with this config would have; a log line says so).
 """
 
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import logging
@@ -28,9 +35,16 @@ from typing import Any, NamedTuple
 import grain
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from k2jax.convert import workdir as wd
+from k2jax.train.config import ON_UNREADABLE
+from k2jax.train.metrics import say
 from k2jax.train.step import TrainState
+
+
+class UnreadableCheckpoints(RuntimeError):
+  """Every checkpoint of a workdir failed to restore (and the run did not ask to start fresh)."""
 
 
 class Restored(NamedTuple):
@@ -87,22 +101,48 @@ class Checkpointer:
     self.mgr.wait_until_finished()
     self.mgr.close()
 
-  def restore_latest(self, abstract: TrainState, data_iter=None) -> Restored | None:
-    """Restore the newest readable checkpoint into `abstract`'s shapes and shardings (None if none);
-    `data_iter` (when given) is restored in place."""
+  def restore_latest(self, abstract: TrainState, data_iter=None, *, on_unreadable: str) -> Restored | None:
+    """Restore the newest readable checkpoint into `abstract`'s shapes, shardings and dtypes; None when
+    there is none. `data_iter` (when given) is restored in place. When checkpoints exist but none restores:
+    `on_unreadable='error'` raises UnreadableCheckpoints (nothing moved), `'fresh'` moves them aside."""
+    if on_unreadable not in ON_UNREADABLE:
+      raise ValueError(f"checkpoint.on_unreadable: one of {ON_UNREADABLE}, got {on_unreadable!r}")
+    start = data_iter.get_state() if data_iter is not None else None  # a failed attempt may have moved it
+    failed: list[tuple[int, str]] = []
     for step in sorted(self.mgr.all_steps(), reverse=True):
-      path = os.path.join(self.directory, str(step))
       try:
-        return self._restore(step, abstract, data_iter)
+        restored = self._restore(step, abstract, data_iter)
       except Exception as e:  # orbax/tensorstore raise many types for truncated or corrupt files.
-        logging.error(
-          "checkpoint %s is unreadable (%s: %s); falling back to the previous one",
-          path,
-          type(e).__name__,
-          str(e).splitlines()[0] if str(e) else "",
+        failed.append((step, _why(e)))
+        logging.error("checkpoint %s is unreadable (%s)", self._path(step), failed[-1][1])
+        continue
+      if failed:
+        say(
+          f"checkpoint(s) {', '.join(self._path(s) for s, _ in failed)} unreadable; resuming from the newest "
+          f"readable one, {self._path(step)}"
         )
-        self._quarantine(step)
+      for bad, _ in failed:
+        self._quarantine(bad)
+      return restored
+    if not failed:
+      return None
+    listing = "\n".join(f"  {self._path(s)}: {why}" for s, why in failed)
+    if on_unreadable == "error":
+      raise UnreadableCheckpoints(
+        f"no checkpoint in {self.directory} restores; nothing was moved or overwritten:\n{listing}\n"
+        "Fix the cause above (a config that changed the model's shapes, a missing or damaged file), or start "
+        "over from step 0 with --config.checkpoint.on_unreadable=fresh (moves them to "
+        f"{os.path.join(self.workdir, 'checkpoints_corrupt')})"
+      )
+    say(f"no checkpoint restores (checkpoint.on_unreadable='fresh'): starting from step 0\n{listing}")
+    for bad, _ in failed:
+      self._quarantine(bad)
+    if data_iter is not None:
+      data_iter.set_state(start)
     return None
+
+  def _path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
 
   def _restore(self, step: int, abstract: TrainState, data_iter) -> Restored:
     model_abs = merge_dicts(abstract.params, abstract.bias)
@@ -122,6 +162,12 @@ class Checkpointer:
     saved_step = out["meta"].get("checkpoint_step", int(state.step))
     if saved_step != step:
       raise ValueError(f"meta.checkpoint_step={saved_step} does not match the directory step {step}")
+    cast = _dtype_changes(os.path.join(self._path(step), "model"), model_abs)
+    if cast:
+      say(
+        f"checkpoint {self._path(step)}: model stored as {cast}; restored cast to this run's model.param_dtype, "
+        "the optimizer state cast to match (the dtypes a fresh run of this config has)"
+      )
     return Restored(state, dict(out["meta"]), data_ok)
 
   def _data_matches(self, step: int) -> bool:
@@ -156,6 +202,22 @@ class Checkpointer:
       multihost_utils.sync_global_devices(f"quarantine_{step}")
     self.mgr.close()
     self.mgr = self._manager()
+
+
+def _dtype_changes(item_dir: str, target: Any) -> str:
+  """'float32 -> bfloat16 (31 arrays)' for the stored arrays whose dtype differs from `target`'s; '' if none."""
+  stored = jax.tree_util.tree_flatten_with_path(ocp.StandardCheckpointHandler().metadata(epath.Path(item_dir)))[0]
+  want = {jax.tree_util.keystr(p): x.dtype for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+  pairs = collections.Counter(
+    (str(m.dtype), str(want[k])) for p, m in stored if (k := jax.tree_util.keystr(p)) in want and m.dtype != want[k]
+  )
+  return ", ".join(f"{a} -> {b} ({n} arrays)" for (a, b), n in sorted(pairs.items()))
+
+
+def _why(e: Exception) -> str:
+  """`Type: first line` of an exception (orbax's messages run to pages)."""
+  first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def merge_dicts(a: dict, b: dict) -> dict:

@@ -18,6 +18,8 @@ from k2jax import sharding
 from k2jax.model import presets
 from k2jax.model.config import ConfigError, K2Config
 
+ON_UNREADABLE = ("error", "fresh")  # checkpoint.on_unreadable (k2jax.train.checkpoint.restore_latest)
+
 DATA_KINDS = ("pretrain", "sft")
 
 
@@ -66,6 +68,7 @@ class CheckpointSpec:
   async_save: bool
   init_from: str
   read_budget_bytes: int
+  on_unreadable: str  # every checkpoint unreadable: "error" (stop, nothing moved) | "fresh" (start at step 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +182,11 @@ def _validate(tc: TrainConfig) -> None:
   _need(tc.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
   _need(tc.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
   _need(tc.checkpoint.read_budget_bytes >= 1, "checkpoint.read_budget_bytes", "must be >= 1")
+  _need(
+    tc.checkpoint.on_unreadable in ON_UNREADABLE,
+    "checkpoint.on_unreadable",
+    f"one of {ON_UNREADABLE}, got {tc.checkpoint.on_unreadable!r}",
+  )
   _need(tc.log.every_steps >= 1, "log.every_steps", "must be >= 1")
   _need(tc.log.spike_window >= 1, "log.spike_window", "must be >= 1")
 
@@ -202,9 +210,9 @@ def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[s
     found = glob.glob(tc.data.path) if glob.has_magic(tc.data.path) else [tc.data.path]
     _need(bool(found) and all(os.path.isfile(p) for p in found), "data.path", f"no data file at {tc.data.path!r}")
   if tc.data.tokenizer_path:
-    _need(
-      os.path.isfile(tc.data.tokenizer_path), "data.tokenizer_path", f"no tokenizer file at {tc.data.tokenizer_path!r}"
-    )
+    tok = tc.data.tokenizer_path  # a rank file, or a Kimi-K2 HF directory holding tiktoken.model
+    ok = os.path.isfile(tok) or os.path.isfile(os.path.join(tok, "tiktoken.model"))
+    _need(ok, "data.tokenizer_path", f"no tokenizer file at {tok!r} (nor {os.path.join(tok, 'tiktoken.model')!r})")
   if tc.checkpoint.init_from:
     _need(
       os.path.isdir(tc.checkpoint.init_from), "checkpoint.init_from", f"no directory at {tc.checkpoint.init_from!r}"

@@ -129,12 +129,15 @@ def build(
   workdir: str,
   keep: int,
   async_save: bool,
+  on_unreadable: str,
   data_iter=None,
   offload_opt_state: bool = False,
 ) -> Core:
   """Mesh -> abstract state and shardings -> restore the newest readable checkpoint of `workdir` (or
   initialise: `init_from`'s weights, else random with `seed`). Nothing unsharded is ever allocated.
-  `data_iter` (a grain iterator) is restored in place when the checkpoint holds its position."""
+  `data_iter` (a grain iterator) is restored in place when the checkpoint holds its position.
+  `on_unreadable`: when checkpoints exist but none restores, "error" raises `UnreadableCheckpoints`
+  before anything is moved; "fresh" moves them aside and initialises (`Checkpointer.restore_latest`)."""
   mesh = sharding.make_mesh(mesh_shape)
   lay = layout(model, optimizer, mesh=mesh, preset=preset, seed=seed, offload_opt_state=offload_opt_state)
   with lay.use():
@@ -142,7 +145,9 @@ def build(
       wd.write_model_config(model, workdir)
     ckpt = Checkpointer(workdir, keep=keep, async_save=async_save)
     # Restored (or initialised) in device memory, then placed: an offloaded optimizer state moves to host.
-    restored = ckpt.restore_latest(abstract_like(lay.abstract_state, lay.device_shardings), data_iter)
+    restored = ckpt.restore_latest(
+      abstract_like(lay.abstract_state, lay.device_shardings), data_iter, on_unreadable=on_unreadable
+    )
     if restored is None:
       state = initial_state(model, init_from, lay.make, optimizer, lay.device_shardings, read_budget_bytes)
       meta, step, data_ok = {}, None, False

@@ -54,6 +54,7 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
     workdir=workdir,
     keep=tc.checkpoint.keep,
     async_save=tc.checkpoint.async_save,
+    on_unreadable=tc.checkpoint.on_unreadable,
     data_iter=it,
     offload_opt_state=tc.optim.offload_state,
   )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import sys
 import time
@@ -138,18 +139,67 @@ class MetricsLogger:
     self._file.close()
 
 
+class MetricsFileError(ValueError):
+  """A metrics.jsonl line that is not a record, among the records a resume keeps."""
+
+
 def truncate_after(path: str, step: int) -> None:
-  """Drop lines logged after `step` (a run killed past its last checkpoint re-runs those steps)."""
+  """Drop lines logged after `step` (a run killed past its last checkpoint re-runs those steps).
+
+  A crash while a line is written (full disk, power loss) leaves the last line torn: partial JSON, no
+  newline, or NUL bytes where the filesystem grew the file but never wrote its data. Such a last line is
+  dropped with a warning. A damaged line with records after it cannot come from a crash of this writer
+  (whole lines are appended, and the tail is repaired here before every append), except a filesystem losing
+  a block of unsynced appends; so a damaged line after a record past `step` (it would be dropped anyway)
+  goes with the dropped lines, with a warning, and any other is an error naming the file and line:
+  dropping it could silently lose the record of a step that is not re-run. Kept lines are copied
+  byte for byte; the file is replaced atomically.
+  """
   if not os.path.exists(path):
     return
-  with open(path) as f:
-    lines = f.readlines()
-  keep = [l for l in lines if l.strip() and json.loads(l).get("step", 0) <= step]
-  if len(keep) != len(lines):
+  with open(path, "rb") as f:
+    data = f.read()
+  lines = data.split(b"\n")
+  if lines[-1] == b"":  # the file ended with a newline
+    lines.pop()
+  # Steps never decrease down the file, so a line after a record past `step` would be dropped as well.
+  keep, prev = [], None  # prev: the step of the last record read
+  for i, line in enumerate(lines, 1):
+    rec = _record(line)
+    if rec is not None:
+      prev = rec["step"]
+      if prev <= step:
+        keep.append(line + b"\n")
+      continue
+    if not line.strip():
+      continue  # a blank line holds no record
+    if i == len(lines):
+      logging.warning("%s:%d: dropped a torn last line (a crash mid-write): %r", path, i, line[:120])
+    elif prev is not None and prev > step:
+      logging.warning("%s:%d: dropped a damaged line among those logged after step %d: %r", path, i, step, line[:120])
+    else:
+      raise MetricsFileError(
+        f"{path}:{i}: not a metrics record ({line[:120]!r}); not the last line, so not a torn tail, and it may "
+        f"hold a step up to {step}, which this resume keeps; fix or delete that line (or move the file aside)"
+      )
+  out = b"".join(keep)
+  if out != data:
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(keep)
+    with open(tmp, "wb") as f:
+      f.write(out)
+      f.flush()
+      os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _record(line: bytes) -> dict | None:
+  """The metrics record on `line`, or None when it is not one (torn, NUL-filled, not JSON, no int step)."""
+  try:
+    rec = json.loads(line.decode("utf-8"))
+  except (UnicodeDecodeError, ValueError):
+    return None
+  ok = isinstance(rec, dict) and isinstance(rec.get("step"), int) and not isinstance(rec["step"], bool)
+  return rec if ok else None
 
 
 def to_record(step: int, fetched: dict, *, tokens_per_sec: float, mfu: float) -> dict:

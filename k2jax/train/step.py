@@ -112,7 +112,11 @@ def apply_update(
   def update(opt_state, grads):
     if offloaded:
       opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
-    updates, opt_state = optimizer.update(grads, opt_state, state.params, max_logits=aux["max_logits"])
+    updates, new = optimizer.update(grads, opt_state, state.params, max_logits=aux["max_logits"])
+    # The state keeps the dtypes optax gave it at init (its moments follow `model.param_dtype`): float32
+    # gradients of bfloat16 params (normalised by a float32 token count) would otherwise promote them, and
+    # the two branches of the cond, and a donated state, must agree on dtypes.
+    opt_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new, opt_state)
     return updates, jax.device_put(opt_state, jax.memory.Space.Host) if offloaded else opt_state
 
   def skip(opt_state, grads):

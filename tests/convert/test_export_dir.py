@@ -1,13 +1,12 @@
 """Exports replace only what k2jax wrote, atomically; loading rejects layer mismatches and path escapes."""
 
 import json
+import logging
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -101,13 +100,119 @@ def test_reexport_replaces_only_an_unchanged_export(tmp_path):
   assert os.path.isfile(os.path.join(w, "checkpoints", "100", "commit_success.txt"))
 
 
+def _expect_refused(tmp_path, hf, before, new_state):
+  """The swap was refused: `hf` holds the old export plus the user's file, the new one is complete beside it."""
+  assert _tree(hf) == before
+  (new,) = [n for n in os.listdir(tmp_path) if n != "hf"]  # no hidden temp or old siblings either
+  assert new.startswith("hf.k2jax-new.")
+  assert export_dir.is_export(str(tmp_path / new))
+  _, got = hf_io.load_hf(str(tmp_path / new))
+  np.testing.assert_array_equal(got["embed"]["embedding"], new_state["embed"]["embedding"])
+  return str(tmp_path / new)
+
+
+@pytest.mark.parametrize("when", ["while_writing", "before_exchange", "before_two_renames"])
+def test_a_file_written_into_the_old_export_during_an_export_is_never_deleted(tmp_path, monkeypatch, when):
+  """A user's file lands in the old export while the new one is written (or in the instant before the
+  swap): the swap is refused naming it, nothing is replaced or deleted, and the new export is kept."""
+  cfg, a = _numpy_state(0)
+  _, b = _numpy_state(1)
+  hf = str(tmp_path / "hf")
+  hf_io.save_hf(cfg, a, hf)
+
+  def user_writes():
+    with open(os.path.join(hf, "NOTES.md"), "w") as f:
+      f.write("my eval results")
+
+  if when == "while_writing":  # the new export's files are written, its swap not yet checked
+    real_fsync = export_dir._fsync_tree
+    monkeypatch.setattr(export_dir, "_fsync_tree", lambda root: (user_writes(), real_fsync(root)))
+  else:  # after the pre-swap check: the exchange (or the first of two renames) moves the file out of hf
+    real_exchange = export_dir._exchange
+    calls = []
+
+    def exchange(x, y):
+      if not calls:
+        user_writes()
+      calls.append((x, y))
+      return real_exchange(x, y) if when == "before_exchange" else False
+
+    monkeypatch.setattr(export_dir, "_foreign", _after_first_check(export_dir._foreign))
+    monkeypatch.setattr(export_dir, "_exchange", exchange)
+  with pytest.raises(ExportError, match=r"hf: files k2jax did not write appeared there while the export ran: NOTES.md"):
+    hf_io.save_hf(cfg, b, hf)
+  user_writes()  # what hf held before the refused swap (the old export and the note)
+  before = _tree(hf)
+  new = _expect_refused(tmp_path, hf, before, b)
+  _, got = hf_io.load_hf(hf)
+  np.testing.assert_array_equal(got["embed"]["embedding"], a["embed"]["embedding"])
+  # The user moves their note out: the next export replaces the old one.
+  monkeypatch.undo()
+  os.rename(os.path.join(hf, "NOTES.md"), str(tmp_path / "NOTES.md"))
+  hf_io.save_hf(cfg, b, hf)
+  assert sorted(os.listdir(tmp_path)) == sorted(["hf", os.path.basename(new), "NOTES.md"])
+
+
+def _after_first_check(real):
+  """`_foreign` that sees nothing foreign on its first call (the pre-swap check ran before the user wrote)."""
+  seen = []
+
+  def foreign(path):
+    seen.append(path)
+    return [] if len(seen) == 1 else real(path)
+
+  return foreign
+
+
+def test_a_file_left_in_the_swapped_out_export_is_kept(tmp_path, monkeypatch, caplog):
+  """A file that reaches the old export after the swap's checks (through a handle opened inside it) is
+  not deleted with it: the rest goes, that file is kept beside the new export, with a warning."""
+  cfg, a = _numpy_state(0)
+  _, b = _numpy_state(1)
+  hf = str(tmp_path / "hf")
+  hf_io.save_hf(cfg, a, hf)
+  real_remove = export_dir.remove_export
+
+  def remove(path, dst):
+    os.makedirs(os.path.join(path, "runs"))
+    with open(os.path.join(path, "runs", "log.txt"), "w") as f:
+      f.write("written through an open handle")
+    real_remove(path, dst)
+
+  monkeypatch.setattr(export_dir, "remove_export", remove)
+  with caplog.at_level(logging.WARNING):
+    hf_io.save_hf(cfg, b, hf)
+  _, got = hf_io.load_hf(hf)
+  np.testing.assert_array_equal(got["embed"]["embedding"], b["embed"]["embedding"])
+  (kept,) = [n for n in os.listdir(tmp_path) if n != "hf"]
+  assert kept.startswith("hf.k2jax-kept.")
+  assert _tree(tmp_path / kept) == {os.path.join("runs", "log.txt"): b"written through an open handle"}
+  assert f"kept them at {tmp_path / kept}" in caplog.text and "runs/log.txt" in caplog.text
+
+
+def test_a_dead_writers_swapped_out_export_is_cleaned_by_its_list(tmp_path):
+  """A writer killed after its swap leaves the old export in its temp sibling: the next write deletes the
+  files k2jax wrote and keeps anything else."""
+  cfg, a = _numpy_state(0)
+  hf = str(tmp_path / "hf")
+  hf_io.save_hf(cfg, a, hf)
+  stale = tmp_path / f".k2jax-tmp-hf.{socket.gethostname()}.{_dead_pid()}.0123abcd"
+  hf_io.save_hf(cfg, a, str(stale))  # an old export, marker and all
+  (stale / "mine.txt").write_text("not k2jax's")
+  assert sorted(os.listdir(tmp_path)) == sorted(["hf", stale.name])
+  hf_io.save_hf(cfg, a, hf)
+  (kept,) = [n for n in os.listdir(tmp_path) if n != "hf"]
+  assert kept.startswith("hf.k2jax-kept.") and _tree(tmp_path / kept) == {"mine.txt": b"not k2jax's"}
+
+
 def test_exports_from_before_the_marker_are_recognised(tmp_path):
   cfg, a = _numpy_state(0)
   hf = str(tmp_path / "hf")
   hf_io.save_hf(cfg, a, hf)
   os.remove(os.path.join(hf, export_dir.MARKER))
   assert export_dir.is_export(hf)
-  hf_io.save_hf(cfg, a, hf)
+  hf_io.save_hf(cfg, a, hf)  # marked just before the swap, then deleted by that list: nothing left over
+  assert sorted(os.listdir(tmp_path)) == ["hf"] and export_dir.is_export(hf)
   # The same file names with a published (not k2jax-dumped) config.json are someone else's.
   other = str(tmp_path / "published")
   hf_golden.write_hf_dir(other, CFG, hf_golden.random_hf_state(CFG, 0))

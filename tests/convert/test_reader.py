@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 
 import k2jax
 from k2jax import sharding
-from k2jax.convert import fp8
+from k2jax.convert import fp8, reader
 from k2jax.convert import hf as hf_io
 from k2jax.convert.errors import CheckpointError
 from k2jax.convert.layout import entries
@@ -66,13 +66,16 @@ def test_fp8_loads_bitwise_equal_to_numpy_dequantization(fp8_dir, fp8_state):
   assert np.all(zero[:128, :48] == 0) and np.all(np.isfinite(zero))
 
 
-def test_sharded_read_equals_host_read_and_bf16_params(fp8_dir):
-  """Onto 8 devices with `fsdp_ep` (slices not 128-aligned: kv_lora 136 / 2 = 68), and cast to bf16."""
+@pytest.mark.slow  # compile-bound
+def test_sharded_read_equals_host_read_and_bf16_params(fp8_dir, monkeypatch):
+  """Onto 8 devices with `fsdp_ep` (slices not 128-aligned: kv_lora 136 / 2 = 68), and cast to bf16;
+  every block converted on the device (`_convert`), as a real model's large blocks are."""
+  monkeypatch.setattr(reader, "DEVICE_CONVERT_BYTES", 0)
   _, host = hf_io.load_hf(fp8_dir)
   cfg = hf_io.read_config(fp8_dir, param_dtype="bfloat16")
   mesh = sharding.make_mesh({"fsdp": 2, "expert": 4})
   shardings = _shardings(cfg, mesh)
-  got = k2jax.api.source_state(fp8_dir, cfg, shardings, read_budget_bytes=64 << 10)
+  got = k2jax.api.source_state(fp8_dir, cfg, shardings, read_budget_bytes=4096)  # expert slices arrive in pieces
   for path, leaf in _flat(got):
     assert leaf.sharding == _get(shardings, path), path
     want = _get(host, path)
@@ -80,6 +83,7 @@ def test_sharded_read_equals_host_read_and_bf16_params(fp8_dir):
     assert leaf.dtype == want.dtype and np.asarray(leaf).tobytes() == want.tobytes(), path
 
 
+@pytest.mark.slow  # compile-bound
 def test_fp8_logits_equal_dequantized_bf16_twin(fp8_dir, fp8_state, tmp_path):
   ref = kimi_dir.dequantized(fp8_state)
   twin = {k: (v if k.endswith("correction_bias") else v.astype(ml_dtypes.bfloat16)) for k, v in ref.items()}
@@ -147,6 +151,7 @@ ALIGNED = dict(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _have_transformers_fp8(), reason="torch/transformers/accelerate not installed")
 def test_transformers_loads_the_same_fp8_directory(tmp_path):
   """transformers 5.x on CPU dequantizes FP8 checkpoints itself (no GPU: dequantize=True): its weights
@@ -307,3 +312,23 @@ def test_overlay_applies_an_fp8_weight_push(fp8_dir, tmp_path):
     new["moe_layers"]["moe"]["experts"]["w_down"][0, 4].tobytes()
     == state["moe_layers"]["moe"]["experts"]["w_down"][0, 4].tobytes()
   )
+
+
+@pytest.mark.slow  # compile-bound (optimizer init)
+def test_init_from_the_fp8_release_layout_onto_a_training_mesh(fp8_dir):
+  """`init_from=<Kimi FP8 dir>` (pretraining/SFT `checkpoint.init_from`, RL `model.init_from`): the
+  architecture comes from its config.json, the step-0 params from the reader, straight onto the mesh."""
+  from k2jax.model import presets
+  from k2jax.optim import QKClipSpec, muonclip
+  from k2jax.train import core
+  from k2jax.train.init_from import initial_state, resolve_model
+
+  cfg = resolve_model(presets.get("tiny"), fp8_dir, key="checkpoint.init_from")
+  assert (cfg.hidden_size, cfg.model_type) == (CFG["hidden_size"], "kimi_k2")
+  opt = muonclip(1e-2, qk_clip_spec=QKClipSpec.from_config(cfg))
+  lay = core.layout(cfg, opt, mesh=sharding.make_mesh({"fsdp": 2, "expert": 4}), preset="fsdp_ep", seed=0)
+  state = initial_state(cfg, fp8_dir, lay.make, opt, lay.shardings, read_budget_bytes=1 << 16)
+  _, host = hf_io.load_hf(fp8_dir)
+  for path, want in _flat(host):
+    tree = state.bias if path[-1] == "bias" else state.params
+    assert np.asarray(_get(tree, path)).tobytes() == want.tobytes(), path

@@ -96,18 +96,18 @@ def test_unknown_rope_type():
 def test_export_is_atomic_on_failure(tmp_path, monkeypatch):
   model = k2jax.load(_write(tmp_path))
   dst = str(tmp_path / "export")
-  import k2jax.convert.hf as hf_io
+  from k2jax.convert import st_stream
 
   calls = {"n": 0}
-  real = hf_io.save_file
+  real = st_stream.SafetensorsStream._submit
 
-  def failing(*a, **k):
+  def failing(self, *a, **k):  # the writer's file writes: the 20th block fails (mid-export)
     calls["n"] += 1
-    if calls["n"] == 2:
+    if calls["n"] == 20:
       raise OSError("disk full")
-    return real(*a, **k)
+    return real(self, *a, **k)
 
-  monkeypatch.setattr(hf_io, "save_file", failing)
+  monkeypatch.setattr(st_stream.SafetensorsStream, "_submit", failing)
   with pytest.raises(OSError, match="disk full"):
     k2jax.save_hf(model, dst, max_shard_bytes=50_000)
   assert not os.path.exists(dst)

@@ -24,7 +24,7 @@ def _truncate_tree(path):
 
 
 @pytest.mark.slow
-def test_sigterm_corrupt_fallback_and_new_mesh(tmp_path, monkeypatch, caplog):
+def test_sigterm_corrupt_fallback_and_new_mesh(tmp_path, monkeypatch, caplog, capsys):
   workdir = str(tmp_path / "w")
   calls = {"n": 0}
   real_to_global = inputs.to_global
@@ -43,6 +43,7 @@ def test_sigterm_corrupt_fallback_and_new_mesh(tmp_path, monkeypatch, caplog):
   assert sorted(os.listdir(ckpts), key=int) == ["2", "4", "5"]
   assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
   monkeypatch.setattr(inputs, "to_global", real_to_global)
+  capsys.readouterr()
 
   _truncate_tree(os.path.join(ckpts, "5", "model"))
   cfg = _util.tiny_config(
@@ -59,6 +60,8 @@ def test_sigterm_corrupt_fallback_and_new_mesh(tmp_path, monkeypatch, caplog):
   with caplog.at_level(logging.ERROR):
     out = loop.run(cfg, workdir)
   assert f"checkpoint {os.path.join(ckpts, '5')} is unreadable" in caplog.text
+  fell_back = f"unreadable; resuming from the newest readable one, {os.path.join(ckpts, '4')}"
+  assert f"checkpoint(s) {os.path.join(ckpts, '5')} {fell_back}" in capsys.readouterr().out
   assert os.path.isdir(os.path.join(workdir, "checkpoints_corrupt", "5"))
   assert out["step"] == 8 and np.isfinite(out["loss"])
   rows = _util.metrics(workdir)

@@ -37,6 +37,7 @@ def no_compile(monkeypatch):
     ({"model.num_experts_per_tok": 99}, "num_experts_per_tok"),
     ({"data.seq_len": 4096}, "data.seq_len"),
     ({"checkpoint.init_from": "/nonexistent/run"}, "checkpoint.init_from"),
+    ({"checkpoint.on_unreadable": "skip"}, "checkpoint.on_unreadable"),
   ],
 )
 def test_bad_values_name_the_key(no_compile, tmp_path, override, key):

@@ -121,7 +121,7 @@ def test_offloaded_optimizer_state_places_saves_and_restores(tmp_path):
   ckpt.save(3, placed, None, {})
   ckpt.wait()
   for shardings, kind in ((off.device_shardings, "device"), (off.shardings, "pinned_host")):
-    back = ckpt.restore_latest(abstract_like(lay.abstract_state, shardings)).state
+    back = ckpt.restore_latest(abstract_like(lay.abstract_state, shardings), on_unreadable="error").state
     assert {x.sharding.memory_kind for x in jax.tree.leaves(back.opt_state)} == {kind}
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(want)):
       np.testing.assert_array_equal(np.asarray(a), b)

@@ -1,0 +1,158 @@
+"""HF export benchmark: the one writer (`k2jax.convert.writer.save_hf`) against raw writes of the same bytes.
+
+The export half of `bench/checkpoint_io.py` (which prints these rows after its import rows; `--rows=export`
+runs only them); standalone:
+Run: python bench/checkpoint_export.py [--preset small] [--param_dtype bfloat16] [--reps 5] [--dir /tmp/...]
+One process, one CPU device. Four timings per rep, interleaved (A B C D A B C D ..., after one untimed round), on the same state:
+  export_bf16  save_hf(dtype='bfloat16'): plan, per-tensor streamed safetensors, index, config.json, the
+               atomic swap (its files fsynced, as an export is)
+  raw_bf16     one sequential write of the same number of bytes (a 64 MiB buffer over and over) + fsync
+  export_fp8   save_hf(dtype='fp8'): the same, block-FP8 (numpy `fp8.quantize` per 128-row slab, on the host)
+  raw_fp8      raw write + fsync of the FP8 export's bytes
+Prints key=value lines; the ratios are per-rep throughput ratios (raw seconds / export seconds, median
+with min-max spread):
+  export_over_raw_write_bf16=   (target >= 0.7)
+  export_over_raw_write_fp8=    (target >= 0.7)
+plus the bytes, the GB/s of each path, the export's GB per CPU-second of this process (what one free
+core sustains: the figure to scale from on a machine whose disk and cores are shared), fp8_over_bf16_bytes (what an FP8 weight push saves) and the FP8
+quantize rate alone (`quantize_Melem_per_s`, one [moe_intermediate, hidden] expert weight at a time),
+the rates BUILD.md's pod estimates are computed from. An `os.sync()` before each timing (outside it)
+flushes what the previous one left dirty. The weights are a cheap deterministic fill (random init of
+the small preset takes minutes on a CPU host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from bench import interleave  # noqa: E402
+from k2jax.convert import fp8, writer  # noqa: E402
+from k2jax.model import K2Model, presets  # noqa: E402
+
+KIMI_FP8_BYTES = 958.51 * 2**30  # the release on disk (reference §1.4); an FP8 export has the same layout
+V5P_1024_HOSTS = 128  # 512 chips, 4 per host
+
+
+def filled_state(cfg) -> dict:
+  """The model's pure state dict, each leaf a distinct sine pattern (one small program per leaf)."""
+  abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0)))))
+  leaves, treedef = jax.tree.flatten(abstract)
+
+  def fill(a, i):
+    x = jnp.sin(jax.lax.iota(jnp.float32, a.size) * (0.37 + 1e-3 * i)) * 0.02
+    return x.astype(a.dtype).reshape(a.shape)
+
+  return jax.tree.unflatten(treedef, [jax.jit(functools.partial(fill, a, i))() for i, a in enumerate(leaves)])
+
+
+def _tensor_bytes(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def _raw_write(path: str, nbytes: int, chunk: np.ndarray) -> None:
+  with open(path, "wb") as f:
+    left = nbytes
+    while left:
+      n = min(left, chunk.nbytes)
+      f.write(chunk.data[:n])
+      left -= n
+    f.flush()
+    os.fsync(f.fileno())
+  os.remove(path)
+
+
+def export_rows(cfg, reps: int, root: str) -> list[str]:
+  """Runs the export half for model config `cfg` (files under `root`); returns (and prints) its lines."""
+  state = filled_state(cfg)
+  dst = {d: os.path.join(root, f"export_{d}") for d in ("bfloat16", "fp8")}
+  chunk = np.ones(64 << 20, np.uint8)
+  raw = os.path.join(root, "raw.bin")
+
+  def synced(fn):
+    def run():
+      os.sync()
+      fn()
+
+    return run
+
+  fns = {
+    "export_bf16": synced(lambda: writer.save_hf(cfg, state, dst["bfloat16"], dtype="bfloat16")),
+    "raw_bf16": synced(lambda: _raw_write(raw, _tensor_bytes(dst["bfloat16"]), chunk)),
+    "export_fp8": synced(lambda: writer.save_hf(cfg, state, dst["fp8"], dtype="fp8")),
+    "raw_fp8": synced(lambda: _raw_write(raw, _tensor_bytes(dst["fp8"]), chunk)),
+  }
+  cpu: dict = {}
+  times = interleave.time_interleaved(fns, reps, cpu=cpu, min_rep_s=0.0)  # its untimed first round: the
+  nbytes = {d: _tensor_bytes(dst[d]) for d in dst}  # exports exist before their raw twins run
+  lines = [
+    f"export: hidden={cfg.hidden_size} layers={cfg.num_hidden_layers} param_dtype={cfg.param_dtype} reps={reps} "
+    f"devices={jax.device_count()} {interleave.load_average()}",
+    f"export_bytes_bf16={nbytes['bfloat16']} export_bytes_fp8={nbytes['fp8']} "
+    f"fp8_over_bf16_bytes={nbytes['fp8'] / nbytes['bfloat16']:.3f}",
+  ]
+  for d, e, r in (("bf16", "export_bf16", "raw_bf16"), ("fp8", "export_fp8", "raw_fp8")):
+    b = nbytes["bfloat16" if d == "bf16" else "fp8"]
+    lines.append(interleave.fmt(f"export_over_raw_write_{d}", interleave.ratio(times, r, e), reps))
+    lines.append(
+      f"export_{d}_GBps={b / statistics.median(times[e]) / 1e9:.3f} raw_{d}_GBps={b / statistics.median(times[r]) / 1e9:.3f} "
+      f"export_{d}_s={interleave.median_ms(times[e])}ms export_{d}_cpu_s={statistics.median(cpu[e]):.2f} "
+      f"export_{d}_GB_per_cpu_s={b / statistics.median(cpu[e]) / 1e9:.3f}"
+    )
+  lines.append(_quantize_rate(cfg, reps))
+  per_host = KIMI_FP8_BYTES / V5P_1024_HOSTS  # each tensor is written once: 1/128 of the export per host
+  fp8_wall, fp8_cpu = (
+    nbytes["fp8"] / statistics.median(times["export_fp8"]),
+    nbytes["fp8"] / statistics.median(cpu["export_fp8"]),
+  )
+  lines.append(
+    f"kimi_k2_v5p1024_export_fp8_bytes_per_host={per_host:.3e} kimi_k2_v5p1024_export_fp8_seconds={per_host / fp8_wall:.0f} "
+    f"(at the measured wall rate) cpu_bound_seconds={per_host / fp8_cpu:.0f} (at the GB per CPU-second; estimated, "
+    "untested on TPU)"
+  )
+  for line in lines:
+    print(line, flush=True)
+  return lines
+
+
+def _quantize_rate(cfg, reps: int) -> str:
+  """`fp8.quantize` alone on one expert weight [moe_intermediate, hidden] (HF layout), Melem/s."""
+  w = (np.sin(np.arange(cfg.moe_intermediate_size * cfg.hidden_size, dtype=np.float32)) * 0.02).reshape(
+    cfg.moe_intermediate_size, cfg.hidden_size
+  )
+  times = interleave.time_interleaved({"q": lambda: fp8.quantize(w)}, reps)["q"]
+  rates = sorted(w.size / t / 1e6 for t in times)
+  return f"quantize_Melem_per_s={statistics.median(rates):.1f} quantize_spread=[{rates[0]:.1f},{rates[-1]:.1f}]"
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--preset", default="small")
+  ap.add_argument("--param_dtype", default="bfloat16")
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--dir", default="")
+  args = ap.parse_args()
+  root = args.dir or tempfile.mkdtemp(prefix="k2jax_export_bench_")
+  cfg = presets.get(args.preset, param_dtype=args.param_dtype, compute_dtype=args.param_dtype)
+  print(f"preset={args.preset}", flush=True)
+  try:
+    export_rows(cfg, args.reps, root)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  main()

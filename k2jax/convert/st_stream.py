@@ -1,0 +1,180 @@
+"""One safetensors file written tensor by tensor, in row blocks, while a writer thread does the I/O.
+
+Used by `k2jax.convert.writer` (the one HF writer). A tensor arrives in the k2jax layout and leaves in
+the HF layout: transposed, cast (float32 / bfloat16) or block-FP8-quantized (`fp8.quantize`, one
+128-row slab at a time, plus its float32 `weight_scale_inv` grid) on the way, with its CRC-32 computed
+over the bytes written. Host memory: the source tensor plus three blocks (the one being prepared, the
+one waiting, the one being written).
+
+Written here rather than with `safetensors.numpy.save_file`: that needs every tensor of a file in memory
+at once, in its final dtype. The header is only known at the end (a caller may drop a tensor it finds
+unchanged), so the space the header of all candidate tensors needs is reserved up front (a header of
+fewer tensors at smaller offsets is never longer) and padded with spaces, as safetensors allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import struct
+import threading
+import zlib
+
+import ml_dtypes
+import numpy as np
+
+from k2jax.convert import fp8
+from k2jax.convert.errors import CheckpointError
+
+ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32", "float8_e4m3fn": "F8_E4M3"}
+OUT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "fp8": fp8.E4M3}
+FP8_BLOCK = (128, 128)  # the release's weight_block_size
+_BLOCK_BYTES = 256 << 10  # rows transposed, cast, CRC'd and written per block (in cache from one to the next)
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+  """One tensor of the file as stored: HF name, safetensors dtype, HF shape, bytes."""
+
+  name: str
+  dtype: str
+  shape: tuple[int, ...]
+  nbytes: int
+
+
+def records(name: str, hf_shape: tuple[int, ...], out: np.dtype) -> list[Record]:
+  """What writing one HF tensor in dtype `out` stores: the tensor, and its scale grid when FP8."""
+  n = int(np.prod(hf_shape, dtype=np.int64))
+  recs = [Record(name, ST_DTYPES[out.name], tuple(hf_shape), n * out.itemsize)]
+  if out == fp8.E4M3:
+    grid = fp8.scale_shape(hf_shape, FP8_BLOCK)
+    recs.append(Record(name + fp8.SCALE_SUFFIX, "F32", grid, grid[0] * grid[1] * 4))
+  return recs
+
+
+class SafetensorsStream:
+  """A safetensors file at `path` that will hold (a subset of) `candidates`, written in their order."""
+
+  def __init__(self, path: str, candidates: list[Record], pipe: Pipe, crc: bool = True):
+    self._dtypes = {r.name: r.dtype for r in candidates}
+    self._reserve = len(header([(r.name, r.dtype, r.shape, r.nbytes) for r in candidates]))
+    self._reserve += -self._reserve % 8  # the data starts 8-byte aligned
+    self._pipe, self._crc = pipe, crc  # crc False: write() returns 0 (an export needs no checksums)
+    self._f = open(path, "wb")
+    self._f.seek(8 + self._reserve)
+    self._written: list[list[tuple[str, tuple[int, ...], int]]] = []  # per write: (name, HF shape, nbytes)
+    self._end = 0  # data bytes written
+
+  def write(self, name: str, a: np.ndarray, transpose: bool, out: np.dtype) -> int:
+    """Appends `a` (k2jax layout; transposed to HF when `transpose`) as dtype `out`; returns the CRC-32 of
+    the bytes stored (the weight and, for FP8, its scale grid)."""
+    hf = a.T if transpose else a
+    rows = hf.reshape(hf.shape[0], -1) if hf.ndim > 1 else hf.reshape(1, -1)
+    if out == fp8.E4M3:
+      crc, recs = self._write_fp8(name, rows)
+    else:
+      crc, recs = self._write_rows(rows, out), [(name, hf.shape, hf.size * out.itemsize)]
+    self._written.append(recs)
+    return crc
+
+  def _write_rows(self, rows: np.ndarray, out: np.dtype) -> int:
+    step = max(1, _BLOCK_BYTES // max(1, rows.shape[1] * max(rows.itemsize, out.itemsize)))
+    crc = 0
+    for i in range(0, rows.shape[0], step):
+      block = np.ascontiguousarray(rows[i : i + step], dtype=out).reshape(-1).view(np.uint8)
+      crc = self._submit(block, crc)
+    return crc
+
+  def _write_fp8(self, name: str, rows: np.ndarray) -> tuple[int, list]:
+    """Block-FP8, one slab of FP8_BLOCK[0] rows at a time (each slab is whole blocks: its scales and
+    codes are those of the whole tensor); the scale grid follows the weight."""
+    grid = np.empty(fp8.scale_shape(rows.shape, FP8_BLOCK), np.float32)
+    crc, b0 = 0, FP8_BLOCK[0]
+    for k, i in enumerate(range(0, rows.shape[0], b0)):
+      try:
+        q, s = fp8.quantize(np.ascontiguousarray(rows[i : i + b0], dtype=np.float32), FP8_BLOCK)  # 1 pass
+      except ValueError as e:  # NaN / inf: no FP8 code and no finite scale stands for them
+        raise CheckpointError(
+          f"tensor {name!r}: rows {i}..{min(i + b0, rows.shape[0]) - 1} hold NaN or inf; block-FP8 cannot "
+          f"represent them ({e}); export refused"
+        ) from e
+      grid[k] = s[0]
+      crc = self._submit(q.reshape(-1).view(np.uint8), crc)
+    crc = self._submit(grid.reshape(-1).view(np.uint8), crc)
+    return crc, [(name, rows.shape, rows.size), (name + fp8.SCALE_SUFFIX, grid.shape, grid.nbytes)]
+
+  def _submit(self, block: np.ndarray, crc: int) -> int:
+    self._pipe.submit(self._f.write, block)
+    self._end += block.nbytes
+    return zlib.crc32(block, crc) if self._crc else 0
+
+  def drop_last(self) -> None:
+    """Cuts the last tensor written (with its scale) out of the file again."""
+    self._end -= sum(nbytes for _, _, nbytes in self._written.pop())
+    self._pipe.submit(self._truncate, 8 + self._reserve + self._end)
+
+  def close(self) -> None:
+    """Writes the header (the file is removed when every tensor was dropped) and syncs the file."""
+    head = None
+    stored = [r for recs in self._written for r in recs]
+    if stored:
+      text = header([(n, self._dtypes[n], shape, nbytes) for n, shape, nbytes in stored])
+      head = struct.pack("<Q", self._reserve) + text.ljust(self._reserve, b" ")
+    self._pipe.submit(self._finish, head)
+
+  def _truncate(self, size: int) -> None:
+    self._f.seek(size)
+    self._f.truncate()
+
+  def _finish(self, head: bytes | None) -> None:
+    if head is not None:
+      self._f.seek(0)
+      self._f.write(head)
+      self._f.flush()
+      os.fsync(self._f.fileno())  # on disk before the barrier that lets process 0 index and swap it
+    self._f.close()
+    if head is None:
+      os.remove(self._f.name)
+
+
+class Pipe:
+  """Runs submitted calls in order on one thread, at most one waiting (bounded memory: the block being
+  written, the one waiting, the one being prepared). numpy copies, CRCs and file writes release the GIL,
+  so preparing and writing overlap. The first failure is raised by the next `submit` or by `close`."""
+
+  def __init__(self):
+    self._queue: queue.Queue = queue.Queue(maxsize=1)
+    self._error: BaseException | None = None
+    self._thread = threading.Thread(target=self._run, name="k2jax-safetensors-writer", daemon=True)
+    self._thread.start()
+
+  def submit(self, fn, *args) -> None:
+    if self._error is not None:
+      raise self._error
+    self._queue.put((fn, args))
+
+  def close(self) -> None:
+    """Waits for every submitted call; raises the first failure."""
+    self._queue.put(None)
+    self._thread.join()
+    if self._error is not None:
+      raise self._error
+
+  def _run(self) -> None:
+    while (item := self._queue.get()) is not None:
+      if self._error is None:
+        try:
+          item[0](*item[1])
+        except BaseException as e:  # handed to the submitting thread
+          self._error = e
+
+
+def header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
+  """The safetensors JSON header of (name, dtype, shape, nbytes) stored back to back."""
+  head, offset = {"__metadata__": {"format": "pt"}}, 0
+  for name, dtype, shape, nbytes in tensors:
+    head[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    offset += nbytes
+  return json.dumps(head, separators=(",", ":")).encode()
