@@ -1,5 +1,6 @@
 """K2 1T on a TPU slice by XLA's own numbers: compile `configs/k2.py:1t`'s train step for `v5p-1024`
-(no TPU needed; Python >= 3.12 with `pip install -e '.[tpu]'`) in each variant and print, per variant,
+(no TPU needed; Python >= 3.12 with `pip install -e '.[tpu]'`), wired as the slice is (v5p-1024: an
+8x8x8 torus, `wrap=true,true,true` on the first line), in each variant and print, per variant,
 
   <variant>_peak_gib_per_device=  <variant>_temp_gib_per_device=  <variant>_fits=  <variant>_host_state_gib_per_device=
   <variant>_flops_per_device=     <variant>_a2a_bytes_per_device=  <variant>_planner_over_xla=
@@ -70,7 +71,13 @@ def main():
     variants = [v for v in variants if not v.startswith("flash")]
     if skipped:
       print(f"skipped={','.join(skipped)} (no model.attention in this checkout)")
-  print(f"slice={args.slice} layers={args.layers or 61} overrides={','.join(args.set) or 'none'}", flush=True)
+  s = aot.tpu_slice(args.slice)
+  wrap = ",".join(str(w).lower() for w in s.wrap)  # compiled as the slice is wired (aot.tpu_slice)
+  print(
+    f"slice={args.slice} topology={s.topology} wiring={s.wiring} wrap={wrap} layers={args.layers or 61} "
+    f"overrides={','.join(args.set) or 'none'}",
+    flush=True,
+  )
   for v in variants:
     attention, dispatch = v.split("_")
     cfg = _config(attention, dispatch, args.layers, args.set)

@@ -1,22 +1,33 @@
 """Serve a k2jax workdir or HF directory with SGLang's HTTP API plus OpenAI's /v1 endpoints.
 
   python launch/serve.py --model=PATH --port=30000 [--max_running_requests=8 --max_seq_len=2048]
+  python launch/serve.py --model=PATH --backend=sglang_jax [--sglang_jax=device=tpu --sglang_jax=tp_size=8 ...]
+
+--backend=k2jax (default): k2jax's own engine (`k2jax.engine.InferenceEngine`) on one device.
+--backend=sglang_jax: sglang-jax's engine (Python >= 3.12 with sgl_jax installed, BUILD.md "sglang-jax")
+  behind the same routes, with weight updates swapped on device and `meta_info.weight_version`
+  (`k2jax.engine.sglang_jax_server`): a remote RL rollout engine for `--config.rollout.engine_url`.
+  `--sglang_jax=KEY=VALUE` (repeatable) sets a field of `k2jax.engine.SglangJaxConfig` (sglang-jax's
+  ServerArgs names; tuples comma-separated); --max_running_requests and --max_seq_len size its batch and
+  context length.
 
 Routes: /generate, /update_weights_from_disk, /flush_cache, /abort_request, /health, /get_model_info,
 /v1/completions, /v1/chat/completions (both with `stream: true`), /v1/models. With --api_key, the routes
 that change state need `Authorization: Bearer <key>`.
 """
 
+import dataclasses
 import logging
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 from k2jax import compile_cache, host_malloc  # noqa: E402
 
-from k2jax.engine import EngineConfig  # noqa: E402
+from k2jax.engine import EngineConfig, SglangJaxConfig  # noqa: E402
 from k2jax.httpservice import HttpLimits  # noqa: E402
 from k2jax.serve import Server  # noqa: E402
 
@@ -42,7 +53,50 @@ _API_KEY = flags.DEFINE_string(
 _WEIGHTS_ROOT = flags.DEFINE_string(
   "weights_root", None, "/update_weights_from_disk loads only paths inside this dir (default: the model's parent)."
 )
+_BACKEND = flags.DEFINE_enum(
+  "backend", "k2jax", ["k2jax", "sglang_jax"], "Engine behind the routes: k2jax's own, or sglang-jax's (TPU fleets)."
+)
+_SGLANG_JAX = flags.DEFINE_multi_string(
+  "sglang_jax", [], "--backend=sglang_jax: KEY=VALUE of k2jax.engine.SglangJaxConfig (repeatable), e.g. device=tpu."
+)
 _COMPILE_CACHE = compile_cache.define_flag()
+
+
+def sglang_jax_config(items: list[str], max_running_requests: int, max_seq_len: int) -> SglangJaxConfig:
+  """SglangJaxConfig from `--sglang_jax=KEY=VALUE` items (typed by the field's default; tuples comma-separated)."""
+  base = SglangJaxConfig(max_running_requests=max_running_requests, context_length=max_seq_len)
+  fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(SglangJaxConfig)}
+  updates = {}
+  for item in items:
+    key, sep, value = item.partition("=")
+    if not sep or key not in fields:
+      raise app.UsageError(f"--sglang_jax={item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+    default = fields[key]
+    try:
+      if isinstance(default, bool):
+        if value.lower() not in ("true", "false"):
+          raise ValueError("expected true or false")
+        updates[key] = value.lower() == "true"
+      elif isinstance(default, tuple):
+        updates[key] = tuple(int(v) for v in value.split(","))
+      else:
+        updates[key] = type(default)(value)
+    except ValueError as e:
+      raise app.UsageError(f"--sglang_jax={item!r}: {e}") from e
+  return dataclasses.replace(base, **updates)
+
+
+def engine_factory():
+  """`Server(make_engine=...)` for --backend (None: the k2jax engine)."""
+  if _BACKEND.value == "k2jax":
+    if _SGLANG_JAX.value:
+      raise app.UsageError("--sglang_jax needs --backend=sglang_jax")
+    return None
+  from k2jax.engine.sglang_jax_server import SglangJaxServing  # noqa: PLC0415 (sgl_jax: Python >= 3.12)
+
+  config = sglang_jax_config(_SGLANG_JAX.value, _SLOTS.value, _MAX_LEN.value)
+  model_dir = tempfile.mkdtemp(prefix="k2jax_sglang_jax_")  # config.json + tokenizer it starts from
+  return lambda model, eos: SglangJaxServing(model, config, model_dir=model_dir, eos_token_ids=eos)
 
 
 def main(argv):
@@ -65,8 +119,9 @@ def main(argv):
     served_model_name=_NAME.value,
     limits=HttpLimits(api_key=_API_KEY.value),
     weights_root=_WEIGHTS_ROOT.value,
+    make_engine=engine_factory(),
   )
-  print(f"serving {_MODEL.value} at {server.url}", flush=True)
+  print(f"serving {_MODEL.value} at {server.url} (backend {_BACKEND.value})", flush=True)
   try:
     server.serve_forever()
   finally:

@@ -14,8 +14,13 @@
 #   --enable-deterministic-inference (sampling_seed then makes samples reproducible).
 # --engine=sglang-jax: `python -m sgl_jax.launch_server` with its mesh flags --tp-size/--ep-size/--dp-size and
 #   --device (default tpu); it has no DP attention and no kimi_k2 tool-call parser (both refused here), and
-#   no weight-update route: the learner refuses it for RL with weight sync (rollouts only).
+#   no weight-update route: the learner refuses it for RL with weight sync (rollouts only: evaluation,
+#   synthesis, a fixed policy). For RL on sglang-jax serve it with
+#   `python launch/serve.py --backend=sglang_jax` instead (k2jax's routes in front of sglang-jax's engine:
+#   /update_weights_from_disk swaps weights on device, replies carry meta_info.weight_version).
 #   --deterministic adds --enable-deterministic-sampling (seeded sampling keyed by (seed, position)).
+# $PYTHON (default: python on PATH) runs the servers and the router: the interpreter that has SGLang or
+#   sgl_jax installed (e.g. PYTHON=.venv312/bin/python), no venv activation needed.
 # One replica: a single server on --port (multi-node: run the same command on every node
 #   with --nnodes/--node-rank/--dist-init-addr; node 0 serves HTTP).
 # --replicas=N (N > 1, one node): N servers on ports port+1..port+N, each on its own accelerator slice
@@ -31,6 +36,7 @@ MODEL="" ENGINE=sglang DEVICE="" DETERMINISTIC=0
 TP=8 EP=1 DP=1 DP_ATTENTION=0 REPLICAS=1 GPUS_PER_REPLICA="" HOST=0.0.0.0 PORT=30000
 ROUTER_PORT="" NNODES=1 NODE_RANK=0 DIST_INIT_ADDR="" MEM_FRACTION=0.85 DTYPE=bfloat16 TOKENIZER=none
 ROUTER_ONLY=0 WORKER_URLS="" DRY_RUN=0 EXTRA=()
+PY="${PYTHON:-python}"
 
 die() { echo "sglang_server.sh: $*" >&2; exit 2; }
 int() { [[ "$2" =~ ^[0-9]+$ ]] && (( $2 >= ${3:-1} )) || die "--$1 must be an integer >= ${3:-1}, got '$2'"; }
@@ -60,7 +66,7 @@ for arg in "$@"; do
     --router-only) ROUTER_ONLY=1 ;;
     --worker-urls=*) WORKER_URLS="${arg#*=}" ;;
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) die "unknown argument '$arg' (see --help)" ;;
   esac
 done
@@ -95,11 +101,11 @@ run() {  # print (dry run) or start one command in the background; $1 = env pref
 
 server_cmd() {  # $1 = port, $2 = sglang-jax device indexes ("" = all); fills the array CMD
   if [[ "$ENGINE" == sglang ]]; then
-    CMD=(python -m sglang.launch_server --model-path "$MODEL" --host "$HOST" --port "$1"
+    CMD=("$PY" -m sglang.launch_server --model-path "$MODEL" --host "$HOST" --port "$1"
                --tp-size "$TP" --ep-size "$EP" --dtype "$DTYPE" --mem-fraction-static "$MEM_FRACTION"
                --trust-remote-code --tool-call-parser kimi_k2)
   else  # flag names from sglang-jax's python/sgl_jax/srt/server_args.py (commit cddbf6f)
-    CMD=(python -m sgl_jax.launch_server --model-path "$MODEL" --host "$HOST" --port "$1"
+    CMD=("$PY" -m sgl_jax.launch_server --model-path "$MODEL" --host "$HOST" --port "$1"
                --device "$DEVICE" --tp-size "$TP" --ep-size "$EP" --dp-size "$DP" --dtype "$DTYPE"
                --mem-fraction-static "$MEM_FRACTION" --trust-remote-code)
   fi
@@ -156,7 +162,7 @@ fi
 
 if (( ROUTER_ONLY || REPLICAS > 1 )); then
   IFS=, read -r -a WORKERS <<< "$URLS"
-  run "" python -m sglang_router.launch_router --worker-urls "${WORKERS[@]}" --policy cache_aware \
+  run "" "$PY" -m sglang_router.launch_router --worker-urls "${WORKERS[@]}" --policy cache_aware \
       --host "$HOST" --port "$ROUTER_PORT"
   ENGINE="http://$(url_host):$ROUTER_PORT"
   echo "# learner: --config.rollout.engine_url=$ENGINE --config.rollout.worker_urls=$URLS" >&2

@@ -35,7 +35,7 @@ import functools
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -191,9 +191,11 @@ class SglangJaxEngine(Engine):
       with self._cv:
         self._counters[name] += 1
 
-  def abort(self, rids: Sequence[str]) -> None:
+  def abort(self, rids: Sequence[str], pending: Callable[[str], bool] | None = None) -> None:
+    """Non-blocking. `pending(rid)`: the caller has handed `rid` to `generate` on another thread, which may
+    not have reached this engine yet; the abort then waits for it instead of being dropped."""
     for rid in rids:
-      asyncio.run_coroutine_threadsafe(self._abort(rid), self._loop)
+      asyncio.run_coroutine_threadsafe(self._abort(rid, pending), self._loop)
 
   def update_weights(self, model_path: str, weight_version: int) -> None:
     """Loads a whole HF directory or k2jax workdir of the served architecture (through device memory)."""
@@ -209,19 +211,23 @@ class SglangJaxEngine(Engine):
       raise ValueError(f"{model_path}: its config.json describes a different architecture than the served model")
     self.update_weights_from_params(nnx.to_pure_dict(nnx.state(model)), weight_version)
 
-  def update_weights_from_params(self, params: dict, weight_version: int) -> int:
+  def update_weights_from_params(
+    self, params: dict, weight_version: int, *, only: set[tuple[str, ...]] | None = None, flush_cache: bool = True
+  ) -> int:
     """Serves `params` (k2jax's pure state dict, device arrays on any placement) from the next request on.
 
-    Waits for in-flight requests to finish (abort them first to hurry it), swaps every parameter on device,
-    flushes the prefix cache; every token generated afterwards carries `weight_version`.
+    Waits for in-flight requests to finish (abort them first to hurry it), swaps every parameter on device
+    (with `only`: just the sglang-jax parameters made from these k2jax leaf paths; a delta push), flushes
+    the prefix cache unless told not to; every token generated afterwards carries `weight_version`.
     """
     with self._cv:
       self._cv.wait_for(lambda: not self._updating)
       self._updating = True
       self._cv.wait_for(lambda: not self._in_flight)
     try:
-      self._swap(params)
-      self._flush_cache()
+      self._swap(params, only)
+      if flush_cache:
+        self._flush_cache()
       with self._cv:
         self._version = weight_version
     finally:
@@ -260,17 +266,21 @@ class SglangJaxEngine(Engine):
     )
     return await self._tm.generate_request(obj, None).__anext__()
 
-  async def _abort(self, rid: str) -> None:
+  async def _abort(self, rid: str, pending: Callable[[str], bool] | None = None) -> None:
     """sglang-jax ignores an abort for a rid its tokenizer manager has not registered yet (it tokenizes
-    first): wait for the rid while the request is still in flight here."""
+    first): wait for the rid while the request is still in flight here (or about to be: `pending`)."""
     for _ in range(500):
       if rid in self._tm.rid_to_state:
         self._tm.abort_request(rid=rid)
         return
       with self._cv:
-        if rid not in self._in_flight:
-          return
+        flying = rid in self._in_flight
+      if not flying and not (pending is not None and pending(rid)):
+        return
       await asyncio.sleep(0.01)
+
+  def flush_cache(self) -> None:
+    self._flush_cache()
 
   def _flush_cache(self) -> None:
     """The radix cache holds KV entries of the old weights; the scheduler flushes only when idle."""
@@ -319,12 +329,14 @@ class SglangJaxEngine(Engine):
       raise ValueError(f"sglang-jax's DeepseekV3 has no parameter for k2jax's {missing[:4]} ({len(missing)} in all)")
     return list(per_leaf.values())
 
-  def _swap(self, params: dict) -> None:
+  def _swap(self, params: dict, only: set[tuple[str, ...]] | None = None) -> None:
     sgl_model = self._runner.model
     leaves = list(self._runner.model_state_leaves)
     self._runner.model_state_leaves = leaves  # a new list: dispatchers that cache the old one drop it
     position = {id(x): i for i, x in enumerate(leaves)}
     for entry, targets in self._plan:
+      if only is not None and entry.path not in only:
+        continue
       variables = [_resolve(sgl_model, t.path) for t in targets]
       outs = self._copy_fn(entry, targets, variables)(_get(params, entry.path))
       for var, new in zip(variables, outs):

@@ -66,19 +66,24 @@ class Server:
     served_model_name: str | None = None,
     limits: HttpLimits = HttpLimits(),
     weights_root: str | None = None,
+    make_engine: Callable | None = None,
   ):
+    """`make_engine(model, eos_token_ids)`: another engine with `InferenceEngine`'s serving surface (submit,
+    progress, wait, abort, update_weights, ...), e.g. `k2jax.engine.sglang_jax_server.SglangJaxServing`;
+    default: k2jax's own `InferenceEngine` with `engine_config`."""
     self.model_path = model_path
     model = k2jax.load(model_path)
     self.cfg: K2Config = model.cfg
     self.tokenizer = resolve_tokenizer(model_path, tokenizer_path, self.cfg.vocab_size)
     self.model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
     self.weights_root = os.path.realpath(weights_root or os.path.dirname(os.path.abspath(model_path)))
-    self.engine = InferenceEngine(
-      model,
-      engine_config,
-      eos_token_ids=eos_ids(self.cfg, self.tokenizer),
-      detokenize=self.tokenizer.decode if self.tokenizer else None,
-    )
+    eos = eos_ids(self.cfg, self.tokenizer)
+    if make_engine is not None:
+      self.engine = make_engine(model, eos)
+    else:
+      detokenize = self.tokenizer.decode if self.tokenizer else None
+      self.engine = InferenceEngine(model, engine_config, eos_token_ids=eos, detokenize=detokenize)
+    del model  # the engine holds what it serves
     self.app = self._routes(httpservice.make_app("k2jax", limits, field_errors=(InvalidRequest,)))
     self._http = httpservice.Service(self.app, host=host, port=port, limits=limits, name="k2jax-http")
 
@@ -203,13 +208,16 @@ class Server:
 
   async def server_info(self):
     """Identity and capabilities for the RL client's handshake (SGLang's route; `engine` names k2jax)."""
+    backend = getattr(self.engine, "backend", "k2jax")  # the engine behind these routes
+    seeded = self.engine.capabilities().seeded_sampling if backend != "k2jax" else True
     return {
       "engine": "k2jax",
-      "version": importlib.metadata.version("k2jax"),
+      "version": _version() + ("" if backend == "k2jax" else f" ({backend} backend)"),
+      "backend": backend,
       "capabilities": {
         "weight_update": ["disk"],
         "weight_version": True,
-        "seeded_sampling": True,  # keyed by (seed, position): resumed requests continue exactly
+        "seeded_sampling": seeded,  # k2jax: keyed by (seed, position), so resumed requests continue exactly
         "abort": True,
       },
       "model_path": self.model_path,
@@ -316,6 +324,14 @@ class _TextDeltas:
 
   def finish(self, final: str) -> str:
     return final[len(self.sent) :] if final.startswith(self.sent) else ""
+
+
+def _version() -> str:
+  """k2jax's installed version; a checkout run from PYTHONPATH (not pip-installed) has no metadata."""
+  try:
+    return importlib.metadata.version("k2jax")
+  except importlib.metadata.PackageNotFoundError:
+    return "checkout"
 
 
 def _sse(chunks: AsyncIterator[dict]) -> responses.StreamingResponse:

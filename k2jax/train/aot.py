@@ -39,6 +39,14 @@ class TpuSlice:
   chip_config: str  # 'megacore': one JAX device per chip with two TensorCores (v4, v5p)
   num_devices: int
   hbm_bytes: int  # XLA's per-device limit, read from its CompileTimeHbmOom message ("available HBM")
+  wrap: tuple[bool, bool, bool] = (False, False, False)  # wraparound links per axis (a torus where True)
+
+  @property
+  def wiring(self) -> str:
+    """'torus' (every axis wraps), 'mesh' (none does) or the axes that wrap, e.g. 'wrap=y'."""
+    if all(self.wrap[: self.topology.count("x") + 1]):
+      return "torus"
+    return "mesh" if not any(self.wrap) else "wrap=" + "".join(a for a, w in zip("xyz", self.wrap) if w)
 
 
 # XLA:TPU's available HBM per device (libtpu 0.0.50): v5p 95.73 GiB, v6e 31.24, v5e 15.75, v4 30.75.
@@ -49,6 +57,18 @@ _SHAPES_3D |= {1024: "8x8x8", 2048: "8x8x16", 4096: "8x16x16", 8192: "16x16x16"}
 _SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 
 
+def _wrap(shape: str) -> tuple[bool, bool, bool]:
+  """Which axes of a slice have wraparound links, as Cloud TPU wires them (MaxText's
+  `accelerator_to_spec_map.py` gives the same table): a v4/v5p slice of a full 4x4x4 cube or more is a 3D
+  torus and anything smaller has no wraparound; a v5e/v6e axis wraps only when it spans the whole 16-chip
+  side of the pod (8x16: y; 16x16: x and y). XLA's collectives route over the wrap links, so a compile
+  without them plans a slower, different program (`get_topology_desc(..., wrap=...)`)."""
+  dims = [int(d) for d in shape.split("x")]
+  if len(dims) == 3:
+    return (True, True, True) if min(dims) >= 4 else (False, False, False)
+  return (dims[0] == 16, dims[1] == 16, False)
+
+
 def tpu_slice(name: str) -> TpuSlice:
   """'v5p-1024' | 'v4-128' | 'v6e-256' | 'v5e-64' -> TpuSlice (a clear error for anything else)."""
   m = re.fullmatch(r"(v5p|v4|v6e|v5e|v5litepod)-(\d+)", name)
@@ -56,23 +76,25 @@ def tpu_slice(name: str) -> TpuSlice:
     gen, n = ("v5e" if m.group(1) == "v5litepod" else m.group(1)), int(m.group(2))
     if gen in ("v5p", "v4") and n in _SHAPES_3D:
       chip = "v5" if gen == "v5p" else "v4"
-      return TpuSlice(f"{chip}:{_SHAPES_3D[n]}", "megacore", n // 2, int(_HBM[chip] * GIB))
+      shape = _SHAPES_3D[n]
+      return TpuSlice(f"{chip}:{shape}", "megacore", n // 2, int(_HBM[chip] * GIB), _wrap(shape))
     if gen in ("v6e", "v5e") and n in _SHAPES_2D:
-      return TpuSlice(f"{gen}:{_SHAPES_2D[n]}", "default", n, int(_HBM[gen] * GIB))
+      shape = _SHAPES_2D[n]
+      return TpuSlice(f"{gen}:{shape}", "default", n, int(_HBM[gen] * GIB), _wrap(shape))
   known = [f"v5p-{n}" for n in _SHAPES_3D] + [f"v4-{n}" for n in _SHAPES_3D]
   known += [f"{g}-{n}" for g in ("v6e", "v5e") for n in _SHAPES_2D]
   raise ValueError(f"--aot: unknown TPU slice {name!r}; known: {', '.join(known)}")
 
 
 def slice_devices(s: TpuSlice) -> list:
-  """Compile-only devices of slice `s` (no TPU needed; libtpu must import)."""
+  """Compile-only devices of slice `s`, wired as the hardware is (`s.wrap`; no TPU needed, libtpu must import)."""
   # Compiling only: another process holding libtpu's lockfile (a TPU job, a second compile) is fine.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # noqa: PLC0415 (initialises the TPU plugin)
 
   bounds = (1, 1, 1) if s.num_devices == 1 else (2, 2, 1)
   desc = topologies.get_topology_desc(
-    s.topology, "tpu", chip_config_name=s.chip_config, chips_per_host_bounds=bounds, num_slices=1
+    s.topology, "tpu", chip_config_name=s.chip_config, chips_per_host_bounds=bounds, num_slices=1, wrap=s.wrap
   )
   return list(desc.devices)
 
@@ -131,6 +153,8 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
   report = {
     "slice": slice_name,
     "topology": s.topology,
+    "wrap": ",".join(str(w).lower() for w in s.wrap),  # what the compile was told: the hardware's wiring
+    "wiring": s.wiring,
     "num_devices": len(devices),
     "mesh": ",".join(f"{a}={n}" for a, n in mesh_shape.items()),
     "rules_preset": preset,

@@ -124,3 +124,13 @@ def test_multi_node_and_router_only():
 def test_bad_arguments_are_named(args, message):
   out = _run(*args)
   assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_python_env_names_the_interpreter():
+  """$PYTHON runs the servers and the router (a 3.12 venv's python without activating it)."""
+  env = {**os.environ, "PYTHON": "/opt/venv312/bin/python"}
+  cmd = ["bash", SCRIPT, "--engine=sglang-jax", "--model=/m", "--tp=1", "--replicas=2", "--device=cpu", "--dry-run"]
+  out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env)
+  assert out.returncode == 0, out.stderr
+  lines = out.stdout.splitlines()
+  assert len(lines) == 3 and all(line.startswith("/opt/venv312/bin/python -m ") for line in lines)

@@ -78,3 +78,18 @@ def test_offloaded_optimizer_state_lives_in_host_memory_and_leaves_hbm():
   assert off["state_bytes_per_device"] + off["host_state_bytes_per_device"] == base["state_bytes_per_device"]
   assert off["host_argument_bytes_per_device"] >= off["host_state_bytes_per_device"]
   assert off["argument_bytes_per_device"] < base["argument_bytes_per_device"] - off["host_state_bytes_per_device"] / 2
+
+
+def test_slice_devices_carry_the_wraparound_links():
+  """v5p-128 is a 4x4x4 torus: its compile-only devices are the wrapped topology, not the open mesh."""
+  from jax._src.lib import _jax
+  from jax.experimental import topologies
+
+  def serialized(wrap):
+    desc = topologies.get_topology_desc(
+      "v5:4x4x4", "tpu", chip_config_name="megacore", chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=wrap
+    )
+    return _jax.get_topology_for_devices(desc.devices).serialize()
+
+  ours = _jax.get_topology_for_devices(aot.slice_devices(aot.tpu_slice("v5p-128"))).serialize()
+  assert ours == serialized((True, True, True)) != serialized((False, False, False))
