@@ -30,6 +30,9 @@ from k2jax.convert.errors import CheckpointError
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # HF key of a weight's scale: f"{key}{SCALE_SUFFIX}"
+# float32 of every e4m3 byte: a table lookup is the same conversion as `astype` (bit for bit) and measured
+# ~10x faster than ml_dtypes' element-wise cast.
+_E4M3_TO_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +115,7 @@ def dequantize(
   r0, c0 = origin
   n_r, n_c = w_fp8.shape
   col_blocks = (c0 + np.arange(n_c)) // block[1]
-  out = w_fp8.astype(np.float32)
+  out = _E4M3_TO_F32[w_fp8.view(np.uint8)] if w_fp8.dtype == E4M3 else w_fp8.astype(np.float32)
   row = 0
   while row < n_r:  # one block row at a time: the transient is one row of column scales
     b = (r0 + row) // block[0]

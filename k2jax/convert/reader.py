@@ -6,8 +6,9 @@ devices it reads the matching block of each HF tensor behind the slice (`safeten
 only those bytes) into one host buffer stacked over layers/experts (one HF key per layer and expert,
 `layout.py`), with the scale rows/cols of that block for block-FP8; puts the stored bytes on those
 devices and there (`_convert`) dequantizes (ragged edges exact), transposes HF `[out, in]` to k2jax
-`[in, out]` and casts to the leaf dtype. Blocks under DEVICE_CONVERT_BYTES are converted the same way
-with numpy on the host (`fp8.dequantize`), which is also `load_hf`'s path; the two are bitwise equal. Host
+`[in, out]` and casts to the leaf dtype. Blocks under DEVICE_CONVERT_BYTES, and every block bound for
+CPU devices (whose memory is this host's: numpy's tiled transpose beat XLA:CPU's), are converted the same
+way with numpy on the host (`fp8.dequantize`), which is also `load_hf`'s path; the two are bitwise equal. Host
 memory is this process's shards plus at most `read_budget_bytes` of blocks in flight (one block when a
 single block is larger). `load_hf` is the same reader into whole numpy leaves (one host, small models).
 
@@ -47,6 +48,7 @@ READ_BUDGET_BYTES = 2 << 30  # default in-flight host buffer (orbax's Safetensor
 # Blocks of at least this many (leaf) bytes are converted on the device (`_convert`: one XLA compile per
 # distinct block shape, vectorised), smaller ones (norms, biases, tiny models) with numpy on the host.
 DEVICE_CONVERT_BYTES = 1 << 20
+HOST_CONVERT_PLATFORMS = ("cpu",)  # devices whose memory is this host's: convert with numpy (see `read_state`)
 _READ_THREADS = 4  # concurrent block reads: pread and the numpy casts release the GIL
 _FLOAT = ("F32", "BF16", "F16")
 _LEAD = {"global": 0, "layer": 1, "expert": 2}
@@ -112,7 +114,10 @@ class Checkpoint:
     for lead in itertools.product(*(range(lo, hi) for lo, hi in bounds[:n_lead])):
       block = self._tensor_block(files, keys[lead], hf_bounds)
       rel = tuple(i - lo for i, (lo, _) in zip(lead, bounds))
-      out[rel] = block.T if entry.transpose else block
+      if entry.transpose:
+        _transpose_into(out[rel], block)
+      else:
+        out[rel] = block
     return out
 
   def raw_block(self, files: ShardFiles, entry: Entry, bounds: tuple[tuple[int, int], ...]) -> RawBlock | None:
@@ -214,8 +219,11 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
         jobs.append((entry, leaf, piece, devices, nbytes, bounds))
 
   def read(files, job):
-    entry, leaf, bounds, _, nbytes, _ = job
-    if nbytes >= DEVICE_CONVERT_BYTES:  # smaller blocks: numpy is cheaper than a compile per shape
+    entry, leaf, bounds, devices, nbytes, _ = job
+    # Small blocks: numpy is cheaper than a compile per shape. CPU devices: the "device" is this host,
+    # and numpy's cache-blocked transpose measured ~5x faster than XLA:CPU's on [4096, 4096] bf16.
+    on_host = nbytes < DEVICE_CONVERT_BYTES or all(d.platform in HOST_CONVERT_PLATFORMS for d in devices)
+    if not on_host:
       block = ckpt.raw_block(files, entry, bounds)
       if block is not None:
         return block
@@ -246,6 +254,15 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
     mine = [v for (path, _, _), v in outs.items() if path == entry.path]
     set_path(state, entry.path, jax.make_array_from_single_device_arrays(leaf.shape, shardings[entry.path], mine))
   return state
+
+
+def _transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = 256) -> None:
+  """dst[...] = src.T (casting to dst's dtype), tile by tile: a plain strided `.T` copy misses the cache
+  on every element of one side; 256x256 tiles keep both sides in cache (~5x faster measured here)."""
+  rows, cols = src.shape
+  for r in range(0, rows, tile):
+    for c in range(0, cols, tile):
+      dst[c : c + tile, r : r + tile] = src[r : r + tile, c : c + tile].T
 
 
 @functools.partial(jax.jit, donate_argnums=0)

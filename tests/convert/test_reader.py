@@ -71,6 +71,7 @@ def test_sharded_read_equals_host_read_and_bf16_params(fp8_dir, monkeypatch):
   """Onto 8 devices with `fsdp_ep` (slices not 128-aligned: kv_lora 136 / 2 = 68), and cast to bf16;
   every block converted on the device (`_convert`), as a real model's large blocks are."""
   monkeypatch.setattr(reader, "DEVICE_CONVERT_BYTES", 0)
+  monkeypatch.setattr(reader, "HOST_CONVERT_PLATFORMS", ())
   _, host = hf_io.load_hf(fp8_dir)
   cfg = hf_io.read_config(fp8_dir, param_dtype="bfloat16")
   mesh = sharding.make_mesh({"fsdp": 2, "expert": 4})
