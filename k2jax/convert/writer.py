@@ -9,9 +9,10 @@ programs on the state's mesh):
             the mesh axes that divide them; one expert at a time when none does: never a replicated
             stacked expert tensor). Of the devices holding a tensor one writes it, rotating, so every
             process writes its share. Host (numpy) leaves are written by process 0.
-  2. write  each process streams its tensors into its own files (`st_stream`): fetched one at a time
-            (CPU devices are read in place), transposed to the HF layout, cast or block-FP8-quantized
-            in row blocks while a writer thread does the I/O. Host memory: one tensor plus three blocks.
+  2. write  each process streams its tensors into its own files (`st_stream`): fetched one at a time,
+            transposed to the HF layout on their device (XLA's tiled transpose; a CPU device's
+            untransposed tensors are read in place), cast or block-FP8-quantized on the host in row
+            blocks while a writer thread does the I/O. Host memory: one tensor plus three blocks.
   3. agree  an all-gather of each process's first error: if any process failed, every process raises
             (and runs every collective program first, so none is left waiting in one).
 `save_hf` then has process 0 write the index, config.json and the tokenizer into the same directory and

@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import socket
-import struct
 import subprocess
 import sys
 
@@ -29,27 +28,8 @@ from k2jax.convert.hf import abstract_state  # noqa: E402
 from k2jax.convert.hf_dir import get_path  # noqa: E402
 from k2jax.model import K2Model, presets  # noqa: E402
 
-_NP = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": fp8.E4M3}
 CFG = presets.get("tiny", **fp8_export_golden.CONFIG)
 ZERO_BLOCK = ("moe_layers", "attn", "w_kv_a")  # HF kv_a_proj_with_mqa [192, 192]: block (1, 0) zeroed
-
-
-def read_tensors(path: str) -> dict[str, np.ndarray]:
-  """Every tensor of an export, read from the safetensors bytes (numpy's safetensors has no FP8)."""
-  out = {}
-  for f in sorted(os.listdir(path)):
-    if not f.endswith(".safetensors"):
-      continue
-    with open(os.path.join(path, f), "rb") as fh:
-      (n,) = struct.unpack("<Q", fh.read(8))
-      head = json.loads(fh.read(n))
-      data = fh.read()
-    head.pop("__metadata__", None)
-    for k, v in head.items():
-      assert k not in out, f"{k} stored twice"
-      a, b = v["data_offsets"]
-      out[k] = np.frombuffer(data[a:b], _NP[v["dtype"]]).reshape(v["shape"])
-  return out
 
 
 @functools.cache
@@ -88,7 +68,7 @@ def test_fp8_export_has_the_published_keys_dtypes_and_scale_shapes(fp8_export):
 
 
 def test_fp8_export_loads_back_within_e4m3_rounding(fp8_export):
-  got = read_tensors(fp8_export)
+  got = fp8_export_golden.read_tensors(fp8_export)
   want = dict(writer.iter_hf_tensors(CFG, _host(), None))  # float32, HF layout
   n_quantized = 0
   for name, w in want.items():
@@ -136,7 +116,7 @@ def test_sharded_export_equals_host_export(tmp_path, dtype):
   host = _host()
   writer.save_hf(CFG, host, str(tmp_path / "host"), dtype=dtype)
   writer.save_hf(CFG, _sharded(host, {"fsdp": 4, "expert": 2}), str(tmp_path / "mesh"), dtype=dtype)
-  a, b = read_tensors(str(tmp_path / "host")), read_tensors(str(tmp_path / "mesh"))
+  a, b = fp8_export_golden.read_tensors(str(tmp_path / "host")), fp8_export_golden.read_tensors(str(tmp_path / "mesh"))
   assert sorted(a) == sorted(b) and len(a) > 40
   for k in a:
     assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes(), k
@@ -159,7 +139,7 @@ def test_experts_no_mesh_axis_divides_are_exported_one_at_a_time(tmp_path):
   up = [s for s in plan if s.entry.path[-1] == "w_up" and s.entry.kind == "expert"]
   assert len(up) == 3 and all(s.index == (0, e) and len(s.tensors) == 1 for e, s in enumerate(up))
   writer.save_hf(cfg, state, str(tmp_path / "hf"))
-  got = read_tensors(str(tmp_path / "hf"))
+  got = fp8_export_golden.read_tensors(str(tmp_path / "hf"))
   for k, t in writer.iter_hf_tensors(cfg, host, None):
     assert got[k].tobytes() == t.tobytes(), k
 
@@ -194,7 +174,7 @@ def test_two_processes_export_equals_one_process_and_loads_in_transformers(tmp_p
     assert sorted(mine[0] + mine[1]) == sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     one = str(tmp_path / f"one_{name}")
     writer.save_hf(CFG, host, one, dtype=dtype)
-    a, b = read_tensors(path), read_tensors(one)
+    a, b = fp8_export_golden.read_tensors(path), fp8_export_golden.read_tensors(one)
     assert sorted(a) == sorted(b)
     for k in a:
       assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), (name, k)
@@ -228,7 +208,7 @@ def test_convert_cli_exports_a_sharded_workdir_as_fp8(tmp_path):
   with open(fp8_export_golden.GOLDEN) as f:
     assert fp8_export_golden.key_list(hf) == json.load(f)["tensors"]
   writer.save_hf(CFG, _host(), str(tmp_path / "ref"), dtype="fp8")
-  a, b = read_tensors(hf), read_tensors(str(tmp_path / "ref"))
+  a, b = fp8_export_golden.read_tensors(hf), fp8_export_golden.read_tensors(str(tmp_path / "ref"))
   assert all(a[k].tobytes() == b[k].tobytes() for k in b) and sorted(a) == sorted(b)
 
 
@@ -264,7 +244,7 @@ def test_fp8_export_of_an_aligned_config_loads_in_transformers(tmp_path):
   ids = (np.arange(48).reshape(2, 24) * 37) % cfg.vocab_size
   with torch.no_grad():
     theirs = model(torch.from_numpy(ids)).logits.float().numpy()
-  dequantized = _from_hf_tensors(cfg, read_tensors(dst))
+  dequantized = _from_hf_tensors(cfg, fp8_export_golden.read_tensors(dst))
   ours = np.asarray(model_from_state(cfg, dequantized)(ids.astype(np.int32)).logits)
   assert np.abs(ours).max() > 0.5 and np.abs(theirs - ours).max() < 1e-4 * np.abs(ours).max()
   w_up = dequantized["moe_layers"]["moe"]["experts"]["w_up"]

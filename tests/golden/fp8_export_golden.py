@@ -11,8 +11,12 @@ BF16 embeddings, lm_head, norms and router weight, F32 router bias.
 
 import json
 import os
+import struct
 import sys
 import tempfile
+
+import ml_dtypes
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "fp8_export_keys.json")
@@ -38,7 +42,6 @@ CONFIG = dict(
 def host_state(cfg):
   """The model's pure state dict, random normal (seed 0) scaled like an init, in numpy."""
   import jax
-  import numpy as np
 
   from k2jax.convert.hf import abstract_state
 
@@ -56,6 +59,32 @@ def key_list(path: str) -> list[list]:
     if f.endswith(".safetensors"):
       out += [[k, v.dtype, list(v.shape)] for k, v in read_header(os.path.join(path, f)).items()]
   return sorted(out)
+
+
+def read_tensors(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of an export, read from the safetensors bytes (numpy's safetensors has no FP8)."""
+  out = {}
+  for f in sorted(os.listdir(path)):
+    if not f.endswith(".safetensors"):
+      continue
+    with open(os.path.join(path, f), "rb") as fh:
+      (n,) = struct.unpack("<Q", fh.read(8))
+      head = json.loads(fh.read(n))
+      data = fh.read()
+    head.pop("__metadata__", None)
+    for k, v in head.items():
+      assert k not in out, f"{k} stored twice"
+      a, b = v["data_offsets"]
+      out[k] = np.frombuffer(data[a:b], _np_dtype(v["dtype"])).reshape(v["shape"])
+  return out
+
+
+def _np_dtype(name: str):
+  return {
+    "F32": np.dtype(np.float32),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+  }[name]
 
 
 def main():

@@ -226,11 +226,10 @@ def test_fp8_push_sends_block_fp8_at_about_half_the_bytes(tmp_path):
   assert pushed["bfloat16"][0] - pushed["fp8"][0] == linear - 4 * scales and linear > 100_000
   index = json.load(open(os.path.join(pushed["fp8"][1], INDEX_NAME)))
   assert index["metadata"]["total_size"] == pushed["fp8"][0]
-  sys_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "convert")
   import sys
 
-  sys.path.insert(0, sys_path)
-  from test_writer import read_tensors
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden"))
+  from fp8_export_golden import read_tensors
 
   got = read_tensors(pushed["fp8"][1])
   for name, w in hf_io.iter_hf_tensors(cfg, host, None):
