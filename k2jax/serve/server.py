@@ -91,7 +91,7 @@ class Server:
       detokenize=self.tokenizer.decode if self.tokenizer else None,
     )
     slots = self.engine.config.max_slots
-    self.fair = FairQueue(self.engine, window=slots + max(1, slots // 4))
+    self.fair = FairQueue(self.engine, window=slots + max(1, slots // 8))
     self.app = self._routes(httpservice.make_app("k2jax", limits, field_errors=(InvalidRequest,)))
     self._http = httpservice.Service(self.app, host=host, port=port, limits=limits, name="k2jax-http")
 

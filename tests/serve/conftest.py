@@ -47,7 +47,7 @@ def served(tmp_path_factory):
     hf_dir,
     engine_config=EngineConfig(max_slots=4, max_seq_len=MAX_LEN, prefix_cache_entries=8, precompile=True),
     port=0,
-    limits=HttpLimits(read_timeout_s=2.0, max_body_bytes=1 << 20),
+    limits=HttpLimits(read_timeout_s=2.0, max_body_bytes=1 << 20, header_timeout_s=1.0, keep_alive_timeout_s=2.0),
     weights_root=weights_root,
   ).start()
   yield Served(server, model, hf_dir, weights_root)
