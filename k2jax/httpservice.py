@@ -115,6 +115,11 @@ def make_app(title: str, limits: HttpLimits, *, field_errors: tuple[type[Excepti
 
 async def read_json(request: fastapi.Request) -> Any:
   """The request body as JSON (None when empty), within the app's size, time and depth limits."""
+  return parse_json(await read_body(request))
+
+
+async def read_body(request: fastapi.Request) -> bytes:
+  """The raw request body, within the app's size (413) and time (408) limits."""
   limits: HttpLimits = request.app.state.limits
   declared = request.headers.get("content-length")
   if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
@@ -132,9 +137,13 @@ async def read_json(request: fastapi.Request) -> Any:
     return b"".join(chunks)
 
   try:
-    raw = await asyncio.wait_for(receive(), limits.read_timeout_s)
+    return await asyncio.wait_for(receive(), limits.read_timeout_s)
   except TimeoutError:
     raise HttpError(408, f"request body not received within {limits.read_timeout_s} s") from None
+
+
+def parse_json(raw: bytes) -> Any:
+  """A body as JSON (None when empty); 400 naming the body for bad JSON, NaN/Infinity or deep nesting."""
   if not raw.strip():
     return None
   try:

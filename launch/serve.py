@@ -56,6 +56,9 @@ _TOOLS = flags.DEFINE_integer("max_tools", _CAPS.max_tools, "Tools per chat requ
 _PROMPT_BYTES = flags.DEFINE_integer(
   "max_prompt_bytes", _CAPS.max_prompt_bytes, "UTF-8 bytes of a request's prompt text (checked before tokenizing)."
 )
+_SLOTS_PER_REQUEST = flags.DEFINE_integer(
+  "max_slots_per_request", None, "Engine slots one request's prompts hold at once (default: all but 1/8)."
+)
 _BODY = flags.DEFINE_integer("max_body_bytes", _HTTP.max_body_bytes, "Request body size (413 beyond).")
 _HEADER_TIMEOUT = flags.DEFINE_float(
   "header_timeout_s",
@@ -107,6 +110,7 @@ def main(argv):
       max_stop_token_ids=_STOP_IDS.value,
       max_tools=_TOOLS.value,
       max_prompt_bytes=_PROMPT_BYTES.value,
+      max_slots_per_request=_SLOTS_PER_REQUEST.value,
     ),
   )
   print(f"serving {_MODEL.value} at {server.url}", flush=True)

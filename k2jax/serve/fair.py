@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
+from typing import TypeVar
 
 from k2jax import httpservice
 from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, InvalidRequest
+
+T = TypeVar("T")
 
 
 class Call:
@@ -45,8 +49,11 @@ class Call:
 
 
 class FairQueue:
-  def __init__(self, engine: Engine, window: int):
-    self.engine, self.window = engine, window
+  """`window`: prompts kept in the engine; `per_call`: of those, at most this many of one call (fewer than
+  the engine's slots, so a newcomer finds a free slot without waiting for a batch's lockstep wave)."""
+
+  def __init__(self, engine: Engine, window: int, per_call: int):
+    self.engine, self.window, self.per_call = engine, window, per_call
     self._calls: collections.deque[Call] = collections.deque()  # calls with prompts not yet submitted
     self._rids: dict[str, Call] = {}
     self._in_engine = 0
@@ -124,11 +131,18 @@ class FairQueue:
       self._pump()
 
   def _pump(self) -> None:
-    """Round-robin: one prompt from each call with prompts left, until the engine holds `window`."""
-    while self._in_engine < self.window and self._calls:
+    """Round-robin: one prompt from each call with prompts left (and under `per_call` in the engine),
+    until the engine holds `window`."""
+    skipped = 0  # calls passed over in a row because they are at per_call: all of them -> stop
+    while self._in_engine < self.window and self._calls and skipped < len(self._calls):
       call = self._calls.popleft()
       if not call.pending:
         continue
+      if len(call.in_engine) >= self.per_call:
+        self._calls.append(call)
+        skipped += 1
+        continue
+      skipped = 0
       i = call.pending.popleft()
       try:
         call.lives[i] = self.engine.submit(call.requests[i], lambda c=call: self._notify(c))
@@ -140,6 +154,30 @@ class FairQueue:
         self._in_engine += 1
       if call.pending:
         self._calls.append(call)
+
+
+class LoopShare:
+  """Bounds the event loop's time spent on heavy bodies (parsing and tokenizing megabytes of JSON, which
+  holds the GIL: a thread would not help) to `share` of the loop: heavy sections run one at a time, and
+  after one of d seconds the next starts d * (1 - share) / share later. Small requests never wait here,
+  so a client streaming maximal bodies slows them by at most one section per await, not by a queue."""
+
+  def __init__(self, heavy_bytes: int = 256 << 10, share: float = 0.5):
+    self.heavy_bytes, self.share = heavy_bytes, share
+    self._lock = asyncio.Lock()
+    self._next = 0.0
+
+  async def run(self, size: int, fn: Callable[[], T]) -> T:
+    if size < self.heavy_bytes:
+      return fn()
+    async with self._lock:
+      loop = asyncio.get_running_loop()
+      await asyncio.sleep(max(0.0, self._next - loop.time()))
+      t0 = loop.time()
+      try:
+        return fn()
+      finally:
+        self._next = loop.time() + (loop.time() - t0) * (1 - self.share) / self.share
 
 
 def _aborted(req: GenerateRequest, message: str) -> GenerateResult:

@@ -29,11 +29,18 @@ class RequestCaps:
   # UTF-8 bytes of a request's prompt text (all prompts; chat: message contents and tool declarations),
   # checked before tokenizing on the event loop. 1 MiB is ~250k tokens, more than any prompt that fits.
   max_prompt_bytes: int = 1 << 20
+  # Engine slots one request's prompts may hold at once; None: all but max(1, 1/8) of them, so a request
+  # arriving behind a full batch (whose prompts start, and end, in lockstep) finds a slot at once.
+  max_slots_per_request: int | None = None
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      if getattr(self, f.name) < 1:
+      if getattr(self, f.name) is not None and getattr(self, f.name) < 1:
         raise ValueError(f"RequestCaps.{f.name} must be >= 1, got {getattr(self, f.name)}")
+
+  def slots_per_request(self, max_slots: int) -> int:
+    default = max_slots - max(1, max_slots // 8)
+    return max(1, min(max_slots, self.max_slots_per_request or default))
 
   def batch(self, n: int, field: str) -> None:
     if n > self.max_batch_size:

@@ -21,7 +21,7 @@ import logging
 import os
 import stat
 import uuid
-from typing import Annotated, AsyncIterator, Callable, Literal
+from typing import Annotated, AsyncIterator, Callable, Literal, TypeVar
 
 import fastapi
 from fastapi import responses
@@ -36,10 +36,11 @@ from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.httpservice import HttpLimits
 from k2jax.model.config import K2Config
 from k2jax.serve import openai_api, protocol, weight_files
-from k2jax.serve.fair import Call, FairQueue
+from k2jax.serve.fair import Call, FairQueue, LoopShare
 from k2jax.serve.limits import RequestCaps
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AbortBody(httpservice.StrictBody):
@@ -91,7 +92,8 @@ class Server:
       detokenize=self.tokenizer.decode if self.tokenizer else None,
     )
     slots = self.engine.config.max_slots
-    self.fair = FairQueue(self.engine, window=slots + max(1, slots // 8))
+    self.fair = FairQueue(self.engine, window=slots + max(1, slots // 8), per_call=caps.slots_per_request(slots))
+    self.loop_share = LoopShare()
     self.app = self._routes(httpservice.make_app("k2jax", limits, field_errors=(InvalidRequest,)))
     self._http = httpservice.Service(self.app, host=host, port=port, limits=limits, name="k2jax-http")
 
@@ -135,11 +137,13 @@ class Server:
     return app
 
   async def generate(self, request: fastapi.Request):
-    call = protocol.parse_generate(
-      await httpservice.read_json(request), self.tokenizer, self.engine.config.num_top_logprobs, self.caps
-    )
-    for req in call.requests:
-      self.engine.check(req)
+    def parse(body):
+      call = protocol.parse_generate(body, self.tokenizer, self.engine.config.num_top_logprobs, self.caps)
+      for req in call.requests:
+        self.engine.check(req)
+      return call
+
+    call = await self._parse(request, parse)
     if call.stream:
       (opts,) = call.options
       version = self.engine.weight_version
@@ -151,14 +155,12 @@ class Server:
     return outs if call.batch else outs[0]
 
   async def completions(self, request: fastapi.Request):
-    body = await httpservice.read_json(request)
-    call = openai_api.completions(body, self.engine, self.tokenizer, self.model_name, self.caps)
-    return await self._openai(request, call)
+    parse = lambda b: openai_api.completions(b, self.engine, self.tokenizer, self.model_name, self.caps)  # noqa: E731
+    return await self._openai(request, await self._parse(request, parse))
 
   async def chat_completions(self, request: fastapi.Request):
-    body = await httpservice.read_json(request)
-    call = openai_api.chat_completions(body, self.engine, self.tokenizer, self.model_name, self.caps)
-    return await self._openai(request, call)
+    parse = lambda b: openai_api.chat_completions(b, self.engine, self.tokenizer, self.model_name, self.caps)  # noqa: E731
+    return await self._openai(request, await self._parse(request, parse))
 
   async def abort_request(self, request: fastapi.Request):
     body = httpservice.validate(AbortBody, await httpservice.read_json(request) or {})
@@ -246,6 +248,11 @@ class Server:
       "object": "list",
       "data": [{"id": self.model_name, "object": "model", "owned_by": "k2jax", "root": self.model_path}],
     }
+
+  async def _parse(self, request: fastapi.Request, parse: Callable[[object], T]) -> T:
+    """Reads the body and runs `parse` on its JSON; a heavy body takes its turn on the event loop."""
+    raw = await httpservice.read_body(request)
+    return await self.loop_share.run(len(raw), lambda: parse(httpservice.parse_json(raw)))
 
   # ---- running requests --------------------------------------------------------------------------------
   def num_running(self) -> int:
