@@ -283,12 +283,13 @@ def hostile_mix(server: Server, sync: str, threads: int, per_thread: int, idle: 
     "bad_weights": lambda: _bad_weights(server, sync),
   }
   alone, under, replies = [], collections.defaultdict(list), collections.defaultdict(collections.Counter)
-  for _ in range(reps):
+  for rep in range(reps):
     alone.append(innocent_run(server.url, threads, per_thread))
     for name, attack in attacks.items():
       with attack() as a:
         under[name].append(innocent_run(server.url, threads, per_thread))
       replies[name].update(a.replies)
+      print(f"rep {rep} {name}: p99 {under[name][-1]['p99']:.3f} s, alone {alone[-1]['p99']:.3f} s", file=sys.stderr)
   print(f"alone_innocent_p99_s={_fmt([r['p99'] for r in alone])}")
   print(f"alone_innocent_errors={sum(r['errors'] for r in alone)}")
   for name, runs in under.items():

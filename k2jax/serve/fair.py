@@ -80,7 +80,7 @@ class FairQueue:
       if call is None:
         continue
       i = call.index[rid]
-      if call.lives[i] is None and call.results[i] is None:
+      if i in call.pending:
         call.pending.remove(i)
         call.results[i] = _aborted(call.requests[i], "Aborted by request")
       elif call.lives[i] is not None:
@@ -90,7 +90,7 @@ class FairQueue:
       self.engine.abort(running)
 
   def abort_all(self) -> None:
-    self.abort([rid for call in list(self._calls) for i in call.pending for rid in [call.requests[i].rid]])
+    self.abort([call.requests[i].rid for call in list(self._calls) for i in call.pending])
     self.engine.abort_all()
 
   def cancel(self, call: Call) -> None:
