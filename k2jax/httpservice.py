@@ -7,6 +7,8 @@ What every service gets from here, so that no route re-implements it:
     NaN/Infinity, nesting too deep), then validated by a pydantic model whose errors name the field (400);
   - one error envelope, SGLang's and OpenAI's: `{"error": {"message", "type", "param", "code"}}`;
   - Bearer-token auth (`api_key`, SGLang's `--api-key`) as a dependency for the routes that change state;
+  - connections that cannot starve the process of file descriptors (`ConnectionGuard`): a header
+    timeout, an idle keep-alive timeout and a connection limit below the fd limit;
   - a real listen backlog, and a server that runs on a background thread (tests, the embedded engine)
     or in the foreground (`launch/serve.py`).
 """
@@ -14,10 +16,13 @@ What every service gets from here, so that no route re-implements it:
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import functools
 import hmac
 import json
 import logging
+import resource
 import socket
 import threading
 from typing import Any, TypeVar
@@ -26,6 +31,7 @@ import fastapi
 import pydantic
 import uvicorn
 from fastapi import responses
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +44,16 @@ class HttpLimits:
   read_timeout_s: float = 30.0  # the whole body must arrive within this
   backlog: int = 2048  # listen backlog: hundreds of rollout threads connect at once
   api_key: str | None = None  # Bearer token required on state-changing routes when set
+  header_timeout_s: float = 10.0  # a request's headers must arrive within this of its first byte
+  keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this (uvicorn's default)
+  # Open connections at most; None: the fd soft limit less max(128, 1/8) for files, sockets and XLA.
+  # Never above that: a server out of fds answers nobody (the probe: 20,200 idle connections, empty replies).
+  max_connections: int | None = None
+
+  def connection_limit(self) -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = soft - max(128, soft // 8) if soft != resource.RLIM_INFINITY else 1 << 20
+    return max(1, min(self.max_connections or ceiling, ceiling))
 
 
 class HttpError(Exception):
@@ -48,7 +64,13 @@ class HttpError(Exception):
     self.status, self.message, self.field = status, message, field
 
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError"}
+_TYPES = {
+  400: "BadRequestError",
+  401: "AuthenticationError",
+  403: "PermissionDeniedError",
+  404: "NotFoundError",
+  409: "ConflictError",
+}
 
 
 def error_body(status: int, message: str, field: str | None = None) -> dict:
@@ -93,24 +115,35 @@ def make_app(title: str, limits: HttpLimits, *, field_errors: tuple[type[Excepti
 
 async def read_json(request: fastapi.Request) -> Any:
   """The request body as JSON (None when empty), within the app's size, time and depth limits."""
+  return parse_json(await read_body(request))
+
+
+async def read_body(request: fastapi.Request) -> bytes:
+  """The raw request body, within the app's size (413) and time (408) limits."""
   limits: HttpLimits = request.app.state.limits
   declared = request.headers.get("content-length")
   if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
-    raise HttpError(413, f"request body of {declared} bytes exceeds the limit of {limits.max_body_bytes} bytes")
+    raise HttpError(
+      413, f"request body of {declared} bytes exceeds the cap max_body_bytes={limits.max_body_bytes} bytes"
+    )
 
   async def receive() -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
       size += len(chunk)
       if size > limits.max_body_bytes:
-        raise HttpError(413, f"request body exceeds the limit of {limits.max_body_bytes} bytes")
+        raise HttpError(413, f"request body exceeds the cap max_body_bytes={limits.max_body_bytes} bytes")
       chunks.append(chunk)
     return b"".join(chunks)
 
   try:
-    raw = await asyncio.wait_for(receive(), limits.read_timeout_s)
+    return await asyncio.wait_for(receive(), limits.read_timeout_s)
   except TimeoutError:
     raise HttpError(408, f"request body not received within {limits.read_timeout_s} s") from None
+
+
+def parse_json(raw: bytes) -> Any:
+  """A body as JSON (None when empty); 400 naming the body for bad JSON, NaN/Infinity or deep nesting."""
   if not raw.strip():
     return None
   try:
@@ -168,12 +201,14 @@ class Service:
     self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     self._sock.bind((host, port))
     self._sock.listen(limits.backlog)
+    self.guard = ConnectionGuard(limits.connection_limit(), limits.header_timeout_s)
     config = uvicorn.Config(
       app,
+      http=functools.partial(_GuardedH11Protocol, guard=self.guard),
       log_level="warning",
       access_log=False,
       backlog=limits.backlog,
-      timeout_keep_alive=max(5, int(limits.read_timeout_s)),
+      timeout_keep_alive=limits.keep_alive_timeout_s,
       h11_max_incomplete_event_size=64 * 1024,  # headers only; bodies are limited by read_json
     )
     self._server = uvicorn.Server(config)
@@ -210,6 +245,105 @@ class Service:
     if self._thread is not None:
       self._thread.join(timeout=30)
     self._sock.close()
+
+
+class ConnectionGuard:
+  """Bounds the connections that wait on their client, which cost an fd each and nothing to send.
+
+  uvicorn 0.54 has no header-read timeout (its keep-alive timer starts only after a response, and any
+  byte cancels it), and `limit_concurrency` answers 503 to requests but still accepts and holds every
+  connection. So: each request's headers must arrive within `header_timeout_s` of the connection (or,
+  on a kept-alive one, of the request's first byte); and at `limit` open connections a new one evicts
+  the oldest that is waiting for headers, else the oldest idle keep-alive one, else it is closed at
+  once. A client that sends its request promptly is never the oldest waiting one, so a flood of
+  silent connections cannot keep it out, and the fds in use stay below the process's limit.
+  """
+
+  def __init__(self, limit: int, header_timeout_s: float):
+    self.limit, self.header_timeout_s = limit, header_timeout_s
+    self.open = 0
+    self.waiting: collections.OrderedDict[_GuardedH11Protocol, None] = collections.OrderedDict()
+    self.idle: collections.OrderedDict[_GuardedH11Protocol, None] = collections.OrderedDict()
+    self.evicted = self.timed_out = self.refused = 0  # counters, for tests and the benchmark
+
+  def admit(self, conn: "_GuardedH11Protocol") -> bool:
+    self.open += 1
+    if self.open > self.limit:
+      queue = self.waiting or self.idle
+      if not queue:
+        self.refused += 1
+        return False
+      victim, _ = queue.popitem(last=False)
+      self.evicted += 1
+      victim.drop()
+    return True
+
+
+class _GuardedH11Protocol(H11Protocol):
+  """uvicorn's h11 protocol under a `ConnectionGuard`: a connection is waiting (for a request's
+  headers, timed), busy (a request in flight, bounded by the app's own timeouts) or idle (kept alive
+  between requests, closed by uvicorn's keep-alive timer)."""
+
+  def __init__(self, *args, guard: ConnectionGuard, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.guard = guard
+    self._header_timer: asyncio.TimerHandle | None = None
+    self._counted = False
+
+  def connection_made(self, transport) -> None:
+    super().connection_made(transport)
+    self._counted = True
+    if not self.guard.admit(self):
+      transport.abort()
+      return
+    self._wait_for_headers()
+
+  def connection_lost(self, exc) -> None:
+    self._forget()
+    if self._counted:
+      self.guard.open -= 1
+      self._counted = False
+    super().connection_lost(exc)
+
+  def data_received(self, data: bytes) -> None:
+    super().data_received(data)
+    if self._busy():
+      self._forget()
+    elif self in self.guard.idle:  # a kept-alive connection began its next request
+      self._wait_for_headers()
+
+  def on_response_complete(self) -> None:
+    super().on_response_complete()
+    if not self.transport.is_closing() and not self._busy():
+      self._forget()
+      self.guard.idle[self] = None
+
+  def drop(self) -> None:
+    """Closes this connection now (evicted, or its headers are late); no request of it is in flight."""
+    self._forget()
+    if not self.transport.is_closing():
+      self.transport.abort()  # no lingering in FIN_WAIT holding the fd
+
+  def _busy(self) -> bool:
+    return self.cycle is not None and not self.cycle.response_complete
+
+  def _wait_for_headers(self) -> None:
+    self._forget()
+    self.guard.waiting[self] = None
+    self._header_timer = self.loop.call_later(self.guard.header_timeout_s, self._headers_late)
+
+  def _headers_late(self) -> None:
+    self._header_timer = None
+    if self in self.guard.waiting:
+      self.guard.timed_out += 1
+      self.drop()
+
+  def _forget(self) -> None:
+    self.guard.waiting.pop(self, None)
+    self.guard.idle.pop(self, None)
+    if self._header_timer is not None:
+      self._header_timer.cancel()
+      self._header_timer = None
 
 
 def _reject_constant(name: str):

@@ -19,9 +19,10 @@ from pydantic import Field
 from k2jax import httpservice
 from k2jax.data import chat
 from k2jax.data.tokenizer import Tokenizer
-from k2jax.serve import protocol
 from k2jax.engine.base import GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
 from k2jax.engine.inference import InferenceEngine
+from k2jax.serve import protocol
+from k2jax.serve.limits import RequestCaps
 
 
 class _OpenAIBody(httpservice.StrictBody):
@@ -78,9 +79,13 @@ class OpenAICall:
   stops: tuple[str, ...]  # stop strings: streamed text holds back what could still become one
 
 
-def completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, model_name: str) -> OpenAICall:
-  b = _parse(GenerateResultBody, body)
-  prompts = _completion_prompts(b.prompt, tok)
+def completions(
+  body: Any, engine: InferenceEngine, tok: Tokenizer | None, model_name: str, caps: RequestCaps = RequestCaps()
+) -> OpenAICall:
+  b = _parse(GenerateResultBody, body, caps)
+  if isinstance(b.prompt, list) and b.prompt and isinstance(b.prompt[0], (str, list)):
+    caps.batch(len(b.prompt) * (b.n or 1), "prompt")
+  prompts = _completion_prompts(b.prompt, tok, caps)
   if b.logprobs is not None and b.logprobs > engine.config.num_top_logprobs:
     raise InvalidRequest("logprobs", f"must be in [0, {engine.config.num_top_logprobs}], got {b.logprobs}")
   sampling = _sampling(b, b.max_tokens, 16)
@@ -103,14 +108,18 @@ def completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, model
     choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
     return {"id": call_id, "object": "text_completion", "created": created, "model": model_name, "choices": [choice]}
 
-  requests = _requests(engine, prompts, sampling, b)
+  requests = _requests(engine, prompts, sampling, b, caps)
   return OpenAICall(requests, bool(b.stream), respond, chunk, sampling.stop)
 
 
-def chat_completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, model_name: str) -> OpenAICall:
-  b = _parse(ChatBody, body)
+def chat_completions(
+  body: Any, engine: InferenceEngine, tok: Tokenizer | None, model_name: str, caps: RequestCaps = RequestCaps()
+) -> OpenAICall:
+  b = _parse(ChatBody, body, caps)
   if tok is None:
     raise InvalidRequest("messages", "chat needs a tokenizer; this server has none")
+  caps.tools(b.tools)
+  caps.chat_bytes(b.messages, b.tools)
   try:
     ids, _ = chat.render_chat(b.messages, b.tools, tokenizer=tok, add_generation_prompt=True)
   except chat.ChatFormatError as e:
@@ -150,7 +159,7 @@ def chat_completions(body: Any, engine: InferenceEngine, tok: Tokenizer | None, 
 
   if b.stream and parse_tools:
     raise InvalidRequest("stream", "streaming with tools is not supported; send stream: false to get tool_calls")
-  return OpenAICall(_requests(engine, [ids], sampling, b), bool(b.stream), respond, chunk, sampling.stop)
+  return OpenAICall(_requests(engine, [ids], sampling, b, caps), bool(b.stream), respond, chunk, sampling.stop)
 
 
 def _assistant_message(c: GenerateResult, tok: Tokenizer, parse_tools: bool) -> tuple[dict, str]:
@@ -168,10 +177,15 @@ def _assistant_message(c: GenerateResult, tok: Tokenizer, parse_tools: bool) -> 
   return message, finish
 
 
-def _parse(model, body: Any):
+def _parse(model, body: Any, caps: RequestCaps):
   if not isinstance(body, dict):
     raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
-  return httpservice.validate(model, body, "")
+  stop, ids, tools = body.get("stop"), body.get("stop_token_ids"), body.get("tools")
+  caps.stops(stop if isinstance(stop, list) else (), ids if isinstance(ids, list) else (), "")  # before validating
+  caps.tools(tools if isinstance(tools, list) else None)
+  b = httpservice.validate(model, body, "")
+  caps.stops((b.stop,) if isinstance(b.stop, str) else b.stop or (), b.stop_token_ids or (), "")
+  return b
 
 
 def _sampling(b: _OpenAIBody, max_new: int | None, default_max: int) -> SamplingParams:
@@ -187,11 +201,14 @@ def _sampling(b: _OpenAIBody, max_new: int | None, default_max: int) -> Sampling
   )
 
 
-def _requests(engine: InferenceEngine, prompts: list[list[int]], sampling: SamplingParams, b: _OpenAIBody):
+def _requests(
+  engine: InferenceEngine, prompts: list[list[int]], sampling: SamplingParams, b: _OpenAIBody, caps: RequestCaps
+):
   """n samples per prompt (seeds seed, seed+1, ... when a seed is given), checked by the engine."""
   n = b.n or 1
   if n > engine.config.max_slots * 4:
     raise InvalidRequest("n", f"must be in [1, {engine.config.max_slots * 4}], got {n}")
+  caps.batch(n * len(prompts), "n" if len(prompts) == 1 else "prompt")
   if b.stream and n * len(prompts) != 1:
     raise InvalidRequest("stream", "streaming takes one prompt and n = 1")
   base = b.rid or uuid.uuid4().hex
@@ -210,7 +227,7 @@ def _requests(engine: InferenceEngine, prompts: list[list[int]], sampling: Sampl
   return requests
 
 
-def _completion_prompts(prompt: Any, tok: Tokenizer | None) -> list[list[int]]:
+def _completion_prompts(prompt: Any, tok: Tokenizer | None, caps: RequestCaps) -> list[list[int]]:
   if not prompt:
     raise InvalidRequest("prompt", "must be a string, a list of strings, or token id list(s), not empty")
   if all(isinstance(p, list) for p in prompt):
@@ -223,6 +240,7 @@ def _completion_prompts(prompt: Any, tok: Tokenizer | None) -> list[list[int]]:
   texts = [prompt] if isinstance(prompt, str) else prompt
   if tok is None:
     raise InvalidRequest("prompt", "this server has no tokenizer; send token ids")
+  caps.prompt_bytes(texts, "prompt")
   return [tok.encode_with_specials(t) for t in texts]
 
 

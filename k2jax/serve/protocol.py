@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from k2jax import httpservice
-
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.engine.base import GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
+from k2jax.serve.limits import RequestCaps
 
 
 class SamplingBody(httpservice.StrictBody):
@@ -106,11 +106,21 @@ class GenerateCall:
   stream: bool = False
 
 
-def parse_generate(body: Any, tokenizer: Tokenizer | None, max_top: int) -> GenerateCall:
-  """A `/generate` body -> engine requests (one, or several for a batch)."""
+def parse_generate(
+  body: Any, tokenizer: Tokenizer | None, max_top: int, caps: RequestCaps = RequestCaps()
+) -> GenerateCall:
+  """A `/generate` body -> engine requests (one, or several for a batch), within `caps`."""
   if not isinstance(body, dict):
     raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
+  for key in ("text", "input_ids", "sampling_params", "rid"):  # before validating what a cap would refuse
+    value = body.get(key)
+    if isinstance(value, list) and (key == "text" or (value and isinstance(value[0], (list, dict, str)))):
+      caps.batch(len(value), key)
   g = httpservice.validate(GenerateBody, body, "")
+  if isinstance(g.text, str):
+    caps.prompt_bytes([g.text], "text")
+  elif g.text is not None:
+    caps.prompt_bytes(g.text, "text")
   if g.top_logprobs_num > max_top:
     raise InvalidRequest("top_logprobs_num", f"must be in [0, {max_top}], got {g.top_logprobs_num}")
   prompts, batch = _prompts(g, tokenizer)
@@ -127,7 +137,7 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, max_top: int) -> Gene
     sps, fields = [sps] * n, ["sampling_params"] * n
   requests, options = [], []
   for ids, rid, sp, field in zip(prompts, rids, sps, fields):
-    sampling, text_opts = parse_sampling(sp, field, tokenizer)
+    sampling, text_opts = parse_sampling(sp, field, tokenizer, caps)
     requests.append(GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=sampling))
     options.append(
       dataclasses.replace(
@@ -140,7 +150,12 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, max_top: int) -> Gene
   return GenerateCall(requests, options, batch, g.stream)
 
 
-def parse_sampling(sp: Any, field: str, tokenizer: Tokenizer | None) -> tuple[SamplingParams, TextOptions]:
+def parse_sampling(
+  sp: Any, field: str, tokenizer: Tokenizer | None, caps: RequestCaps = RequestCaps()
+) -> tuple[SamplingParams, TextOptions]:
+  if isinstance(sp, dict):  # counts first: validating a million stop strings is itself the attack
+    stop, ids = sp.get("stop"), sp.get("stop_token_ids")
+    caps.stops(stop if isinstance(stop, list) else (), ids if isinstance(ids, list) else (), f"{field}.")
   s = httpservice.validate(SamplingBody, sp, field)
   sampling = SamplingParams(
     max_new_tokens=s.max_new_tokens,
@@ -154,6 +169,7 @@ def parse_sampling(sp: Any, field: str, tokenizer: Tokenizer | None) -> tuple[Sa
   )
   if "" in sampling.stop:
     raise InvalidRequest(f"{field}.stop", "stop strings must be non-empty")
+  caps.stops(sampling.stop, sampling.stop_token_ids, f"{field}.")
   return sampling, TextOptions(skip_special_tokens=s.skip_special_tokens, no_stop_trim=s.no_stop_trim)
 
 

@@ -6,6 +6,10 @@ connection costs no thread and thousands can wait at once. When a client disconn
 aborted at once and their cache slots freed. `stream: true` on `/generate` and on the OpenAI endpoints
 answers with server-sent events. Errors answer 4xx with `{"error": {"message", "param", ...}}` naming
 the field; with an `api_key`, the routes that change state need `Authorization: Bearer <key>`.
+
+Open routes are bounded (the server cannot be starved without a key): per-request caps
+(`limits.RequestCaps`), fair interleaving of a batch's prompts with other requests (`fair.FairQueue`),
+and header/idle timeouts with a connection limit below the fd limit (`httpservice.HttpLimits`).
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import importlib.metadata
 import json
 import logging
 import os
+import stat
 import uuid
-from typing import Annotated, AsyncIterator, Callable, Literal
+from typing import Annotated, AsyncIterator, Callable, Literal, TypeVar
 
 import fastapi
 from fastapi import responses
 from pydantic import Field
+from safetensors import SafetensorError
 
 import k2jax
 from k2jax import httpservice
@@ -29,9 +35,12 @@ from k2jax.engine.base import GenerateRequest, GenerateResult, InvalidRequest, S
 from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.httpservice import HttpLimits
 from k2jax.model.config import K2Config
-from k2jax.serve import openai_api, protocol
+from k2jax.serve import openai_api, protocol, weight_files
+from k2jax.serve.fair import Call, FairQueue, LoopShare
+from k2jax.serve.limits import RequestCaps
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AbortBody(httpservice.StrictBody):
@@ -50,9 +59,10 @@ class UpdateWeightsBody(httpservice.StrictBody):
 class Server:
   """Loads a model (HF dir or k2jax workdir), runs an `InferenceEngine` and answers HTTP on host:port.
 
-  `weights_root`: `/update_weights_from_disk` loads only paths inside it (default: the directory that
-  holds the served model), so the route is neither a file reader nor an existence oracle for the rest
-  of the machine.
+  `/update_weights_from_disk` loads only paths inside the served model's own directory or inside
+  `weights_root` (a directory the trainer writes its weight syncs to; default none), so the route is
+  neither a file reader nor an existence oracle for the rest of the machine. A directory every user may
+  write (/tmp itself) is never a root: anyone could plant weights there.
   """
 
   def __init__(
@@ -67,6 +77,7 @@ class Server:
     limits: HttpLimits = HttpLimits(),
     weights_root: str | None = None,
     make_engine: Callable | None = None,
+    caps: RequestCaps = RequestCaps(),
   ):
     """`make_engine(model, eos_token_ids)`: another engine with `InferenceEngine`'s serving surface (submit,
     progress, wait, abort, update_weights, ...), e.g. `k2jax.engine.sglang_jax_server.SglangJaxServing`;
@@ -76,7 +87,8 @@ class Server:
     self.cfg: K2Config = model.cfg
     self.tokenizer = resolve_tokenizer(model_path, tokenizer_path, self.cfg.vocab_size)
     self.model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
-    self.weights_root = os.path.realpath(weights_root or os.path.dirname(os.path.abspath(model_path)))
+    self.weights_roots = weight_roots(model_path, weights_root)
+    self.caps = caps
     eos = eos_ids(self.cfg, self.tokenizer)
     if make_engine is not None:
       self.engine = make_engine(model, eos)
@@ -84,6 +96,9 @@ class Server:
       detokenize = self.tokenizer.decode if self.tokenizer else None
       self.engine = InferenceEngine(model, engine_config, eos_token_ids=eos, detokenize=detokenize)
     del model  # the engine holds what it serves
+    slots = self.engine.config.max_slots
+    self.fair = FairQueue(self.engine, window=slots + max(1, slots // 8), per_call=caps.slots_per_request(slots))
+    self.loop_share = LoopShare()
     self.app = self._routes(httpservice.make_app("k2jax", limits, field_errors=(InvalidRequest,)))
     self._http = httpservice.Service(self.app, host=host, port=port, limits=limits, name="k2jax-http")
 
@@ -98,6 +113,11 @@ class Server:
 
   def serve_forever(self) -> None:
     self._http.serve_forever()
+
+  @property
+  def connections(self) -> httpservice.ConnectionGuard:
+    """The open connections' guard: its limit, header timeout and eviction counters."""
+    return self._http.guard
 
   def close(self) -> None:
     self._http.close()
@@ -122,54 +142,60 @@ class Server:
     return app
 
   async def generate(self, request: fastapi.Request):
-    call = protocol.parse_generate(
-      await httpservice.read_json(request), self.tokenizer, self.engine.config.num_top_logprobs
-    )
-    for req in call.requests:
-      self.engine.check(req)
+    def parse(body):
+      call = protocol.parse_generate(body, self.tokenizer, self.engine.config.num_top_logprobs, self.caps)
+      for req in call.requests:
+        self.engine.check(req)
+      return call
+
+    call = await self._parse(request, parse)
     if call.stream:
-      (req,), (opts,) = call.requests, call.options
+      (opts,) = call.options
       version = self.engine.weight_version
       render = lambda c: protocol.generate_response(c, opts, self.tokenizer, version)  # noqa: E731
-      return _sse(self._stream(req, lambda c, done: [render(c)]))
+      return _sse(self._stream(self.fair.submit(call.requests), lambda c, done: [render(c)]))
     results = await self._run(request, call.requests)
     version = self.engine.weight_version
     outs = [protocol.generate_response(c, o, self.tokenizer, version) for c, o in zip(results, call.options)]
     return outs if call.batch else outs[0]
 
   async def completions(self, request: fastapi.Request):
-    call = openai_api.completions(await httpservice.read_json(request), self.engine, self.tokenizer, self.model_name)
-    return await self._openai(request, call)
+    parse = lambda b: openai_api.completions(b, self.engine, self.tokenizer, self.model_name, self.caps)  # noqa: E731
+    return await self._openai(request, await self._parse(request, parse))
 
   async def chat_completions(self, request: fastapi.Request):
-    body = await httpservice.read_json(request)
-    call = openai_api.chat_completions(body, self.engine, self.tokenizer, self.model_name)
-    return await self._openai(request, call)
+    parse = lambda b: openai_api.chat_completions(b, self.engine, self.tokenizer, self.model_name, self.caps)  # noqa: E731
+    return await self._openai(request, await self._parse(request, parse))
 
   async def abort_request(self, request: fastapi.Request):
     body = httpservice.validate(AbortBody, await httpservice.read_json(request) or {})
     if not body.abort_all and not body.rid:
       raise InvalidRequest("rid", "give a request id (string) or abort_all: true")
     if body.abort_all:
-      self.engine.abort_all()
+      self.fair.abort_all()
     else:
-      self.engine.abort([body.rid])
+      self.fair.abort([body.rid])
+      self.engine.abort([body.rid])  # also one submitted to the engine directly
     return responses.Response(status_code=200)
 
   async def update_weights_from_disk(self, request: fastapi.Request):
     body = httpservice.validate(UpdateWeightsBody, await httpservice.read_json(request))
     path = os.path.realpath(body.model_path)
-    if os.path.commonpath([path, self.weights_root]) != self.weights_root:
-      msg = f"model_path must be inside the server's weights root {self.weights_root} (launch flag --weights_root)"
-      return responses.JSONResponse({"success": False, "message": msg, "num_paused_requests": 0}, status_code=403)
+    if not weight_files.inside(path, self.weights_roots):
+      roots = " or ".join(self.weights_roots)
+      msg = f"model_path must be inside the served model's dir or the weights root: {roots} (flag --weights_root)"
+      return _update_failed(403, msg)
+    try:
+      await asyncio.to_thread(weight_files.check_weights_dir, path, self.weights_roots)
+    except weight_files.WeightFileError as e:  # nothing was loaded: the old weights keep serving
+      return _update_failed(e.status, f"{body.model_path}: {e}")
     if body.abort_all_requests:
-      self.engine.abort_all()
+      self.fair.abort_all()
     version = None if body.weight_version is None else int(body.weight_version)
     try:
       new = await asyncio.to_thread(self.engine.update_weights, path, version, flush_cache=body.flush_cache)
-    except (OSError, ValueError, KeyError) as e:  # missing files, bad config, shape mismatch
-      message = f"{body.model_path}: {e}"
-      return responses.JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, 400)
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # missing files, bad config, shape mismatch
+      return _update_failed(400, f"{body.model_path}: {e}")
     self.model_path = body.model_path
     return {
       "success": True,
@@ -184,7 +210,7 @@ class Server:
 
   async def health(self, request: fastapi.Request):
     """Like SGLang: a one-token generation when idle (proves the model runs), else just alive."""
-    if self.engine.num_running():
+    if self.fair.num_running() or self.engine.num_running():
       return responses.Response(status_code=200)
     probe = GenerateRequest(f"health-{uuid.uuid4().hex}", (0,), SamplingParams(max_new_tokens=1, temperature=0.0))
     try:
@@ -231,50 +257,54 @@ class Server:
       "data": [{"id": self.model_name, "object": "model", "owned_by": "k2jax", "root": self.model_path}],
     }
 
+  async def _parse(self, request: fastapi.Request, parse: Callable[[object], T]) -> T:
+    """Reads the body and runs `parse` on its JSON; a heavy body takes its turn on the event loop."""
+    raw = await httpservice.read_body(request)
+    return await self.loop_share.run(len(raw), lambda: parse(httpservice.parse_json(raw)))
+
   # ---- running requests --------------------------------------------------------------------------------
+  def num_running(self) -> int:
+    """Prompts of HTTP requests in flight: queued for their turn or in the engine."""
+    return self.fair.num_running()
+
   async def _run(self, request: fastapi.Request, reqs: list[GenerateRequest]) -> list[GenerateResult]:
-    """Runs `reqs` to completion; aborts them all if the client goes away first. Raises RuntimeError when
-    the engine failed on one of them (answered 500)."""
-    loop, changed = asyncio.get_running_loop(), asyncio.Event()
-    lives = self._submit(reqs, lambda: loop.call_soon_threadsafe(changed.set))
-    watcher = asyncio.create_task(self._abort_on_disconnect(request, [r.rid for r in reqs]))
+    """Runs `reqs` to completion, taking turns with other requests; aborts them all if the client goes
+    away first. Raises RuntimeError when the engine failed on one of them (answered 500)."""
+    call = self.fair.submit(reqs)
+    watcher = asyncio.create_task(self._abort_on_disconnect(request, call))
     try:
-      while not all(live.done.is_set() for live in lives):
-        await changed.wait()
-        changed.clear()
+      while not call.done:
+        await call.changed.wait()
+        call.changed.clear()
     finally:
       watcher.cancel()
-      # cancelled (server shutting down): nothing may keep decoding for nobody
-      self.engine.abort([live.request.rid for live in lives if not live.done.is_set()])
-    return [self.engine.wait(live) for live in lives]
+      if not call.done:  # cancelled (server shutting down): nothing may keep decoding for nobody
+        self.fair.cancel(call)
+    return [_result(self.fair, call, i) for i in range(len(reqs))]
 
-  async def _stream(
-    self, req: GenerateRequest, render: Callable[[GenerateResult, bool], list[dict]]
-  ) -> AsyncIterator[dict]:
+  async def _stream(self, call: Call, render: Callable[[GenerateResult, bool], list[dict]]) -> AsyncIterator[dict]:
     """Yields render(progress, finished) after every new token; aborts the request if the stream is dropped."""
-    loop, changed = asyncio.get_running_loop(), asyncio.Event()
-    (live,) = self._submit([req], lambda: loop.call_soon_threadsafe(changed.set))
     sent = -1
     try:
       while True:
-        done = live.done.is_set()
-        progress = self.engine.progress(live)
-        if done or len(progress.output_ids) > sent:
-          sent = len(progress.output_ids)
-          for chunk in render(progress, done):
-            yield chunk
+        done = call.done
+        if call.lives[0] is not None or done:
+          progress = _result(self.fair, call, 0) if done else self.engine.progress(call.lives[0])
+          if done or len(progress.output_ids) > sent:
+            sent = len(progress.output_ids)
+            for chunk in render(progress, done):
+              yield chunk
         if done:
           return
-        await changed.wait()
-        changed.clear()
+        await call.changed.wait()
+        call.changed.clear()
     finally:  # client disconnected (the response is cancelled) or finished
-      if not live.done.is_set():
-        self.engine.abort([req.rid])
+      if not call.done:
+        self.fair.cancel(call)
 
   async def _openai(self, request: fastapi.Request, call: openai_api.OpenAICall):
     if not call.stream:
       return call.respond(await self._run(request, call.requests))
-    (req,) = call.requests
     text = _TextDeltas(self.tokenizer, call.stops)
 
     def render(c: GenerateResult, done: bool) -> list[dict]:
@@ -285,23 +315,43 @@ class Server:
       delta = text.finish(final.get("text", (final.get("message") or {}).get("content") or ""))
       return ([call.chunk(delta, None)] if delta else []) + [call.chunk("", final["finish_reason"])]
 
-    return _sse(self._stream(req, render))
+    return _sse(self._stream(self.fair.submit(call.requests), render))
 
-  def _submit(self, reqs: list[GenerateRequest], on_update: Callable[[], None]) -> list:
-    lives = []
-    try:
-      for req in reqs:
-        lives.append(self.engine.submit(req, on_update))
-    except InvalidRequest:
-      self.engine.abort([live.request.rid for live in lives])
-      raise
-    return lives
-
-  async def _abort_on_disconnect(self, request: fastapi.Request, rids: list[str]) -> None:
+  async def _abort_on_disconnect(self, request: fastapi.Request, call: Call) -> None:
     # The body has been read, so the next ASGI message can only be the client's disconnect.
     while (await request.receive())["type"] != "http.disconnect":
       pass
-    self.engine.abort(rids)
+    self.fair.cancel(call)
+
+
+def _result(fair: FairQueue, call: Call, i: int) -> GenerateResult:
+  try:
+    return fair.result(call, i)
+  except InvalidRequest as e:  # the engine refused it at its turn: a rid in flight outside HTTP
+    if e.field == "rid":
+      raise httpservice.HttpError(409, str(e), "rid") from None
+    raise
+
+
+def _update_failed(status: int, message: str) -> responses.JSONResponse:
+  return responses.JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, status)
+
+
+def weight_roots(model_path: str, weights_root: str | None) -> list[str]:
+  """Where `/update_weights_from_disk` may read: the served model's dir and `weights_root`, never a
+  directory every user may write (a model saved straight into /tmp gets no default root)."""
+  roots = []
+  for path, given in ((model_path, False), (weights_root, True)):
+    if path is None:
+      continue
+    real = os.path.realpath(path)
+    if os.path.isdir(real) and os.stat(real).st_mode & stat.S_IWOTH:
+      if given:
+        raise ValueError(f"weights_root {path} is writable by every user; give a directory only the trainer writes")
+      log.warning("%s is writable by every user: weight updates may not read from it", path)
+      continue
+    roots.append(real)
+  return roots
 
 
 class _TextDeltas:

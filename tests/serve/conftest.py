@@ -21,6 +21,7 @@ class Served:
   server: Server
   model: K2Model  # the same weights, for full-forward references
   hf_dir: str
+  weights_root: str  # where tests write weights for /update_weights_from_disk
 
   @property
   def engine(self):
@@ -41,11 +42,13 @@ def served(tmp_path_factory):
   model = K2Model(cfg, rngs=nnx.Rngs(0))
   hf_dir = str(tmp_path_factory.mktemp("tiny_hf"))
   k2jax.save_hf(model, hf_dir)
+  weights_root = str(tmp_path_factory.mktemp("weights_root"))
   server = Server(
     hf_dir,
     engine_config=EngineConfig(max_slots=4, max_seq_len=MAX_LEN, prefix_cache_entries=8, precompile=True),
     port=0,
-    limits=HttpLimits(read_timeout_s=2.0, max_body_bytes=1 << 20),
+    limits=HttpLimits(read_timeout_s=2.0, max_body_bytes=1 << 20, header_timeout_s=1.0, keep_alive_timeout_s=2.0),
+    weights_root=weights_root,
   ).start()
-  yield Served(server, model, hf_dir)
+  yield Served(server, model, hf_dir, weights_root)
   server.close()

@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import json
 import os
+import pathlib
 import socket
 import time
 
@@ -89,7 +90,7 @@ def test_update_weights_from_disk_changes_outputs_and_version(served, bigram_dir
     res = _post(served, "update_weights_from_disk", {"model_path": served.hf_dir})
   assert res["success"] and res["weight_version"] == "6"  # no version given: incremented
   assert _greedy(served, [3, 1, 4, 1, 5])["output_ids"] == before["output_ids"]
-  missing = os.path.join(os.path.dirname(served.hf_dir), "not-there")
+  missing = os.path.join(served.weights_root, "not-there")
   bad = _post(served, "update_weights_from_disk", {"model_path": missing}, status=400)
   assert bad["success"] is False and missing in bad["message"]
   # Outside the weights root: refused before the path is touched (no existence oracle, no file reads).
@@ -290,15 +291,15 @@ def test_disconnected_clients_free_their_slots(served):
     )
     socks.append(sock)
   deadline = time.monotonic() + 60
-  while served.engine.num_running() < 64 and time.monotonic() < deadline:
+  while served.server.num_running() < 64 and time.monotonic() < deadline:
     time.sleep(0.01)
-  assert served.engine.num_running() == 64
+  assert served.server.num_running() == 64
   for sock in socks:
     sock.close()
   t0 = time.monotonic()
-  while served.engine.num_running() and time.monotonic() - t0 < 5:
+  while (served.server.num_running() or served.engine.num_running()) and time.monotonic() - t0 < 5:
     time.sleep(0.01)
-  assert served.engine.num_running() == 0, "aborted requests still hold slots"
+  assert served.server.num_running() == served.engine.num_running() == 0, "aborted requests still hold slots"
   assert time.monotonic() - t0 < 1.0
   assert _greedy(served, [1, 2], n=2)["meta_info"]["completion_tokens"] == 2
 
@@ -435,7 +436,7 @@ def bigram_dir(served, bigram_args, tmp_path_factory):
     emb[a] = 0
     emb[a, i] = 1.0
     head[i, b] += 10.0
-  path = str(tmp_path_factory.mktemp("bigram_hf"))
+  path = os.path.join(served.weights_root, "bigram_hf")
   k2jax.save_hf(model_from_state(cfg, state), path)
   return path
 
@@ -455,11 +456,12 @@ def test_k2jax_rl_http_client_accepts_our_answers(served):
   client.flush_cache()
 
 
-def test_update_weights_from_a_weight_sync_delta(served, tmp_path):
+def test_update_weights_from_a_weight_sync_delta(served):
   """RL weight sync writes only changed tensors (no config.json): the server overlays them."""
   from safetensors.numpy import save_file
 
   before = _greedy(served, [3, 1, 4, 1, 5])
+  tmp_path = pathlib.Path(served.weights_root)
   delta = tmp_path / "delta"
   delta.mkdir()
   lm = np.asarray(served.model.lm_head.w[...]).T.copy()  # HF [S, D]

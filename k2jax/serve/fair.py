@@ -1,0 +1,185 @@
+"""Fair admission of HTTP requests into the engine: a batch's prompts take turns with everyone else's.
+
+The engine admits what it is given first-come first-served (a FIFO into its decode slots), so a
+500-prompt batch submitted at once puts every later request behind all 500 (the probe: an 8-token
+request went from 0.11 s to 40.2 s). Here each HTTP request is a *call*; the server keeps at most
+`window` prompts inside the engine (its slots plus a little headroom, so a slot freed between decode
+steps is refilled at once) and, whenever one finishes, submits the next prompt of the next call in
+round-robin order. A small request arriving behind a full batch waits for about `window - max_slots + 1`
+prompts to finish, not for the batch. The engine's own scheduling is untouched.
+
+Everything here runs on the server's event loop (the engine's scheduler thread only schedules
+callbacks onto it), so no lock is needed. Request ids are reserved per call while it is in flight: a
+second request reusing one is refused (409) before anything is queued or a stream is opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+from typing import TypeVar
+
+from k2jax import httpservice
+from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, InvalidRequest
+
+T = TypeVar("T")
+
+
+class Call:
+  """One HTTP request's prompts: `lives[i]` is prompt i's engine handle once submitted."""
+
+  def __init__(self, requests: list[GenerateRequest]):
+    self.requests = requests
+    self.index = {r.rid: i for i, r in enumerate(requests)}
+    self.lives: list = [None] * len(requests)
+    self.results: list[GenerateResult | None] = [None] * len(requests)  # ended without the engine
+    self.errors: list[Exception | None] = [None] * len(requests)
+    self.pending = collections.deque(range(len(requests)))
+    self.in_engine: set[int] = set()
+    self.changed = asyncio.Event()
+
+  def finished(self, i: int) -> bool:
+    live = self.lives[i]
+    return self.results[i] is not None or self.errors[i] is not None or (live is not None and live.done.is_set())
+
+  @property
+  def done(self) -> bool:
+    return not self.pending and not self.in_engine  # what left the engine has finished
+
+
+class FairQueue:
+  """`window`: prompts kept in the engine; `per_call`: of those, at most this many of one call (fewer than
+  the engine's slots, so a newcomer finds a free slot without waiting for a batch's lockstep wave)."""
+
+  def __init__(self, engine: Engine, window: int, per_call: int):
+    self.engine, self.window, self.per_call = engine, window, per_call
+    self._calls: collections.deque[Call] = collections.deque()  # calls with prompts not yet submitted
+    self._rids: dict[str, Call] = {}
+    self._in_engine = 0
+    self._loop: asyncio.AbstractEventLoop | None = None
+
+  def submit(self, requests: list[GenerateRequest]) -> Call:
+    """Queues a call (event loop only); raises HttpError 409 when one of its rids is in flight."""
+    self._loop = asyncio.get_running_loop()
+    taken = [r.rid for r in requests if r.rid in self._rids]
+    if taken:
+      raise httpservice.HttpError(409, f"request id {taken[0]!r} is already in flight", "rid")
+    call = Call(requests)
+    for r in requests:
+      self._rids[r.rid] = call
+    self._calls.append(call)
+    self._pump()
+    return call
+
+  def abort(self, rids: list[str]) -> None:
+    """Aborts these requests: queued ones end now (finish_reason abort), running ones at the next step."""
+    running = []
+    for rid in rids:
+      call = self._rids.get(rid)
+      if call is None:
+        continue
+      i = call.index[rid]
+      if i in call.pending:
+        call.pending.remove(i)
+        call.results[i] = _aborted(call.requests[i], "Aborted by request")
+      elif call.lives[i] is not None:
+        running.append(rid)
+      self._update(call)
+    if running:
+      self.engine.abort(running)
+
+  def abort_all(self) -> None:
+    self.abort([call.requests[i].rid for call in list(self._calls) for i in call.pending])
+    self.engine.abort_all()
+
+  def cancel(self, call: Call) -> None:
+    """The client went away (or the server is stopping): nothing of `call` may keep decoding."""
+    self.abort([r.rid for i, r in enumerate(call.requests) if not call.finished(i)])
+
+  def num_running(self) -> int:
+    """Prompts of HTTP requests in flight (queued here or in the engine)."""
+    return len(self._rids)
+
+  def result(self, call: Call, i: int) -> GenerateResult:
+    """Prompt i's result (call done); raises the engine's error for a prompt it failed or refused."""
+    if call.errors[i] is not None:
+      raise call.errors[i]
+    if call.results[i] is not None:
+      return call.results[i]
+    return self.engine.wait(call.lives[i])
+
+  # ---- internals ------------------------------------------------------------------------------------
+  def _notify(self, call: Call) -> None:  # the engine's scheduler thread
+    loop = self._loop
+    if loop is not None and not loop.is_closed():
+      loop.call_soon_threadsafe(self._update, call)
+
+  def _update(self, call: Call) -> None:
+    freed = [i for i in call.in_engine if call.lives[i].done.is_set()]
+    for i in freed:
+      call.in_engine.discard(i)
+      self._in_engine -= 1
+    if call.done:
+      for r in call.requests:
+        if self._rids.get(r.rid) is call:
+          del self._rids[r.rid]
+      if call in self._calls:
+        self._calls.remove(call)
+    call.changed.set()
+    if freed:
+      self._pump()
+
+  def _pump(self) -> None:
+    """Round-robin: one prompt from each call with prompts left (and under `per_call` in the engine),
+    until the engine holds `window`."""
+    skipped = 0  # calls passed over in a row because they are at per_call: all of them -> stop
+    while self._in_engine < self.window and self._calls and skipped < len(self._calls):
+      call = self._calls.popleft()
+      if not call.pending:
+        continue
+      if len(call.in_engine) >= self.per_call:
+        self._calls.append(call)
+        skipped += 1
+        continue
+      skipped = 0
+      i = call.pending.popleft()
+      try:
+        call.lives[i] = self.engine.submit(call.requests[i], lambda c=call: self._notify(c))
+      except (InvalidRequest, RuntimeError) as e:  # a rid in flight outside HTTP, or the engine closed
+        call.errors[i] = e
+        self._loop.call_soon(self._update, call)
+      else:
+        call.in_engine.add(i)
+        self._in_engine += 1
+      if call.pending:
+        self._calls.append(call)
+
+
+class LoopShare:
+  """Bounds the event loop's time spent on heavy bodies (parsing and tokenizing megabytes of JSON, which
+  holds the GIL: a thread would not help) to `share` of the loop: heavy sections run one at a time, and
+  after one of d seconds the next starts d * (1 - share) / share later. Small requests never wait here,
+  so a client streaming maximal bodies slows them by at most one section per await, not by a queue."""
+
+  def __init__(self, heavy_bytes: int = 256 << 10, share: float = 0.5):
+    self.heavy_bytes, self.share = heavy_bytes, share
+    self._lock = asyncio.Lock()
+    self._next = 0.0
+
+  async def run(self, size: int, fn: Callable[[], T]) -> T:
+    if size < self.heavy_bytes:
+      return fn()
+    async with self._lock:
+      loop = asyncio.get_running_loop()
+      await asyncio.sleep(max(0.0, self._next - loop.time()))
+      t0 = loop.time()
+      try:
+        return fn()
+      finally:
+        self._next = loop.time() + (loop.time() - t0) * (1 - self.share) / self.share
+
+
+def _aborted(req: GenerateRequest, message: str) -> GenerateResult:
+  """What the engine answers for a request aborted before it was prefilled."""
+  return GenerateResult(req.rid, (), (), (), "abort", len(req.input_ids), abort_message=message)
