@@ -148,6 +148,12 @@ def _tiny() -> config_dict.ConfigDict:
   c.engine = config_dict.ConfigDict()  # embedded engine only (k2jax.engine.EngineConfig)
   c.engine.max_slots = 32  # requests decoded together
   c.engine.max_seq_len = 64  # prompt + response tokens per request
+  c.engine.sharding = ""  # serving preset on all devices (tp | ep | tp_ep; "" = one device, one process)
+  c.engine.mesh = ""  # serving mesh, e.g. "expert:4,tensor:2" ("" = the preset's default)
+
+  c.colocate = config_dict.ConfigDict()  # engine.sharding set: generate/update phases (k2jax/rl/phases.py)
+  c.colocate.offload_opt_state = True  # optimizer state to host memory while the engine generates
+  c.colocate.offload_params = False  # the float32 master weights too (the engine serves its own copy)
 
   c.sglang_jax = config_dict.ConfigDict()  # rollout.engine=sglang_jax_colocated (k2jax.engine.SglangJaxConfig)
   c.sglang_jax.device = "cpu"  # cpu | tpu | gpu

@@ -87,14 +87,15 @@ def make_placement(preset: str, mesh: str = "", devices=None) -> Placement:
   return Placement(sharding_lib.make_mesh(shape, devices), preset)
 
 
-def place(tree, shardings):
+def place(tree, shardings, *, copy: bool = False):
   """`tree` (device or host arrays) on `shardings`. Device arrays move device to device (`jax.device_put`,
-  no copy when they are there already); host arrays, on a multi-process mesh, place only this process's
-  shards (every process holds the same full values)."""
+  no copy when they are there already, unless `copy`: then the result never aliases the input, which its
+  owner may donate or delete); host arrays, on a multi-process mesh, place only this process's shards
+  (every process holds the same full values)."""
 
   def one(x, s):
     if isinstance(x, jax.Array) or jax.process_count() == 1:
-      return jax.device_put(x, s)
+      return jax.device_put(x, s, may_alias=False if copy else None)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
 

@@ -110,7 +110,8 @@ class ModelRunner:
       if want.get(path) != got.get(path):
         raise ValueError(f"new weights do not fit the served model: {path} is {got.get(path)}, served {want.get(path)}")
     state = jax.tree.map(lambda x: x, self._abstract)  # a new State over the same variables
-    nnx.replace_by_pure_dict(state, place(params, self._pure_shardings()))
+    # On a serving mesh the engine keeps its own copy (the trainer may donate or offload its arrays).
+    nnx.replace_by_pure_dict(state, place(params, self._pure_shardings(), copy=self._shardings is not None))
     self._state = state
 
   def _served_signature(self) -> dict:
