@@ -36,7 +36,9 @@ class ColocateConfig:
 def host_kind_available(tree) -> bool:
   """Whether every device under `tree`'s arrays has a pinned_host memory."""
   devices = {d for x in jax.tree.leaves(tree) for d in x.sharding.device_set}
-  return all(any(m.kind == HOST for m in d.addressable_memories()) for d in devices if d.process_index == jax.process_index())
+  return all(
+    any(m.kind == HOST for m in d.addressable_memories()) for d in devices if d.process_index == jax.process_index()
+  )
 
 
 def to_host(tree):
