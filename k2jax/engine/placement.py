@@ -87,6 +87,24 @@ def make_placement(preset: str, mesh: str = "", devices=None) -> Placement:
   return Placement(sharding_lib.make_mesh(shape, devices), preset)
 
 
+def load_model(path: str, placement: Placement):
+  """The model stored in `path` (workdir or HF dir) with its weights read straight onto `placement`'s
+  shardings (`k2jax.api.source_state`), never whole on one device first."""
+  from flax import nnx
+
+  from k2jax import api
+  from k2jax.convert.export_dir import recover
+  from k2jax.model.transformer import K2Model
+
+  recover(path)  # an export that died between its two renames (as k2jax.load)
+  cfg = api.source_config(path)
+  if placement.mesh is None:
+    return api.model_from_state(cfg, api.source_state(path, cfg))
+  abstract = nnx.state(nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0))))
+  shardings = nnx.to_pure_dict(placement.state_shardings(abstract))
+  return api.model_from_state(cfg, api.source_state(path, cfg, shardings))
+
+
 def place(tree, shardings, *, copy: bool = False):
   """`tree` (device or host arrays) on `shardings`. Device arrays move device to device (`jax.device_put`,
   no copy when they are there already, unless `copy`: then the result never aliases the input, which its
