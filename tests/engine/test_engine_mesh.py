@@ -109,3 +109,15 @@ def test_bad_serving_layouts_name_the_field():
     InferenceEngine(_model(), EngineConfig(max_slots=8, max_seq_len=MAX_LEN, sharding="fsdp"))
   with pytest.raises(ValueError, match="entry 'tensor=4'"):
     InferenceEngine(_model(), EngineConfig(max_slots=8, max_seq_len=MAX_LEN, sharding="tp", mesh="tensor=4"))
+
+
+def test_load_model_reads_weights_onto_the_serving_layout(tmp_path):
+  """`launch/serve.py --sharding=...` loads through this: each tensor lands on its serving sharding."""
+  import k2jax
+  from k2jax.engine.placement import load_model, make_placement
+
+  k2jax.save_hf(_model(), str(tmp_path / "hf"))
+  model = load_model(str(tmp_path / "hf"), make_placement("tp_ep", "expert:4,tensor:2"))
+  experts = model.moe_layers.moe.experts.w_up[...]
+  assert experts.sharding.spec[1:] == ("expert", None, "tensor") and len(experts.sharding.device_set) == 8
+  np.testing.assert_array_equal(np.asarray(experts), np.asarray(_model().moe_layers.moe.experts.w_up[...]))
