@@ -1,7 +1,8 @@
 """Colocated RL iteration vs the same iteration with a separate engine process fed through files.
 
 Run: python bench/colocated.py [--reps 5] [--dir /tmp/bench_colocated]
-8 fake CPU devices in this process; the tiny RL config (configs/rl.py:tiny, no warm start, no PTX) with
+8 fake CPU devices in this process; the tiny RL config (configs/rl.py:tiny, no warm start; PTX on, so every
+update changes every tensor and the remote push cannot skip unchanged ones by CRC) with
 16 rollouts of <= 4 tokens per iteration and the trainer on `mesh.fsdp=8`. Two learners, their iterations
 interleaved (A B A B ...):
   colocated  the embedded engine on the trainer's 8 devices (`engine.sharding=tp_ep`, expert:4,tensor:2):
@@ -44,7 +45,6 @@ from k2jax.rl import tasks as tasks_lib  # noqa: E402
 SERVING = {"engine.sharding": "tp_ep", "engine.mesh": "expert:4,tensor:2"}
 COMMON = {
   "warm_start.steps": 0,
-  "loss.ptx_coef": 0.0,
   "rollout.group_size": 4,
   "rollout.target_groups": 4,
   "rollout.launch_groups": 4,

@@ -111,8 +111,11 @@ def place(tree, shardings, *, copy: bool = False):
   owner may donate or delete); host arrays, on a multi-process mesh, place only this process's shards
   (every process holds the same full values)."""
 
+  if jax.process_count() == 1 or all(isinstance(x, jax.Array) for x in jax.tree.leaves(tree)):
+    return jax.device_put(tree, shardings, may_alias=False if copy else None)  # one batched transfer
+
   def one(x, s):
-    if isinstance(x, jax.Array) or jax.process_count() == 1:
+    if isinstance(x, jax.Array):
       return jax.device_put(x, s, may_alias=False if copy else None)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
