@@ -18,6 +18,7 @@ With one process nothing is broadcast: the leader just runs each command.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from k2jax.engine.runner import ModelRunner, sampling_arrays
@@ -90,7 +91,10 @@ class Executor:
     kind, body = int(msg[0]), msg[_HEADER:]
     r = self.runner
     if kind == SAVE:
-      self.rows[int(msg[2])] = r.read_row(int(msg[1]))
+      row = r.read_row(int(msg[1]))
+      # Across processes every program with collectives finishes before the next starts (several in
+      # flight at once deadlocked CPU processes over gloo, jax 0.10.2); prefill/decode block on their output.
+      self.rows[int(msg[2])] = jax.block_until_ready(row) if self.processes > 1 else row
     elif kind == KEEP:
       keep = {int(e) for e in body[: int(msg[1])]}
       for e in [e for e in self.rows if e not in keep]:

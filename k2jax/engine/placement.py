@@ -111,12 +111,14 @@ def place(tree, shardings, *, copy: bool = False):
   owner may donate or delete); host arrays, on a multi-process mesh, place only this process's shards
   (every process holds the same full values)."""
 
-  if jax.process_count() == 1 or all(isinstance(x, jax.Array) for x in jax.tree.leaves(tree)):
+  if jax.process_count() == 1:
     return jax.device_put(tree, shardings, may_alias=False if copy else None)  # one batched transfer
 
   def one(x, s):
     if isinstance(x, jax.Array):
-      return jax.device_put(x, s, may_alias=False if copy else None)
+      # One leaf at a time, finished before the next: a cross-layout reshard of a global array is a program
+      # with collectives, and several in flight at once deadlocked two CPU processes over gloo (jax 0.10.2).
+      return jax.block_until_ready(jax.device_put(x, s, may_alias=False if copy else None))
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
 

@@ -23,6 +23,7 @@ import dataclasses
 import time
 
 import jax
+from jax.sharding import SingleDeviceSharding
 
 HOST = "pinned_host"
 
@@ -45,20 +46,29 @@ def to_host(tree):
   """`tree`'s arrays copied to pinned host memory (same shardings otherwise); the device copies deleted."""
   if not host_kind_available(tree):
     raise RuntimeError(f"offload: the devices of this mesh have no {HOST!r} memory (jax.Device.addressable_memories)")
-  host = jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(HOST), tree))
-  jax.block_until_ready(host)
-  for x in jax.tree.leaves(tree):
-    x.delete()
-  return host
+  return _move(tree, HOST)
 
 
 def to_device(tree):
   """The inverse of `to_host`: device memory again, the host copies freed."""
-  dev = jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), tree))
-  jax.block_until_ready(dev)
+  return _move(tree, "device")
+
+
+def _move(tree, kind: str):
+  """Each addressable shard copied to `kind` memory of its own device, the global arrays reassembled
+  from them; then the sources deleted. Shard by shard on purpose: `jax.device_put` of a whole global array
+  to another memory kind compiles a resharding program with collectives, and several of those in flight
+  at once deadlocked two CPU processes over gloo (seen with jax 0.10.2); a per-device copy has no collective."""
+
+  def one(x):
+    shards = [jax.device_put(s.data, SingleDeviceSharding(s.device, memory_kind=kind)) for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding.with_memory_kind(kind), shards)
+
+  out = jax.tree.map(one, tree)
+  jax.block_until_ready(out)
   for x in jax.tree.leaves(tree):
     x.delete()
-  return dev
+  return out
 
 
 class Phases:
