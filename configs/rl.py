@@ -10,7 +10,8 @@ arrays; `--config.rollout.engine=sglang_jax_colocated` runs sglang-jax's engine 
 with sgl_jax installed, BUILD.md "sglang-jax colocated"; the `sglang_jax.*` keys size it; on CPU it needs
 128-wide heads: `--config.model.preset=tiny128`), with the weights swapped on device after every update. With a URL, the server must see `sync.root` at the same path (shared filesystem) and serve the
 same architecture; every JAX process writes the tensors it holds, a full push once at start, then only
-changed tensors after every update. The policy is sharded like pretraining: the same `mesh.*` keys and
+changed tensors after every update. With `engine.sharding` (tp | ep | tp_ep) and no URL the embedded engine
+serves on a mesh over all the trainer's devices, on one process or many (colocated phases: `colocate.*`). The policy is sharded like pretraining: the same `mesh.*` keys and
 rules presets as configs/k2.py, and the same multi-process launch (launch/slurm_gpu.sh, tpu_pod.sh).
 
 `1t` is Kimi K2 itself (init_from the released checkpoint, rollouts from SGLang workers) on a TPU pod;
@@ -162,6 +163,12 @@ def _tiny() -> config_dict.ConfigDict:
   c.engine = config_dict.ConfigDict()  # embedded engine only (k2jax.engine.EngineConfig)
   c.engine.max_slots = 32  # requests decoded together
   c.engine.max_seq_len = 64  # prompt + response tokens per request
+  c.engine.sharding = ""  # serving preset on all devices (tp | ep | tp_ep; "" = one device, one process)
+  c.engine.mesh = ""  # serving mesh, e.g. "expert:4,tensor:2" ("" = the preset's default)
+
+  c.colocate = config_dict.ConfigDict()  # engine.sharding set: generate/update phases (k2jax/rl/phases.py)
+  c.colocate.offload_opt_state = True  # optimizer state to host memory while the engine generates
+  c.colocate.offload_params = False  # the float32 master weights too (the engine serves its own copy)
 
   c.sglang_jax = config_dict.ConfigDict()  # rollout.engine=sglang_jax_colocated (k2jax.engine.SglangJaxConfig)
   c.sglang_jax.device = "cpu"  # cpu | tpu | gpu

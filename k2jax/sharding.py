@@ -8,6 +8,18 @@ axes; activations are constrained through `constrain(x, names)`. Presets (each a
   fsdp_ep      + routed experts over `expert` (tokens travel by all-to-all, expert_parallel.py)
   fsdp_ep_tp   + heads, FFN widths and vocab over `tensor` (Megatron-style column/row split)
 
+Serving presets (the inference engine's layout, chosen independently of the trainer's; no FSDP: every
+weight is whole on the devices that use it, so a decode step gathers no weights):
+
+  tp           heads, FFN widths, expert widths and vocab over `tensor`; experts replicated; requests
+               (cache slots, tokens) over `data`
+  ep           routed experts over `expert`; attention data parallel: requests over `data, expert`
+               (SGLang's DP attention + EP MoE for DeepSeek)
+  tp_ep        both: heads and widths over `tensor`, experts over `expert`, requests over `data, expert`
+
+MLA caches one latent per token shared by all heads, so no preset shards the KV cache by heads: it is
+sharded by request (cache slot) over the `act_batch` axes and replicated over `tensor`.
+
 Usage:
   mesh = make_mesh({"fsdp": -1, "expert": 4})           # -1: the rest of the devices
   shard_model(model, mesh, "fsdp_ep")
@@ -76,6 +88,24 @@ RULES: dict[str, dict[str, tuple[str, ...] | None]] = {
     "act_batch": ("data", "fsdp", "expert"),
   },
 }
+_TP = {
+  "vocab": ("tensor",),
+  "q_heads": ("tensor",),
+  "kv_heads": ("tensor",),
+  "o_heads": ("tensor",),
+  "mlp": ("tensor",),
+  "shared_mlp": ("tensor",),
+  "expert_mlp": ("tensor",),
+  "act_heads": ("tensor",),
+  "act_mlp": ("tensor",),
+  "act_vocab": ("tensor",),
+}
+SERVING_PRESETS = ("tp", "ep", "tp_ep")
+RULES.update(
+  tp={**_BASE, **_TP, "act_batch": ("data",)},
+  ep={**_BASE, "experts": ("expert",), "act_batch": ("data", "expert")},
+  tp_ep={**_BASE, **_TP, "experts": ("expert",), "act_batch": ("data", "expert")},
+)
 
 
 class ShardingError(ValueError):

@@ -9,7 +9,8 @@ launch/sglang_server.sh and BUILD.md "RL with SGLang").
 Resumes from the latest checkpoint in W; writes W/metrics.jsonl and W/checkpoints/<iteration>/.
 `--dry_run` prints parameter counts and the per-device memory plan (`configs/rl.py:1t`) and exits.
 Multi-host: the coordinator flags (or the cluster's environment) as launch/train.py, the same command
-on every host; process 0 runs the rollouts and talks to the engine.
+on every host; process 0 runs the rollouts and talks to the engine (with `--config.engine.sharding=tp_ep`
+and no URL: the embedded engine on every process's devices, in lockstep; BUILD.md "Colocated RL").
 """
 
 import json

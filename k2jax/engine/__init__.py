@@ -1,7 +1,8 @@
 """Engines: one request/sampling/result vocabulary, the `Engine` interface and its implementations.
 
 `base` holds the vocabulary and the interface; `inference` is the in-process JAX engine (KV cache,
-continuous batching, prefix reuse) over `runner`, `decode`, `sampling` and `prefix_cache`; `http` and
+continuous batching, prefix reuse) over `runner`, `decode`, `sampling` and `prefix_cache`, on one device
+or a serving mesh (`placement`: presets tp | ep | tp_ep) across processes in lockstep (`lockstep`); `http` and
 `routed` talk to SGLang-compatible servers; `sglang_jax` runs sglang-jax's engine in this process with weights
 swapped on device (imports sgl_jax only when built); `fake` is a scripted engine for tests and benchmarks.
 """

@@ -10,6 +10,16 @@ two decode steps:
      sample the first token,
   4. runs one decode step over all slots and appends one token to each running request.
 Requests therefore join and leave between decode steps, while the decode step keeps one shape.
+
+On a serving mesh (`EngineConfig.sharding` = tp | ep | tp_ep, `placement.py`) the weights and the cache
+are sharded and every step is one SPMD program. A mesh that spans JAX processes runs the scheduler on
+process 0 only; its device work goes out as a command stream that every other process's loop receives
+and runs (`lockstep.py`), so all issue identical programs. Requests are submitted on process 0.
+
+Colocated RL (the engine on the trainer's devices) alternates phases: `pause()` (every process; the loops
+stop issuing programs, so the trainer's own collectives cannot interleave with them), `release_memory()`
+(the KV cache and prefix rows freed, the served weights dropped), the update, `update_weights_from_params`
+(the new weights resharded onto the serving layout), `resume()` (a fresh cache; the loops step again).
 """
 
 from __future__ import annotations
@@ -23,12 +33,15 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 from flax import nnx
 
 from k2jax import api
 from k2jax.convert import overlay
 from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
+from k2jax.engine.lockstep import CLOSE, Executor
+from k2jax.engine.placement import make_placement
 from k2jax.engine.prefix_cache import PrefixCache
 from k2jax.engine.runner import ModelRunner, sampling_arrays
 from k2jax.model.transformer import K2Model
@@ -46,6 +59,10 @@ class EngineConfig:
   # Compile every prefill bucket and the decode step before serving, as SGLang's servers do: a request
   # never waits behind a compile, and an abort never waits for one (a compile cannot be interrupted).
   precompile: bool = False
+  # Serving layout: '' = this process's first device; 'tp' | 'ep' | 'tp_ep' = k2jax.sharding's serving
+  # presets over `mesh` ("tensor:4,data:2"; '' = the preset's default over every device of every process).
+  sharding: str = ""
+  mesh: str = ""
 
 
 @dataclasses.dataclass(eq=False)
@@ -83,19 +100,35 @@ class InferenceEngine(Engine):
     *,
     eos_token_ids: Sequence[int] = (),
     detokenize: Callable[[list[int]], str] | None = None,
+    paused: bool = False,
   ):
+    """`paused`: start between phases (`resume()` starts stepping); with several processes sharing the
+    mesh, every process constructs its engine at the same point of the program."""
     max_len = min(config.max_seq_len, model.cfg.max_position_embeddings)
     self.config = dataclasses.replace(config, max_seq_len=max_len)
     self.cfg = model.cfg
     self.eos_token_ids = tuple(eos_token_ids)
     self._detokenize = detokenize
+    placement = make_placement(config.sharding, config.mesh)
+    _check_shards(self.config, placement.batch_shards)
     self._runner = ModelRunner(
       model,
       num_slots=config.max_slots,
       max_len=max_len,
       num_top=config.num_top_logprobs,
       min_bucket=config.min_prefill_bucket,
+      placement=placement,
     )
+    multi = placement.mesh is not None and jax.process_count() > 1
+    self.leader = not multi or jax.process_index() == 0
+    self._multi = multi
+    self._exec = Executor(
+      self._runner,
+      prefix_entries=config.prefix_cache_entries,
+      leader=self.leader,
+      processes=jax.process_count() if multi else 1,
+    )
+    self._next_entry = 0
     if config.precompile:
       t0 = time.monotonic()
       self._runner.precompile()
@@ -108,6 +141,8 @@ class InferenceEngine(Engine):
     self._by_rid: dict[str, _Live] = {}
     self._ops: list[tuple[Callable[[], object], dict]] = []
     self._closed = False
+    self._paused, self._pause_asked = paused, False
+    self._device = threading.Lock()  # held by the loop for a step, by direct (paused) control operations
     self.weight_version = 0
     self._thread = threading.Thread(target=self._loop, name="k2jax-engine", daemon=True)
     self._thread.start()
@@ -117,6 +152,8 @@ class InferenceEngine(Engine):
     """Queues `request` and returns its handle for `wait`/`progress` (raises InvalidRequest for one that
     cannot run). `on_update` (optional) is called from the scheduler after every new token and when the
     request finishes (streaming, disconnect checks), and must not block."""
+    if not self.leader:
+      raise RuntimeError(f"process {jax.process_index()} follows process 0's engine: submit requests on process 0")
     self.check(request)
     s = request.sampling
     seed = secrets.randbits(32) if s.seed is None else s.seed % 2**32
@@ -183,6 +220,11 @@ class InferenceEngine(Engine):
     tensors that changed: they replace those tensors of the served weights), or a whole HF directory
     or k2jax workdir of the same architecture. A failed load raises and changes nothing.
     """
+    if self._multi and not self._paused:
+      raise RuntimeError(
+        "update_weights from disk on a mesh of several processes: pause() the engine on every process and "
+        "call update_weights(path) on each (every process reads its shards), then resume()"
+      )
     with self._update_lock:
       if overlay.is_partial_hf_dir(model_path):
         params = overlay.overlay_hf_tensors(self.cfg, self._runner.params(), model_path)
@@ -193,6 +235,12 @@ class InferenceEngine(Engine):
         params = nnx.to_pure_dict(nnx.state(model))
       return self._swap(params, weight_version, flush_cache)
 
+  @property
+  def shares_pushed_buffers(self) -> bool:
+    """Whether pushed arrays may be served as they are (one device: the trainer's own buffers). On a
+    serving mesh the engine holds its own copy in the serving layout, so the trainer may donate its."""
+    return self._runner.placement.mesh is None
+
   def update_weights_from_params(
     self, params: dict, weight_version: int | None = None, *, flush_cache: bool = True
   ) -> int:
@@ -200,13 +248,66 @@ class InferenceEngine(Engine):
 
     Arrays already on the served devices are served as they are (others are resharded onto them): a
     colocated trainer hands its weights over with no copy and no file. The engine then reads these
-    arrays until the next update, so the trainer must not donate them to a later step.
+    arrays until the next update, so the trainer must not donate them to a later step (unless
+    `shares_pushed_buffers` is False). With several processes: every process calls it, while paused.
     """
+    if self._multi and not self._paused:
+      raise RuntimeError(
+        "update_weights_from_params on a multi-process mesh: pause() the engine on every process first"
+      )
     with self._update_lock:
       return self._swap(params, weight_version, flush_cache)
 
   def flush_cache(self) -> None:
-    self._run_op(self._prefix.clear)
+    self._run_op(self._clear_prefix)
+
+  def _clear_prefix(self) -> None:
+    self._prefix.clear()
+    if self._paused:  # every process runs this itself (no command stream between phases)
+      self._exec.rows.clear()
+    else:
+      self._exec.keep(())
+
+  # ---- phases (colocated RL) --------------------------------------------------------------------
+  def pause(self) -> None:
+    """Stops issuing device programs after the current step (running requests stay in their slots; new
+    ones wait). Every process of a multi-process mesh calls it; it returns once this process's loop
+    has stopped."""
+    with self._cv:
+      if self.leader:
+        self._pause_asked = True
+        self._cv.notify_all()
+      while not (self._paused or self._closed):
+        self._cv.wait()
+
+  def resume(self) -> None:
+    """Steps again (a fresh KV cache when `release_memory` freed it). Every process calls it."""
+    with self._device:
+      if self._runner._state is None:
+        raise RuntimeError("resume: the engine has no weights since release_memory(); update_weights_from_params first")
+      self._runner.allocate_cache()
+    with self._cv:
+      self._paused = False
+      self._cv.notify_all()
+
+  def release_memory(self, *, weights: bool = True) -> None:
+    """Frees the KV cache and the prefix rows now, and drops the served weights (`weights`), between
+    phases: paused, with no request in a slot. The next push and `resume()` bring them back."""
+    with self._cv:
+      if not self._paused:
+        raise RuntimeError("release_memory: pause() the engine first")
+      busy = [live.request.rid for live in self._slots if live is not None]
+      if busy:
+        raise RuntimeError(f"release_memory: requests {busy[:5]} are still in slots; abort and wait for them first")
+    with self._device:
+      self._prefix.clear()
+      for row in self._exec.rows.values():
+        for a in jax.tree.leaves(row):
+          a.delete()
+      self._exec.rows.clear()
+      self._runner.release_cache()
+      if weights:
+        self._runner.release_params()
 
   def num_running(self) -> int:
     with self._cv:
@@ -216,7 +317,7 @@ class InferenceEngine(Engine):
     with self._cv:
       self._closed = True
       self._cv.notify_all()
-    self._thread.join(timeout=60)
+    self._thread.join(timeout=None if self._multi else 60)  # a follower leaves when the leader's CLOSE comes
 
   def _abort(self, targets: list[_Live], message: str) -> None:
     """Marks `targets` aborted (caller holds the lock); waiting ones finish now, running ones next step."""
@@ -235,7 +336,7 @@ class InferenceEngine(Engine):
     def swap():
       self._runner.set_params(params)
       if flush_cache:
-        self._prefix.clear()
+        self._clear_prefix()
       self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
       return self.weight_version
 
@@ -243,25 +344,56 @@ class InferenceEngine(Engine):
 
   # ---- scheduler --------------------------------------------------------------------------------
   def _loop(self) -> None:
+    if not self.leader:
+      return self._follow()
     while True:
       with self._cv:
-        while not (self._closed or self._waiting or self._ops or any(self._slots)):
+        while not (
+          self._closed or self._pause_asked or (not self._paused and (self._waiting or self._ops or any(self._slots)))
+        ):
           self._cv.wait()
         if self._closed:
+          if self._multi and not self._paused:
+            self._exec.close()  # the followers' loops return
           self._fail_all("engine shut down")
           return
+        if self._pause_asked:
+          self._pause_asked = False
+          if not self._paused and self._multi:
+            self._exec.pause()
+          self._paused = True
+          self._cv.notify_all()
+          continue
         ops, self._ops = self._ops, []
       try:
-        for fn, box in ops:
-          self._run_boxed(fn, box)
-        self._finish_aborted()
-        self._admit()
-        if any(self._slots):
-          self._decode_step()
+        with self._device:
+          for fn, box in ops:
+            self._run_boxed(fn, box)
+          self._finish_aborted()
+          self._admit()
+          if any(self._slots):
+            self._decode_step()
       except Exception as e:  # a failed step must not strand waiting callers
         log.exception("engine step failed")
         with self._cv:
           self._fail_all(f"engine error: {type(e).__name__}: {e}")
+
+  def _follow(self) -> None:
+    """A follower's loop: run process 0's commands while not paused (lockstep.py)."""
+    while True:
+      with self._cv:
+        while self._paused and not self._closed:
+          self._cv.wait()
+        if self._closed and self._paused:
+          return
+      with self._device:
+        kind = self._exec.follow()
+      with self._cv:
+        self._paused = True
+        self._closed = self._closed or kind == CLOSE
+        self._cv.notify_all()
+        if kind == CLOSE:
+          return
 
   def _admit(self) -> None:
     while True:
@@ -283,12 +415,10 @@ class InferenceEngine(Engine):
 
   def _prefill_row(self, slot: int, live: _Live) -> None:
     tokens = list(live.request.input_ids)
-    common, row = self._prefix.lookup(tokens)
+    common, entry = self._prefix.lookup(tokens)
     reuse = min(common, len(tokens) - 1)  # at least one token must run to produce logits
-    if reuse > 0:
-      self._runner.write_row(slot, row)
     live.cached, live.fed = reuse, tokens
-    out = self._runner.prefill(slot, tokens[reuse:], reuse, self._sampling([live]))
+    out = self._exec.prefill(slot, entry if reuse > 0 else -1, reuse, tokens[reuse:], self._sampling([live]))
     self._emit(slot, live, out, 0)
 
   def _decode_step(self) -> None:
@@ -297,7 +427,7 @@ class InferenceEngine(Engine):
     for i, live in enumerate(self._slots):
       if live is not None:
         tokens_N[i], positions_N[i] = live.out[-1], len(live.fed)
-    out = self._runner.decode(tokens_N, positions_N, self._sampling(self._slots))
+    out = self._exec.decode(tokens_N, positions_N, self._sampling(self._slots))
     for i, live in enumerate(self._slots):
       if live is not None:
         live.fed.append(live.out[-1])
@@ -355,8 +485,11 @@ class InferenceEngine(Engine):
         self._release(i, live, "abort")
 
   def _release(self, slot: int, live: _Live, reason: str, matched: int | str | None = None) -> None:
-    if self._prefix.capacity and live.fed:
-      self._prefix.insert(live.fed, self._runner.read_row(slot))
+    if self._prefix.capacity and live.fed:  # the row goes to a prefix entry (on every process)
+      entry, self._next_entry = self._next_entry, self._next_entry + 1
+      self._exec.save(slot, entry)
+      self._prefix.insert(live.fed, entry)
+      self._exec.keep(self._prefix.values())
     with self._cv:
       self._slots[slot] = None
       self._complete(live, reason, matched)
@@ -406,8 +539,13 @@ class InferenceEngine(Engine):
     with self._cv:
       if self._closed:
         raise RuntimeError("engine is closed")
-      self._ops.append((fn, box))
-      self._cv.notify_all()
+      direct = self._paused  # between phases the loop issues nothing: run here (on every process)
+      if not direct:
+        self._ops.append((fn, box))
+        self._cv.notify_all()
+    if direct:
+      with self._device:
+        return fn()
     box["done"].wait()
     if "error" in box:
       raise box["error"]
@@ -449,3 +587,13 @@ class InferenceEngine(Engine):
       raise InvalidRequest("sampling_params.stop_token_ids", f"token ids {bad_stop[:5]} outside [0, {vocab})")
     if s.stop and self._detokenize is None:
       raise InvalidRequest("sampling_params.stop", "stop strings need a tokenizer; this server has none")
+
+
+def _check_shards(config: EngineConfig, shards: int) -> None:
+  """Each step's tokens (slots at decode, a prefill bucket) are split over `shards` devices."""
+  for name in ("max_slots", "min_prefill_bucket", "max_seq_len"):
+    if getattr(config, name) % shards:
+      raise ValueError(
+        f"EngineConfig.{name}={getattr(config, name)} is not a multiple of the {shards} devices the serving "
+        f"preset {config.sharding!r} splits requests over (mesh {config.mesh or 'default'})"
+      )

@@ -57,5 +57,8 @@ class PrefixCache:
     self._entries.move_to_end(best_key)
     return best_len, self._entries[best_key]
 
+  def values(self) -> list[Any]:
+    return list(self._entries.values())
+
   def clear(self) -> None:
     self._entries.clear()

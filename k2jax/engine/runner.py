@@ -3,7 +3,9 @@
 Shapes are fixed so each function compiles once: the cache is [L, num_slots, max_len, ...]; decode
 always runs all slots (free slots carry position max_len, so they write nothing); prefill pads the new
 tokens to a power-of-two bucket (>= min_bucket), one compile per bucket used. The cache is donated to
-every step, so XLA updates it in place.
+every step, so XLA updates it in place. On a serving mesh (`placement.Placement`) every step is jitted
+with explicit in/out shardings: weights per the serving preset, the cache by slot, host inputs and
+sampled outputs replicated.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from k2jax.model.transformer import K2Model
 from k2jax.engine import decode
+from k2jax.engine.placement import Placement, place
 from k2jax.engine.sampling import Sampled, SamplingArrays, sample
+from k2jax.model.transformer import K2Model
 
 
 def bucket_length(n: int, min_bucket: int, max_len: int) -> int:
@@ -30,39 +33,95 @@ def bucket_length(n: int, min_bucket: int, max_len: int) -> int:
 class ModelRunner:
   """Owns the params and the slot cache; all methods run on the scheduler thread."""
 
-  def __init__(self, model: K2Model, *, num_slots: int, max_len: int, num_top: int, min_bucket: int = 16):
+  def __init__(
+    self,
+    model: K2Model,
+    *,
+    num_slots: int,
+    max_len: int,
+    num_top: int,
+    min_bucket: int = 16,
+    placement: Placement = Placement(),
+  ):
     self.cfg = model.cfg
     self.num_slots, self.max_len, self.min_bucket = num_slots, max_len, min_bucket
-    self._graphdef, self._state = nnx.split(model)
-    self.cache = decode.init_cache(self.cfg, num_slots, max_len)
+    self.placement = placement
+    self._graphdef, state = nnx.split(model)
+    self._shardings = None if placement.mesh is None else placement.state_shardings(state)
+    self._state = state if self._shardings is None else place(state, self._shardings)
+    self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)  # what set_params fits
     self._num_top = num_top
     self._compile(self._graphdef)
-    self._read_row = jax.jit(decode.read_row)
-    self._write_row = jax.jit(decode.write_row, donate_argnums=(0,))
+    self.cache = None
+    self.allocate_cache()
 
   def _compile(self, graphdef) -> None:
+    p = self.placement
     step = functools.partial(_step, graphdef, self._num_top)
-    self._decode = jax.jit(step, donate_argnums=(1,))
-    self._prefill = jax.jit(functools.partial(_prefill, step), donate_argnums=(1,))
+    rep, cache, state = p.replicated, p.cache_sharding(), self._shardings
+    if p.mesh is None:  # one device: jit places everything where its inputs are
+      self._decode = jax.jit(step, donate_argnums=(1,))
+      self._prefill = jax.jit(functools.partial(_prefill, step), donate_argnums=(1,))
+      self._read_row = jax.jit(decode.read_row)
+      self._write_row = jax.jit(decode.write_row, donate_argnums=(0,))
+      self._init_cache = jax.jit(decode.init_cache, static_argnums=(0, 1, 2))
+      return
+    io = dict(out_shardings=(rep, cache), donate_argnums=(1,))
+    self._decode = jax.jit(step, in_shardings=(state, cache, rep, rep, rep, rep), **io)
+    self._prefill = jax.jit(functools.partial(_prefill, step), in_shardings=(state, cache) + (rep,) * 5, **io)
+    self._read_row = jax.jit(decode.read_row, in_shardings=(cache, rep), out_shardings=rep)
+    self._write_row = jax.jit(
+      decode.write_row, in_shardings=(cache, rep, rep), out_shardings=cache, donate_argnums=(0,)
+    )
+    self._init_cache = jax.jit(decode.init_cache, static_argnums=(0, 1, 2), out_shardings=cache)
+
+  # ---- memory between phases (colocated RL) ---------------------------------------------------------
+  def allocate_cache(self) -> None:
+    """A zeroed slot cache (after `release_cache`; no-op while one exists)."""
+    if self.cache is None:
+      with self.placement.use():
+        self.cache = self._init_cache(self.cfg, self.num_slots, self.max_len)
+
+  def release_cache(self) -> None:
+    """Frees the cache's device buffers now (`jax.Array.delete`), not when the last reference goes."""
+    for a in jax.tree.leaves(self.cache):
+      a.delete()
+    self.cache = None
+
+  def release_params(self) -> None:
+    """Drops the served weights (their buffers go with the last reference: they may be a trainer's own
+    arrays, which must not be deleted here). `set_params` serves again."""
+    self._state = None
 
   def params(self) -> dict:
     """The served parameters as the model's pure state dict (the runner's own arrays, no copy)."""
     return nnx.to_pure_dict(self._state)
 
   def set_params(self, params: dict) -> None:
-    """Serve `params` (the model's pure state dict, the served shapes and dtypes) from the next step on.
+    """Serve `params` (the model's pure state dict, the served shapes) from the next step on.
 
-    They are placed where the served weights are (`jax.device_put`: the arrays themselves when they are
-    there already, no copy) and swapped into the model's state; the model is not rebuilt."""
-    want, got = _signature(self._state), _signature(params)
+    Floating leaves of another dtype are cast to the served one where they are (float32 master weights ->
+    bf16 before they move: half the bytes), then placed where the served weights go (`jax.device_put`:
+    the arrays themselves when they are there already, no copy; on a serving mesh a device-to-device
+    reshard from the trainer's layout) and swapped into the model's state; the model is not rebuilt."""
+    params = _cast_like(params, nnx.to_pure_dict(self._abstract))
+    want, got = self._served_signature(), _signature(params)
     for path in sorted(want.keys() | got.keys()):
       if want.get(path) != got.get(path):
         raise ValueError(f"new weights do not fit the served model: {path} is {got.get(path)}, served {want.get(path)}")
-    served = self.params()
-    params = jax.device_put(params, jax.tree.map(lambda a: a.sharding, served))
-    state = jax.tree.map(lambda x: x, self._state)  # a new State over the same variables
-    nnx.replace_by_pure_dict(state, params)
+    state = jax.tree.map(lambda x: x, self._abstract)  # a new State over the same variables
+    # On a serving mesh the engine keeps its own copy (the trainer may donate or offload its arrays).
+    nnx.replace_by_pure_dict(state, place(params, self._pure_shardings(), copy=self._shardings is not None))
     self._state = state
+
+  def _served_signature(self) -> dict:
+    return _signature(self._abstract)
+
+  def _pure_shardings(self) -> dict:
+    if self._shardings is None:  # one device: the first one of this process, or where the weights are
+      here = jax.tree.map(lambda a: a.sharding, self._state) if self._state is not None else None
+      return nnx.to_pure_dict(here) if here is not None else jax.local_devices()[0]
+    return nnx.to_pure_dict(self._shardings)
 
   def prefill(self, slot: int, tokens: list[int], start: int, sampling: SamplingArrays) -> Sampled:
     """Writes tokens at positions start.. of `slot` and samples the token after the last one."""
@@ -72,21 +131,23 @@ class ModelRunner:
     tokens_1T[0, :n] = tokens
     positions_1T = np.full((1, T), self.max_len, np.int32)  # padding: out of range, write dropped
     positions_1T[0, :n] = np.arange(start, start + n)
-    out, self.cache = self._prefill(
-      self._state, self.cache, np.int32(slot), tokens_1T, positions_1T, np.array([n - 1], np.int32), sampling
-    )
+    with self.placement.use():
+      out, self.cache = self._prefill(
+        self._state, self.cache, np.int32(slot), tokens_1T, positions_1T, np.array([n - 1], np.int32), sampling
+      )
     return jax.tree.map(np.asarray, out)
 
   def decode(self, tokens_N: np.ndarray, positions_N: np.ndarray, sampling: SamplingArrays) -> Sampled:
     """One token per slot at positions_N (max_len for free slots)."""
-    out, self.cache = self._decode(
-      self._state,
-      self.cache,
-      tokens_N[:, None].astype(np.int32),
-      positions_N[:, None].astype(np.int32),
-      np.zeros((self.num_slots,), np.int32),
-      sampling,
-    )
+    with self.placement.use():
+      out, self.cache = self._decode(
+        self._state,
+        self.cache,
+        tokens_N[:, None].astype(np.int32),
+        positions_N[:, None].astype(np.int32),
+        np.zeros((self.num_slots,), np.int32),
+        sampling,
+      )
     return jax.tree.map(np.asarray, out)
 
   def precompile(self) -> None:
@@ -105,15 +166,18 @@ class ModelRunner:
   def _prefill_padding(self, T: int) -> None:
     """Runs the prefill of bucket T on padding only: compiles it and changes no cache row."""
     tokens_1T, positions_1T = np.zeros((1, T), np.int32), np.full((1, T), self.max_len, np.int32)
-    _, self.cache = self._prefill(
-      self._state, self.cache, np.int32(0), tokens_1T, positions_1T, np.zeros(1, np.int32), _greedy(1)
-    )
+    with self.placement.use():
+      _, self.cache = self._prefill(
+        self._state, self.cache, np.int32(0), tokens_1T, positions_1T, np.zeros(1, np.int32), _greedy(1)
+      )
 
   def read_row(self, slot: int) -> dict:
-    return self._read_row(self.cache, np.int32(slot))
+    with self.placement.use():
+      return self._read_row(self.cache, np.int32(slot))
 
   def write_row(self, slot: int, row: dict) -> None:
-    self.cache = self._write_row(self.cache, row, np.int32(slot))
+    with self.placement.use():
+      self.cache = self._write_row(self.cache, row, np.int32(slot))
 
 
 def _step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_index_B, sampling):
@@ -142,6 +206,27 @@ def sampling_arrays(temperature, top_p, top_k, seed, position) -> SamplingArrays
 
 def _greedy(n: int) -> SamplingArrays:
   return sampling_arrays([0.0] * n, [1.0] * n, [0] * n, [0] * n, [0] * n)
+
+
+def _cast_like(params: dict, abstract: dict) -> dict:
+  """Floating leaves of `params` in the dtype of `abstract`'s leaf at the same path (other leaves as they are)."""
+
+  def one(x, a):
+    same = getattr(x, "dtype", None) == a.dtype
+    floats = np.issubdtype(getattr(x, "dtype", np.int32), np.floating) and np.issubdtype(a.dtype, np.floating)
+    if same or not floats or tuple(x.shape) != tuple(a.shape):
+      return x
+    return _astype(x, a.dtype) if isinstance(x, jax.Array) else np.asarray(x).astype(a.dtype)
+
+  try:
+    return jax.tree.map(one, params, abstract)
+  except ValueError:  # another tree structure: the signature check names the difference
+    return params
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _astype(x, dtype):
+  return x.astype(dtype)  # keeps the input's sharding: the cast runs where the trainer's shards are
 
 
 def _signature(params) -> dict[str, tuple]:

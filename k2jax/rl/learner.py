@@ -14,7 +14,11 @@ Each iteration is synchronous (K2 §3.3: colocated generate -> train -> push):
                every token sampled after it
   6. log       `W/metrics.jsonl`; checkpoints `W/checkpoints/<it>/{model,opt,meta}` (`k2jax.train.Checkpointer`:
                async, keep-K, corrupt-latest fallback; `k2jax.load(W)`)
-With several JAX processes (k2jax.distributed.initialize, as pretraining) the engine must be remote.
+With several JAX processes (k2jax.distributed.initialize, as pretraining) the engine is remote, or the
+embedded engine on a serving mesh over the trainer's own devices (`engine.sharding` tp | ep | tp_ep): every
+process runs its loop in lockstep, process 0 drives the rollouts, and the phases alternate (phases.py:
+optimizer state to host while generating, KV cache freed before the update, weights resharded device to
+device after it; no file written). One process with `engine.sharding` set runs the same phases.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
 from k2jax.engine.http import HttpEngine, HttpEngineConfig
 from k2jax.engine.routed import RoutedEngine
 from k2jax.engine.sglang_jax import SglangJaxConfig
+from k2jax.rl.phases import ColocateConfig, Phases
 from k2jax.rl.ptx import PTXConfig, PTXSet
 from k2jax.rl import tasks as tasks_lib
 from k2jax.rl.rewards.base import Completion
@@ -102,6 +107,7 @@ class LearnerConfig:
   task_runtime: TaskRuntimeConfig = TaskRuntimeConfig()  # rewards (judge) and agentic episodes (env services)
   rollout_engine: str = "embedded"  # in-process engine without engine_url: embedded | sglang_jax_colocated
   sglang_jax: SglangJaxConfig = SglangJaxConfig()
+  colocate: ColocateConfig = ColocateConfig()  # phases of an engine on a serving mesh (phases.py)
 
   @property
   def rows(self) -> int:
@@ -151,7 +157,9 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     rollout=rollout,
     engine_url=r.engine_url,
     worker_urls=tuple(u for u in r.worker_urls.split(",") if u),
-    engine=EngineConfig(max_slots=c.engine.max_slots, max_seq_len=c.engine.max_seq_len),
+    engine=EngineConfig(
+      max_slots=c.engine.max_slots, max_seq_len=c.engine.max_seq_len, sharding=c.engine.sharding, mesh=c.engine.mesh
+    ),
     loss=loss,
     ptx=ptx,
     warm_start_steps=c.warm_start.steps,
@@ -177,6 +185,7 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     task_runtime=runtime_config(c),
     rollout_engine=r.engine,
     sglang_jax=_sglang_jax_config(c.sglang_jax),
+    colocate=ColocateConfig(c.colocate.offload_opt_state, c.colocate.offload_params),
   )
   mixed = len(c.tasks) > 0  # tasks.* sections (validated by tasks.task_specs) replace the single task.*
   for key, ok in (
@@ -239,10 +248,12 @@ def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
       "RL with weight sync", lc.engine_url, weight_update=True, weight_version=True, abort=True
     )
     return engine
-  if jax.process_count() > 1:
+  if jax.process_count() > 1 and (lc.rollout_engine != "embedded" or not lc.engine.sharding):
     raise ConfigError(
-      f"rollout.engine_url: {jax.process_count()} JAX processes share the policy; the embedded engine "
-      "serves one process only, so a multi-process run needs a remote engine (SGLang) URL"
+      f"rollout.engine: {jax.process_count()} JAX processes share the policy; in-process rollouts then need "
+      "the embedded engine on a serving mesh over every process's devices (engine.sharding = tp | ep | tp_ep). "
+      "sglang-jax's colocated engine cannot span processes (it runs single-process, its mesh the first "
+      "tp_size local devices); else give a remote engine (SGLang) URL"
     )
   if lc.rollout_engine == "sglang_jax_colocated":  # sglang-jax's engine in this process (Python >= 3.12)
     from k2jax.engine.sglang_jax import SglangJaxEngine, write_model_dir
@@ -250,8 +261,25 @@ def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
     # It starts from the architecture alone (config.json + tokenizer); the first push brings the weights.
     model_dir = write_model_dir(lc.model, os.path.join(lc.sync.root, "sglang_jax_model"))
     return SglangJaxEngine(lc.model, model_dir, lc.sglang_jax)
+  if lc.engine.sharding:  # every process: the serving mesh spans them all; paused until the first phase
+    served = _serving_dtype(lc.model, state)
+    model = model_from_state(lc.model.replace(param_dtype=lc.model.compute_dtype), served)
+    return InferenceEngine(model, lc.engine, eos_token_ids=lc.rollout.stop_token_ids, paused=True)
   served = jax.device_put(state, SingleDeviceSharding(jax.local_devices()[0]))  # no copy when already there
   return InferenceEngine(model_from_state(lc.model, served), lc.engine, eos_token_ids=lc.rollout.stop_token_ids)
+
+
+def _serving_dtype(cfg: K2Config, state: dict) -> dict:
+  """The model state as the engine serves it: float weights in the compute dtype (K2 serves bf16 from
+  float32 master weights); the router's balancing bias stays float32 (it only selects experts, and a
+  rounded bias would select others than the trainer)."""
+  cdt = np.dtype(cfg.compute_dtype)
+
+  def cast(path, x):
+    bias = any(getattr(k, "key", None) == "bias" for k in path)
+    return x if bias or not np.issubdtype(x.dtype, np.floating) else x.astype(cdt)
+
+  return jax.tree_util.tree_map_with_path(cast, state)
 
 
 class Learner:
@@ -301,9 +329,12 @@ class Learner:
         f"resumed RL from {self.core.ckpt.directory}/{self.core.restored_step} (weight version {self.meta['weight_version']})"
       )
     self.mdef = self.core.mdef
-    # Engine (process 0 talks to it) and weight sync (every process writes its shards).
-    self.engine = engine or (make_engine(lc, self._model_state(), decode) if self.primary else None)
+    # Engine (process 0 talks to it; on a serving mesh every process runs it) and weight sync.
+    everywhere = not lc.engine_url and bool(lc.engine.sharding)
+    self.engine = engine or (make_engine(lc, self._model_state(), decode) if self.primary or everywhere else None)
     self.sync = WeightSync(lc.sync, self.engine, lc.model, initial_version=self.meta["weight_version"])
+    phased = isinstance(self.engine, InferenceEngine) and not self.engine.shares_pushed_buffers
+    self.phases = Phases(self.engine, lc.colocate, lambda: self.state, self._set_state) if phased else None
     # Steps: the K2 objective and the warm-start NLL plugged into the core (fixed [rows, seq_len] shapes);
     # the params stay undonated when the engine may serve the trainer's own arrays.
     donate = not self.sync.shares_buffers
@@ -355,6 +386,17 @@ class Learner:
     self.flops_per_token = flops_per_token(lc.model, lc.seq_len)
 
   # ---- setup ------------------------------------------------------------------------------------
+  def _set_state(self, state) -> None:
+    self.state = state
+
+  def _generate(self, fn, *, push_follows: bool = True):
+    """`fn()` on process 0 while the engine serves (None elsewhere); a generation phase when colocated on
+    a serving mesh (every process enters it: the engine's loops run in lockstep)."""
+    if self.phases is None:
+      return fn() if self.primary else None
+    with self.phases.generation(release_weights=push_follows):
+      return fn() if self.primary else None
+
   def _model_state(self) -> dict:
     return merge_dicts(self.state.params, self.state.bias)
 
@@ -403,8 +445,9 @@ class Learner:
     lc, t0 = self.lc, time.perf_counter()
     version = self.sync.version
     shape = {"rows": lc.rows, "seq_len": lc.seq_len}
+    collected = self._generate(lambda: self.manager.collect(version))
     if self.primary:
-      batch, rstats = self.manager.collect(version)
+      batch, rstats = collected
       if lc.log_rollouts:
         append_rollouts(os.path.join(self.workdir, "rollouts.jsonl"), batch, version)
       arrays, dropped = batching.to_train_arrays(batch, **shape, vocab_size=lc.model.vocab_size, version=version)
@@ -429,6 +472,8 @@ class Learner:
     new_version = self._push()
     t3 = time.perf_counter()
     self.meta.update(iteration=self.meta["iteration"] + 1, weight_version=new_version)
+    evaluate = lc.eval_every and self.meta["iteration"] % lc.eval_every == 0
+    accuracy = self._generate(self.evaluate, push_follows=False) if evaluate else None
     if not self.primary:
       return {}
     rec = {k: v for k, v in metrics.items() if k not in ("finite", "max_attn_logit_per_layer")}
@@ -441,8 +486,10 @@ class Learner:
     rec.update({f"dropped_{k}": int(dropped.get(k, 0)) for k in ("samples",) + batching.CHECKS})
     tokens = float(np.sum(host["segment_ids_BT"] > 0)) * lc.updates_per_batch
     wall = time.perf_counter() - t0
-    if lc.eval_every and self.meta["iteration"] % lc.eval_every == 0:
-      rec["eval_accuracy"] = self.evaluate()
+    if evaluate:
+      rec["eval_accuracy"] = accuracy
+    if self.phases is not None:
+      rec.update({f"{k}_time_s": v for k, v in self.phases.seconds.items()})
     rec.update(
       rollout_time_s=t1 - t0,
       train_time_s=t2 - t1,
@@ -489,8 +536,10 @@ class Learner:
       "warm_start_time_s": time.perf_counter() - t0,
       "weight_version": self.sync.version,
     }
-    if lc.eval_every and self.primary:
-      rec["eval_accuracy"] = self.evaluate()
+    if lc.eval_every:
+      accuracy = self._generate(self.evaluate, push_follows=False)
+      if self.primary:
+        rec["eval_accuracy"] = accuracy
     self.log.write(rec)
 
   def evaluate(self) -> float:

@@ -125,6 +125,8 @@ def append_rollouts(path: str, batch: RolloutBatch, weight_version: int) -> None
         "prompt_length": int(batch.prompt_lengths_B[b]),
         "tokens": batch.tokens_BT[b, :n].tolist(),
         "loss_mask": batch.loss_mask_BT[b, :n].astype(int).tolist(),
+        "logprobs": batch.engine_logprobs_BT[b, :n].tolist(),  # the engine's, 0 on the prompt
+        "weight_versions": batch.weight_versions_BT[b, :n].tolist(),  # -1 on the prompt
       }
       f.write(json.dumps(record) + "\n")
 

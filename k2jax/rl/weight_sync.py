@@ -68,8 +68,9 @@ class WeightSync:
 
   @property
   def shares_buffers(self) -> bool:
-    """Whether the engine may serve the pushed arrays themselves (the trainer must not donate them)."""
-    return self.colocated
+    """Whether the engine may serve the pushed arrays themselves (the trainer must not donate them); an
+    engine on a serving mesh copies them into its own layout (`shares_pushed_buffers` False)."""
+    return self.colocated and getattr(self.engine, "shares_pushed_buffers", True)
 
   def push(self, state: dict, full: bool = False) -> int:
     """Hands `state` (the model's pure state dict, sharded device arrays) to the engine; returns the version."""

@@ -28,11 +28,11 @@ from fastapi import responses
 from pydantic import Field
 from safetensors import SafetensorError
 
-import k2jax
 from k2jax import httpservice
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, Tokenizer, load_tokenizer
 from k2jax.engine.base import GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
 from k2jax.engine.inference import EngineConfig, InferenceEngine
+from k2jax.engine.placement import load_model, make_placement
 from k2jax.httpservice import HttpLimits
 from k2jax.model.config import K2Config
 from k2jax.serve import openai_api, protocol, weight_files
@@ -83,7 +83,8 @@ class Server:
     progress, wait, abort, update_weights, ...), e.g. `k2jax.engine.sglang_jax_server.SglangJaxServing`;
     default: k2jax's own `InferenceEngine` with `engine_config`."""
     self.model_path = model_path
-    model = k2jax.load(model_path)
+    # Weights read onto the serving layout (EngineConfig.sharding/.mesh; one device by default).
+    model = load_model(model_path, make_placement(engine_config.sharding, engine_config.mesh))
     self.cfg: K2Config = model.cfg
     self.tokenizer = resolve_tokenizer(model_path, tokenizer_path, self.cfg.vocab_size)
     self.model_name = served_model_name or os.path.basename(os.path.normpath(model_path))

@@ -53,8 +53,8 @@ def test_mesh_shape_rest_and_errors():
     sharding.make_mesh({"model": 8})
   with pytest.raises(sharding.ShardingError, match="at most one -1"):
     sharding.make_mesh({"fsdp": -1, "expert": -1})
-  with pytest.raises(sharding.ShardingError, match="unknown sharding rules preset 'tp'"):
-    sharding.rules("tp")
+  with pytest.raises(sharding.ShardingError, match="unknown sharding rules preset 'megatron'"):
+    sharding.rules("megatron")
 
 
 def test_indivisible_dimension_names_the_tensor():

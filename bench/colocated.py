@@ -1,0 +1,154 @@
+"""Colocated RL iteration vs the same iteration with a separate engine process fed through files.
+
+Run: python bench/colocated.py [--reps 5] [--dir /tmp/bench_colocated]
+8 fake CPU devices in this process; the tiny RL config (configs/rl.py:tiny, no warm start; PTX on, so every
+update changes every tensor and the remote push cannot skip unchanged ones by CRC) with
+16 rollouts of <= 4 tokens per iteration and the trainer on `mesh.fsdp=8`. Two learners, their iterations
+interleaved (A B A B ...):
+  colocated  the embedded engine on the trainer's 8 devices (`engine.sharding=tp_ep`, expert:4,tensor:2):
+             generate (engine resumes, rollouts, pause, KV cache freed), offload (optimizer state to
+             pinned_host before generating + back after), update (one K2 RL step), reshard (the new
+             weights device to device onto the serving layout; no file)
+  remote     `launch/serve.py` in another process (the same 8-device tp_ep engine) driven over HTTP:
+             generate, update, push = per-process safetensors of the changed tensors + /update_weights_from_disk
+Prints, per phase, median seconds with [min, max] over the reps, and
+  colocated_over_remote = colocated iteration / remote iteration (median of per-rep ratios; target <= 0.5)
+On a CPU host both engines share the same cores and "host memory" is the same RAM: the figures measure
+the mechanics (no file round trip, no HTTP), not HBM savings; untested on TPU/GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import k2jax  # noqa: E402
+from bench.interleave import fmt, load_average, ratio  # noqa: E402
+from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer  # noqa: E402
+from k2jax.model import K2Model, presets  # noqa: E402
+from k2jax.rl import learner as learner_lib  # noqa: E402
+from k2jax.rl import tasks as tasks_lib  # noqa: E402
+
+SERVING = {"engine.sharding": "tp_ep", "engine.mesh": "expert:4,tensor:2"}
+COMMON = {
+  "warm_start.steps": 0,
+  "rollout.group_size": 4,
+  "rollout.target_groups": 4,
+  "rollout.launch_groups": 4,
+  "rollout.partial_rollout": False,
+  "eval.every": 0,
+  "engine.max_slots": 16,
+  "checkpoint.every": 10**6,
+  "iterations": 10**6,
+}
+
+
+def _config(overrides: dict):
+  from configs.rl import get_config
+
+  c = get_config("tiny")
+  c.unlock()
+  for key, value in {**COMMON, **overrides}.items():
+    *path, last = key.split(".")
+    target = c
+    for part in path:
+      target = target[part]
+    target[last] = value
+  c.lock()
+  return c
+
+
+def _learner(config, workdir):
+  tok = load_tokenizer(BUNDLED_TOKENIZER)
+  task = tasks_lib.make_tasks(config, tok)
+  lc = learner_lib.from_config_dict(config, workdir, tasks_lib.stop_ids(task, tok))
+  learner = learner_lib.Learner(lc, workdir, task, tasks_lib.strip_stop(tok.decode, lc.rollout.stop_token_ids))
+  learner._push(full=True)
+  learner.meta["warm_start_done"] = True
+  return learner
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _server(model_dir: str, root: str, port: int) -> subprocess.Popen:
+  cmd = [sys.executable, os.path.join(ROOT, "launch/serve.py"), f"--model={model_dir}", f"--port={port}"]
+  cmd += ["--max_running_requests=16", "--max_seq_len=64", "--tokenizer=none", f"--weights_root={root}"]
+  cmd += ["--sharding=tp_ep", "--mesh=expert:4,tensor:2", "--noprecompile"]
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--dir", default="/tmp/bench_colocated")
+  args = ap.parse_args()
+  shutil.rmtree(args.dir, ignore_errors=True)
+  os.makedirs(args.dir)
+  k2jax.save_hf(K2Model(presets.get("tiny"), rngs=nnx.Rngs(0)), os.path.join(args.dir, "served"))
+  port = _free_port()
+  server = _server(os.path.join(args.dir, "served"), args.dir, port)
+  try:
+    colo = _learner(_config(SERVING), os.path.join(args.dir, "colocated"))
+    remote = _learner(
+      _config({"rollout.engine_url": f"http://127.0.0.1:{port}", "sync.root": os.path.join(args.dir, "weights")}),
+      os.path.join(args.dir, "remote"),
+    )
+    for learner in (colo, remote):  # compiles: every program of an iteration once
+      learner.iteration()
+    rows = {"colocated": [], "remote": []}
+    for _ in range(args.reps):
+      for name, learner in (("colocated", colo), ("remote", remote)):
+        rec = learner.iteration()
+        rows[name].append(rec)
+    _report(rows, args.reps)
+    colo.close()
+    remote.close()
+  finally:
+    server.terminate()
+    server.wait(timeout=60)
+
+
+def _phase_seconds(rec: dict) -> dict:
+  s = {"generate": rec["rollout_time_s"], "update": rec["train_time_s"], "push": rec["sync_time_s"]}
+  s["offload"] = rec.get("offload_time_s", 0.0) + rec.get("restore_time_s", 0.0)
+  s["generate"] -= s["offload"]  # both moves run inside the learner's rollout timer (phases.generation)
+  s["iteration"] = s["generate"] + s["offload"] + s["update"] + s["push"]
+  return s
+
+
+def _report(rows: dict, reps: int) -> None:
+  times = {name: [_phase_seconds(r) for r in recs] for name, recs in rows.items()}
+  print(f"devices={jax.device_count()} rollouts_per_iteration=16 {load_average()}")
+  for name, per in times.items():
+    label = {"push": "reshard" if name == "colocated" else "file_push"}
+    parts = []
+    for phase in ("generate", "offload", "update", "push", "iteration"):
+      xs = [p[phase] for p in per]
+      parts.append(f"{label.get(phase, phase)}_s={statistics.median(xs):.4f}[{min(xs):.4f},{max(xs):.4f}]")
+    print(f"{name}: " + " ".join(parts))
+  it = {name: [p["iteration"] for p in per] for name, per in times.items()}
+  print(fmt("colocated_over_remote", ratio(it, "colocated", "remote"), reps) + " target<=0.5")
+  push = {name: [p["push"] for p in per] for name, per in times.items()}
+  print(fmt("reshard_over_file_push", ratio(push, "colocated", "remote"), reps))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,128 @@
+"""The engine's device work as a command stream, so several JAX processes issue identical programs.
+
+A serving mesh that spans processes runs each compiled step as one SPMD program: every process must call
+the same steps with the same host inputs in the same order. Process 0 (the leader) owns the request
+queue and makes every scheduling decision; each device operation it decides on is one command, which it
+broadcasts (`multihost_utils.broadcast_one_to_all` of one fixed-shape int32 array: one compile, one small
+all-reduce per command) and then runs; every other process (a follower) runs a loop that receives the
+next command and runs it. Both sides run a command through the same `_run`, so they cannot disagree.
+
+  SAVE    slot, entry          copy a finished slot's cache row into prefix entry `entry`
+  KEEP    n, entries[n]        drop every prefix row but these (LRU eviction, flushes)
+  PREFILL slot, entry, start, n, sampling, tokens[n]   (entry >= 0: copy its row into the slot first)
+  DECODE  sampling and token/position per slot
+  PAUSE / CLOSE                the followers' loop returns (between RL phases / at shutdown)
+
+With one process nothing is broadcast: the leader just runs each command.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from k2jax.engine.runner import ModelRunner, sampling_arrays
+from k2jax.engine.sampling import Sampled, SamplingArrays
+
+SAVE, KEEP, PREFILL, DECODE, PAUSE, CLOSE = range(1, 7)
+_HEADER = 16
+
+
+class Executor:
+  """Runs commands on `runner`; the leader broadcasts each one first when `processes` > 1."""
+
+  def __init__(self, runner: ModelRunner, *, prefix_entries: int, leader: bool, processes: int):
+    self.runner, self.leader, self.processes = runner, leader, processes
+    self.rows: dict[int, dict] = {}  # prefix entry id -> cache row (device arrays)
+    n = runner.num_slots
+    self._width = _HEADER + max(runner.max_len, 7 * n, prefix_entries)
+
+  # ---- leader side ------------------------------------------------------------------------------
+  def save(self, slot: int, entry: int) -> None:
+    self._send([SAVE, slot, entry])
+
+  def keep(self, entries) -> None:
+    entries = sorted(entries)
+    if set(entries) != set(self.rows):
+      self._send([KEEP, len(entries)], entries)
+
+  def prefill(self, slot: int, entry: int, start: int, tokens: list[int], s: SamplingArrays) -> Sampled:
+    head = [PREFILL, slot, entry, start, len(tokens), *_bits(s, 0)]
+    return self._send(head, tokens)
+
+  def decode(self, tokens_N: np.ndarray, positions_N: np.ndarray, s: SamplingArrays) -> Sampled:
+    n = self.runner.num_slots
+    payload = np.concatenate([tokens_N, positions_N] + [_as_int32(np.asarray(a)) for a in s]).astype(np.int32)
+    assert payload.size == 7 * n
+    return self._send([DECODE], payload)
+
+  def pause(self) -> None:
+    self._send([PAUSE])
+
+  def close(self) -> None:
+    self._send([CLOSE])
+
+  def _send(self, head, payload=()):
+    msg = np.zeros(self._width, np.int32)
+    msg[: len(head)] = head
+    payload = np.asarray(payload, np.int32)
+    msg[_HEADER : _HEADER + payload.size] = payload
+    if self.processes > 1:
+      self._broadcast(msg)
+    return self._run(msg)
+
+  # ---- follower side ----------------------------------------------------------------------------
+  def follow(self) -> int:
+    """Runs the leader's commands until it pauses or closes; returns PAUSE or CLOSE."""
+    while True:
+      msg = self._broadcast(np.zeros(self._width, np.int32))
+      kind = int(msg[0])
+      if kind in (PAUSE, CLOSE):
+        return kind
+      self._run(msg)
+
+  def _broadcast(self, msg: np.ndarray) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(msg, is_source=self.leader))
+
+  # ---- both sides -------------------------------------------------------------------------------
+  def _run(self, msg: np.ndarray):
+    kind, body = int(msg[0]), msg[_HEADER:]
+    r = self.runner
+    if kind == SAVE:
+      row = r.read_row(int(msg[1]))
+      # Across processes every program with collectives finishes before the next starts (several in
+      # flight at once deadlocked CPU processes over gloo, jax 0.10.2); prefill/decode block on their output.
+      self.rows[int(msg[2])] = jax.block_until_ready(row) if self.processes > 1 else row
+    elif kind == KEEP:
+      keep = {int(e) for e in body[: int(msg[1])]}
+      for e in [e for e in self.rows if e not in keep]:
+        del self.rows[e]
+    elif kind == PREFILL:
+      slot, entry, start, n = (int(v) for v in msg[1:5])
+      if entry >= 0:
+        r.write_row(slot, self.rows[entry])
+      return r.prefill(slot, [int(t) for t in body[:n]], start, _unbits(msg[5:10]))
+    elif kind == DECODE:
+      n = r.num_slots
+      cols = body[: 7 * n].reshape(7, n)
+      s = sampling_arrays(cols[2].view(np.float32), cols[3].view(np.float32), cols[4], cols[5].view(np.uint32), cols[6])
+      return r.decode(cols[0], cols[1], s)
+    elif kind not in (PAUSE, CLOSE):
+      raise ValueError(f"unknown engine command {kind}")
+    return None
+
+
+def _as_int32(a: np.ndarray) -> np.ndarray:
+  """The 32 bits of `a` (float32, uint32 or int32) as int32, so one int array carries them all."""
+  return np.ascontiguousarray(a).view(np.int32) if a.dtype.itemsize == 4 else a.astype(np.int32)
+
+
+def _bits(s: SamplingArrays, row: int) -> list[int]:
+  return [int(_as_int32(np.asarray(a)[row : row + 1])[0]) for a in s]
+
+
+def _unbits(v: np.ndarray) -> SamplingArrays:
+  v = np.asarray(v, np.int32)
+  return sampling_arrays(v[0:1].view(np.float32), v[1:2].view(np.float32), v[2:3], v[3:4].view(np.uint32), v[4:5])

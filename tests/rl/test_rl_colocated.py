@@ -1,0 +1,113 @@
+"""Colocated RL across processes: `launch/rl.py` as 2 JAX processes x 4 fake CPU devices with no engine URL
+runs the embedded engine on the trainer's 8 devices (serving preset tp_ep, its loops in lockstep) and equals
+the 1-process 8-device run: rollout tokens, engine logprobs (<= 1e-5) and updated params (<= 1e-5); the
+second generation samples with the weights pushed after the first update (every token stamped with that
+version, and the engine's logprobs equal the trainer's recomputed ones); no weight file is written; a run
+SIGKILLed after its first checkpoint resumes to the uninterrupted run's result."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+
+from tests.rl.test_rl_processes import ROOT, _cmd, _env, _free_port, _metrics, _params
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # four RL runs in subprocesses (compile-bound)
+
+FLAGS = {
+  "iterations": 2,
+  "checkpoint.every": 1,
+  "warm_start.steps": 0,
+  "loss.ptx_coef": 0.0,
+  "rollout.group_size": 4,
+  "rollout.target_groups": 4,
+  "rollout.launch_groups": 4,
+  "rollout.partial_rollout": False,
+  "eval.every": 0,
+  "engine.sharding": "tp_ep",
+  "engine.mesh": "expert:4,tensor:2",
+  "engine.max_slots": 16,
+  "colocate.offload_params": True,
+  "log.rollouts": True,
+}
+ARGS = [f"--config.{k}={v}" for k, v in FLAGS.items()]
+
+
+def _one(workdir, cache):
+  p = subprocess.run(_cmd(workdir, *ARGS), cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=1500)
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+
+
+def _two(workdir, cache, expect=0, env=None):
+  port, script = _free_port(), "launch/rl.py" if env is None else "tests/train/kill_after_save.py"
+  procs = [
+    subprocess.Popen(
+      _cmd(
+        workdir,
+        *ARGS,
+        f"--coordinator_address=localhost:{port}",
+        "--num_processes=2",
+        f"--process_id={i}",
+        script=script,
+      ),
+      cwd=ROOT,
+      env={**_env(cache, devices=4), **(env or {})},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outs = [p.communicate(timeout=1500)[0] for p in procs]
+  assert all(p.returncode == expect for p in procs), outs[0][-4000:] + outs[1][-4000:]
+  return outs
+
+
+def _rollouts(workdir):
+  return [json.loads(line) for line in open(os.path.join(workdir, "rollouts.jsonl"))]
+
+
+def _max_diff(a, b):
+  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in zip(a, b))
+
+
+def test_two_process_colocated_rl_equals_one_process_and_resumes_after_sigkill(tmp_path):
+  cache = str(tmp_path / "jax_cache")
+  one, two, killed = (str(tmp_path / n) for n in ("one", "two", "killed"))
+  _two(two, cache)
+  _one(one, cache)
+
+  ra, rb = _rollouts(one), _rollouts(two)
+  assert len(ra) == len(rb) == 2 * 16
+  assert [r["tokens"] for r in ra] == [r["tokens"] for r in rb]
+  assert _max_diff([r["logprobs"] for r in ra], [r["logprobs"] for r in rb]) <= 1e-5
+  step_a, pa = _params(one)
+  step_b, pb = _params(two)
+  assert step_a == step_b == 2
+  assert _max_diff(jax.tree.leaves(pa), jax.tree.leaves(pb)) <= 1e-5
+  # The second generation ran on the weights pushed after the first update.
+  ma = [r for r in _metrics(one) if "phase" not in r]
+  first_push = ma[0]["weight_version"]
+  second = [r for r in rb if r["iteration"] == 1]
+  assert second and all(v == first_push for r in second for v in r["weight_versions"][r["prompt_length"] :])
+  assert all(r["engine_logprob_max_abs_diff"] <= 1e-5 for r in ma)  # engine == trainer, same weights
+  for w in (one, two):  # weights moved device to device only
+    assert not os.path.exists(os.path.join(w, "weights")) and not glob.glob(f"{w}/**/*.safetensors", recursive=True)
+
+  kill = {"K2JAX_KILL_AFTER_STEP": "1", "K2JAX_KILL_LAUNCHER": "rl.py"}
+  _two(killed, cache, expect=-signal.SIGKILL, env=kill)
+  assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["1"]
+  outs = _two(killed, cache)
+  assert f"resumed RL from {os.path.join(killed, 'checkpoints')}/1" in outs[0]
+  for x, y in zip([r for r in _metrics(two) if "phase" not in r], [r for r in _metrics(killed) if "phase" not in r]):
+    for key in ("loss", "rl_loss", "grad_norm", "param_norm", "reward_mean"):
+      assert x[key] == y[key], (x["step"], key)
+  step_k, pk = _params(killed)
+  assert step_k == 2
+  for x, y in zip(jax.tree.leaves(pb), jax.tree.leaves(pk)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
