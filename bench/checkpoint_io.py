@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import socket
 import subprocess
@@ -162,14 +161,18 @@ def rss_worker(path: str, budget: int, nproc: int, pid: int, port: int) -> None:
   before = _rss_now()
   state = source_state(path, cfg, shardings, read_budget_bytes=budget)
   jax.block_until_ready(state)
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  peak = _status_kb("VmHWM") * 1024  # not ru_maxrss: Linux keeps that across execve (the parent's peak)
   local = sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards)
   print(f"rss_delta={peak - before} local={local}", flush=True)
 
 
 def _rss_now() -> int:
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  return _status_kb("VmRSS") * 1024
+
+
+def _status_kb(field: str) -> int:
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def peak_rss_ratio(path: str, nproc: int, budget: int) -> float:
