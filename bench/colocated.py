@@ -13,6 +13,10 @@ interleaved (A B A B ...):
              generate, update, push = per-process safetensors of the changed tensors + /update_weights_from_disk
 Prints, per phase, median seconds with [min, max] over the reps, and
   colocated_over_remote = colocated iteration / remote iteration (median of per-rep ratios; target <= 0.5)
+  cpu_s / colocated_over_remote_cpu: CPU seconds of the iteration, this process and the server's together
+             (on a shared host CPU time moves far less with the neighbours' load than wall time)
+  file_push_share_of_remote: the remote iteration's push / its whole: the only part colocation removes, so
+             with generate and update costing the same on both sides the ratio stays >= 1 - that share
 On a CPU host both engines share the same cores and "host memory" is the same RAM: the figures measure
 the mechanics (no file round trip, no HTTP), not HBM savings; untested on TPU/GPU.
 """
@@ -26,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -116,7 +121,9 @@ def main():
     rows = {"colocated": [], "remote": []}
     for _ in range(args.reps):
       for name, learner in (("colocated", colo), ("remote", remote)):
+        cpu0 = time.process_time() + _cpu_seconds(server.pid)
         rec = learner.iteration()
+        rec["cpu_s"] = time.process_time() + _cpu_seconds(server.pid) - cpu0
         rows[name].append(rec)
     _report(rows, args.reps)
     colo.close()
@@ -126,11 +133,19 @@ def main():
     server.wait(timeout=60)
 
 
+def _cpu_seconds(pid: int) -> float:
+  """User + system CPU seconds of process `pid` so far (Linux /proc; fields 14 and 15 of its stat)."""
+  with open(f"/proc/{pid}/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _phase_seconds(rec: dict) -> dict:
   s = {"generate": rec["rollout_time_s"], "update": rec["train_time_s"], "push": rec["sync_time_s"]}
   s["offload"] = rec.get("offload_time_s", 0.0) + rec.get("restore_time_s", 0.0)
   s["generate"] -= s["offload"]  # both moves run inside the learner's rollout timer (phases.generation)
   s["iteration"] = s["generate"] + s["offload"] + s["update"] + s["push"]
+  s["cpu"] = rec["cpu_s"]
   return s
 
 
@@ -140,14 +155,20 @@ def _report(rows: dict, reps: int) -> None:
   for name, per in times.items():
     label = {"push": "reshard" if name == "colocated" else "file_push"}
     parts = []
-    for phase in ("generate", "offload", "update", "push", "iteration"):
+    for phase in ("generate", "offload", "update", "push", "iteration", "cpu"):
       xs = [p[phase] for p in per]
       parts.append(f"{label.get(phase, phase)}_s={statistics.median(xs):.4f}[{min(xs):.4f},{max(xs):.4f}]")
     print(f"{name}: " + " ".join(parts))
   it = {name: [p["iteration"] for p in per] for name, per in times.items()}
   print(fmt("colocated_over_remote", ratio(it, "colocated", "remote"), reps) + " target<=0.5")
+  cpu = {name: [p["cpu"] for p in per] for name, per in times.items()}
+  print(fmt("colocated_over_remote_cpu", ratio(cpu, "colocated", "remote"), reps))
   push = {name: [p["push"] for p in per] for name, per in times.items()}
   print(fmt("reshard_over_file_push", ratio(push, "colocated", "remote"), reps))
+  share = [p["push"] / p["iteration"] for p in times["remote"]]
+  print(
+    f"file_push_share_of_remote={statistics.median(share):.3f} (the part colocation removes; the bound on the ratio)"
+  )
 
 
 if __name__ == "__main__":
