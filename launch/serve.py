@@ -3,7 +3,12 @@
   python launch/serve.py --model=PATH --port=30000 [--max_running_requests=8 --max_seq_len=2048]
   python launch/serve.py --model=PATH --backend=sglang_jax [--sglang_jax=device=tpu --sglang_jax=tp_size=8 ...]
 
---backend=k2jax (default): k2jax's own engine (`k2jax.engine.InferenceEngine`) on one device.
+--backend=k2jax (default): k2jax's own engine (`k2jax.engine.InferenceEngine`) on one device, or with
+  --sharding on a serving mesh over all devices of all processes. Several JAX processes
+  (--coordinator_address/--num_processes/--process_id as launch/convert.py, or the cluster's own
+  environment): every process runs this command; process 0 serves HTTP and schedules, the others
+  follow its engine in lockstep (`k2jax.serve.follower`). Stop process 0 (SIGTERM/SIGINT): its engine
+  closes and the other processes exit with it.
 --backend=sglang_jax: sglang-jax's engine (Python >= 3.12 with sgl_jax installed, BUILD.md "sglang-jax")
   behind the same routes, with weight updates swapped on device and `meta_info.weight_version`
   (`k2jax.engine.sglang_jax_server`): a remote RL rollout engine for `--config.rollout.engine_url`.
@@ -24,12 +29,13 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
-from k2jax import compile_cache, host_malloc  # noqa: E402
+from k2jax import compile_cache, distributed, host_malloc  # noqa: E402
 
 from k2jax.engine import EngineConfig, SglangJaxConfig  # noqa: E402
 from k2jax.httpservice import HttpLimits  # noqa: E402
-from k2jax.serve import Server  # noqa: E402
+from k2jax.serve import Server, follower  # noqa: E402
 from k2jax.serve.limits import RequestCaps  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "k2jax workdir or HF directory (config.json + safetensors).", required=True)
@@ -93,6 +99,11 @@ _BACKEND = flags.DEFINE_enum(
 _SGLANG_JAX = flags.DEFINE_multi_string(
   "sglang_jax", [], "--backend=sglang_jax: KEY=VALUE of k2jax.engine.SglangJaxConfig (repeatable), e.g. device=tpu."
 )
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address", None, "host:port of process 0 (else K2JAX_COORDINATOR or the cluster)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Total JAX processes (multi-host).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
 _COMPILE_CACHE = compile_cache.define_flag()
 
 
@@ -135,6 +146,7 @@ def engine_factory():
 
 def main(argv):
   del argv
+  multi = distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   compile_cache.enable(_COMPILE_CACHE.value)
   host_malloc.keep_freed_memory()  # freed XLA:CPU buffers stay in the heap (k2jax/host_malloc.py)
   logging.basicConfig(level=logging.INFO)
@@ -146,6 +158,17 @@ def main(argv):
     sharding=_SHARDING.value,
     mesh=_MESH.value,
   )
+  if multi:
+    if _BACKEND.value != "k2jax":
+      raise app.UsageError("--backend=sglang_jax runs in one process (its mesh is that process's devices)")
+    try:
+      follower.check_processes(config)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
+    if jax.process_index() > 0:
+      print(f"process {jax.process_index()} follows process 0's engine", flush=True)
+      follower.follow(_MODEL.value, config)
+      return
   server = Server(
     _MODEL.value,
     engine_config=config,

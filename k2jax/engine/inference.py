@@ -319,6 +319,16 @@ class InferenceEngine(Engine):
       self._cv.notify_all()
     self._thread.join(timeout=None if self._multi else 60)  # a follower leaves when the leader's CLOSE comes
 
+  def wait_closed(self, timeout: float | None = None) -> bool:
+    """Blocks until the engine's loop has ended (a follower's: when the leader closes); True if it has."""
+    self._thread.join(timeout)
+    return not self._thread.is_alive()
+
+  @property
+  def closed(self) -> bool:
+    """Closed by `close()` (on a follower also by the leader's close); False while a loop that died runs no more."""
+    return self._closed
+
   def _abort(self, targets: list[_Live], message: str) -> None:
     """Marks `targets` aborted (caller holds the lock); waiting ones finish now, running ones next step."""
     for live in targets:
