@@ -24,6 +24,7 @@ that change state need `Authorization: Bearer <key>`.
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import tempfile
 
@@ -196,6 +197,10 @@ def main(argv):
     ),
   )
   print(f"serving {_MODEL.value} at {server.url} (backend {_BACKEND.value})", flush=True)
+  # uvicorn shuts down gracefully on SIGTERM and then raises the signal again: by default that would kill
+  # the process before `server.close()`, leaving the engine unclosed (and other processes waiting for its
+  # CLOSE). This handler turns that second SIGTERM into a normal return (a further one kills as usual).
+  signal.signal(signal.SIGTERM, lambda *_: signal.signal(signal.SIGTERM, signal.SIG_DFL))
   try:
     server.serve_forever()
   finally:
