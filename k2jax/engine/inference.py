@@ -325,6 +325,11 @@ class InferenceEngine(Engine):
     return not self._thread.is_alive()
 
   @property
+  def spans_processes(self) -> bool:
+    """Whether the serving mesh spans several JAX processes (process 0 leads, the others follow)."""
+    return self._multi
+
+  @property
   def closed(self) -> bool:
     """Closed by `close()` (on a follower also by the leader's close); False while a loop that died runs no more."""
     return self._closed

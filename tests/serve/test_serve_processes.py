@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -107,6 +108,11 @@ def test_two_processes_serve_what_one_process_serves(tmp_path):
         assert tokens == want_tokens and len(tokens) == 8
         np.testing.assert_allclose(lps, want_lps, atol=1e-5)
     assert "follows process 0's engine" in open(logs[2].name).read()
+    body = json.dumps({"model_path": model}).encode()
+    req = urllib.request.Request(url + "/update_weights_from_disk", body, {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:  # process 0 cannot make the followers load it
+      urllib.request.urlopen(req, timeout=60)
+    assert refused.value.code == 501 and b"several JAX processes" in refused.value.read()
     assert _stop(procs[1:]) == [0, 0]
   finally:
     for p in procs:
