@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import secrets
 import threading
 import time
@@ -39,11 +38,12 @@ from flax import nnx
 
 from k2jax import api
 from k2jax.convert import overlay
-from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
+from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, InvalidRequest
 from k2jax.engine.lockstep import CLOSE, Executor
 from k2jax.engine.placement import make_placement
 from k2jax.engine.prefix_cache import PrefixCache
-from k2jax.engine.runner import ModelRunner, sampling_arrays
+from k2jax.engine.requests import Live, check_request, finish_reason, sampling_of
+from k2jax.engine.runner import ModelRunner
 from k2jax.model.transformer import K2Model
 
 log = logging.getLogger(__name__)
@@ -63,31 +63,6 @@ class EngineConfig:
   # presets over `mesh` ("tensor:4,data:2"; '' = the preset's default over every device of every process).
   sharding: str = ""
   mesh: str = ""
-
-
-@dataclasses.dataclass(eq=False)
-class _Live:
-  request: GenerateRequest
-  seed: int
-  t0: float
-  fed: list[int] = dataclasses.field(default_factory=list)  # tokens whose keys are in the slot's row
-  out: list[int] = dataclasses.field(default_factory=list)
-  logprobs: list[float] = dataclasses.field(default_factory=list)
-  versions: list[int] = dataclasses.field(default_factory=list)
-  tops: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
-  cached: int = 0
-  abort_message: str | None = None
-  error: str | None = None  # the engine failed: `wait` raises instead of returning
-  done: threading.Event = dataclasses.field(default_factory=threading.Event)
-  result: GenerateResult | None = None
-  on_update: Callable[[], None] | None = None  # called (scheduler thread) after each token and at the end
-
-  def notify(self) -> None:
-    if self.on_update is not None:
-      try:
-        self.on_update()
-      except Exception:  # a listener's failure is its own (e.g. its event loop closed)
-        log.exception("listener of %s failed", self.request.rid)
 
 
 class InferenceEngine(Engine):
@@ -136,9 +111,9 @@ class InferenceEngine(Engine):
     self._update_lock = threading.Lock()  # one weight update at a time (the overlay reads the served params)
     self._prefix = PrefixCache(config.prefix_cache_entries)
     self._cv = threading.Condition()
-    self._waiting: collections.deque[_Live] = collections.deque()
-    self._slots: list[_Live | None] = [None] * config.max_slots
-    self._by_rid: dict[str, _Live] = {}
+    self._waiting: collections.deque[Live] = collections.deque()
+    self._slots: list[Live | None] = [None] * config.max_slots
+    self._by_rid: dict[str, Live] = {}
     self._ops: list[tuple[Callable[[], object], dict]] = []
     self._closed = False
     self._paused, self._pause_asked = paused, False
@@ -148,7 +123,7 @@ class InferenceEngine(Engine):
     self._thread.start()
 
   # ---- public API -------------------------------------------------------------------------------
-  def submit(self, request: GenerateRequest, on_update: Callable[[], None] | None = None) -> _Live:
+  def submit(self, request: GenerateRequest, on_update: Callable[[], None] | None = None) -> Live:
     """Queues `request` and returns its handle for `wait`/`progress` (raises InvalidRequest for one that
     cannot run). `on_update` (optional) is called from the scheduler after every new token and when the
     request finishes (streaming, disconnect checks), and must not block."""
@@ -157,7 +132,7 @@ class InferenceEngine(Engine):
     self.check(request)
     s = request.sampling
     seed = secrets.randbits(32) if s.seed is None else s.seed % 2**32
-    live = _Live(request, seed=seed, t0=time.monotonic(), on_update=on_update)
+    live = Live(request, seed=seed, t0=time.monotonic(), on_update=on_update)
     with self._cv:
       if self._closed:
         raise RuntimeError("engine is closed")
@@ -171,7 +146,7 @@ class InferenceEngine(Engine):
         self._cv.notify_all()
     return live
 
-  def wait(self, live: _Live, timeout: float | None = None) -> GenerateResult:
+  def wait(self, live: Live, timeout: float | None = None) -> GenerateResult:
     """The finished request's result; raises RuntimeError when the engine failed while running it."""
     if not live.done.wait(timeout):
       raise TimeoutError(f"request {live.request.rid!r} not finished after {timeout}s")
@@ -179,23 +154,9 @@ class InferenceEngine(Engine):
       raise RuntimeError(f"engine failed on request {live.request.rid!r}: {live.error}")
     return live.result
 
-  def progress(self, live: _Live) -> GenerateResult:
+  def progress(self, live: Live) -> GenerateResult:
     """The request so far (finish_reason None while it runs); its final result once done."""
-    if live.done.is_set():
-      return live.result
-    n = min(len(live.out), len(live.logprobs), len(live.versions), len(live.tops))  # out is appended first
-    req = live.request
-    return GenerateResult(
-      rid=req.rid,
-      output_ids=tuple(live.out[:n]),
-      output_logprobs=tuple(live.logprobs[:n]),
-      weight_versions=tuple(live.versions[:n]),
-      finish_reason=None,
-      prompt_tokens=len(req.input_ids),
-      top_logprobs=tuple(live.tops[:n]),
-      cached_tokens=live.cached,
-      latency_s=time.monotonic() - live.t0,
-    )
+    return live.result if live.done.is_set() else live.snapshot(time.monotonic())
 
   def generate(self, request: GenerateRequest) -> GenerateResult:
     return self.wait(self.submit(request))
@@ -334,7 +295,7 @@ class InferenceEngine(Engine):
     """Closed by `close()` (on a follower also by the leader's close); False while a loop that died runs no more."""
     return self._closed
 
-  def _abort(self, targets: list[_Live], message: str) -> None:
+  def _abort(self, targets: list[Live], message: str) -> None:
     """Marks `targets` aborted (caller holds the lock); waiting ones finish now, running ones next step."""
     for live in targets:
       live.abort_message = message
@@ -420,7 +381,7 @@ class InferenceEngine(Engine):
         self._slots[free[0]] = live
       self._prefill(free[0], live)
 
-  def _prefill(self, slot: int, live: _Live) -> None:
+  def _prefill(self, slot: int, live: Live) -> None:
     try:
       self._prefill_row(slot, live)
     except Exception as e:  # one request's prefill failed: fail it alone, the others keep running
@@ -428,12 +389,12 @@ class InferenceEngine(Engine):
       with self._cv:
         self._fail(live, slot, f"engine error: {type(e).__name__}: {e}")
 
-  def _prefill_row(self, slot: int, live: _Live) -> None:
+  def _prefill_row(self, slot: int, live: Live) -> None:
     tokens = list(live.request.input_ids)
     common, entry = self._prefix.lookup(tokens)
     reuse = min(common, len(tokens) - 1)  # at least one token must run to produce logits
     live.cached, live.fed = reuse, tokens
-    out = self._exec.prefill(slot, entry if reuse > 0 else -1, reuse, tokens[reuse:], self._sampling([live]))
+    out = self._exec.prefill(slot, entry if reuse > 0 else -1, reuse, tokens[reuse:], sampling_of([live]))
     self._emit(slot, live, out, 0)
 
   def _decode_step(self) -> None:
@@ -442,7 +403,7 @@ class InferenceEngine(Engine):
     for i, live in enumerate(self._slots):
       if live is not None:
         tokens_N[i], positions_N[i] = live.out[-1], len(live.fed)
-    out = self._exec.decode(tokens_N, positions_N, self._sampling(self._slots))
+    out = self._exec.decode(tokens_N, positions_N, sampling_of(self._slots))
     for i, live in enumerate(self._slots):
       if live is not None:
         live.fed.append(live.out[-1])
@@ -453,53 +414,21 @@ class InferenceEngine(Engine):
           with self._cv:
             self._fail(live, i, f"engine error: {type(e).__name__}: {e}")
 
-  def _sampling(self, lives: Sequence[_Live | None]):
-    # Keyed by the sampled token's position in prompt + output, so a resumed request continues exactly.
-    params = [
-      (l.request.sampling, l.seed, len(l.request.input_ids) + len(l.out)) if l is not None else (SamplingParams(), 0, 0)
-      for l in lives
-    ]
-    return sampling_arrays(
-      [p[0].temperature for p in params],
-      [p[0].top_p for p in params],
-      [p[0].top_k for p in params],
-      [p[1] for p in params],
-      [p[2] for p in params],
-    )
-
-  def _emit(self, slot: int, live: _Live, out, i: int) -> None:
+  def _emit(self, slot: int, live: Live, out, i: int) -> None:
     """Appends row i's sampled token to `live`; finishes the request when a stop condition holds."""
-    token = int(out.tokens[i])
-    live.out.append(token)
-    live.logprobs.append(float(out.logprobs[i]))
-    live.versions.append(self.weight_version)
-    k = len(out.top_ids[i])
-    live.tops.append(tuple((int(out.top_ids[i][j]), float(out.top_logprobs[i][j])) for j in range(k)))
-    finish = self._finish_reason(live, token)
+    token = live.append(out, i, self.weight_version)
+    finish = finish_reason(live, token, self.eos_token_ids, self._detokenize)
     if finish is not None:
       self._release(slot, live, *finish)
     else:
       live.notify()
-
-  def _finish_reason(self, live: _Live, token: int) -> tuple[str, int | str | None] | None:
-    s = live.request.sampling
-    if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
-      return "stop", token
-    if s.stop and self._detokenize is not None:
-      text = self._detokenize(live.out)
-      for stop in s.stop:
-        if stop in text:
-          return "stop", stop
-    if len(live.out) >= s.max_new_tokens:
-      return "length", None
-    return None
 
   def _finish_aborted(self) -> None:
     for i, live in enumerate(self._slots):
       if live is not None and live.abort_message is not None:
         self._release(i, live, "abort")
 
-  def _release(self, slot: int, live: _Live, reason: str, matched: int | str | None = None) -> None:
+  def _release(self, slot: int, live: Live, reason: str, matched: int | str | None = None) -> None:
     if self._prefix.capacity and live.fed:  # the row goes to a prefix entry (on every process)
       entry, self._next_entry = self._next_entry, self._next_entry + 1
       self._exec.save(slot, entry)
@@ -509,30 +438,16 @@ class InferenceEngine(Engine):
       self._slots[slot] = None
       self._complete(live, reason, matched)
 
-  def _complete(self, live: _Live, reason: str, matched: int | str | None = None) -> None:
+  def _complete(self, live: Live, reason: str, matched: int | str | None = None) -> None:
     """Publishes the result (caller holds the lock)."""
-    req = live.request
-    live.result = GenerateResult(
-      rid=req.rid,
-      output_ids=tuple(live.out),
-      output_logprobs=tuple(live.logprobs),
-      weight_versions=tuple(live.versions),
-      finish_reason=reason,
-      prompt_tokens=len(req.input_ids),
-      matched_stop=matched,
-      abort_message=live.abort_message if reason == "abort" else None,
-      top_logprobs=tuple(live.tops),
-      cached_tokens=live.cached,
-      latency_s=time.monotonic() - live.t0,
-    )
-    self._by_rid.pop(req.rid, None)
+    live.result = live.snapshot(time.monotonic(), reason, matched)
+    self._by_rid.pop(live.request.rid, None)
     live.done.set()
     live.notify()
 
-  def _fail(self, live: _Live, slot: int | None, message: str) -> None:
+  def _fail(self, live: Live, slot: int | None, message: str) -> None:
     """Fails one request (caller holds the lock): `wait` raises, `progress` shows an abort with `message`."""
-    n = min(len(live.out), len(live.logprobs), len(live.versions), len(live.tops))  # a step may have failed midway
-    del live.out[n:], live.logprobs[n:], live.versions[n:], live.tops[n:]
+    live.drop_partial()  # a step may have failed midway
     live.error = live.abort_message = message
     if slot is not None:
       self._slots[slot] = None
@@ -576,32 +491,7 @@ class InferenceEngine(Engine):
 
   def check(self, request: GenerateRequest) -> None:
     """Raises InvalidRequest naming the field when the engine cannot run `request` (nothing is queued)."""
-    ids, s, max_len, vocab = request.input_ids, request.sampling, self.config.max_seq_len, self.cfg.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-      raise InvalidRequest("input_ids", f"token ids {bad[:5]} outside [0, {vocab})")
-    if len(ids) >= max_len:
-      raise InvalidRequest(
-        "input_ids",
-        f"prompt of {len(ids)} tokens is too long: the maximum sequence "
-        f"length is {max_len} tokens (prompt + new tokens)",
-      )
-    if len(ids) + s.max_new_tokens > max_len:
-      raise InvalidRequest(
-        "sampling_params.max_new_tokens",
-        f"{len(ids)} prompt tokens + max_new_tokens {s.max_new_tokens} exceed the maximum sequence length {max_len}",
-      )
-    if not (math.isfinite(s.temperature) and s.temperature >= 0):
-      raise InvalidRequest("sampling_params.temperature", f"must be a finite number >= 0, got {s.temperature}")
-    if not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
-      raise InvalidRequest("sampling_params.top_p", f"must be in (0, 1], got {s.top_p}")
-    if s.top_k > vocab:  # <= 0 means no limit; beyond the vocab the sampler's top-k would overflow
-      raise InvalidRequest("sampling_params.top_k", f"must be <= the vocab size {vocab} (or -1), got {s.top_k}")
-    bad_stop = [t for t in s.stop_token_ids if not 0 <= t < vocab]
-    if bad_stop:
-      raise InvalidRequest("sampling_params.stop_token_ids", f"token ids {bad_stop[:5]} outside [0, {vocab})")
-    if s.stop and self._detokenize is None:
-      raise InvalidRequest("sampling_params.stop", "stop strings need a tokenizer; this server has none")
+    check_request(request, self.config.max_seq_len, self.cfg.vocab_size, self._detokenize is not None)
 
 
 def _check_shards(config: EngineConfig, shards: int) -> None:
