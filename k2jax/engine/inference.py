@@ -292,7 +292,8 @@ class InferenceEngine(Engine):
 
   @property
   def closed(self) -> bool:
-    """Closed by `close()` (on a follower also by the leader's close); False while a loop that died runs no more."""
+    """Whether `close()` ran (on a follower: or the leader's close reached it). A follower whose loop ended
+    and that is not closed stopped on an error."""
     return self._closed
 
   def _abort(self, targets: list[Live], message: str) -> None:
