@@ -45,7 +45,9 @@ _PORT = flags.DEFINE_integer("port", 30000, "Port to bind.")
 _SLOTS = flags.DEFINE_integer("max_running_requests", 8, "Requests decoded together (cache slots).")
 _MAX_LEN = flags.DEFINE_integer("max_seq_len", 2048, "Prompt + generated tokens per request.")
 _PREFIX = flags.DEFINE_integer("prefix_cache_entries", 16, "Finished sequences kept for prefix reuse.")
-_SHARDING = flags.DEFINE_enum("sharding", "", ["", "tp", "ep", "tp_ep"], "Serving preset over all devices (of every process).")
+_SHARDING = flags.DEFINE_enum(
+  "sharding", "", ["", "tp", "ep", "tp_ep"], "Serving preset over all devices (of every process)."
+)
 _MESH = flags.DEFINE_string("mesh", "", "Serving mesh, e.g. expert:4,tensor:2 ('' = the preset's default).")
 _PRECOMPILE = flags.DEFINE_bool(
   "precompile", True, "Compile every prefill bucket and the decode step before serving (sglang-jax's precompile)."
