@@ -39,7 +39,7 @@ setup(
     "test": [
       "pytest>=8",
       "pytest-timeout>=2.3",
-      "pytest-xdist>=3.5",  # scripts/test.sh runs two workers: the suite is compile-bound, one core each
+      "pytest-xdist>=3.8",  # --no-loadscope-reorder (3.8); scripts/test.sh runs two workers: the suite is compile-bound, one core each
       "hypothesis>=6.100",
       "torch==2.13.0",
       "transformers>=5.0,<6",

@@ -7,6 +7,8 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 pip install -q --upgrade pip
 pip install -q -e '.[test]'
-# Two workers, whole test files each (module fixtures compile once). On 2 cores: 24 min with other jobs
-# running beside it, against 30 min serial on CI. PYTEST_WORKERS=0 runs serially.
-exec python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile tests "$@"
+# Two workers, whole test files each (module fixtures compile once), handed out heaviest first
+# (tests/conftest.py HEAVY_FIRST; --no-loadscope-reorder keeps that order instead of xdist's most-tests-first,
+# which left the one-test multi-process files for last). On 2 cores: 24 min with other jobs running beside it,
+# against 30 min serial on CI. PYTEST_WORKERS=0 runs serially.
+exec python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder tests "$@"

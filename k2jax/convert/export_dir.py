@@ -23,7 +23,8 @@ what k2jax wrote, and the user, not k2jax, decides where their files go. An old 
 list in its `MARKER` only; anything else still in it afterwards (written through a handle opened inside it
 before the swap) is kept as `<name>.k2jax-kept.<host>.<pid>.<rand>`, with a warning. Siblings left by dead
 processes of this host are cleaned the same way before each write (a sibling without `MARKER` was never
-swapped in, so it holds only k2jax's partial write and is deleted whole).
+swapped in, so it holds only k2jax's partial write and is deleted whole). `MARKER` itself appears whole or not
+at all (written beside, renamed in), so a SIGKILL at any point never makes k2jax's own export look foreign.
 """
 
 from __future__ import annotations
@@ -153,9 +154,9 @@ def write_export(dst: str, kind: str, write: Callable[[str], None], src: str | N
   try:
     os.chmod(tmp, 0o755)
     write(tmp)
-    manifest = {"kind": kind, "written_by": "k2jax", "files": sorted(_files(tmp))}
-    with open(os.path.join(tmp, MARKER), "w") as f:  # last: an export without it is incomplete
-      json.dump(manifest, f, indent=1)
+    # Last: an export without MARKER is incomplete. Its scratch file sits inside `tmp`, which is deleted whole
+    # while it has no MARKER.
+    _write_marker(tmp, kind, os.path.join(tmp, f"{MARKER}.{_tag()}"))
     _fix_modes(tmp)
     _fsync_tree(tmp)
   except BaseException:
@@ -191,7 +192,9 @@ def clean_stale(dst: str) -> None:
       path = os.path.join(parent, entry)
       if _alive(entry):
         continue
-      if os.path.isfile(os.path.join(path, MARKER)):
+      if os.path.isfile(path) and not os.path.islink(path):  # a MARKER's scratch (`_mark_unmarked`)
+        os.unlink(path)
+      elif os.path.isfile(os.path.join(path, MARKER)):
         remove_export(path, dst)
       else:
         shutil.rmtree(path, ignore_errors=True)
@@ -263,11 +266,23 @@ def _mark_unmarked(dst: str, kind: str) -> None:
   once swapped out it is then deleted by that list, and a sibling without MARKER is always a partial write."""
   if os.path.isfile(os.path.join(dst, MARKER)) or (os.listdir(dst) and _not_ours(dst)):
     return
-  tmp = os.path.join(dst, f"{MARKER}.{_tag()}")
-  with open(tmp, "w") as f:
-    json.dump({"kind": kind, "written_by": "k2jax", "files": sorted(_files(dst))}, f, indent=1)
-  os.chmod(tmp, 0o644)
-  os.rename(tmp, os.path.join(dst, MARKER))
+  # The scratch file is a temp sibling of `dst`, not a file in it: left there by a kill it would make the
+  # export look foreign (a file k2jax did not list) and every later export would refuse it.
+  parent, name = os.path.split(dst)
+  _write_marker(dst, kind, os.path.join(parent, f"{_TMP}{name}.{_tag()}"))
+
+
+def _write_marker(path: str, kind: str, scratch: str) -> None:
+  """Gives `path` a MARKER listing its files, whole or not at all: written to `scratch` (same filesystem),
+  synced, renamed in. Written in place, a SIGKILL between its open and its close left an empty MARKER, which
+  lists nothing: k2jax's own export then looked foreign and was kept aside as `.k2jax-kept.*`."""
+  manifest = {"kind": kind, "written_by": "k2jax", "files": sorted(_files(path))}
+  with open(scratch, "w") as f:
+    json.dump(manifest, f, indent=1)
+    f.flush()
+    os.fsync(f.fileno())
+  os.chmod(scratch, 0o644)
+  os.rename(scratch, os.path.join(path, MARKER))
 
 
 def _refuse(new: str, dst: str, foreign: list[str]) -> None:

@@ -88,8 +88,14 @@ def _params(workdir):
   return wd.restore_model_state(workdir, hf_io.abstract_state(cfg))
 
 
-def test_sigkill_resume_is_exact_and_truncated_latest_falls_back(tmp_path):
-  cache = str(tmp_path / "jax_cache")
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  """One persistent compilation cache for the module: the second test's 1-process resume runs the first
+  test's 8-device RL step and logprob programs (same config and shapes) and loads them instead of compiling."""
+  return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def test_sigkill_resume_is_exact_and_truncated_latest_falls_back(tmp_path, cache):
   env = _env(cache)
   straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
   _run(straight, *_flags(), env=env)
@@ -138,8 +144,7 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def test_two_processes_train_checkpoint_push_then_one_resumes(tmp_path):
-  cache = str(tmp_path / "jax_cache")
+def test_two_processes_train_checkpoint_push_then_one_resumes(tmp_path, cache):
   workdir = str(tmp_path / "w")
   cfg = presets.get("tiny")
   served = InferenceEngine(
