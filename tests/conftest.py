@@ -27,6 +27,7 @@ HEAVY_FIRST = (
   "tests/train/test_resume.py",
   "tests/train/test_multihost.py",
   "tests/sharding/test_two_process.py",
+  "tests/serve/test_serve_processes.py",
 )
 
 
