@@ -32,7 +32,7 @@ DTYPES = {
   "BF16": np.dtype(ml_dtypes.bfloat16),
   "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
-_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header (MAX_HEADER_SIZE)
 
 
 @dataclasses.dataclass
@@ -80,48 +80,58 @@ class TensorInfo:
 
 
 def read_header(file: str) -> dict[str, TensorInfo]:
-  """Every tensor of a shard; CheckpointError naming the file (and tensor) for a truncated or corrupt one."""
+  """Every tensor of a shard, the format's invariants checked before a data byte is read: an 8-byte
+  little-endian header length that fits the file, a UTF-8 JSON object, `__metadata__` an object of
+  strings, and per tensor a known dtype, a shape of non-negative ints and `[begin, end]` data offsets inside
+  the data whose size is dtype x shape. The one validator of safetensors headers in k2jax (the reader's and
+  the server's `/update_weights_from_disk`); a CheckpointError names the file and tensor."""
   try:
     size = os.path.getsize(file)
     with open(file, "rb") as f:
       head = f.read(8)
       if len(head) < 8:
-        raise CheckpointError(f"{file}: truncated safetensors shard ({size} bytes, no header)")
+        raise CheckpointError(f"{file}: {size} bytes, too short for a safetensors header length (truncated shard)")
       (n,) = struct.unpack("<Q", head)
-      if n > _MAX_HEADER or 8 + n > size:
-        raise CheckpointError(f"{file}: truncated or corrupt safetensors shard (header of {n} bytes, file {size})")
+      if n == 0 or n > _MAX_HEADER or 8 + n > size:
+        raise CheckpointError(
+          f"{file}: header length {n} does not fit the file ({size} bytes; at most 100 MB): truncated or corrupt shard"
+        )
       raw = f.read(n)
   except OSError as e:
     raise CheckpointError(f"{file}: cannot read safetensors shard ({e})") from e
   STATS.add(8 + n, header=True)
   try:
-    header = json.loads(raw)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{file}: corrupt safetensors header ({e})") from e
+    header = json.loads(raw.decode("utf-8"))
+  except (UnicodeDecodeError, ValueError, RecursionError) as e:
+    raise CheckpointError(f"{file}: corrupt safetensors header, not valid UTF-8 JSON ({str(e)[:120]})") from None
   if not isinstance(header, dict):
-    raise CheckpointError(f"{file}: corrupt safetensors header (not an object)")
+    raise CheckpointError(f"{file}: corrupt safetensors header, a JSON {type(header).__name__}, not an object")
+  meta = header.pop("__metadata__", {})
+  if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+    raise CheckpointError(f"{file}: corrupt safetensors header, __metadata__ must be an object of strings")
   base = 8 + n
-  out = {}
-  for key, info in header.items():
-    if key != "__metadata__":
-      out[key] = _tensor_info(file, key, info, base, size)
-  return out
+  return {key: _tensor_info(file, key, info, base, size) for key, info in header.items()}
 
 
 def _tensor_info(file: str, key: str, info, base: int, size: int) -> TensorInfo:
-  try:
-    dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-  except (KeyError, TypeError, ValueError) as e:
-    raise CheckpointError(f"{file}: tensor {key!r} has a corrupt header entry ({e})") from e
+  where = f"{file}: tensor {key!r}"
+  if not isinstance(info, dict):
+    raise CheckpointError(f"{where}: corrupt header entry (not an object)")
+  dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
   if dtype not in DTYPES:
-    raise CheckpointError(f"{file}: tensor {key!r} has dtype {dtype}; k2jax reads {sorted(DTYPES)}")
-  t = TensorInfo(file, key, dtype, shape, base + int(begin))
-  if int(end) - int(begin) != t.nbytes:
-    raise CheckpointError(f"{file}: tensor {key!r}: {int(end) - int(begin)} bytes for shape {list(shape)} {dtype}")
-  if base + int(end) > size:
+    raise CheckpointError(f"{where}: unknown dtype {str(dtype)[:40]!r}; k2jax reads {sorted(DTYPES)}")
+  if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+    raise CheckpointError(f"{where}: shape {str(shape)[:80]} is not a list of non-negative ints")
+  if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+    raise CheckpointError(f"{where}: data_offsets {str(offsets)[:80]} is not [begin, end]")
+  begin, end = offsets
+  if not 0 <= begin <= end or base + end > size:
     raise CheckpointError(
-      f"{file}: tensor {key!r} ends at byte {base + int(end)} but the file has {size} bytes (truncated shard)"
+      f"{where}: data_offsets [{begin}, {end}] outside the file's {size - base} data bytes (truncated shard?)"
     )
+  t = TensorInfo(file, key, dtype, tuple(shape), base + begin)
+  if end - begin != t.nbytes:
+    raise CheckpointError(f"{where}: {end - begin} bytes at data_offsets, but {dtype} {shape} needs {t.nbytes}")
   return t
 
 

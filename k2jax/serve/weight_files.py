@@ -3,25 +3,20 @@
 The route trusts its caller (it needs the API key) but not the files: a trainer's torn write or a hostile
 file must answer 400 naming the file and what is wrong, and leave the served weights as they are. The
 safetensors library does check its header, but raises one untyped `SafetensorError` from wherever the
-loader first touches the file (the probe got 500s), so the format's invariants are checked here first,
-in one place: an 8-byte little-endian header length that fits the file, a JSON object header, and per
-tensor a known dtype, a shape of non-negative ints and `data_offsets` inside the data whose size matches
-dtype x shape. Every file read must resolve (symlinks included) inside an allowed root.
+loader first touches the file (the probe got 500s), so every header is validated first by the reader's
+own parser (`k2jax.convert.safetensors_io.read_header`: the format's invariants, one place for both).
+Every file read must resolve (symlinks included) inside an allowed root.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import struct
+
+from k2jax.convert import safetensors_io
+from k2jax.convert.errors import CheckpointError
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE)
-_ITEMSIZE = {
-  "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2, "F16": 2,
-  "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8,
-}  # fmt: skip
 
 
 class WeightFileError(ValueError):
@@ -47,49 +42,9 @@ def check_weights_dir(path: str, roots: list[str]) -> None:
 
 def check_safetensors(file: str) -> None:
   try:
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
-      head = f.read(8)
-      if len(head) < 8:
-        raise WeightFileError(f"{file}: {size} bytes, too short for a safetensors header length (8 bytes)")
-      (n,) = struct.unpack("<Q", head)
-      if n == 0 or n > min(MAX_HEADER_BYTES, size - 8):
-        raise WeightFileError(f"{file}: header length {n} does not fit the file ({size} bytes; at most 100 MB)")
-      raw = f.read(n)
-  except OSError as e:
-    raise WeightFileError(f"{file}: cannot read ({e.strerror})") from e
-  try:
-    header = json.loads(raw.decode("utf-8"))
-  except (UnicodeDecodeError, ValueError, RecursionError) as e:
-    raise WeightFileError(f"{file}: header is not valid UTF-8 JSON ({str(e)[:120]})") from None
-  if not isinstance(header, dict):
-    raise WeightFileError(f"{file}: header is a JSON {type(header).__name__}, not an object")
-  data = size - 8 - n
-  for name, info in header.items():
-    if name == "__metadata__":
-      if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
-        raise WeightFileError(f"{file}: __metadata__ must be an object of strings")
-      continue
-    _check_tensor(file, name, info, data)
-
-
-def _check_tensor(file: str, name: str, info, data: int) -> None:
-  where = f"{file}: tensor {name!r}"
-  if not isinstance(info, dict):
-    raise WeightFileError(f"{where}: entry is not an object")
-  dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-  if dtype not in _ITEMSIZE:
-    raise WeightFileError(f"{where}: unknown dtype {str(dtype)[:40]!r}")
-  if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-    raise WeightFileError(f"{where}: shape {str(shape)[:80]} is not a list of non-negative ints")
-  if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-    raise WeightFileError(f"{where}: data_offsets {str(offsets)[:80]} is not [begin, end]")
-  begin, end = offsets
-  if not 0 <= begin <= end <= data:
-    raise WeightFileError(f"{where}: data_offsets [{begin}, {end}] outside the file's {data} data bytes")
-  want = math.prod(shape) * _ITEMSIZE[dtype]
-  if end - begin != want:
-    raise WeightFileError(f"{where}: {end - begin} bytes at data_offsets, but {dtype} {shape} needs {want}")
+    safetensors_io.read_header(file)
+  except CheckpointError as e:
+    raise WeightFileError(str(e)) from None
 
 
 def _shards(path: str) -> list[str]:
