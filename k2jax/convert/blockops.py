@@ -1,0 +1,60 @@
+"""Stored HF bytes to k2jax leaf values, block by block: the XLA conversion and the host-side helpers.
+
+`convert` (jit) bitcasts stored bytes, dequantizes block-FP8, optionally transposes HF `[out, in]` to
+k2jax `[in, out]` and casts to the leaf dtype; the reader runs it on accelerators for whole blocks, and
+on CPU devices without the transpose for groups of FP8 tensors (one fused, vectorised loop measured
+~5x numpy's table lookup + multiply + cast; XLA:CPU's 2-D transposes are slow on some shapes, e.g.
+~50 Melem/s for [2816, 1024] -> [1024, 2816], so the host's tiled `transpose_into` does that part).
+
+Host leaf buffers come from `aligned_empty`: `jax.device_put` onto a CPU device aliases a C-contiguous
+numpy array aligned to 64 bytes instead of copying it (checked in tests/convert/test_blockops.py), so
+a CPU import writes each leaf byte once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k2jax.convert.safetensors_io import DTYPES
+
+ALIGN = 64  # bytes: the alignment at which XLA:CPU takes a host buffer without copying it
+TILE = 256  # transpose tile (elements per side): 256x256 bf16 tiles measured fastest of 64..512 here
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+  """An uninitialised C-contiguous array whose data starts on an ALIGN-byte boundary."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  buf = np.empty(nbytes + ALIGN, np.uint8)
+  start = -buf.ctypes.data % ALIGN
+  return buf[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = TILE) -> None:
+  """dst[...] = src.T (casting to dst's dtype), tile by tile: a plain strided `.T` copy misses the cache
+  on every element of one side (~12x slower measured); tiles keep both sides in cache. Each tile copy
+  releases the GIL, so reader threads transpose in parallel."""
+  rows, cols = src.shape
+  for r in range(0, rows, tile):
+    for c in range(0, cols, tile):
+      dst[c : c + tile, r : r + tile] = src[r : r + tile, c : c + tile].T
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "block", "origin", "transpose", "out_dtype"))
+def convert(raw, scale, *, dtype, block, origin, transpose, out_dtype):
+  """On the device (XLA vectorises what numpy does element by element, and a TPU host's cores stay free):
+  bitcast the stored bytes, dequantize (W = float32(W_fp8) * scale_inv[i // b0, j // b1], the same float32
+  multiply as `fp8.dequantize`), transpose [out, in] -> [in, out] and cast to the leaf dtype."""
+  w = jax.lax.bitcast_convert_type(raw, DTYPES[dtype])
+  if scale is not None:
+    rows, cols = raw.shape[-2:]
+    full = jnp.repeat(jnp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
+    full = full[..., origin[0] : origin[0] + rows, origin[1] : origin[1] + cols]
+    w = w.astype(jnp.float32) * full
+  if transpose:
+    w = jnp.swapaxes(w, -1, -2)
+  return w.astype(out_dtype)
