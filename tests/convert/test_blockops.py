@@ -18,8 +18,14 @@ def test_aligned_buffer_is_aliased_by_a_cpu_device():
     np.testing.assert_array_equal(np.asarray(x), a)
 
 
-def test_tiled_transpose_with_ragged_tiles_and_cast():
-  src = np.random.default_rng(0).standard_normal((300, 517)).astype(np.float32)
-  dst = np.empty((517, 300), ml_dtypes.bfloat16)
-  blockops.transpose_into(dst, src, tile=128)
-  assert dst.tobytes() == src.T.astype(ml_dtypes.bfloat16).tobytes()
+def test_tiled_transpose_with_ragged_tiles_cast_and_banded_pitch():
+  rng = np.random.default_rng(0)
+  for shape, src_dtype, dst_dtype in (
+    ((300, 517), np.float32, ml_dtypes.bfloat16),  # ragged tiles, cast on the way
+    ((300, 512), ml_dtypes.bfloat16, ml_dtypes.bfloat16),  # a 1 KiB row pitch: copied through the band
+    ((1, 1024), ml_dtypes.bfloat16, ml_dtypes.bfloat16),
+  ):
+    src = rng.standard_normal(shape).astype(src_dtype)
+    dst = np.empty(shape[::-1], dst_dtype)
+    blockops.transpose_into(dst, src, tile=128)
+    assert dst.tobytes() == src.T.astype(dst_dtype).tobytes(), shape
