@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k2jax.convert import fp8
 from k2jax.convert.errors import CheckpointError
-from k2jax.convert.export_dir import write_export
+from k2jax.convert.export_dir import broadcast_text, decode_text, encode_text, write_export
 from k2jax.convert.layout import Entry, entries
 from k2jax.convert.hf_dir import get_path
 from k2jax.convert.safetensors_io import read_header
@@ -52,7 +52,6 @@ from k2jax.model.config import ConfigError, K2Config
 
 INDEX = "model.safetensors.index.json"
 DTYPES = tuple(OUT_DTYPES)  # the `dtype` choices besides None
-_TEXT_BYTES = 4096  # room for a path or an error message sent between processes
 
 
 def out_dtype(entry: Entry, key: str, leaf_dtype, dtype: str | None) -> np.dtype:
@@ -215,7 +214,7 @@ def save_hf(
   `write_extra(tmp)` (process 0) adds more files, e.g. the tokenizer, inside the same atomic export."""
   writer = Writer(cfg, dtype, max_shard_bytes)
   if jax.process_index() != 0:
-    tmp = _broadcast_text("")
+    tmp = broadcast_text("")
     if tmp.startswith("\0"):
       raise CheckpointError(f"{dst}: process 0 could not start the export: {tmp[1:]}")
     error = None
@@ -231,7 +230,7 @@ def save_hf(
   def write(tmp: str) -> None:
     nonlocal entered
     entered = True
-    _broadcast_text(tmp)
+    broadcast_text(tmp)
     writer.write(state, tmp)
     write_index(tmp)
     with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -244,7 +243,7 @@ def save_hf(
     write_export(dst, "hf", write)
   except BaseException as e:
     if not entered:
-      _broadcast_text("\0" + f"{type(e).__name__}: {e}")
+      broadcast_text("\0" + f"{type(e).__name__}: {e}")
       raise
     error = e
   _agree(error)
@@ -419,27 +418,10 @@ def _agree(error: BaseException | None) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
 
-    msgs = multihost_utils.process_allgather(_encode("" if error is None else f"{type(error).__name__}: {error}"))
+    msgs = multihost_utils.process_allgather(encode_text("" if error is None else f"{type(error).__name__}: {error}"))
     if error is None:
       for p, m in enumerate(msgs):
         if m.any():
-          raise CheckpointError(f"process {p} failed the export: {_decode(m)}")
+          raise CheckpointError(f"process {p} failed the export: {decode_text(m)}")
   if error is not None:
     raise error
-
-
-def _broadcast_text(text: str) -> str:
-  """Process 0's `text` on every process (a collective)."""
-  if jax.process_count() == 1:
-    return text
-  from jax.experimental import multihost_utils
-
-  return _decode(multihost_utils.broadcast_one_to_all(_encode(text)))
-
-
-def _encode(text: str) -> np.ndarray:
-  return np.frombuffer(text.encode()[:_TEXT_BYTES].ljust(_TEXT_BYTES, b"\0"), np.uint8).copy()
-
-
-def _decode(a) -> str:
-  return bytes(np.asarray(a, np.uint8)).rstrip(b"\0").decode(errors="replace")
