@@ -137,6 +137,19 @@ def import_once(path: str, cfg) -> None:
   jax.block_until_ready(state)
 
 
+def _user_sys(fn, out: list):
+  """`fn`, appending each call's (user, system) CPU seconds to `out`: on this VM the kernel's share (fresh
+  pages for the leaves, which the raw read's reused buffer never needs) is most of an import's CPU."""
+
+  def run():
+    t0 = os.times()
+    fn()
+    t1 = os.times()
+    out.append((t1.user - t0.user, t1.system - t0.system))
+
+  return run
+
+
 def breakdown(cfg, sizes: dict, times: dict, reps: int) -> str:
   """What an import costs per element beyond the raw read, measured here (medians over `reps`): first
   touch of fresh memory (the leaves are new; the raw read reuses one buffer), the tiled transpose of an
@@ -159,7 +172,7 @@ def breakdown(cfg, sizes: dict, times: dict, reps: int) -> str:
   dq = {"dtype": "F8_E4M3", "block": (128, 128), "origin": (0, 0), "transpose": False, "out_dtype": jnp.bfloat16}
 
   def touch():
-    np.empty(n_touch, np.uint8).fill(1)  # a fresh mmap each time (above glibc's mmap threshold)
+    np.empty(n_touch, np.uint8).fill(1)  # a fresh mmap each time (pages freed a moment ago: warm)
 
   def transpose():
     for e in range(src.shape[0]):
@@ -280,15 +293,18 @@ def import_rows(cfg, args, root: str) -> None:
     f"fp8_bytes={sizes['fp8']} {load_average()}",
     flush=True,
   )
-  fns = {}
+  fns, split = {}, {}
   for k, d in dirs.items():
     raw_read(d)  # into the page cache: both timings then read from memory
-    fns[f"raw_{k}"] = lambda d=d: raw_read(d)
-    fns[f"import_{k}"] = lambda d=d: import_once(d, cfg)
+    fns[f"raw_{k}"] = _user_sys(lambda d=d: raw_read(d), split.setdefault(f"raw_{k}", []))
+    fns[f"import_{k}"] = _user_sys(lambda d=d: import_once(d, cfg), split.setdefault(f"import_{k}", []))
   cpu: dict = {}
   times = time_interleaved(fns, args.reps, cpu=cpu)
   for k in dirs:
     print(f"raw_{k}_ms={median_ms(times[f'raw_{k}'])} import_{k}_ms={median_ms(times[f'import_{k}'])}")
+    u, sy = (float(np.median([x[i] for x in split[f"import_{k}"]])) for i in (0, 1))
+    ru, rs = (float(np.median([x[i] for x in split[f"raw_{k}"]])) for i in (0, 1))
+    print(f"import_{k}_user_s={u:.2f} import_{k}_sys_s={sy:.2f} raw_{k}_user_s={ru:.2f} raw_{k}_sys_s={rs:.2f}")
     print(fmt(f"import_over_raw_read_{k}", ratio(times, f"raw_{k}", f"import_{k}"), args.reps), flush=True)
     print(fmt(f"import_over_raw_read_{k}_cpu", ratio(cpu, f"raw_{k}", f"import_{k}"), args.reps), flush=True)
   print(breakdown(cfg, sizes, times, args.reps), flush=True)
