@@ -8,7 +8,13 @@ from k2jax.convert import blockops
 
 
 def test_aligned_buffer_is_aliased_by_a_cpu_device():
-  for shape, dtype in (((3, 5, 7), ml_dtypes.bfloat16), ((1000,), np.uint8), ((64, 129), np.float32)):
+  big = (blockops.HUGE_BYTES // 4 + 16,)  # its own huge-page mapping
+  for shape, dtype in (
+    ((3, 5, 7), ml_dtypes.bfloat16),
+    ((1000,), np.uint8),
+    ((64, 129), np.float32),
+    (big, np.float32),
+  ):
     a = blockops.aligned_empty(shape, dtype)
     assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
     assert a.ctypes.data % blockops.ALIGN == 0
