@@ -137,6 +137,67 @@ def import_once(path: str, cfg) -> None:
   jax.block_until_ready(state)
 
 
+def _user_sys(fn, out: list):
+  """`fn`, appending each call's (user, system) CPU seconds to `out`: on this VM the kernel's share (fresh
+  pages for the leaves, which the raw read's reused buffer never needs) is most of an import's CPU."""
+
+  def run():
+    t0 = os.times()
+    fn()
+    t1 = os.times()
+    out.append((t1.user - t0.user, t1.system - t0.system))
+
+  return run
+
+
+def breakdown(cfg, sizes: dict, times: dict, reps: int) -> str:
+  """What an import costs per element beyond the raw read, measured here (medians over `reps`): first
+  touch of fresh memory (the leaves are new; the raw read reuses one buffer), the tiled transpose of an
+  expert-shaped bf16 tensor, XLA:CPU's FP8 dequantization of one reader group, and whether a CPU device aliased
+  the host buffer. `bound_*`: the ratio one thread could reach if the import did nothing else, raw /
+  (raw + touch + transpose [+ dequant]) over the same bytes: the targets' ceiling on this host."""
+  import jax.numpy as jnp
+
+  from k2jax.convert import blockops, reader
+
+  n_touch = 256 << 20
+  r, c = cfg.moe_intermediate_size, cfg.hidden_size
+  src = np.ones((64, r, c), ml_dtypes.bfloat16)
+  dst = blockops.aligned_empty((64, c, r), ml_dtypes.bfloat16)
+  group = max(1, reader.XLA_GROUP_ELEMS // (r * c))  # the reader's FP8 group, in aligned buffers
+  q = blockops.aligned_empty((group, r, c), np.uint8)
+  q[...] = 0x38  # 1.0
+  scale = blockops.aligned_empty((group, -(-r // 128), -(-c // 128)), np.float32)
+  scale[...] = 1.0
+  dq = {"dtype": "F8_E4M3", "block": (128, 128), "origin": (0, 0), "transpose": False, "out_dtype": jnp.bfloat16}
+
+  def touch():
+    np.empty(n_touch, np.uint8).fill(1)  # a fresh mmap each time (pages freed a moment ago: warm)
+
+  def transpose():
+    for e in range(src.shape[0]):
+      blockops.transpose_into(dst[e], src[e])
+
+  def dequant():
+    blockops.convert(jax.device_put(q), jax.device_put(scale), **dq).block_until_ready()
+
+  t = time_interleaved({"touch": touch, "transpose": transpose, "dequant": dequant}, reps)
+  size = {"touch": n_touch, "transpose": src.nbytes, "dequant": q.size}
+  rate = {k: size[k] / float(np.median(t[k])) for k in t}  # bytes/s (dequant: elements/s)
+  raw = {k: sizes[k] / float(np.median(times[f"raw_{k}"])) for k in sizes}
+  a = blockops.aligned_empty((1024,), np.float32)
+  aliased = jax.device_put(a).unsafe_buffer_pointer() == a.ctypes.data
+  per_elem_bf16 = 2 / raw["bf16"] + 2 / rate["touch"] + 2 / rate["transpose"]
+  per_elem_fp8 = 1 / raw["fp8"] + 2 / rate["touch"] + 1 / rate["dequant"] + 2 / rate["transpose"]
+  return (
+    f"breakdown raw_read_bf16_GBps={raw['bf16'] / 1e9:.2f} raw_read_fp8_GBps={raw['fp8'] / 1e9:.2f} "
+    f"fresh_memory_touch_GBps={rate['touch'] / 1e9:.2f} transpose_bf16_GBps={rate['transpose'] / 1e9:.2f} "
+    f"fp8_dequant_xla_Melem_per_s={rate['dequant'] / 1e6:.0f} device_put_aliases_host_buffer={aliased} "
+    f"bound_import_over_raw_read_bf16={2 / raw['bf16'] / per_elem_bf16:.3f} "
+    f"bound_import_over_raw_read_fp8={1 / raw['fp8'] / per_elem_fp8:.3f} (one thread, nothing else; reps={reps})"
+  )
+
+
 # ------------------------------------------------------------------------------ peak RSS (subprocess)
 
 
@@ -232,17 +293,21 @@ def import_rows(cfg, args, root: str) -> None:
     f"fp8_bytes={sizes['fp8']} {load_average()}",
     flush=True,
   )
-  fns = {}
+  fns, split = {}, {}
   for k, d in dirs.items():
     raw_read(d)  # into the page cache: both timings then read from memory
-    fns[f"raw_{k}"] = lambda d=d: raw_read(d)
-    fns[f"import_{k}"] = lambda d=d: import_once(d, cfg)
+    fns[f"raw_{k}"] = _user_sys(lambda d=d: raw_read(d), split.setdefault(f"raw_{k}", []))
+    fns[f"import_{k}"] = _user_sys(lambda d=d: import_once(d, cfg), split.setdefault(f"import_{k}", []))
   cpu: dict = {}
   times = time_interleaved(fns, args.reps, cpu=cpu)
   for k in dirs:
     print(f"raw_{k}_ms={median_ms(times[f'raw_{k}'])} import_{k}_ms={median_ms(times[f'import_{k}'])}")
+    u, sy = (float(np.median([x[i] for x in split[f"import_{k}"]])) for i in (0, 1))
+    ru, rs = (float(np.median([x[i] for x in split[f"raw_{k}"]])) for i in (0, 1))
+    print(f"import_{k}_user_s={u:.2f} import_{k}_sys_s={sy:.2f} raw_{k}_user_s={ru:.2f} raw_{k}_sys_s={rs:.2f}")
     print(fmt(f"import_over_raw_read_{k}", ratio(times, f"raw_{k}", f"import_{k}"), args.reps), flush=True)
     print(fmt(f"import_over_raw_read_{k}_cpu", ratio(cpu, f"raw_{k}", f"import_{k}"), args.reps), flush=True)
+  print(breakdown(cfg, sizes, times, args.reps), flush=True)
   for n in (1, 2):
     r = peak_rss_ratio(dirs["bf16"], n, args.read_budget_bytes)
     print(f"peak_rss_over_local_shard_bytes_{n}proc={r:.3f} read_budget_bytes={args.read_budget_bytes} runs=1")

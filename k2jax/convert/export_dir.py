@@ -40,6 +40,9 @@ import shutil
 import socket
 from collections.abc import Callable
 
+import jax
+import numpy as np
+
 MARKER = ".k2jax-export"
 _TMP, _OLD = ".k2jax-tmp-", ".k2jax-old-"
 _HF_FILES = re.compile(r"config\.json|model\.safetensors\.index\.json|model(-\d{5}-of-\d{5})?\.safetensors")
@@ -356,3 +359,32 @@ def _fsync_tree(root: str) -> None:
       os.fsync(fd)
     finally:
       os.close(fd)
+
+
+TEXT_BYTES = 4096  # room for a path or an error message sent between processes
+
+
+def broadcast_text(text: str) -> str:
+  """Process 0's `text` on every process (a collective: every process calls it); a path or an error
+  message, UTF-8, at most TEXT_BYTES. The writers use it to hand process 0's temporary directory (or
+  its failure, prefixed with NUL) to the others."""
+  if jax.process_count() == 1:
+    return text
+  from jax.experimental import multihost_utils
+
+  return decode_text(multihost_utils.broadcast_one_to_all(encode_text(text)))
+
+
+def encode_text(text: str) -> np.ndarray:
+  """`text` as a fixed-size uint8 array for collectives: 4-byte length, then its UTF-8 (cut at TEXT_BYTES)."""
+  raw = text.encode()[:TEXT_BYTES]
+  buf = np.zeros(TEXT_BYTES + 4, np.uint8)
+  buf[:4] = np.frombuffer(np.uint32(len(raw)).tobytes(), np.uint8)
+  buf[4 : 4 + len(raw)] = np.frombuffer(raw, np.uint8)
+  return buf
+
+
+def decode_text(buf) -> str:
+  got = np.asarray(buf, np.uint8)
+  n = int(np.frombuffer(got[:4].tobytes(), np.uint32)[0])
+  return got[4 : 4 + n].tobytes().decode(errors="replace")

@@ -33,6 +33,9 @@ SCALE_SUFFIX = "_scale_inv"  # HF key of a weight's scale: f"{key}{SCALE_SUFFIX}
 # float32 of every e4m3 byte: a table lookup is the same conversion as `astype` (bit for bit) and measured
 # ~10x faster than ml_dtypes' element-wise cast.
 _E4M3_TO_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+# e4m3 bits of every bfloat16 (ml_dtypes' round-to-nearest-even cast): `to_e4m3_bits`' second rounding.
+_BF16_TO_E4M3 = np.arange(1 << 16, dtype=np.uint16).view(BF16).astype(np.float32).astype(E4M3).view(np.uint8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,23 +135,43 @@ def quantize(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.nda
   so its zeros stay zeros and every scale a reader multiplies by is finite and positive."""
   if w.ndim != 2:
     raise ValueError(f"quantize: expected a 2-D [out, in] weight, got shape {list(w.shape)}")
-  w32 = np.asarray(w, np.float32)
+  w32 = to_float32(w)
   if not np.all(np.isfinite(w32)):
     raise ValueError("quantize: the weight has NaN or inf entries; FP8 cannot represent them")
   n_r, n_c = w32.shape
   g_r, g_c = scale_shape(w32.shape, block)
+  col_starts = np.arange(0, n_c, block[1])
   amax = np.zeros((g_r, g_c), np.float32)
-  for b in range(g_r):  # per block row: no padded copy of the whole tensor
-    rows = np.abs(w32[b * block[0] : (b + 1) * block[0]])
-    pad = g_c * block[1] - n_c
-    if pad:
-      rows = np.pad(rows, ((0, 0), (0, pad)))
-    amax[b] = rows.reshape(rows.shape[0], g_c, block[1]).max(axis=(0, 2))
+  for b in range(g_r):  # per block row: column maxima, then the max of each block's columns
+    amax[b] = np.maximum.reduceat(np.abs(w32[b * block[0] : (b + 1) * block[0]]).max(axis=0), col_starts)
   scale = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
-  q = np.empty((n_r, n_c), E4M3)
+  q = np.empty((n_r, n_c), np.uint8)
   col_blocks = np.arange(n_c) // block[1]
   for b in range(g_r):
     sl = slice(b * block[0], (b + 1) * block[0])
     x = w32[sl] / scale[b, col_blocks][None, :]
-    q[sl] = np.clip(x, -E4M3_MAX, E4M3_MAX).astype(E4M3)
-  return q, scale
+    q[sl] = to_e4m3_bits(np.clip(x, -E4M3_MAX, E4M3_MAX, out=x))
+  return q.view(E4M3), scale
+
+
+def to_float32(w: np.ndarray) -> np.ndarray:
+  """float32 of `w`; bfloat16 by a 16-bit shift of its bits (exact, and ~1.5x ml_dtypes' cast)."""
+  if w.dtype == BF16:
+    return (w.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+  return np.asarray(w, np.float32)
+
+
+def to_e4m3_bits(x: np.ndarray) -> np.ndarray:
+  """uint8 bits of float8_e4m3fn(x) for finite float32 `x` with |x| <= 448, bitwise equal to ml_dtypes'
+  round-to-nearest-even cast and ~1.7x faster: x is rounded to bfloat16 by round-to-odd (truncate, set
+  the last bit when any dropped bit is set), then a 65536-entry table rounds that to e4m3 with
+  ml_dtypes' own cast. Rounding to odd at >= 2 more bits of precision than the target (bf16: 8, e4m3: 4)
+  and then to nearest-even gives the correctly rounded result (Boldo & Melquiond, "When double
+  rounding is odd", 2005); tests/convert/test_fp8.py checks every midpoint between e4m3 values."""
+  u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+  sticky = u & np.uint32(0xFFFF)
+  sticky += np.uint32(0xFFFF)  # >= 0x10000 exactly when a dropped bit is set
+  sticky >>= np.uint32(16)
+  top = u >> np.uint32(16)
+  top |= sticky
+  return np.take(_BF16_TO_E4M3, top)

@@ -5,10 +5,12 @@ and returns it as jax.Arrays. For every leaf and every distinct slice among this
 devices it reads the matching block of each HF tensor behind the slice (`safetensors_io.read_block`:
 only those bytes) into one host buffer stacked over layers/experts (one HF key per layer and expert,
 `layout.py`), with the scale rows/cols of that block for block-FP8; puts the stored bytes on those
-devices and there (`_convert`) dequantizes (ragged edges exact), transposes HF `[out, in]` to k2jax
-`[in, out]` and casts to the leaf dtype. Blocks under DEVICE_CONVERT_BYTES, and every block bound for
-CPU devices (whose memory is this host's: numpy's tiled transpose beat XLA:CPU's), are converted the same
-way with numpy on the host (`fp8.dequantize`), which is also `load_hf`'s path; the two are bitwise equal. Host
+devices and there (`blockops.convert`) dequantizes (ragged edges exact), transposes HF `[out, in]` to
+k2jax `[in, out]` and casts to the leaf dtype. Blocks under DEVICE_CONVERT_BYTES are converted the same
+way with numpy on the host (`fp8.dequantize`), which is also `load_hf`'s path; the two are bitwise equal.
+Blocks bound for CPU devices (whose memory is this host's) are built once in a host buffer the device
+aliases: read straight in, or read in cache-sized row slabs and tile-transposed, FP8 dequantized by XLA
+on that device in groups first (`Checkpoint.leaf_block`); bitwise equal to the other two. Host
 memory is this process's shards plus at most `read_budget_bytes` of blocks in flight (one block when a
 single block is larger). `load_hf` is the same reader into whole numpy leaves (one host, small models).
 
@@ -37,19 +39,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from k2jax.convert import fp8
+from k2jax.convert import blockops, fp8
 from k2jax.convert.errors import CheckpointError
 from k2jax.convert.hf_dir import INDEX, abstract_state, check_unexpected, get_path, read_config, set_path, weight_map
 from k2jax.convert.layout import Entry, entries, hf_shape
-from k2jax.convert.safetensors_io import DTYPES, ShardFiles, TensorInfo, read_block, read_header
+from k2jax.convert.safetensors_io import ShardFiles, TensorInfo, read_block, read_header
 from k2jax.model.config import K2Config
 
 READ_BUDGET_BYTES = 2 << 30  # default in-flight host buffer (orbax's SafetensorsLayout uses 2 GiB too)
-# Blocks of at least this many (leaf) bytes are converted on the device (`_convert`: one XLA compile per
+# Blocks of at least this many (leaf) bytes are converted on the device (`blockops.convert`: a compile per
 # distinct block shape, vectorised), smaller ones (norms, biases, tiny models) with numpy on the host.
 DEVICE_CONVERT_BYTES = 1 << 20
-HOST_CONVERT_PLATFORMS = ("cpu",)  # devices whose memory is this host's: convert with numpy (see `read_state`)
-_READ_THREADS = 4  # concurrent block reads: pread and the numpy casts release the GIL
+HOST_CONVERT_PLATFORMS = ("cpu",)  # devices whose memory is this host's: filled on the host (see `read_state`)
+SLAB_BYTES = 1 << 20  # rows of a transposed tensor read at a time: still in cache when the transpose reads them
+XLA_GROUP_ELEMS = 1 << 22  # FP8 elements dequantized per XLA call on a CPU device (bounds its transients)
+_READ_THREADS = 4  # concurrent block reads: pread, tiled copies and XLA calls release the GIL
 _FLOAT = ("F32", "BF16", "F16")
 _LEAD = {"global": 0, "layer": 1, "expert": 2}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # stored bytes travel as unsigned ints
@@ -79,22 +83,6 @@ class RawBlock:
   transpose: bool
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "block", "origin", "transpose", "out_dtype"))
-def _convert(raw, scale, *, dtype, block, origin, transpose, out_dtype):
-  """On the device (XLA vectorises what numpy does element by element, and a TPU host's cores stay free):
-  bitcast the stored bytes, dequantize (W = float32(W_fp8) * scale_inv[i // b0, j // b1], the same float32
-  multiply as `fp8.dequantize`), transpose [out, in] -> [in, out] and cast to the leaf dtype."""
-  w = jax.lax.bitcast_convert_type(raw, DTYPES[dtype])
-  if scale is not None:
-    rows, cols = raw.shape[-2:]
-    full = jnp.repeat(jnp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
-    full = full[..., origin[0] : origin[0] + rows, origin[1] : origin[1] + cols]
-    w = w.astype(jnp.float32) * full
-  if transpose:
-    w = jnp.swapaxes(w, -1, -2)
-  return w.astype(out_dtype)
-
-
 @dataclasses.dataclass
 class Checkpoint:
   """A validated HF directory: every tensor's header entry, keyed by HF name."""
@@ -104,26 +92,77 @@ class Checkpoint:
   quant: Quant | None
   tensors: dict[str, TensorInfo]
 
-  def leaf_block(self, files: ShardFiles, entry: Entry, leaf, bounds: tuple[tuple[int, int], ...]) -> np.ndarray:
-    """The block `bounds` of the k2jax leaf `entry` (shape `leaf.shape`), in the leaf's dtype."""
+  def leaf_block(self, files: ShardFiles, entry: Entry, leaf, bounds, xla_device=None) -> np.ndarray:
+    """The block `bounds` of the k2jax leaf `entry` (shape `leaf.shape`), in the leaf's dtype, in a buffer a
+    CPU device takes without a copy. With `xla_device` (a CPU device) FP8 tensors are dequantized there,
+    XLA_GROUP_ELEMS at a time (`_xla_dequantized`); everything else with numpy (`_fill`)."""
     n_lead = _LEAD[entry.kind]
     keys = dict(entry.keys(self.cfg))
-    out = np.empty([hi - lo for lo, hi in bounds], np.dtype(leaf.dtype))
+    out = blockops.aligned_empty([hi - lo for lo, hi in bounds], leaf.dtype)
+    flat = out.reshape(-1, *out.shape[n_lead:])
     inner = bounds[n_lead:]
     hf_bounds = inner[::-1] if entry.transpose else inner
-    for lead in itertools.product(*(range(lo, hi) for lo, hi in bounds[:n_lead])):
-      block = self._tensor_block(files, keys[lead], hf_bounds)
-      rel = tuple(i - lo for i, (lo, _) in zip(lead, bounds))
-      if entry.transpose:
-        _transpose_into(out[rel], block)
-      else:
-        out[rel] = block
+    leads = itertools.product(*(range(lo, hi) for lo, hi in bounds[:n_lead]))
+    infos = [self.tensors[keys[i]] for i in leads]
+    per_tensor = int(np.prod([hi - lo for lo, hi in hf_bounds]))
+    j = 0
+    while j < len(infos):
+      if xla_device is None or infos[j].dtype != "F8_E4M3":
+        self._fill(files, infos[j], hf_bounds, flat[j], entry.transpose)
+        j += 1
+        continue
+      n = 1
+      while j + n < len(infos) and infos[j + n].dtype == "F8_E4M3" and (n + 1) * per_tensor <= XLA_GROUP_ELEMS:
+        n += 1
+      group = self._xla_dequantized(files, infos[j : j + n], hf_bounds, leaf.dtype, xla_device)
+      for g in range(n):
+        _put(flat[j + g], group[g], entry.transpose)
+      j += n
     return out
+
+  def _fill(self, files: ShardFiles, t: TensorInfo, hf_bounds, dst: np.ndarray, transpose: bool) -> None:
+    """dst = block `hf_bounds` of tensor `t`, converted: read straight into `dst` when it keeps the file
+    dtype; transposed in row slabs of about SLAB_BYTES (read while the slab fits in cache, then tiled)."""
+    if t.dtype == "F8_E4M3":
+      return _put(dst, self._tensor_block(files, t.key, hf_bounds), transpose)
+    if not transpose:
+      if dst.dtype == t.np_dtype:
+        read_block(files, t, hf_bounds, into=dst)
+      else:
+        dst[...] = read_block(files, t, hf_bounds)
+      return
+    (r0, r1), (c0, c1) = hf_bounds
+    step = max(1, SLAB_BYTES // max(1, (c1 - c0) * t.np_dtype.itemsize))
+    step = step if step < blockops.TILE else step - step % blockops.TILE
+    for r in range(r0, r1, step):
+      e = min(r + step, r1)
+      blockops.transpose_into(dst[:, r - r0 : e - r0], read_block(files, t, ((r, e), (c0, c1))))
+
+  def _xla_dequantized(self, files: ShardFiles, infos: list[TensorInfo], hf_bounds, out_dtype, device) -> np.ndarray:
+    """[len(infos), rows, cols] of block `hf_bounds` of these FP8 tensors in `out_dtype` (HF orientation),
+    dequantized by one `blockops.convert` on the CPU `device` (input buffers aligned: no copies)."""
+    grid, origin = self._grid(hf_bounds)
+    raw = blockops.aligned_empty([len(infos)] + [hi - lo for lo, hi in hf_bounds], np.uint8)
+    scale = blockops.aligned_empty([len(infos)] + [hi - lo for lo, hi in grid], np.float32)
+    for g, t in enumerate(infos):
+      read_block(files, t, hf_bounds, into=raw[g])
+      read_block(files, self.tensors[t.key + fp8.SCALE_SUFFIX], grid, into=scale[g])
+    q = {"dtype": "F8_E4M3", "block": self.quant.block, "origin": origin, "transpose": False}
+    return np.asarray(
+      blockops.convert(jax.device_put(raw, device), jax.device_put(scale, device), **q, out_dtype=out_dtype)
+    )
+
+  def _grid(self, hf_bounds) -> tuple[tuple[tuple[int, int], tuple[int, int]], tuple[int, int]]:
+    """The scale rows/cols that block `hf_bounds` touches, and its first element within the first block."""
+    (r0, r1), (c0, c1) = hf_bounds
+    b0, b1 = self.quant.block
+    grid = ((r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1)))
+    return grid, (r0 - grid[0][0] * b0, c0 - grid[1][0] * b1)
 
   def raw_block(self, files: ShardFiles, entry: Entry, bounds: tuple[tuple[int, int], ...]) -> RawBlock | None:
     """The bytes behind the block `bounds` of leaf `entry` as stored (HF orientation, file dtype, stacked
-    over the leading axes; FP8 with its stacked scale sub-grid), for `_convert` on the device. None when
-    the leaf's tensors do not share one dtype (then `leaf_block` converts on the host)."""
+    over the leading axes; FP8 with its stacked scale sub-grid), for `blockops.convert` on the device.
+    None when the leaf's tensors do not share one dtype (then `leaf_block` converts on the host)."""
     n_lead = _LEAD[entry.kind]
     keys = dict(entry.keys(self.cfg))
     lead = list(itertools.product(*(range(lo, hi) for lo, hi in bounds[:n_lead])))
@@ -133,14 +172,12 @@ class Checkpoint:
     inner = bounds[n_lead:]
     hf_bounds = inner[::-1] if entry.transpose else inner
     lead_shape = [hi - lo for lo, hi in bounds[:n_lead]]
-    raw = np.empty(lead_shape + [hi - lo for lo, hi in hf_bounds], _UINT[infos[0].np_dtype.itemsize])
+    raw = blockops.aligned_empty(lead_shape + [hi - lo for lo, hi in hf_bounds], _UINT[infos[0].np_dtype.itemsize])
     flat = raw.reshape(-1, *raw.shape[n_lead:])
     quantized = infos[0].dtype == "F8_E4M3"
     if quantized:
-      (r0, r1), (c0, c1) = hf_bounds
-      b0, b1 = self.quant.block
-      grid = ((r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1)))
-      scale = np.empty(lead_shape + [hi - lo for lo, hi in grid], np.float32)
+      grid, origin = self._grid(hf_bounds)
+      scale = blockops.aligned_empty(lead_shape + [hi - lo for lo, hi in grid], np.float32)
       flat_s = scale.reshape(-1, *scale.shape[n_lead:])
     for j, t in enumerate(infos):
       read_block(files, t, hf_bounds, into=flat[j])
@@ -148,7 +185,6 @@ class Checkpoint:
         read_block(files, self.tensors[t.key + fp8.SCALE_SUFFIX], grid, into=flat_s[j])
     if not quantized:
       return RawBlock(raw, None, infos[0].dtype, (0, 0), entry.transpose)
-    origin = (r0 - grid[0][0] * b0, c0 - grid[1][0] * b1)
     return RawBlock(raw, scale, infos[0].dtype, origin, entry.transpose)
 
   def _tensor_block(self, files: ShardFiles, key: str, bounds) -> np.ndarray:
@@ -156,11 +192,16 @@ class Checkpoint:
     w = read_block(files, t, bounds)
     if t.dtype != "F8_E4M3":
       return w
-    (r0, r1), (c0, c1) = bounds
-    b0, b1 = self.quant.block
-    grid = ((r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1)))  # the scale rows/cols this block touches
+    grid, origin = self._grid(bounds)
     s = read_block(files, self.tensors[key + fp8.SCALE_SUFFIX], grid)
-    return fp8.dequantize(w, s, self.quant.block, origin=(r0 - grid[0][0] * b0, c0 - grid[1][0] * b1))
+    return fp8.dequantize(w, s, self.quant.block, origin=origin)
+
+
+def _put(dst: np.ndarray, block: np.ndarray, transpose: bool) -> None:
+  if transpose:
+    blockops.transpose_into(dst, block)
+  else:
+    dst[...] = block
 
 
 def open_checkpoint(path: str, cfg: K2Config) -> Checkpoint:
@@ -220,10 +261,13 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
 
   def read(files, job):
     entry, leaf, bounds, devices, nbytes, _ = job
-    # Small blocks: numpy is cheaper than a compile per shape. CPU devices: the "device" is this host,
-    # and numpy's cache-blocked transpose measured ~5x faster than XLA:CPU's on [4096, 4096] bf16.
-    on_host = nbytes < DEVICE_CONVERT_BYTES or all(d.platform in HOST_CONVERT_PLATFORMS for d in devices)
-    if not on_host:
+    # Small blocks: numpy is cheaper than a compile per shape. CPU devices: the "device" is this host;
+    # its buffer is filled once on the host (tiled transposes: XLA:CPU's are slow on some shapes), FP8
+    # dequantized by XLA there without the transpose (`blockops`).
+    small = nbytes < DEVICE_CONVERT_BYTES
+    if all(d.platform in HOST_CONVERT_PLATFORMS for d in devices):
+      return ckpt.leaf_block(files, entry, leaf, bounds, xla_device=None if small else devices[0])
+    if not small:
       block = ckpt.raw_block(files, entry, bounds)
       if block is not None:
         return block
@@ -232,12 +276,14 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
   def place(job, block):
     entry, leaf, piece, devices, _, bounds = job
     for d in devices:  # blocking per device: at most one converted piece in flight beyond the shards
-      if isinstance(block, np.ndarray):  # converted on the host
+      if isinstance(block, np.ndarray):  # converted on the host (aligned: a CPU device aliases it)
         value = jax.device_put(block, d)
       else:
         scale = None if block.scale is None else jax.device_put(block.scale, d)
         q = {"dtype": block.dtype, "block": None if scale is None else ckpt.quant.block, "origin": block.origin}
-        value = _convert(jax.device_put(block.raw, d), scale, **q, transpose=block.transpose, out_dtype=leaf.dtype)
+        value = blockops.convert(
+          jax.device_put(block.raw, d), scale, **q, transpose=block.transpose, out_dtype=leaf.dtype
+        )
       key = (entry.path, bounds, d)
       if piece == bounds:
         outs[key] = value.block_until_ready()
@@ -254,15 +300,6 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
     mine = [v for (path, _, _), v in outs.items() if path == entry.path]
     set_path(state, entry.path, jax.make_array_from_single_device_arrays(leaf.shape, shardings[entry.path], mine))
   return state
-
-
-def _transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = 256) -> None:
-  """dst[...] = src.T (casting to dst's dtype), tile by tile: a plain strided `.T` copy misses the cache
-  on every element of one side; 256x256 tiles keep both sides in cache (~5x faster measured here)."""
-  rows, cols = src.shape
-  for r in range(0, rows, tile):
-    for c in range(0, cols, tile):
-      dst[c : c + tile, r : r + tile] = src[r : r + tile, c : c + tile].T
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -10,17 +10,14 @@ import json
 import os
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 from jax.sharding import SingleDeviceSharding
 
-from k2jax.convert.export_dir import ExportError, write_export
+from k2jax.convert.export_dir import ExportError, broadcast_text, write_export
 from k2jax.model.config import K2Config
 
 MODEL_CONFIG = "model_config.json"
 CHECKPOINTS = "checkpoints"
-_TEXT_BYTES = 4096  # room for a path or an error message sent from process 0
 
 
 def is_workdir(path: str) -> bool:
@@ -67,38 +64,27 @@ def save_model_only(cfg: K2Config, state: dict, workdir: str, step: int = 0) -> 
     write_export(workdir, "workdir", write)
     return
   if jax.process_index() != 0:
-    tmp = _broadcast_text("")
+    tmp = broadcast_text("")
     if tmp.startswith("\0"):
       raise ExportError(f"{workdir}: process 0 could not start the export: {tmp[1:]}")
     write(tmp)
-    outcome = _broadcast_text("")
+    outcome = broadcast_text("")
     if outcome:
       raise ExportError(f"{workdir}: process 0 did not finish the export: {outcome}")
     return
   started = []
 
   def write0(tmp: str) -> None:
-    _broadcast_text(tmp)
+    broadcast_text(tmp)
     started.append(tmp)
     write(tmp)
 
   try:
     write_export(workdir, "workdir", write0)
   except BaseException as e:
-    _broadcast_text(f"{type(e).__name__}: {e}" if started else "\0" + f"{type(e).__name__}: {e}")
+    broadcast_text(f"{type(e).__name__}: {e}" if started else "\0" + f"{type(e).__name__}: {e}")
     raise
-  _broadcast_text("")  # done: the export is in place
-
-
-def _broadcast_text(text: str) -> str:
-  """Process 0's `text` on every process (a path or an error message, UTF-8, at most _TEXT_BYTES)."""
-  raw = text.encode()[:_TEXT_BYTES]
-  buf = np.zeros(_TEXT_BYTES + 4, np.uint8)
-  buf[:4] = np.frombuffer(np.uint32(len(raw)).tobytes(), np.uint8)
-  buf[4 : 4 + len(raw)] = np.frombuffer(raw, np.uint8)
-  got = np.asarray(multihost_utils.broadcast_one_to_all(buf))
-  n = int(np.frombuffer(got[:4].tobytes(), np.uint32)[0])
-  return got[4 : 4 + n].tobytes().decode(errors="replace")
+  broadcast_text("")  # done: the export is in place
 
 
 def restore_model_state(workdir: str, abstract: dict, step: int | None = None) -> tuple[int, dict]:

@@ -10,9 +10,10 @@ programs on the state's mesh):
             stacked expert tensor). Of the devices holding a tensor one writes it, rotating, so every
             process writes its share. Host (numpy) leaves are written by process 0.
   2. write  each process streams its tensors into its own files (`st_stream`): fetched one at a time,
-            transposed to the HF layout on their device (XLA's tiled transpose; a CPU device's
-            untransposed tensors are read in place), cast or block-FP8-quantized on the host in row
-            blocks while a writer thread does the I/O. Host memory: one tensor plus three blocks.
+            transposed to the HF layout on their device (a CPU device's tensors are read in place
+            and transposed on the host, tile by tile), cast or block-FP8-quantized on the host in row
+            blocks (FP8 on a few threads) while a writer thread does the I/O. Host memory: one tensor
+            plus a few blocks.
   3. agree  an all-gather of each process's first error: if any process failed, every process raises
             (and runs every collective program first, so none is left waiting in one).
 `save_hf` then has process 0 write the index, config.json and the tokenizer into the same directory and
@@ -42,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k2jax.convert import fp8
 from k2jax.convert.errors import CheckpointError
-from k2jax.convert.export_dir import write_export
+from k2jax.convert.export_dir import broadcast_text, decode_text, encode_text, write_export
 from k2jax.convert.layout import Entry, entries
 from k2jax.convert.hf_dir import get_path
 from k2jax.convert.safetensors_io import read_header
@@ -51,7 +52,6 @@ from k2jax.model.config import ConfigError, K2Config
 
 INDEX = "model.safetensors.index.json"
 DTYPES = tuple(OUT_DTYPES)  # the `dtype` choices besides None
-_TEXT_BYTES = 4096  # room for a path or an error message sent between processes
 
 
 def out_dtype(entry: Entry, key: str, leaf_dtype, dtype: str | None) -> np.dtype:
@@ -162,8 +162,8 @@ class Writer:
       stream, transpose = stream_of[t.name], src.entry.transpose
       if shards is None:  # a host array: transposed on the way to the file
         host = np.asarray(array[t.index])
-      else:  # transposed on its device (XLA's tiled transpose: a third of numpy's CPU time)
-        host, transpose = _host_tensor(shards[t.writer], t.index, transpose), False
+      else:  # transposed on its device, or for a CPU device by the stream (`_host_tensor`)
+        host, transpose = _host_tensor(shards[t.writer], t.index, transpose)
       crc = stream.write(t.name, host, transpose, t.out)
       if skip is not None and skip(t.name, crc):
         stream.drop_last()
@@ -214,7 +214,7 @@ def save_hf(
   `write_extra(tmp)` (process 0) adds more files, e.g. the tokenizer, inside the same atomic export."""
   writer = Writer(cfg, dtype, max_shard_bytes)
   if jax.process_index() != 0:
-    tmp = _broadcast_text("")
+    tmp = broadcast_text("")
     if tmp.startswith("\0"):
       raise CheckpointError(f"{dst}: process 0 could not start the export: {tmp[1:]}")
     error = None
@@ -230,7 +230,7 @@ def save_hf(
   def write(tmp: str) -> None:
     nonlocal entered
     entered = True
-    _broadcast_text(tmp)
+    broadcast_text(tmp)
     writer.write(state, tmp)
     write_index(tmp)
     with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -243,7 +243,7 @@ def save_hf(
     write_export(dst, "hf", write)
   except BaseException as e:
     if not entered:
-      _broadcast_text("\0" + f"{type(e).__name__}: {e}")
+      broadcast_text("\0" + f"{type(e).__name__}: {e}")
       raise
     error = e
   _agree(error)
@@ -377,16 +377,17 @@ def _pick(holders: list, turn: int):
   return holders[turn % len(holders)]
 
 
-def _host_tensor(shard, index: tuple[int, ...], transpose: bool) -> np.ndarray:
-  """Tensor `index` (global, into the leading axes) of a device shard, on the host; `transpose`: in the
-  HF layout, transposed on the device first. Else a CPU device's buffer is host memory, read in place;
-  other devices copy this one tensor."""
+def _host_tensor(shard, index: tuple[int, ...], transpose: bool) -> tuple[np.ndarray, bool]:
+  """Tensor `index` (global, into the leading axes) of a device shard on the host, and whether the stream
+  still has to transpose it. A CPU device's buffer is host memory: read in place, transposed by the
+  stream's tiled numpy transpose (XLA:CPU's 2-D transposes ran at ~0.1 Gelem/s on [1024, 32768], the
+  tiled one at ~1-2); other devices transpose on the device and copy this one tensor."""
   local = tuple(i - (s.start or 0) for i, s in zip(index, shard.index))
-  if transpose:
-    return np.asarray(_take_transposed(len(local))(shard.data, *local))
   if shard.device.platform == "cpu":
-    return np.asarray(shard.data)[local]
-  return np.asarray(shard.data[local])
+    return np.asarray(shard.data)[local], transpose
+  if transpose:
+    return np.asarray(_take_transposed(len(local))(shard.data, *local)), False
+  return np.asarray(shard.data[local]), False
 
 
 def _mesh(leaf) -> Mesh:
@@ -417,27 +418,10 @@ def _agree(error: BaseException | None) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
 
-    msgs = multihost_utils.process_allgather(_encode("" if error is None else f"{type(error).__name__}: {error}"))
+    msgs = multihost_utils.process_allgather(encode_text("" if error is None else f"{type(error).__name__}: {error}"))
     if error is None:
       for p, m in enumerate(msgs):
         if m.any():
-          raise CheckpointError(f"process {p} failed the export: {_decode(m)}")
+          raise CheckpointError(f"process {p} failed the export: {decode_text(m)}")
   if error is not None:
     raise error
-
-
-def _broadcast_text(text: str) -> str:
-  """Process 0's `text` on every process (a collective)."""
-  if jax.process_count() == 1:
-    return text
-  from jax.experimental import multihost_utils
-
-  return _decode(multihost_utils.broadcast_one_to_all(_encode(text)))
-
-
-def _encode(text: str) -> np.ndarray:
-  return np.frombuffer(text.encode()[:_TEXT_BYTES].ljust(_TEXT_BYTES, b"\0"), np.uint8).copy()
-
-
-def _decode(a) -> str:
-  return bytes(np.asarray(a, np.uint8)).rstrip(b"\0").decode(errors="replace")

@@ -68,3 +68,37 @@ def test_quantized_keys_are_the_release_linears():
     "model.layers.3.mlp.gate.e_score_correction_bias",
   ):
     assert not fp8.is_quantized_key(key)
+
+
+def test_fast_e4m3_cast_equals_ml_dtypes_at_every_midpoint():
+  """`to_e4m3_bits` (round-to-odd to bf16, then a table) is ml_dtypes' round-to-nearest-even cast: on every
+  e4m3 value, every midpoint between two and their float32 neighbours (where double rounding would
+  differ), and random values of every magnitude."""
+  vals = np.arange(256, dtype=np.uint8).view(fp8.E4M3).astype(np.float32)
+  vals = np.sort(vals[np.isfinite(vals)])
+  mid = ((vals[1:].astype(np.float64) + vals[:-1]) / 2).astype(np.float32)
+  rng = np.random.default_rng(0)
+  x = np.concatenate(
+    [vals, mid, np.nextafter(mid, np.inf), np.nextafter(mid, -np.inf), np.nextafter(vals, 0)]
+    + [(rng.standard_normal(1 << 18) * 10.0 ** rng.uniform(-12, 2.6, 1 << 18)).astype(np.float32)]
+  )
+  x = np.clip(x, -fp8.E4M3_MAX, fp8.E4M3_MAX)
+  np.testing.assert_array_equal(fp8.to_e4m3_bits(x), x.astype(fp8.E4M3).view(np.uint8))
+
+
+def test_quantize_equals_the_plain_numpy_reading():
+  """scale = amax / 448 per block (1.0 for an all-zero block), codes = e4m3(clip(w / scale)); bf16 input
+  widened exactly."""
+  rng = np.random.default_rng(2)
+  for shape in [(576, 700), (130, 256), (1, 5)]:
+    w = (rng.standard_normal(shape) * rng.uniform(1e-4, 3, (shape[0], 1))).astype(ml_dtypes.bfloat16)
+    w[:64, :100] = 0
+    q, s = fp8.quantize(w)
+    w32 = w.astype(np.float32)
+    pad = np.zeros((s.shape[0] * 128, s.shape[1] * 128), np.float32)
+    pad[: shape[0], : shape[1]] = np.abs(w32)
+    amax = pad.reshape(s.shape[0], 128, s.shape[1], 128).max(axis=(1, 3))
+    np.testing.assert_array_equal(s, np.where(amax > 0, amax / np.float32(448), np.float32(1)))
+    full = np.repeat(np.repeat(s, 128, 0), 128, 1)[: shape[0], : shape[1]]
+    want = np.clip(w32 / full, -448, 448).astype(fp8.E4M3)
+    assert q.dtype == fp8.E4M3 and q.tobytes() == want.tobytes(), shape

@@ -333,3 +333,21 @@ def test_init_from_the_fp8_release_layout_onto_a_training_mesh(fp8_dir):
   for path, want in _flat(host):
     tree = state.bias if path[-1] == "bias" else state.params
     assert np.asarray(_get(tree, path)).tobytes() == want.tobytes(), path
+
+
+def test_cpu_blocks_filled_in_place_equal_host_read(fp8_dir, monkeypatch):
+  """Onto CPU devices every block is built in one host buffer the device aliases: row slabs transposed,
+  FP8 dequantized by XLA in groups (sizes forced small: several slabs per tensor, not tile multiples,
+  groups of 3 experts with a partial one), bitwise equal to `load_hf`, also for unaligned fsdp slices."""
+  monkeypatch.setattr(reader, "DEVICE_CONVERT_BYTES", 0)
+  monkeypatch.setattr(reader, "SLAB_BYTES", 1000)
+  monkeypatch.setattr(reader, "XLA_GROUP_ELEMS", 3 * CFG["moe_intermediate_size"] * CFG["hidden_size"])
+  _, host = hf_io.load_hf(fp8_dir)
+  mesh = sharding.make_mesh({"fsdp": 2, "expert": 4})
+  for dtype, on_mesh in (("float32", False), ("bfloat16", True)):
+    cfg = hf_io.read_config(fp8_dir, param_dtype=dtype)
+    got = k2jax.api.source_state(fp8_dir, cfg, _shardings(cfg, mesh) if on_mesh else None)
+    for path, leaf in _flat(got):
+      want = _get(host, path)
+      want = want if path[-1] == "bias" else want.astype(dtype)
+      assert leaf.dtype == want.dtype and np.asarray(leaf).tobytes() == want.tobytes(), (dtype, path)

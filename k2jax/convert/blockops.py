@@ -1,0 +1,82 @@
+"""Stored HF bytes to k2jax leaf values, block by block: the XLA conversion and the host-side helpers.
+
+`convert` (jit) bitcasts stored bytes, dequantizes block-FP8, optionally transposes HF `[out, in]` to
+k2jax `[in, out]` and casts to the leaf dtype; the reader runs it on accelerators for whole blocks, and
+on CPU devices without the transpose for groups of FP8 tensors (one fused, vectorised loop measured
+~5x numpy's table lookup + multiply + cast; XLA:CPU's 2-D transposes are slow on some shapes, e.g.
+~50 Melem/s for [2816, 1024] -> [1024, 2816], so the host's tiled `transpose_into` does that part).
+
+Host leaf buffers come from `aligned_empty`: `jax.device_put` onto a CPU device aliases a C-contiguous
+numpy array aligned to 64 bytes instead of copying it (checked in tests/convert/test_blockops.py), so
+a CPU import writes each leaf byte once.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k2jax.convert.safetensors_io import DTYPES
+
+ALIGN = 64  # bytes: the alignment at which XLA:CPU takes a host buffer without copying it
+HUGE_BYTES = 8 << 20  # host buffers from this size get their own huge-page mapping (`aligned_empty`)
+TILE = 256  # transpose tile (elements per side): 256x256 bf16 tiles measured fastest of 64..512 here
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+  """An uninitialised C-contiguous array whose data starts on an ALIGN-byte boundary. From HUGE_BYTES up
+  it is its own anonymous mapping with transparent huge pages requested (MADV_HUGEPAGE): a leaf's fresh
+  pages are most of an import's CPU otherwise (the kernel's fault + zeroing per 4 KiB page; 1 GiB took
+  1.4-8.8 s of system time in 4 KiB pages and 0.6-0.7 s in huge pages on this VM)."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  if nbytes >= HUGE_BYTES:
+    m = mmap.mmap(-1, nbytes)  # page-aligned; unmapped when the last array viewing it is freed
+    if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+      m.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(m, dtype).reshape(shape)
+  buf = np.empty(nbytes + ALIGN, np.uint8)
+  start = -buf.ctypes.data % ALIGN
+  return buf[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = TILE) -> None:
+  """dst[...] = src.T (casting to dst's dtype), tile by tile: a plain strided `.T` copy misses the cache
+  on every element of one side (~12x slower measured); tiles keep both sides in cache. A row pitch of a
+  multiple of 256 bytes (every power-of-two width: 1024-wide bf16 rows are 2 KiB) maps a tile column's
+  rows to a few L1 sets, which thrash: such rows are first copied, TILE at a time, into a band whose
+  pitch is an odd number of cache lines (the copy runs at memcpy speed; the transpose from it measured
+  2-3x faster, here on [512, 1024] .. [2816, 1024] bf16). Each copy releases the GIL."""
+  rows, cols = src.shape
+  band = None
+  if rows > 1 and src.strides[0] % 256 == 0:
+    pitch = -(-cols * src.itemsize // 64) * 64
+    pitch += 64 if pitch % 128 == 0 else 0
+    band = aligned_empty((min(tile, rows), pitch // src.itemsize), src.dtype)[:, :cols]
+  for r in range(0, rows, tile):
+    part = src[r : r + tile]
+    if band is not None:
+      np.copyto(band[: len(part)], part)
+      part = band[: len(part)]
+    for c in range(0, cols, tile):
+      dst[c : c + tile, r : r + tile] = part[:, c : c + tile].T
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "block", "origin", "transpose", "out_dtype"))
+def convert(raw, scale, *, dtype, block, origin, transpose, out_dtype):
+  """On the device (XLA vectorises what numpy does element by element, and a TPU host's cores stay free):
+  bitcast the stored bytes, dequantize (W = float32(W_fp8) * scale_inv[i // b0, j // b1], the same float32
+  multiply as `fp8.dequantize`), transpose [out, in] -> [in, out] and cast to the leaf dtype."""
+  w = jax.lax.bitcast_convert_type(raw, DTYPES[dtype])
+  if scale is not None:
+    rows, cols = raw.shape[-2:]
+    full = jnp.repeat(jnp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
+    full = full[..., origin[0] : origin[0] + rows, origin[1] : origin[1] + cols]
+    w = w.astype(jnp.float32) * full
+  if transpose:
+    w = jnp.swapaxes(w, -1, -2)
+  return w.astype(out_dtype)
