@@ -80,7 +80,18 @@ def _k2_1t(c):
   c.rollout.target_groups = 64  # 512 rows per update: one row per chip
   c.rollout.launch_groups = 80
   c.rollout.max_concurrency = 640
-  c.rollout.engine_url = "http://sglang-router:30000"  # SGLang workers (K2 serves on its own pods)
+  # Colocated (K2 §3.3): the embedded engine on the trainer's own 512 chips, weights resharded device to
+  # device, optimizer state in host memory while generating. `--config.rollout.engine_url=http://sglang-router:30000`
+  # rolls out on separate SGLang workers instead. `launch/rl.py --aot=v5p-1024` compiles this iteration
+  # (BUILD.md "Colocated RL" has XLA's figures). Serving mesh: experts over 16 (24 each), heads and widths
+  # over 32 (64 heads: 2 each); requests over the 16 expert devices, so prefill buckets (16) and
+  # max_slots split evenly. 640 slots = the rollout's 80 launched groups x 8 in flight, each a full
+  # 4096-token row.
+  c.rollout.engine_url = ""
+  c.engine.sharding = "tp_ep"
+  c.engine.mesh = "expert:16,tensor:32"
+  c.engine.max_slots = 640
+  c.engine.max_seq_len = 4096
   c.train.seq_len = 4096
   c.ptx.batch_size = 512
   c.ptx.seq_len = 4096

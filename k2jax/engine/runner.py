@@ -10,7 +10,9 @@ sampled outputs replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import numpy as np
@@ -56,24 +58,9 @@ class ModelRunner:
     self.allocate_cache()
 
   def _compile(self, graphdef) -> None:
-    p = self.placement
-    step = functools.partial(_step, graphdef, self._num_top)
-    rep, cache, state = p.replicated, p.cache_sharding(), self._shardings
-    if p.mesh is None:  # one device: jit places everything where its inputs are
-      self._decode = jax.jit(step, donate_argnums=(1,))
-      self._prefill = jax.jit(functools.partial(_prefill, step), donate_argnums=(1,))
-      self._read_row = jax.jit(decode.read_row)
-      self._write_row = jax.jit(decode.write_row, donate_argnums=(0,))
-      self._init_cache = jax.jit(decode.init_cache, static_argnums=(0, 1, 2))
-      return
-    io = dict(out_shardings=(rep, cache), donate_argnums=(1,))
-    self._decode = jax.jit(step, in_shardings=(state, cache, rep, rep, rep, rep), **io)
-    self._prefill = jax.jit(functools.partial(_prefill, step), in_shardings=(state, cache) + (rep,) * 5, **io)
-    self._read_row = jax.jit(decode.read_row, in_shardings=(cache, rep), out_shardings=rep)
-    self._write_row = jax.jit(
-      decode.write_row, in_shardings=(cache, rep, rep), out_shardings=cache, donate_argnums=(0,)
-    )
-    self._init_cache = jax.jit(decode.init_cache, static_argnums=(0, 1, 2), out_shardings=cache)
+    steps = jit_steps(graphdef, self._num_top, self.placement, self._shardings)
+    self._decode, self._prefill = steps.decode, steps.prefill
+    self._read_row, self._write_row, self._init_cache = steps.read_row, steps.write_row, steps.init_cache
 
   # ---- memory between phases (colocated RL) ---------------------------------------------------------
   def allocate_cache(self) -> None:
@@ -178,6 +165,42 @@ class ModelRunner:
   def write_row(self, slot: int, row: dict) -> None:
     with self.placement.use():
       self.cache = self._write_row(self.cache, row, np.int32(slot))
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+  """The engine's jitted programs (`ModelRunner` calls them; `k2jax.rl.aot` lowers them for a TPU slice)."""
+
+  decode: Callable  # (state, cache, tokens_N1, positions_N1, last_index_N, sampling) -> (Sampled, cache)
+  prefill: Callable  # (state, cache, slot, tokens_1T, positions_1T, last_index_1, sampling) -> (Sampled, cache)
+  read_row: Callable  # (cache, slot) -> one row (a prefix-cache entry)
+  write_row: Callable  # (cache, row, slot) -> cache
+  init_cache: Callable  # (cfg, num_slots, max_len) static -> a zeroed cache
+
+
+def jit_steps(graphdef, num_top: int, placement: Placement, state_shardings) -> Steps:
+  """The engine's steps jitted for `placement`: on one device jit places everything where its inputs are;
+  on a serving mesh with explicit shardings (weights `state_shardings`, the cache by slot, host inputs and
+  sampled outputs replicated) and the cache donated."""
+  step = functools.partial(_step, graphdef, num_top)
+  prefill = functools.partial(_prefill, step)
+  if placement.mesh is None:
+    return Steps(
+      decode=jax.jit(step, donate_argnums=(1,)),
+      prefill=jax.jit(prefill, donate_argnums=(1,)),
+      read_row=jax.jit(decode.read_row),
+      write_row=jax.jit(decode.write_row, donate_argnums=(0,)),
+      init_cache=jax.jit(decode.init_cache, static_argnums=(0, 1, 2)),
+    )
+  rep, cache, state = placement.replicated, placement.cache_sharding(), state_shardings
+  io = dict(out_shardings=(rep, cache), donate_argnums=(1,))
+  return Steps(
+    decode=jax.jit(step, in_shardings=(state, cache, rep, rep, rep, rep), **io),
+    prefill=jax.jit(prefill, in_shardings=(state, cache) + (rep,) * 5, **io),
+    read_row=jax.jit(decode.read_row, in_shardings=(cache, rep), out_shardings=rep),
+    write_row=jax.jit(decode.write_row, in_shardings=(cache, rep, rep), out_shardings=cache, donate_argnums=(0,)),
+    init_cache=jax.jit(decode.init_cache, static_argnums=(0, 1, 2), out_shardings=cache),
+  )
 
 
 def _step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_index_B, sampling):
