@@ -139,7 +139,7 @@ def from_config_dict(
     launch_groups=r.launch_groups,
     partial_rollout=r.partial_rollout,
     max_staleness=r.max_staleness,
-    task_budgets=tasks_lib.task_budgets(c),
+    task_budgets=tasks_lib.task_budgets(c, check_files=check_files),
     truncation_penalty=c.task.truncation_penalty,
     temperature=TemperatureSchedule(r.temperature, r.temperature_final, r.temperature_half_life),
     top_p=r.top_p,

@@ -262,6 +262,6 @@ def planner_over_xla(config: config_dict.ConfigDict, report: dict) -> float:
 
 
 def format_report(report: dict) -> str:
-  """`key=value` lines; booleans lower case (fits=true|false)."""
+  """`key=value` lines; booleans lower case (fits=true|false); the HLO text and dict values left out."""
   fmt = lambda v: str(v).lower() if isinstance(v, bool) else f"{v:.6e}" if isinstance(v, float) and v > 1e6 else v  # noqa: E731
-  return "\n".join(f"{k}={fmt(v)}" for k, v in report.items() if k != "hlo")
+  return "\n".join(f"{k}={fmt(v)}" for k, v in report.items() if k != "hlo" and not isinstance(v, dict))
