@@ -56,7 +56,8 @@ def main(argv):
     why = aot.libtpu_available()
     if why:
       raise app.UsageError(f"--aot: {why}")
-    report = rl_aot.compile_rl(_CONFIG.value, _AOT.value)
+    progress = lambda part: print(aot.format_report(part), file=sys.stderr, flush=True)  # noqa: E731
+    report = rl_aot.compile_rl(_CONFIG.value, _AOT.value, progress)
     print(aot.format_report(report))
     sys.exit(0 if report["fits"] else 1)
   from k2jax.rl import learner

@@ -112,11 +112,13 @@ def test_tiny_colocated_iteration_compiles_for_v5p8(tiny_report):
 @needs_libtpu
 def test_reshard_bytes_of_the_embedding_by_hand(tiny_report):
   """The embedding [V, D]: training fsdp_ep shards D over fsdp=2, serving tp_ep shards V over tensor=2,
-  so each device holds a [V, D/2] block and needs [V/2, D]: it lacks V/2 x D/2 bf16 values."""
+  so each device holds a [V, D/2] block and needs [V/2, D]: it lacks V/2 x D/2 values of the served dtype
+  (the compute dtype: float32 in the tiny RL config, 4 bytes)."""
   from k2jax.model import presets
 
   cfg = presets.get("tiny")
-  V, D = cfg.vocab_size, cfg.hidden_size
+  V, D, itemsize = cfg.vocab_size, cfg.hidden_size, np.dtype(_tiny().model.compute_dtype).itemsize
+  assert itemsize == 4
   s = aot.tpu_slice("v5p-8")
   devices = aot.slice_devices(s)
   train = sharding.make_mesh({"fsdp": 2, "expert": 2}, devices=devices)
@@ -124,8 +126,8 @@ def test_reshard_bytes_of_the_embedding_by_hand(tiny_report):
   src = NamedSharding(train, sharding.logical_to_spec(("vocab", "embed"), "fsdp_ep"))
   dst = NamedSharding(serve, sharding.logical_to_spec(("vocab", "embed"), "tp_ep"))
   assert src.spec == P(None, "fsdp") and dst.spec == P("tensor", None)
-  got = rl_aot.receive_bytes((V, D), 2, src, dst)
-  assert set(got.values()) == {(V // 2) * (D // 2) * 2}
-  assert tiny_report["reshard_leaf_bytes"]["['embed']['embedding']"] == (V // 2) * (D // 2) * 2
-  assert tiny_report["reshard_bytes_per_device"] >= (V // 2) * (D // 2) * 2
+  want = (V // 2) * (D // 2) * itemsize
+  assert set(rl_aot.receive_bytes((V, D), itemsize, src, dst).values()) == {want}
+  assert tiny_report["reshard_leaf_bytes"]["['embed']['embedding']"] == want
+  assert tiny_report["reshard_bytes_per_device"] >= want
   assert tiny_report["reshard_mean_bytes_per_device"] <= tiny_report["reshard_bytes_per_device"]
