@@ -19,6 +19,11 @@ Prints, per phase, median seconds with [min, max] over the reps, and
              with generate and update costing the same on both sides the ratio stays >= 1 - that share
 On a CPU host both engines share the same cores and "host memory" is the same RAM: the figures measure
 the mechanics (no file round trip, no HTTP), not HBM savings; untested on TPU/GPU.
+
+`--aot=v5p-1024` also compiles `configs/rl.py:1t`'s colocated iteration for that slice (k2jax/rl/aot.py; Python
+>= 3.12 with libtpu, else it prints `aot_skipped=` and why) and prints XLA's figures:
+  generate_peak_gib_per_device= update_peak_gib_per_device= reshard_bytes_per_device= fits= (+ headroom)
+`--aot_only` skips the CPU iterations.
 """
 
 from __future__ import annotations
@@ -104,7 +109,16 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--dir", default="/tmp/bench_colocated")
+  ap.add_argument("--aot", default="", help="also compile configs/rl.py:1t for this TPU slice, e.g. v5p-1024")
+  ap.add_argument("--aot_only", action="store_true", help="only the --aot figures")
   args = ap.parse_args()
+  if not args.aot_only:
+    _cpu_iterations(args)
+  if args.aot:
+    _aot_figures(args.aot)
+
+
+def _cpu_iterations(args) -> None:
   shutil.rmtree(args.dir, ignore_errors=True)
   os.makedirs(args.dir)
   k2jax.save_hf(K2Model(presets.get("tiny"), rngs=nnx.Rngs(0)), os.path.join(args.dir, "served"))
@@ -138,6 +152,25 @@ def _cpu_seconds(pid: int) -> float:
   with open(f"/proc/{pid}/stat") as f:
     fields = f.read().rsplit(")", 1)[1].split()
   return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _aot_figures(slice_name: str) -> None:
+  """XLA's per-device figures of `1t`'s colocated iteration on `slice_name` (one compile, no repetitions:
+  the compiler's numbers are deterministic)."""
+  from k2jax.train import aot
+
+  why = aot.libtpu_available()
+  if why:
+    print(f"aot_skipped=true reason={why}")
+    return
+  from configs.rl import get_config
+  from k2jax.rl import aot as rl_aot
+
+  r = rl_aot.compile_rl(get_config("1t"), slice_name)
+  keys = ("slice", "wiring", "engine_mesh", "trainer_mesh", "generate_peak_gib_per_device")
+  keys += ("generate_headroom_gib_per_device", "update_peak_gib_per_device", "update_headroom_gib_per_device")
+  keys += ("reshard_bytes_per_device", "offload_bytes_per_device", "fits")
+  print("aot_1t: " + " ".join(f"{k}={str(r[k]).lower() if isinstance(r[k], bool) else r[k]}" for k in keys))
 
 
 def _phase_seconds(rec: dict) -> dict:

@@ -4,6 +4,7 @@
   python launch/rl.py --config=configs/rl.py:tiny --workdir=/tmp/rl_tiny \
       --config.rollout.engine_url=http://127.0.0.1:30000      # an SGLang server instead
   python launch/rl.py --config=configs/rl.py:1t --dry_run      # counts + per-device memory plan on a pod
+  python launch/rl.py --config=configs/rl.py:1t --aot=v5p-1024 # XLA's per-device memory, per phase (libtpu)
 
 With no `rollout.engine_url` the embedded k2jax engine runs in-process and gets the new weights as device
 arrays; `--config.rollout.engine=sglang_jax_colocated` runs sglang-jax's engine in-process instead (Python >= 3.12
@@ -14,8 +15,10 @@ changed tensors after every update. With `engine.sharding` (tp | ep | tp_ep) and
 serves on a mesh over all the trainer's devices, on one process or many (colocated phases: `colocate.*`). The policy is sharded like pretraining: the same `mesh.*` keys and
 rules presets as configs/k2.py, and the same multi-process launch (launch/slurm_gpu.sh, tpu_pod.sh).
 
-`1t` is Kimi K2 itself (init_from the released checkpoint, rollouts from SGLang workers) on a TPU pod;
-its `--dry_run` prints parameter counts and the per-device memory plan of the RL update.
+`1t` is Kimi K2 itself (init_from the released checkpoint) on a TPU pod, colocated as K2 §3.3: the embedded
+engine on the trainer's 512 chips (`--config.rollout.engine_url=http://sglang-router:30000`: SGLang workers
+instead); its `--dry_run` prints parameter counts and the per-device memory plan of the RL update, and
+`--aot=v5p-1024` XLA's per-device memory of the generation and update phases (k2jax/rl/aot.py).
 
 `tiny` trains the tiny model from scratch on "1+b" (b in 0..8; the answer is the digit that follows b):
 a format-only warm start (random answers: teaches "digit then [EOS]", nothing about which digit) leaves it
@@ -80,7 +83,19 @@ def _k2_1t(c):
   c.rollout.target_groups = 64  # 512 rows per update: one row per chip
   c.rollout.launch_groups = 80
   c.rollout.max_concurrency = 640
-  c.rollout.engine_url = "http://sglang-router:30000"  # SGLang workers (K2 serves on its own pods)
+  # Colocated (K2 §3.3): the embedded engine on the trainer's own 512 chips, weights resharded device to
+  # device, optimizer state in host memory while generating. `--config.rollout.engine_url=http://sglang-router:30000`
+  # rolls out on separate SGLang workers instead. `launch/rl.py --aot=v5p-1024` compiles this iteration
+  # (BUILD.md "Colocated RL" has XLA's figures). Serving mesh: experts over 8 (48 each), heads and widths
+  # over 64 (one head each); requests (KV cache slots) over the 8 expert devices. Each mesh axis must be a
+  # product of the 8x8x8 torus's sides (1, 8, 64, 512: XLA refused expert:16,tensor:32), and the requests'
+  # axes must divide the 16-token prefill bucket: so 8. 640 slots = the rollout's 80 launched groups x 8
+  # in flight, each a full 4096-token row.
+  c.rollout.engine_url = ""
+  c.engine.sharding = "tp_ep"
+  c.engine.mesh = "expert:8,tensor:64"
+  c.engine.max_slots = 640
+  c.engine.max_seq_len = 4096
   c.train.seq_len = 4096
   c.ptx.batch_size = 512
   c.ptx.seq_len = 4096

@@ -8,6 +8,9 @@ runs in-process (`--config.rollout.engine=sglang_jax_colocated`: sglang-jax's en
 launch/sglang_server.sh and BUILD.md "RL with SGLang").
 Resumes from the latest checkpoint in W; writes W/metrics.jsonl and W/checkpoints/<iteration>/.
 `--dry_run` prints parameter counts and the per-device memory plan (`configs/rl.py:1t`) and exits.
+`--aot=v5p-1024` compiles the colocated iteration's programs (the engine's decode/prefill on its serving
+mesh, the RL update, the training->serving reshard) for that TPU slice without TPUs (libtpu, Python >= 3.12)
+and prints XLA's per-device memory of each phase, the reshard and offload bytes and fits= (k2jax/rl/aot.py).
 Multi-host: the coordinator flags (or the cluster's environment) as launch/train.py, the same command
 on every host; process 0 runs the rollouts and talks to the engine (with `--config.engine.sharding=tp_ep`
 and no URL: the embedded engine on every process's devices, in lockstep; BUILD.md "Colocated RL").
@@ -27,6 +30,11 @@ from k2jax import compile_cache, host_malloc  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:tiny", "RL config file and variant.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, weight pushes).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print params and the per-device memory plan, then exit.")
+_AOT = flags.DEFINE_string(
+  "aot",
+  None,
+  "Compile the colocated RL iteration for this TPU slice (e.g. v5p-1024; needs libtpu), print XLA's figures.",
+)
 _COORD = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (else K2JAX_COORDINATOR).")
 _NPROC = flags.DEFINE_integer("num_processes", None, "Total JAX processes (multi-host).")
 _PID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
@@ -36,13 +44,26 @@ _COMPILE_CACHE = compile_cache.define_flag()
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _DRY_RUN.value:
+    from k2jax.rl.plan import dry_run
+
+    print(dry_run(_CONFIG.value))
+    return
+  if _AOT.value:
+    from k2jax.rl import aot as rl_aot
+    from k2jax.train import aot
+
+    why = aot.libtpu_available()
+    if why:
+      raise app.UsageError(f"--aot: {why}")
+    progress = lambda part: print(aot.format_report(part), file=sys.stderr, flush=True)  # noqa: E731
+    report = rl_aot.compile_rl(_CONFIG.value, _AOT.value, progress)
+    print(aot.format_report(report))
+    sys.exit(0 if report["fits"] else 1)
   from k2jax.rl import learner
 
-  if _DRY_RUN.value:
-    print(learner.dry_run(_CONFIG.value))
-    return
   if not _WORKDIR.value:
-    raise app.UsageError("--workdir is required (unless --dry_run)")
+    raise app.UsageError("--workdir is required (unless --dry_run or --aot)")
   from k2jax import distributed
 
   distributed.initialize(_COORD.value, _NPROC.value, _PID.value)

@@ -85,7 +85,7 @@ class InferenceEngine(Engine):
     self.eos_token_ids = tuple(eos_token_ids)
     self._detokenize = detokenize
     placement = make_placement(config.sharding, config.mesh)
-    _check_shards(self.config, placement.batch_shards)
+    check_shards(self.config, placement.batch_shards)
     self._runner = ModelRunner(
       model,
       num_slots=config.max_slots,
@@ -495,7 +495,7 @@ class InferenceEngine(Engine):
     check_request(request, self.config.max_seq_len, self.cfg.vocab_size, self._detokenize is not None)
 
 
-def _check_shards(config: EngineConfig, shards: int) -> None:
+def check_shards(config: EngineConfig, shards: int) -> None:
   """Each step's tokens (slots at decode, a prefill bucket) are split over `shards` devices."""
   for name in ("max_slots", "min_prefill_bucket", "max_seq_len"):
     if getattr(config, name) % shards:

@@ -10,9 +10,12 @@ sampled outputs replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -56,24 +59,9 @@ class ModelRunner:
     self.allocate_cache()
 
   def _compile(self, graphdef) -> None:
-    p = self.placement
-    step = functools.partial(_step, graphdef, self._num_top)
-    rep, cache, state = p.replicated, p.cache_sharding(), self._shardings
-    if p.mesh is None:  # one device: jit places everything where its inputs are
-      self._decode = jax.jit(step, donate_argnums=(1,))
-      self._prefill = jax.jit(functools.partial(_prefill, step), donate_argnums=(1,))
-      self._read_row = jax.jit(decode.read_row)
-      self._write_row = jax.jit(decode.write_row, donate_argnums=(0,))
-      self._init_cache = jax.jit(decode.init_cache, static_argnums=(0, 1, 2))
-      return
-    io = dict(out_shardings=(rep, cache), donate_argnums=(1,))
-    self._decode = jax.jit(step, in_shardings=(state, cache, rep, rep, rep, rep), **io)
-    self._prefill = jax.jit(functools.partial(_prefill, step), in_shardings=(state, cache) + (rep,) * 5, **io)
-    self._read_row = jax.jit(decode.read_row, in_shardings=(cache, rep), out_shardings=rep)
-    self._write_row = jax.jit(
-      decode.write_row, in_shardings=(cache, rep, rep), out_shardings=cache, donate_argnums=(0,)
-    )
-    self._init_cache = jax.jit(decode.init_cache, static_argnums=(0, 1, 2), out_shardings=cache)
+    steps = jit_steps(graphdef, self._num_top, self.placement, self._shardings)
+    self._decode, self._prefill = steps.decode, steps.prefill
+    self._read_row, self._write_row, self._init_cache = steps.read_row, steps.write_row, steps.init_cache
 
   # ---- memory between phases (colocated RL) ---------------------------------------------------------
   def allocate_cache(self) -> None:
@@ -180,6 +168,42 @@ class ModelRunner:
       self.cache = self._write_row(self.cache, row, np.int32(slot))
 
 
+@dataclasses.dataclass(frozen=True)
+class Steps:
+  """The engine's jitted programs (`ModelRunner` calls them; `k2jax.rl.aot` lowers them for a TPU slice)."""
+
+  decode: Callable  # (state, cache, tokens_N1, positions_N1, last_index_N, sampling) -> (Sampled, cache)
+  prefill: Callable  # (state, cache, slot, tokens_1T, positions_1T, last_index_1, sampling) -> (Sampled, cache)
+  read_row: Callable  # (cache, slot) -> one row (a prefix-cache entry)
+  write_row: Callable  # (cache, row, slot) -> cache
+  init_cache: Callable  # (cfg, num_slots, max_len) static -> a zeroed cache
+
+
+def jit_steps(graphdef, num_top: int, placement: Placement, state_shardings) -> Steps:
+  """The engine's steps jitted for `placement`: on one device jit places everything where its inputs are;
+  on a serving mesh with explicit shardings (weights `state_shardings`, the cache by slot, host inputs and
+  sampled outputs replicated) and the cache donated."""
+  step = functools.partial(_step, graphdef, num_top)
+  prefill = functools.partial(_prefill if placement.mesh is None else _prefill_sharded, step)
+  if placement.mesh is None:
+    return Steps(
+      decode=jax.jit(step, donate_argnums=(1,)),
+      prefill=jax.jit(prefill, donate_argnums=(1,)),
+      read_row=jax.jit(decode.read_row),
+      write_row=jax.jit(decode.write_row, donate_argnums=(0,)),
+      init_cache=jax.jit(decode.init_cache, static_argnums=(0, 1, 2)),
+    )
+  rep, cache, state = placement.replicated, placement.cache_sharding(), state_shardings
+  io = dict(out_shardings=(rep, cache), donate_argnums=(1,))
+  return Steps(
+    decode=jax.jit(step, in_shardings=(state, cache, rep, rep, rep, rep), **io),
+    prefill=jax.jit(prefill, in_shardings=(state, cache) + (rep,) * 5, **io),
+    read_row=jax.jit(decode.read_row, in_shardings=(cache, rep), out_shardings=rep),
+    write_row=jax.jit(decode.write_row, in_shardings=(cache, rep, rep), out_shardings=cache, donate_argnums=(0,)),
+    init_cache=jax.jit(decode.init_cache, static_argnums=(0, 1, 2), out_shardings=cache),
+  )
+
+
 def _step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_index_B, sampling):
   model = nnx.merge(graphdef, state)
   logits_BS, cache = decode.forward_cached(model, cache, tokens_BT, positions_BT, last_index_B)
@@ -190,6 +214,20 @@ def _prefill(step, state, cache, slot, tokens_1T, positions_1T, last_index_1, sa
   row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
   out, row = step(state, row, tokens_1T, positions_1T, last_index_1, sampling)
   cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1), cache, row)
+  return out, cache
+
+
+def _prefill_sharded(step, state, cache, slot, tokens_1T, positions_1T, last_index_1, sampling):
+  """`_prefill` for a cache sharded by slot: the row is picked by a mask over the slots, not a dynamic
+  slice. A dynamic index into a sharded dim makes XLA gather the whole cache onto every device first
+  (`configs/rl.py:1t`, 640 slots x 4096 tokens: 177.7 GiB of temporaries per device, k2jax/rl/aot.py); masked,
+  each device sums its own shard (the row or zeros: exact) and one row is all-reduced, and the write is
+  a local select. Every value is the one `_prefill` computes."""
+  n = jax.tree.leaves(cache)[0].shape[1]
+  mask = lambda a: (jnp.arange(n) == slot).reshape((1, n) + (1,) * (a.ndim - 2))  # noqa: E731
+  row = jax.tree.map(lambda a: jnp.sum(jnp.where(mask(a), a, jnp.zeros((), a.dtype)), axis=1, keepdims=True), cache)
+  out, row = step(state, row, tokens_1T, positions_1T, last_index_1, sampling)
+  cache = jax.tree.map(lambda a, r: jnp.where(mask(a), r.astype(a.dtype), a), cache, row)
   return out, cache
 
 

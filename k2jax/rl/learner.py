@@ -30,7 +30,6 @@ import time
 
 import jax
 import numpy as np
-import optax
 from jax.sharding import SingleDeviceSharding
 from ml_collections import config_dict
 
@@ -39,7 +38,6 @@ from k2jax.api import model_from_state
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 from k2jax.model import presets
 from k2jax.model.config import ConfigError, K2Config
-from k2jax.optim import QKClipSpec, muonclip
 from k2jax.rl import batching, rl_step
 from k2jax.rl.algo import K2LossConfig, rollout_metrics, select_old_logprobs
 from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
@@ -47,6 +45,7 @@ from k2jax.engine.http import HttpEngine, HttpEngineConfig
 from k2jax.engine.routed import RoutedEngine
 from k2jax.engine.sglang_jax import SglangJaxConfig
 from k2jax.rl.phases import ColocateConfig, Phases
+from k2jax.rl.programs import make_optimizer, make_update, serving_config, trainer_mesh_shape
 from k2jax.rl.ptx import PTXConfig, PTXSet
 from k2jax.rl import tasks as tasks_lib
 from k2jax.rl.rewards.base import Completion
@@ -58,9 +57,8 @@ from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
 from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.train import core
 from k2jax.train.checkpoint import merge_dicts
-from k2jax.train.config import ON_UNREADABLE, MeshSpec, mesh_shape, mesh_spec
+from k2jax.train.config import ON_UNREADABLE, MeshSpec, mesh_spec
 from k2jax.train.counting import flops_per_token
-from k2jax.train.dryrun import plan_report
 from k2jax.train.init_from import EXEC_FIELDS, check_workdir_model, resolve_model
 from k2jax.train.metrics import MetricsLogger, measure_peak_flops, say
 
@@ -118,14 +116,22 @@ ROLLOUT_ENGINES = ("embedded", "sglang_jax_colocated")
 TASK_NAMES = {"arith": TASK_NAME, "math_jsonl": MathJsonlTask.name}  # task.kind -> budget key
 
 
-def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[int, ...]) -> LearnerConfig:
-  """ConfigDict -> LearnerConfig (the one boundary); errors name the config key."""
+def model_config(c: config_dict.ConfigDict) -> K2Config:
+  """The policy's K2Config: `model.preset` with its execution knobs, or `model.init_from`'s architecture."""
   m = c.model
   try:
     preset = presets.get(m.preset, **{k: m[k] for k in EXEC_FIELDS if k in m})
   except KeyError as e:
     raise ConfigError(f"model.preset: {e.args[0]}") from None
-  model = resolve_model(preset, m.init_from, key="model.init_from")
+  return resolve_model(preset, m.init_from, key="model.init_from")
+
+
+def from_config_dict(
+  c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[int, ...], *, check_files: bool = True
+) -> LearnerConfig:
+  """ConfigDict -> LearnerConfig (the one boundary); errors name the config key. `check_files=False`
+  (compiling for a slice, `k2jax.rl.aot`) does not ask for the task file to exist."""
+  model = model_config(c)
   r = c.rollout
   rollout = RolloutConfig(
     group_size=r.group_size,
@@ -133,7 +139,7 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     launch_groups=r.launch_groups,
     partial_rollout=r.partial_rollout,
     max_staleness=r.max_staleness,
-    task_budgets=tasks_lib.task_budgets(c),
+    task_budgets=tasks_lib.task_budgets(c, check_files=check_files),
     truncation_penalty=c.task.truncation_penalty,
     temperature=TemperatureSchedule(r.temperature, r.temperature_final, r.temperature_half_life),
     top_p=r.top_p,
@@ -192,7 +198,7 @@ def from_config_dict(c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[in
     ("iterations", lc.iterations >= 1),
     ("optim.lr", lc.lr > 0),
     ("task.kind", mixed or lc.task_kind in TASK_NAMES),
-    ("task.path", mixed or lc.task_kind != "math_jsonl" or os.path.isfile(lc.task_path)),
+    ("task.path", mixed or lc.task_kind != "math_jsonl" or not check_files or os.path.isfile(lc.task_path)),
     ("warm_start.steps", mixed or lc.task_kind == "arith" or lc.warm_start_steps == 0),
     ("optim.updates_per_batch", lc.updates_per_batch >= 1),
     ("warm_start.steps", lc.warm_start_steps >= 0),
@@ -263,7 +269,7 @@ def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
     return SglangJaxEngine(lc.model, model_dir, lc.sglang_jax)
   if lc.engine.sharding:  # every process: the serving mesh spans them all; paused until the first phase
     served = _serving_dtype(lc.model, state)
-    model = model_from_state(lc.model.replace(param_dtype=lc.model.compute_dtype), served)
+    model = model_from_state(serving_config(lc.model), served)
     return InferenceEngine(model, lc.engine, eos_token_ids=lc.rollout.stop_token_ids, paused=True)
   served = jax.device_put(state, SingleDeviceSharding(jax.local_devices()[0]))  # no copy when already there
   return InferenceEngine(model_from_state(lc.model, served), lc.engine, eos_token_ids=lc.rollout.stop_token_ids)
@@ -291,22 +297,9 @@ class Learner:
     self.lc, self.workdir, self.task, self.decode = lc, os.path.abspath(workdir), task, decode
     self.primary = jax.process_index() == 0
     # Model and optimizer: warm-start LR for the first warm_start_steps updates, then the RL LR.
-    self.schedule = optax.join_schedules(
-      [optax.constant_schedule(lc.warm_start_lr), optax.constant_schedule(lc.lr)], [lc.warm_start_steps]
-    )
-    self.optimizer = muonclip(
-      self.schedule,
-      weight_decay=lc.weight_decay,
-      momentum=lc.momentum,
-      qk_clip_tau=lc.qk_clip_tau,
-      qk_clip_spec=QKClipSpec.from_config(lc.model),
-    )
+    self.optimizer, self.schedule = make_optimizer(lc)
     # The training core: mesh, sharded state, restore (or init from init_from / the seed).
-    shape = mesh_shape(lc.mesh, lc.model, jax.device_count(), rows=lc.rows, what="rollout.target_groups")
-    if lc.ptx:
-      mesh_shape(lc.mesh, lc.model, jax.device_count(), rows=lc.ptx.batch_size, what="ptx.batch_size")
-    if lc.warm_start_steps:
-      mesh_shape(lc.mesh, lc.model, jax.device_count(), rows=lc.warm_start_batch_size, what="warm_start.batch_size")
+    shape = trainer_mesh_shape(lc, jax.device_count())
     check_workdir_model(self.workdir, lc.model)
     self.core = core.build(
       lc.model,
@@ -339,18 +332,7 @@ class Learner:
     # the params stay undonated when the engine may serve the trainer's own arrays.
     donate = not self.sync.shares_buffers
     tau = lc.qk_clip_tau
-    self.rl_step = self.core.jit(
-      rl_step.make_rl_step(
-        self.mdef,
-        self.optimizer,
-        self.schedule,
-        lc.loss,
-        num_groups=lc.rollout.target_groups,
-        bias_update_rate=lc.bias_update_rate,
-        qk_clip_tau=tau,
-      ),
-      donate_params=donate,
-    )
+    self.rl_step = self.core.jit(make_update(lc, self.mdef, self.optimizer, self.schedule), donate_params=donate)
     sft_step = rl_step.make_sft_step(self.mdef, self.optimizer, self.schedule, qk_clip_tau=tau)
     self.sft_step = self.core.jit(sft_step, donate_params=donate)
     logprobs = jax.jit(rl_step.make_logprobs_fn(self.mdef), out_shardings=self.core.batch_sharding)
@@ -570,27 +552,3 @@ class Learner:
     self.core.ckpt.close()
     if self.engine is not None:
       self.engine.close()
-
-
-def dry_run(config: config_dict.ConfigDict) -> str:
-  """`launch/rl.py --dry_run`: counts and the per-device memory plan of the RL update on `config.topology`,
-  from shapes alone (no tokenizer, task file, engine or devices needed). The update's forward/backward
-  holds the rollout rows and the PTX rows at once."""
-  m = config.model
-  try:
-    preset = presets.get(m.preset, **{k: m[k] for k in EXEC_FIELDS if k in m})
-  except KeyError as e:
-    raise ConfigError(f"model.preset: {e.args[0]}") from None
-  model = resolve_model(preset, m.init_from, key="model.init_from")
-  rows = config.rollout.target_groups * config.rollout.group_size
-  seq = config.train.seq_len
-  ptx_tokens = config.ptx.batch_size * config.ptx.seq_len if config.loss.ptx_coef > 0 else 0
-  report = plan_report(
-    model,
-    mesh_spec(config.mesh),
-    config.topology,
-    seq_len=seq,
-    tokens_per_step=rows * seq * config.optim.updates_per_batch,
-    tokens_per_pass=rows * seq + ptx_tokens,
-  )
-  return f"rl_rows={rows}\nptx_rows={config.ptx.batch_size if ptx_tokens else 0}\n" + report

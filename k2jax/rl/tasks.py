@@ -332,12 +332,13 @@ def _read_records(path: str, kind: str, needs: Sequence[str], *, prompt_required
   return records
 
 
-def task_specs(config: config_dict.ConfigDict) -> list[dict]:
+def task_specs(config: config_dict.ConfigDict, *, check_files: bool = True) -> list[dict]:
   """The run's task types from the RL config: `tasks.<name>` sections when any, else the single `task`.
 
   A `tasks.<name>` section: kind ("arith" | "jsonl" | "agentic"), reward (REWARD_KINDS; agentic: "env"),
   path (jsonl records), env (agentic: environment name), budget (response tokens per sample), weight
-  (prompts of this task per cycle of the mix)."""
+  (prompts of this task per cycle of the mix). `check_files=False`: the paths need not exist yet (compiling
+  for a TPU slice, `k2jax.rl.aot`)."""
   if len(config.tasks):
     specs = []
     for name, t in sorted(config.tasks.items()):
@@ -361,16 +362,16 @@ def task_specs(config: config_dict.ConfigDict) -> list[dict]:
       raise ConfigError(f"{where}.kind: {s['kind']!r} is not one of arith, jsonl, agentic")
     if s["reward"] not in REWARD_KINDS or (s["reward"] == "env") != (s["kind"] == "agentic"):
       raise ConfigError(f"{where}.reward: {s['reward']!r} does not fit kind {s['kind']!r} (kinds: {REWARD_KINDS})")
-    if s["kind"] != "arith" and not os.path.isfile(s["path"]):
+    if check_files and s["kind"] != "arith" and not os.path.isfile(s["path"]):
       raise ConfigError(f"{where}.path: no file {s['path']!r}")
     if s["budget"] < 1 or s["weight"] < 1:
       raise ConfigError(f"{where}: budget and weight must be >= 1, got {s['budget']} and {s['weight']}")
   return specs
 
 
-def task_budgets(config: config_dict.ConfigDict) -> tuple[tuple[str, int], ...]:
+def task_budgets(config: config_dict.ConfigDict, *, check_files: bool = True) -> tuple[tuple[str, int], ...]:
   """(task type, total response tokens per sample) for every task of the run (K2 §3.2.3 budget control)."""
-  return tuple((s["name"], s["budget"]) for s in task_specs(config))
+  return tuple((s["name"], s["budget"]) for s in task_specs(config, check_files=check_files))
 
 
 def make_tasks(config: config_dict.ConfigDict, tokenizer: Tokenizer) -> TaskSet:

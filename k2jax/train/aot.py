@@ -119,7 +119,7 @@ def _abstract_with_shardings(abstract, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
 
-def _shard_bytes(tree, memory_kind: str = "device") -> int:
+def shard_bytes(tree, memory_kind: str = "device") -> int:
   """Per-device bytes of the leaves of a tree of ShapeDtypeStructs with NamedShardings in `memory_kind`."""
   total = 0
   for x in jax.tree.leaves(tree):
@@ -164,20 +164,15 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
     "tokens_per_device_per_microbatch": tc.data.global_batch_size
     * tc.data.seq_len
     // (tc.data.num_microbatches * len(devices)),
-    "state_bytes_per_device": _shard_bytes(state),
-    "host_state_bytes_per_device": _shard_bytes(state, "pinned_host"),
+    "state_bytes_per_device": shard_bytes(state),
+    "host_state_bytes_per_device": shard_bytes(state, "pinned_host"),
     "hbm_bytes_per_device": s.hbm_bytes,
   }
-  try:
-    compiled = lowered.compile()
-  except jax.errors.JaxRuntimeError as e:
-    oom = re.search(r"required for HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", str(e))
-    if oom is None:
-      raise
+  compiled, oom = compile_or_oom(lowered)
+  if compiled is None:
     report["compile_s"] = round(time.perf_counter() - t0, 1)
-    report["xla_required_temp_gib_per_device"] = float(oom.group(1))
-    report["xla_available_gib_per_device"] = float(oom.group(2))
-    report["peak_gib_per_device"] = round(report["state_bytes_per_device"] / GIB + float(oom.group(1)), 2)
+    report["xla_required_temp_gib_per_device"], report["xla_available_gib_per_device"] = oom
+    report["peak_gib_per_device"] = round(report["state_bytes_per_device"] / GIB + oom[0], 2)
     report["fits"] = False
     return report
   report["compile_s"] = round(time.perf_counter() - t0, 1)
@@ -209,6 +204,18 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
   report["headroom_gib_per_device"] = round((s.hbm_bytes - peak) / GIB, 2)
   report["fits"] = peak <= s.hbm_bytes
   return report
+
+
+def compile_or_oom(lowered):
+  """(compiled, None), or (None, (required temp GiB, available GiB)) when XLA:TPU's compile-time HBM check
+  refuses the program (its CompileTimeHbmOom message); any other compile error raises."""
+  try:
+    return lowered.compile(), None
+  except jax.errors.JaxRuntimeError as e:
+    oom = re.search(r"required for HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", str(e))
+    if oom is None:
+      raise
+    return None, (float(oom.group(1)), float(oom.group(2)))
 
 
 def peak_bytes(mem) -> int:
@@ -255,6 +262,6 @@ def planner_over_xla(config: config_dict.ConfigDict, report: dict) -> float:
 
 
 def format_report(report: dict) -> str:
-  """`key=value` lines; booleans lower case (fits=true|false)."""
+  """`key=value` lines; booleans lower case (fits=true|false); the HLO text and dict values left out."""
   fmt = lambda v: str(v).lower() if isinstance(v, bool) else f"{v:.6e}" if isinstance(v, float) and v > 1e6 else v  # noqa: E731
-  return "\n".join(f"{k}={fmt(v)}" for k, v in report.items() if k != "hlo")
+  return "\n".join(f"{k}={fmt(v)}" for k, v in report.items() if k != "hlo" and not isinstance(v, dict))

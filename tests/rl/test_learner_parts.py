@@ -223,7 +223,7 @@ def test_multi_turn_holes_are_kept_but_mask_outside_the_response_is_dropped():
 
 def test_dry_run_1t_prints_the_pod_memory_plan():
   """configs/rl.py:1t: K2 itself, its RL update sharded as pretraining (EP 8 x FSDP 64) on v5p-1024."""
-  from k2jax.rl.learner import dry_run
+  from k2jax.rl.plan import dry_run
 
   lines = dict(line.split("=", 1) for line in dry_run(rl_configs.get_config("1t")).splitlines())
   assert int(lines["params_total"]) > 1.0e12 and int(lines["params_activated"]) > 3.0e10

@@ -1,0 +1,56 @@
+"""What the learner compiles, built from a `LearnerConfig` (`k2jax.rl.learner`) in one place, so that
+`k2jax.rl.aot` compiles for a TPU slice exactly the programs `Learner` runs: the optimizer, the RL update
+step, the trainer's mesh shape and the model as a colocated engine serves it."""
+
+from __future__ import annotations
+
+import optax
+
+from k2jax.model.config import K2Config
+from k2jax.optim import QKClipSpec, muonclip
+from k2jax.rl import rl_step
+from k2jax.train.config import mesh_shape
+
+
+def serving_config(cfg: K2Config) -> K2Config:
+  """The model as a colocated engine on a serving mesh serves it: weights in the compute dtype."""
+  return cfg.replace(param_dtype=cfg.compute_dtype)
+
+
+def make_optimizer(lc):
+  """(MuonClip, schedule): the warm-start LR for the first warm_start_steps updates, then the RL LR."""
+  schedule = optax.join_schedules(
+    [optax.constant_schedule(lc.warm_start_lr), optax.constant_schedule(lc.lr)], [lc.warm_start_steps]
+  )
+  optimizer = muonclip(
+    schedule,
+    weight_decay=lc.weight_decay,
+    momentum=lc.momentum,
+    qk_clip_tau=lc.qk_clip_tau,
+    qk_clip_spec=QKClipSpec.from_config(lc.model),
+  )
+  return optimizer, schedule
+
+
+def make_update(lc, mdef, optimizer, schedule):
+  """The RL update step (K2 objective + PTX, MuonClip with QK-Clip) the learner jits through its core;
+  `k2jax.rl.aot` compiles the same function for a TPU slice."""
+  return rl_step.make_rl_step(
+    mdef,
+    optimizer,
+    schedule,
+    lc.loss,
+    num_groups=lc.rollout.target_groups,
+    bias_update_rate=lc.bias_update_rate,
+    qk_clip_tau=lc.qk_clip_tau,
+  )
+
+
+def trainer_mesh_shape(lc, num_devices: int) -> dict[str, int]:
+  """The trainer's mesh shape on `num_devices`, checked against every batch it steps on."""
+  shape = mesh_shape(lc.mesh, lc.model, num_devices, rows=lc.rows, what="rollout.target_groups")
+  if lc.ptx:
+    mesh_shape(lc.mesh, lc.model, num_devices, rows=lc.ptx.batch_size, what="ptx.batch_size")
+  if lc.warm_start_steps:
+    mesh_shape(lc.mesh, lc.model, num_devices, rows=lc.warm_start_batch_size, what="warm_start.batch_size")
+  return shape
