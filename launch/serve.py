@@ -45,6 +45,12 @@ _PORT = flags.DEFINE_integer("port", 30000, "Port to bind.")
 _SLOTS = flags.DEFINE_integer("max_running_requests", 8, "Requests decoded together (cache slots).")
 _MAX_LEN = flags.DEFINE_integer("max_seq_len", 2048, "Prompt + generated tokens per request.")
 _PREFIX = flags.DEFINE_integer("prefix_cache_entries", 16, "Finished sequences kept for prefix reuse.")
+_PREFILL_TOKENS = flags.DEFINE_integer(
+  "max_prefill_tokens",
+  0,
+  "Padded tokens (requests x length) per batched prefill (SGLang's --max-prefill-tokens); "
+  "0 = max(max_seq_len, max_running_requests * 16).",
+)
 _SHARDING = flags.DEFINE_enum(
   "sharding", "", ["", "tp", "ep", "tp_ep"], "Serving preset over all devices (of every process)."
 )
@@ -157,6 +163,7 @@ def main(argv):
     max_slots=_SLOTS.value,
     max_seq_len=_MAX_LEN.value,
     prefix_cache_entries=_PREFIX.value,
+    max_prefill_tokens=_PREFILL_TOKENS.value,
     precompile=_PRECOMPILE.value,
     sharding=_SHARDING.value,
     mesh=_MESH.value,

@@ -6,8 +6,8 @@ threads) `submit` requests and wait on them (`generate` does both). Each schedul
 two decode steps:
   1. runs queued control operations (weight swap, cache flush),
   2. finishes requests whose abort was asked for (they return their partial output),
-  3. admits waiting requests into free slots: copy the longest cached prefix, prefill the rest,
-     sample the first token,
+  3. admits waiting requests into free slots: copy the longest cached prefix, prefill the rest (all the
+     requests admitted in this step in one program), sample the first token,
   4. runs one decode step over all slots and appends one token to each running request.
 Requests therefore join and leave between decode steps, while the decode step keeps one shape.
 
@@ -54,9 +54,14 @@ class EngineConfig:
   max_slots: int = 8  # requests decoded together (the decode batch)
   max_seq_len: int = 2048  # prompt + generated tokens per request (cache row length)
   min_prefill_bucket: int = 16  # prefill lengths are padded to min_bucket * 2^i
+  # The requests admitted in one step are prefilled together, their count padded to a power of two (<=
+  # max_slots): at most this many padded tokens (rows * length) per batch (SGLang's --max-prefill-tokens);
+  # 0 = max(max_seq_len, max_slots * min_prefill_bucket). A longer request runs alone.
+  max_prefill_tokens: int = 0
   prefix_cache_entries: int = 16  # finished sequences kept for prefix reuse (0 disables)
   num_top_logprobs: int = 8  # top logprobs reported per token
-  # Compile every prefill bucket and the decode step before serving, as SGLang's servers do: a request
+  # Compile every prefill bucket (rows x length, `ModelRunner.prefill_buckets`) and the decode step before
+  # serving, as SGLang's servers do: a request
   # never waits behind a compile, and an abort never waits for one (a compile cannot be interrupted).
   precompile: bool = False
   # Serving layout: '' = this process's first device; 'tp' | 'ep' | 'tp_ep' = k2jax.sharding's serving
@@ -92,6 +97,7 @@ class InferenceEngine(Engine):
       max_len=max_len,
       num_top=config.num_top_logprobs,
       min_bucket=config.min_prefill_bucket,
+      max_prefill_tokens=config.max_prefill_tokens,
       placement=placement,
     )
     multi = placement.mesh is not None and jax.process_count() > 1
@@ -373,30 +379,56 @@ class InferenceEngine(Engine):
           return
 
   def _admit(self) -> None:
+    """Fills free slots from the queue, a batch at a time: the requests admitted together are prefilled
+    in one program (SGLang's and vLLM's prefill batch), as many as `ModelRunner.prefill_fits` allows."""
     while True:
+      batch = []  # (slot, live, prefix entry, tokens reused)
       with self._cv:
         free = [i for i, s in enumerate(self._slots) if s is None]
-        if not free or not self._waiting:
-          return
-        live = self._waiting.popleft()
-        self._slots[free[0]] = live
-      self._prefill(free[0], live)
+        longest = 0
+        while len(batch) < len(free) and self._waiting:
+          live = self._waiting[0]
+          tokens = live.request.input_ids
+          common, entry = self._prefix.lookup(tokens)
+          reuse = min(common, len(tokens) - 1)  # at least one token must run to produce logits
+          if batch and not self._runner.prefill_fits(len(batch) + 1, max(longest, len(tokens) - reuse)):
+            break
+          longest = max(longest, len(tokens) - reuse)
+          self._waiting.popleft()
+          self._slots[free[len(batch)]] = live
+          batch.append((free[len(batch)], live, entry if reuse > 0 else -1, reuse))
+      if not batch:
+        return
+      self._prefill(batch)
 
-  def _prefill(self, slot: int, live: Live) -> None:
+  def _prefill(self, batch: list[tuple[int, Live, int, int]]) -> None:
+    for _, live, _, reuse in batch:
+      live.cached, live.fed = reuse, list(live.request.input_ids)
+    rows = [(slot, entry, reuse, live.fed[reuse:]) for slot, live, entry, reuse in batch]
     try:
-      self._prefill_row(slot, live)
-    except Exception as e:  # one request's prefill failed: fail it alone, the others keep running
-      log.exception("prefill of %s failed", live.request.rid)
-      with self._cv:
-        self._fail(live, slot, f"engine error: {type(e).__name__}: {e}")
-
-  def _prefill_row(self, slot: int, live: Live) -> None:
-    tokens = list(live.request.input_ids)
-    common, entry = self._prefix.lookup(tokens)
-    reuse = min(common, len(tokens) - 1)  # at least one token must run to produce logits
-    live.cached, live.fed = reuse, tokens
-    out = self._exec.prefill(slot, entry if reuse > 0 else -1, reuse, tokens[reuse:], sampling_of([live]))
-    self._emit(slot, live, out, 0)
+      out = self._exec.prefill(rows, sampling_of([live for _, live, _, _ in batch]))
+    except Exception as e:
+      if len(batch) == 1:  # one request's prefill failed: fail it alone, the others keep running
+        log.exception("prefill of %s failed", batch[0][1].request.rid)
+        with self._cv:
+          self._fail(batch[0][1], batch[0][0], f"engine error: {type(e).__name__}: {e}")
+        return
+      # Which request made the batch fail is unknown: prefill each alone, so only that one fails.
+      log.warning(
+        "batched prefill of %d requests failed (%s: %s); prefilling them one by one", len(batch), type(e).__name__, e
+      )
+      for slot, live, entry, reuse in batch:
+        if entry >= 0 and entry not in self._exec.rows:  # evicted by a request of this batch that finished
+          entry, reuse = -1, 0
+        self._prefill([(slot, live, entry, reuse)])
+      return
+    for i, (slot, live, _, _) in enumerate(batch):
+      try:
+        self._emit(slot, live, out, i)
+      except Exception as e:  # e.g. a stop string this request's detokenizer chokes on
+        log.exception("request %s failed", live.request.rid)
+        with self._cv:
+          self._fail(live, slot, f"engine error: {type(e).__name__}: {e}")
 
   def _decode_step(self) -> None:
     n = self.config.max_slots

@@ -9,7 +9,8 @@ next command and runs it. Both sides run a command through the same `_run`, so t
 
   SAVE    slot, entry          copy a finished slot's cache row into prefix entry `entry`
   KEEP    n, entries[n]        drop every prefix row but these (LRU eviction, flushes)
-  PREFILL slot, entry, start, n, sampling, tokens[n]   (entry >= 0: copy its row into the slot first)
+  PREFILL A; per row: slot, entry, start, n, sampling[5]; then the A rows' tokens, concatenated
+          (the requests admitted in one step, one program; entry >= 0: copy its row into the slot first)
   DECODE  sampling and token/position per slot
   PAUSE / CLOSE                the followers' loop returns (between RL phases / at shutdown)
 
@@ -26,6 +27,7 @@ from k2jax.engine.sampling import Sampled, SamplingArrays
 
 SAVE, KEEP, PREFILL, DECODE, PAUSE, CLOSE = range(1, 7)
 _HEADER = 16
+_ROW = 9  # a PREFILL row's fields: slot, entry, start, n, 5 sampling words
 
 
 class Executor:
@@ -35,7 +37,7 @@ class Executor:
     self.runner, self.leader, self.processes = runner, leader, processes
     self.rows: dict[int, dict] = {}  # prefix entry id -> cache row (device arrays)
     n = runner.num_slots
-    self._width = _HEADER + max(runner.max_len, 7 * n, prefix_entries)
+    self._width = _HEADER + max(_ROW * n + runner.max_prefill_tokens, 7 * n, prefix_entries)
 
   # ---- leader side ------------------------------------------------------------------------------
   def save(self, slot: int, entry: int) -> None:
@@ -46,9 +48,12 @@ class Executor:
     if set(entries) != set(self.rows):
       self._send([KEEP, len(entries)], entries)
 
-  def prefill(self, slot: int, entry: int, start: int, tokens: list[int], s: SamplingArrays) -> Sampled:
-    head = [PREFILL, slot, entry, start, len(tokens), *_bits(s, 0)]
-    return self._send(head, tokens)
+  def prefill(self, rows: list[tuple[int, int, int, list[int]]], s: SamplingArrays) -> Sampled:
+    """Prefills `rows` ((slot, entry, start, tokens) each; entry -1 = no prefix row) in one program;
+    `s` holds a sampling row per row. Returns the sampled rows, in order."""
+    fields = [[slot, entry, start, len(tokens), *_bits(s, i)] for i, (slot, entry, start, tokens) in enumerate(rows)]
+    payload = [v for f in fields for v in f] + [t for *_, tokens in rows for t in tokens]
+    return self._send([PREFILL, len(rows)], payload)
 
   def decode(self, tokens_N: np.ndarray, positions_N: np.ndarray, s: SamplingArrays) -> Sampled:
     n = self.runner.num_slots
@@ -100,10 +105,7 @@ class Executor:
       for e in [e for e in self.rows if e not in keep]:
         del self.rows[e]
     elif kind == PREFILL:
-      slot, entry, start, n = (int(v) for v in msg[1:5])
-      if entry >= 0:
-        r.write_row(slot, self.rows[entry])
-      return r.prefill(slot, [int(t) for t in body[:n]], start, _unbits(msg[5:10]))
+      return self._prefill(int(msg[1]), body)
     elif kind == DECODE:
       n = r.num_slots
       cols = body[: 7 * n].reshape(7, n)
@@ -113,6 +115,22 @@ class Executor:
       raise ValueError(f"unknown engine command {kind}")
     return None
 
+  def _prefill(self, A: int, body: np.ndarray) -> Sampled:
+    r = self.runner
+    fields = body[: _ROW * A].reshape(A, _ROW)
+    n_A = fields[:, 3]
+    tokens_AL = np.full((A, int(n_A.max())), -1, np.int32)
+    offset = _ROW * A
+    for i, (slot, entry, _, n) in enumerate(fields[:, :4]):
+      if entry >= 0:
+        r.write_row(int(slot), self.rows[int(entry)])
+      tokens_AL[i, :n] = body[offset : offset + n]
+      offset += n
+    s = fields[:, 4:]
+    s = np.ascontiguousarray(s.T)
+    sampling = sampling_arrays(s[0].view(np.float32), s[1].view(np.float32), s[2], s[3].view(np.uint32), s[4])
+    return r.prefill(fields[:, 0], tokens_AL, fields[:, 2], sampling)
+
 
 def _as_int32(a: np.ndarray) -> np.ndarray:
   """The 32 bits of `a` (float32, uint32 or int32) as int32, so one int array carries them all."""
@@ -121,8 +139,3 @@ def _as_int32(a: np.ndarray) -> np.ndarray:
 
 def _bits(s: SamplingArrays, row: int) -> list[int]:
   return [int(_as_int32(np.asarray(a)[row : row + 1])[0]) for a in s]
-
-
-def _unbits(v: np.ndarray) -> SamplingArrays:
-  v = np.asarray(v, np.int32)
-  return sampling_arrays(v[0:1].view(np.float32), v[1:2].view(np.float32), v[2:3], v[3:4].view(np.uint32), v[4:5])

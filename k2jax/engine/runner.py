@@ -1,8 +1,10 @@
-"""Compiled model steps over a fixed-shape slot cache: prefill one slot, decode all slots, copy rows.
+"""Compiled model steps over a fixed-shape slot cache: prefill a batch of slots, decode all slots, copy rows.
 
 Shapes are fixed so each function compiles once: the cache is [L, num_slots, max_len, ...]; decode
-always runs all slots (free slots carry position max_len, so they write nothing); prefill pads the new
-tokens to a power-of-two bucket (>= min_bucket), one compile per bucket used. The cache is donated to
+always runs all slots (free slots carry position max_len, so they write nothing); prefill runs the
+requests admitted in one scheduling step together (as SGLang and vLLM do), as a [rows, T] batch padded
+to power-of-two buckets in both dimensions (rows <= num_slots, T >= min_bucket, rows * T <=
+max_prefill_tokens), one compile per bucket pair used. The cache is donated to
 every step, so XLA updates it in place. On a serving mesh (`placement.Placement`) every step is jitted
 with explicit in/out shardings: weights per the serving preset, the cache by slot, host inputs and
 sampled outputs replicated.
@@ -44,10 +46,14 @@ class ModelRunner:
     max_len: int,
     num_top: int,
     min_bucket: int = 16,
+    max_prefill_tokens: int = 0,
     placement: Placement = Placement(),
   ):
+    """`max_prefill_tokens`: the most padded tokens (rows * T) one batched prefill may hold (a single
+    request always fits); 0 = enough for every slot at the smallest bucket, and at least max_len."""
     self.cfg = model.cfg
     self.num_slots, self.max_len, self.min_bucket = num_slots, max_len, min_bucket
+    self.max_prefill_tokens = max(max_prefill_tokens or num_slots * min_bucket, max_len)
     self.placement = placement
     self._graphdef, state = nnx.split(model)
     self._shardings = None if placement.mesh is None else placement.state_shardings(state)
@@ -60,7 +66,7 @@ class ModelRunner:
 
   def _compile(self, graphdef) -> None:
     steps = jit_steps(graphdef, self._num_top, self.placement, self._shardings)
-    self._decode, self._prefill = steps.decode, steps.prefill
+    self._decode, self._prefill, self._prefill_batch = steps.decode, steps.prefill, steps.prefill_batch
     self._read_row, self._write_row, self._init_cache = steps.read_row, steps.write_row, steps.init_cache
 
   # ---- memory between phases (colocated RL) ---------------------------------------------------------
@@ -111,19 +117,42 @@ class ModelRunner:
       return nnx.to_pure_dict(here) if here is not None else jax.local_devices()[0]
     return nnx.to_pure_dict(self._shardings)
 
-  def prefill(self, slot: int, tokens: list[int], start: int, sampling: SamplingArrays) -> Sampled:
-    """Writes tokens at positions start.. of `slot` and samples the token after the last one."""
-    n = len(tokens)
-    T = bucket_length(n, self.min_bucket, self.max_len)
-    tokens_1T = np.zeros((1, T), np.int32)
-    tokens_1T[0, :n] = tokens
-    positions_1T = np.full((1, T), self.max_len, np.int32)  # padding: out of range, write dropped
-    positions_1T[0, :n] = np.arange(start, start + n)
+  def prefill(self, slot, tokens, start, sampling: SamplingArrays) -> Sampled:
+    """Writes each row's tokens at positions start.. of its slot and samples the token after its last one.
+
+    One row: `slot` and `start` ints, `tokens` a list. Several (the requests admitted in one step):
+    `slot` and `start` [A] ints, `tokens` an int array [A, longest] padded with -1 after each row's end,
+    `sampling` [A]; distinct slots. Returns the sampled rows [A]."""
+    slots_A = np.atleast_1d(np.asarray(slot, np.int32))
+    starts_A = np.atleast_1d(np.asarray(start, np.int32))
+    tokens_AL = np.atleast_2d(np.asarray(tokens, np.int32))
+    A = len(slots_A)
+    n_A = (tokens_AL >= 0).sum(axis=1)
+    if tokens_AL.shape[0] != A or len(starts_A) != A or np.any(n_A < 1):
+      raise ValueError(f"prefill: {A} slots, {tokens_AL.shape[0]} token rows, {len(starts_A)} starts, lengths {n_A}")
+    R, T = self.prefill_shape(A, int(n_A.max()))
+    tokens_RT = np.zeros((R, T), np.int32)
+    positions_RT = np.full((R, T), self.max_len, np.int32)  # padding: out of range, write dropped
+    for i in range(A):
+      tokens_RT[i, : n_A[i]] = tokens_AL[i, : n_A[i]]
+      positions_RT[i, : n_A[i]] = np.arange(starts_A[i], starts_A[i] + n_A[i])
+    slots_R = np.full(R, slots_A[0], np.int32)  # padding rows read slot 0's row and write it back first
+    slots_R[:A] = slots_A
+    last_R = np.zeros(R, np.int32)
+    last_R[:A] = n_A - 1
+    fn = self._prefill if R == 1 else self._prefill_batch
     with self.placement.use():
-      out, self.cache = self._prefill(
-        self._state, self.cache, np.int32(slot), tokens_1T, positions_1T, np.array([n - 1], np.int32), sampling
-      )
-    return jax.tree.map(np.asarray, out)
+      out, self.cache = fn(self._state, self.cache, slots_R, tokens_RT, positions_RT, last_R, _pad_rows(sampling, R))
+    return jax.tree.map(lambda a: np.asarray(a)[:A], out)
+
+  def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
+    """The compiled (rows, T) bucket a prefill of `rows` requests, the longest `longest` tokens, runs in."""
+    return bucket_length(rows, 1, self.num_slots), bucket_length(longest, self.min_bucket, self.max_len)
+
+  def prefill_fits(self, rows: int, longest: int) -> bool:
+    """Whether one batched prefill may hold these rows (one row always does)."""
+    R, T = self.prefill_shape(rows, longest)
+    return rows == 1 or R * T <= self.max_prefill_tokens
 
   def decode(self, tokens_N: np.ndarray, positions_N: np.ndarray, sampling: SamplingArrays) -> Sampled:
     """One token per slot at positions_N (max_len for free slots)."""
@@ -139,24 +168,39 @@ class ModelRunner:
     return jax.tree.map(np.asarray, out)
 
   def precompile(self) -> None:
-    """Compiles every prefill bucket, the decode step and the row copies now, so that no request waits
-    behind a compile later (a compile cannot be aborted). Every write lands at position max_len: dropped."""
-    T = min(self.min_bucket, self.max_len)  # every length bucket_length can return
-    while True:
-      self._prefill_padding(T)
-      if T >= self.max_len:
-        break
-      T = min(2 * T, self.max_len)
+    """Compiles every prefill bucket (rows x length) `prefill` can run, the decode step and the row copies
+    now, so that no request waits behind a compile later (a compile cannot be aborted). Every write lands
+    at position max_len: dropped."""
+    for R, T in self.prefill_buckets():
+      self._prefill_padding(R, T)
     n = self.num_slots
     self.decode(np.zeros(n, np.int32), np.full(n, self.max_len, np.int32), _greedy(n))
     self.write_row(0, self.read_row(0))
 
-  def _prefill_padding(self, T: int) -> None:
-    """Runs the prefill of bucket T on padding only: compiles it and changes no cache row."""
-    tokens_1T, positions_1T = np.zeros((1, T), np.int32), np.full((1, T), self.max_len, np.int32)
+  def prefill_buckets(self) -> list[tuple[int, int]]:
+    """Every (rows, T) shape `prefill` can compile: one row at every length bucket, several rows at the
+    lengths that keep rows * T <= max_prefill_tokens."""
+    lengths, T = [], min(self.min_bucket, self.max_len)
+    while True:
+      lengths.append(T)
+      if T >= self.max_len:
+        break
+      T = min(2 * T, self.max_len)
+    rows, R = [], 1
+    while True:
+      rows.append(R)
+      if R >= self.num_slots:
+        break
+      R = min(2 * R, self.num_slots)
+    return [(R, T) for R in rows for T in lengths if R == 1 or R * T <= self.max_prefill_tokens]
+
+  def _prefill_padding(self, R: int, T: int) -> None:
+    """Runs the prefill of bucket (R, T) on padding only: compiles it and changes no cache row."""
+    tokens_RT, positions_RT = np.zeros((R, T), np.int32), np.full((R, T), self.max_len, np.int32)
+    fn = self._prefill if R == 1 else self._prefill_batch
     with self.placement.use():
-      _, self.cache = self._prefill(
-        self._state, self.cache, np.int32(0), tokens_1T, positions_1T, np.zeros(1, np.int32), _greedy(1)
+      _, self.cache = fn(
+        self._state, self.cache, np.zeros(R, np.int32), tokens_RT, positions_RT, np.zeros(R, np.int32), _greedy(R)
       )
 
   def read_row(self, slot: int) -> dict:
@@ -173,7 +217,8 @@ class Steps:
   """The engine's jitted programs (`ModelRunner` calls them; `k2jax.rl.aot` lowers them for a TPU slice)."""
 
   decode: Callable  # (state, cache, tokens_N1, positions_N1, last_index_N, sampling) -> (Sampled, cache)
-  prefill: Callable  # (state, cache, slot, tokens_1T, positions_1T, last_index_1, sampling) -> (Sampled, cache)
+  prefill: Callable  # (state, cache, slots_1, tokens_1T, positions_1T, last_index_1, sampling) -> (Sampled, cache)
+  prefill_batch: Callable  # the same program over R > 1 rows (slots_R, tokens_RT, ...): its own jit cache
   read_row: Callable  # (cache, slot) -> one row (a prefix-cache entry)
   write_row: Callable  # (cache, row, slot) -> cache
   init_cache: Callable  # (cfg, num_slots, max_len) static -> a zeroed cache
@@ -189,6 +234,7 @@ def jit_steps(graphdef, num_top: int, placement: Placement, state_shardings) -> 
     return Steps(
       decode=jax.jit(step, donate_argnums=(1,)),
       prefill=jax.jit(prefill, donate_argnums=(1,)),
+      prefill_batch=jax.jit(prefill, donate_argnums=(1,)),
       read_row=jax.jit(decode.read_row),
       write_row=jax.jit(decode.write_row, donate_argnums=(0,)),
       init_cache=jax.jit(decode.init_cache, static_argnums=(0, 1, 2)),
@@ -198,6 +244,7 @@ def jit_steps(graphdef, num_top: int, placement: Placement, state_shardings) -> 
   return Steps(
     decode=jax.jit(step, in_shardings=(state, cache, rep, rep, rep, rep), **io),
     prefill=jax.jit(prefill, in_shardings=(state, cache) + (rep,) * 5, **io),
+    prefill_batch=jax.jit(prefill, in_shardings=(state, cache) + (rep,) * 5, **io),
     read_row=jax.jit(decode.read_row, in_shardings=(cache, rep), out_shardings=rep),
     write_row=jax.jit(decode.write_row, in_shardings=(cache, rep, rep), out_shardings=cache, donate_argnums=(0,)),
     init_cache=jax.jit(decode.init_cache, static_argnums=(0, 1, 2), out_shardings=cache),
@@ -210,25 +257,54 @@ def _step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_index_B
   return sample(logits_BS, sampling, num_top), cache
 
 
-def _prefill(step, state, cache, slot, tokens_1T, positions_1T, last_index_1, sampling):
-  row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
-  out, row = step(state, row, tokens_1T, positions_1T, last_index_1, sampling)
-  cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1), cache, row)
+def _prefill(step, state, cache, slots_R, tokens_RT, positions_RT, last_index_R, sampling):
+  """Prefills R cache rows: gathers rows slots_R, runs the step over them, writes them back.
+
+  Row slices and updates (R <= num_slots, unrolled) rather than a gather/scatter over the slot axis: the
+  same program as a one-slot prefill for R = 1. Padding rows repeat slots_R[0] and leave its row
+  unchanged (their positions are out of range); they are written back first, the real rows after."""
+  R = tokens_RT.shape[0]
+  rows = [jax.tree.map(functools.partial(_slice_row, slot=slots_R[i]), cache) for i in range(R)]
+  rows = jax.tree.map(lambda *r: jax.numpy.concatenate(r, axis=1), *rows) if R > 1 else rows[0]
+  out, rows = step(state, rows, tokens_RT, positions_RT, last_index_R, sampling)
+  for i in reversed(range(R)):
+    cache = jax.tree.map(functools.partial(_update_row, i=i, slot=slots_R[i]), cache, rows)
   return out, cache
 
 
-def _prefill_sharded(step, state, cache, slot, tokens_1T, positions_1T, last_index_1, sampling):
-  """`_prefill` for a cache sharded by slot: the row is picked by a mask over the slots, not a dynamic
+def _slice_row(a, *, slot):
+  return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)
+
+
+def _update_row(a, rows, *, i, slot):
+  return jax.lax.dynamic_update_slice_in_dim(a, rows[:, i : i + 1], slot, axis=1)
+
+
+def _prefill_sharded(step, state, cache, slots_R, tokens_RT, positions_RT, last_index_R, sampling):
+  """`_prefill` for a cache sharded by slot: each row is picked by a mask over the slots, not a dynamic
   slice. A dynamic index into a sharded dim makes XLA gather the whole cache onto every device first
   (`configs/rl.py:1t`, 640 slots x 4096 tokens: 177.7 GiB of temporaries per device, k2jax/rl/aot.py); masked,
-  each device sums its own shard (the row or zeros: exact) and one row is all-reduced, and the write is
-  a local select. Every value is the one `_prefill` computes."""
-  n = jax.tree.leaves(cache)[0].shape[1]
-  mask = lambda a: (jnp.arange(n) == slot).reshape((1, n) + (1,) * (a.ndim - 2))  # noqa: E731
-  row = jax.tree.map(lambda a: jnp.sum(jnp.where(mask(a), a, jnp.zeros((), a.dtype)), axis=1, keepdims=True), cache)
-  out, row = step(state, row, tokens_1T, positions_1T, last_index_1, sampling)
-  cache = jax.tree.map(lambda a, r: jnp.where(mask(a), r.astype(a.dtype), a), cache, row)
+  each device sums its own shard (the row or zeros: exact) and the rows are all-reduced, and the writes
+  are local selects, in `_prefill`'s order (padding rows first, row 0 last). Every value is the one
+  `_prefill` computes. Each row's read is a pass over the device's cache shard: batches of many short
+  rows cost R passes (a per-device local slice under shard_map would read only the rows; not done)."""
+  n, R = jax.tree.leaves(cache)[0].shape[1], tokens_RT.shape[0]
+  masks = [lambda a, s=slots_R[i]: (jnp.arange(n) == s).reshape((1, n) + (1,) * (a.ndim - 2)) for i in range(R)]
+  pick = lambda a, m: jnp.sum(jnp.where(m(a), a, jnp.zeros((), a.dtype)), axis=1, keepdims=True)  # noqa: E731
+  rows = [jax.tree.map(lambda a, m=m: pick(a, m), cache) for m in masks]
+  rows = jax.tree.map(lambda *r: jnp.concatenate(r, axis=1), *rows) if R > 1 else rows[0]
+  out, rows = step(state, rows, tokens_RT, positions_RT, last_index_R, sampling)
+  for i in reversed(range(R)):
+    cache = jax.tree.map(lambda a, r, m=masks[i], i=i: jnp.where(m(a), r[:, i : i + 1].astype(a.dtype), a), cache, rows)
   return out, cache
+
+
+def _pad_rows(s: SamplingArrays, R: int) -> SamplingArrays:
+  """`s` with greedy rows appended up to R (padding rows of a prefill batch)."""
+  pad = R - len(np.asarray(s.temperature))
+  if pad == 0:
+    return s
+  return SamplingArrays(*(np.concatenate([np.asarray(a), np.asarray(g)]) for a, g in zip(s, _greedy(pad))))
 
 
 def sampling_arrays(temperature, top_p, top_k, seed, position) -> SamplingArrays:
