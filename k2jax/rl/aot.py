@@ -131,7 +131,7 @@ def _generation(lc, devices, state, hbm: int) -> dict:
     pre = steps.prefill.lower(
       weights,
       cache,
-      host((), jnp.int32),
+      host((1,), jnp.int32),
       host((1, max_len), jnp.int32),
       host((1, max_len), jnp.int32),
       host((1,), jnp.int32),
