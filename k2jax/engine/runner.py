@@ -229,12 +229,15 @@ def jit_steps(graphdef, num_top: int, placement: Placement, state_shardings) -> 
   on a serving mesh with explicit shardings (weights `state_shardings`, the cache by slot, host inputs and
   sampled outputs replicated) and the cache donated."""
   step = functools.partial(_step, graphdef, num_top)
-  prefill = functools.partial(_prefill if placement.mesh is None else _prefill_sharded, step)
+  # Two partials: jit shares one compilation cache among wrappers of the same callable, and the one-row
+  # program keeps its own (`_prefill._cache_size()` counts the length buckets).
+  fn = _prefill if placement.mesh is None else _prefill_sharded
+  prefill, prefill_batch = functools.partial(fn, step), functools.partial(fn, step)
   if placement.mesh is None:
     return Steps(
       decode=jax.jit(step, donate_argnums=(1,)),
       prefill=jax.jit(prefill, donate_argnums=(1,)),
-      prefill_batch=jax.jit(prefill, donate_argnums=(1,)),
+      prefill_batch=jax.jit(prefill_batch, donate_argnums=(1,)),
       read_row=jax.jit(decode.read_row),
       write_row=jax.jit(decode.write_row, donate_argnums=(0,)),
       init_cache=jax.jit(decode.init_cache, static_argnums=(0, 1, 2)),
@@ -244,7 +247,7 @@ def jit_steps(graphdef, num_top: int, placement: Placement, state_shardings) -> 
   return Steps(
     decode=jax.jit(step, in_shardings=(state, cache, rep, rep, rep, rep), **io),
     prefill=jax.jit(prefill, in_shardings=(state, cache) + (rep,) * 5, **io),
-    prefill_batch=jax.jit(prefill, in_shardings=(state, cache) + (rep,) * 5, **io),
+    prefill_batch=jax.jit(prefill_batch, in_shardings=(state, cache) + (rep,) * 5, **io),
     read_row=jax.jit(decode.read_row, in_shardings=(cache, rep), out_shardings=rep),
     write_row=jax.jit(decode.write_row, in_shardings=(cache, rep, rep), out_shardings=cache, donate_argnums=(0,)),
     init_cache=jax.jit(decode.init_cache, static_argnums=(0, 1, 2), out_shardings=cache),
