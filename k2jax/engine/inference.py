@@ -423,12 +423,7 @@ class InferenceEngine(Engine):
         self._prefill([(slot, live, entry, reuse)])
       return
     for i, (slot, live, _, _) in enumerate(batch):
-      try:
-        self._emit(slot, live, out, i)
-      except Exception as e:  # e.g. a stop string this request's detokenizer chokes on
-        log.exception("request %s failed", live.request.rid)
-        with self._cv:
-          self._fail(live, slot, f"engine error: {type(e).__name__}: {e}")
+      self._emit(slot, live, out, i)
 
   def _decode_step(self) -> None:
     n = self.config.max_slots
@@ -440,21 +435,22 @@ class InferenceEngine(Engine):
     for i, live in enumerate(self._slots):
       if live is not None:
         live.fed.append(live.out[-1])
-        try:
-          self._emit(i, live, out, i)
-        except Exception as e:  # e.g. a stop string this request's detokenizer chokes on
-          log.exception("request %s failed", live.request.rid)
-          with self._cv:
-            self._fail(live, i, f"engine error: {type(e).__name__}: {e}")
+        self._emit(i, live, out, i)
 
   def _emit(self, slot: int, live: Live, out, i: int) -> None:
-    """Appends row i's sampled token to `live`; finishes the request when a stop condition holds."""
-    token = live.append(out, i, self.weight_version)
-    finish = finish_reason(live, token, self.eos_token_ids, self._detokenize)
-    if finish is not None:
-      self._release(slot, live, *finish)
-    else:
-      live.notify()
+    """Appends row i's sampled token to `live`; finishes the request when a stop condition holds. An error
+    here (e.g. a stop string this request's detokenizer chokes on) fails this request alone."""
+    try:
+      token = live.append(out, i, self.weight_version)
+      finish = finish_reason(live, token, self.eos_token_ids, self._detokenize)
+      if finish is not None:
+        self._release(slot, live, *finish)
+      else:
+        live.notify()
+    except Exception as e:
+      log.exception("request %s failed", live.request.rid)
+      with self._cv:
+        self._fail(live, slot, f"engine error: {type(e).__name__}: {e}")
 
   def _finish_aborted(self) -> None:
     for i, live in enumerate(self._slots):
