@@ -74,6 +74,64 @@ def initialize(
   return num_processes > 1
 
 
+# A process may wait this long for the others at `barrier` (a 1T step can compile for many minutes).
+BARRIER_TIMEOUT_S = 3600
+_barriers = [0]
+
+
+def barrier(what: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+  """Wait until every process reaches its own call number n of `barrier` (no-op single-process).
+
+  This is the coordination service's barrier, not a device collective: JAX's CPU collectives (gloo) give
+  a device group 30 s to form when its first collective runs (jaxlib's fixed key-value timeout), so a
+  process that reaches its first collective that much before the others fails with "Gloo context
+  initialization failed". Compiling the step is what makes processes drift apart (the persistent
+  compilation cache serves process 0 and not the others), so `Core.jit` compiles, then waits here.
+  `multihost_utils.sync_global_devices` would not do: it is itself a collective.
+  """
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed as jax_distributed  # the running client; jax has no public handle
+
+  client = jax_distributed.global_state.client
+  _barriers[0] += 1
+  name = f"k2jax/{_barriers[0]}/{what}"
+  try:
+    client.wait_at_barrier(name, int(timeout_s * 1000))
+  except Exception as e:  # jaxlib raises XlaRuntimeError with the coordination service's status
+    raise RuntimeError(
+      f"process {jax.process_index()}: the other processes did not reach barrier {name!r} within "
+      f"{timeout_s:.0f} s ({e})"
+    ) from e
+
+
+class compiled_together:
+  """`jitted` (a `jax.jit` function, or anything with its `lower`) that, with several processes, compiles
+  each new argument signature and waits at `barrier` before running it, so every process enters the
+  program's collectives together. One process: `jitted` itself, unchanged."""
+
+  def __init__(self, jitted, what: str):
+    self.jitted, self.what, self.seen = jitted, what, set()
+
+  def __call__(self, *args):
+    if jax.process_count() > 1:
+      key = _signature(args)
+      if key not in self.seen:
+        self.jitted.lower(*args).compile()  # jit keeps this compilation: the call below reuses it
+        barrier(f"compiled {self.what}")
+        self.seen.add(key)
+    return self.jitted(*args)
+
+  def __getattr__(self, name):  # lower, eval_shape, _cache_size...: the jitted function's own
+    return getattr(self.jitted, name)
+
+
+def _signature(args) -> tuple:
+  leaves, tree = jax.tree.flatten(args)
+  one = lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else x  # noqa: E731
+  return (tree, *map(one, leaves))
+
+
 def process_rows(global_batch_size: int, sharding: NamedSharding) -> slice:
   """Rows of a [global_batch_size, ...] batch that this process's devices hold under `sharding`.
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k2jax import distributed
 from k2jax.engine import decode
 from k2jax.engine.placement import Placement, place
 from k2jax.engine.sampling import Sampled, SamplingArrays, sample
@@ -244,13 +245,17 @@ def jit_steps(graphdef, num_top: int, placement: Placement, state_shardings) -> 
     )
   rep, cache, state = placement.replicated, placement.cache_sharding(), state_shardings
   io = dict(out_shardings=(rep, cache), donate_argnums=(1,))
+  # A serving mesh may span processes (lockstep serving): each program runs on all together.
+  together = distributed.compiled_together
   return Steps(
-    decode=jax.jit(step, in_shardings=(state, cache, rep, rep, rep, rep), **io),
-    prefill=jax.jit(prefill, in_shardings=(state, cache) + (rep,) * 5, **io),
-    prefill_batch=jax.jit(prefill_batch, in_shardings=(state, cache) + (rep,) * 5, **io),
-    read_row=jax.jit(decode.read_row, in_shardings=(cache, rep), out_shardings=rep),
-    write_row=jax.jit(decode.write_row, in_shardings=(cache, rep, rep), out_shardings=cache, donate_argnums=(0,)),
-    init_cache=jax.jit(decode.init_cache, static_argnums=(0, 1, 2), out_shardings=cache),
+    decode=together(jax.jit(step, in_shardings=(state, cache, rep, rep, rep, rep), **io), "decode"),
+    prefill=together(jax.jit(prefill, in_shardings=(state, cache) + (rep,) * 5, **io), "prefill"),
+    prefill_batch=together(jax.jit(prefill_batch, in_shardings=(state, cache) + (rep,) * 5, **io), "prefill_batch"),
+    read_row=together(jax.jit(decode.read_row, in_shardings=(cache, rep), out_shardings=rep), "read_row"),
+    write_row=together(
+      jax.jit(decode.write_row, in_shardings=(cache, rep, rep), out_shardings=cache, donate_argnums=(0,)), "write_row"
+    ),
+    init_cache=together(jax.jit(decode.init_cache, static_argnums=(0, 1, 2), out_shardings=cache), "init_cache"),
   )
 
 

@@ -335,7 +335,9 @@ class Learner:
     self.rl_step = self.core.jit(make_update(lc, self.mdef, self.optimizer, self.schedule), donate_params=donate)
     sft_step = rl_step.make_sft_step(self.mdef, self.optimizer, self.schedule, qk_clip_tau=tau)
     self.sft_step = self.core.jit(sft_step, donate_params=donate)
-    logprobs = jax.jit(rl_step.make_logprobs_fn(self.mdef), out_shardings=self.core.batch_sharding)
+    logprobs = distributed.compiled_together(
+      jax.jit(rl_step.make_logprobs_fn(self.mdef), out_shardings=self.core.batch_sharding), "logprobs"
+    )
 
     def logprobs_fn(params, bias, tokens_BT, segment_ids_BT):
       with self.core.use():

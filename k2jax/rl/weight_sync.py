@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from k2jax import distributed
 from k2jax.convert import writer as hf_writer
 from k2jax.model.config import K2Config
 
@@ -89,7 +90,7 @@ class WeightSync:
     if primary:
       shutil.rmtree(tmp, ignore_errors=True)
       os.makedirs(tmp)
-    _barrier(f"weight_sync_mkdir_{version}")
+    distributed.barrier(f"weight_sync_mkdir_{version}")
     try:
       crcs = self._writer.write(state, tmp, skip=lambda name, crc: not full and self._crcs.get(name) == crc)
     except BaseException:  # every process raises (the writer agrees on failures); nothing is served
@@ -101,7 +102,7 @@ class WeightSync:
       if primary:
         shutil.rmtree(tmp, ignore_errors=True)
       return self.version
-    _barrier(f"weight_sync_written_{version}")
+    distributed.barrier(f"weight_sync_written_{version}")
     try:
       if primary:
         meta = {"k2jax_weight_version": str(version), "k2jax_delta": str(n_written < self._writer.n_tensors)}
@@ -133,10 +134,3 @@ def _global_sum(n: int) -> int:
   from jax.experimental import multihost_utils
 
   return int(np.sum(multihost_utils.process_allgather(np.int32(n))))
-
-
-def _barrier(name: str) -> None:
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(name)

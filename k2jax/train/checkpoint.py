@@ -37,6 +37,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from k2jax import distributed
 from k2jax.convert import workdir as wd
 from k2jax.train.config import ON_UNREADABLE
 from k2jax.train.metrics import say
@@ -196,10 +197,7 @@ class Checkpointer:
       os.makedirs(os.path.dirname(dst), exist_ok=True)
       shutil.move(os.path.join(self.directory, str(step)), dst)
       logging.error("moved unreadable checkpoint to %s", dst)
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-
-      multihost_utils.sync_global_devices(f"quarantine_{step}")
+    distributed.barrier(f"quarantine_{step}")
     self.mgr.close()
     self.mgr = self._manager()
 

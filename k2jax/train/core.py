@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from k2jax import sharding
+from k2jax import distributed, sharding
 from k2jax.convert import workdir as wd
 from k2jax.model.config import K2Config
 from k2jax.model.transformer import K2Model
@@ -68,9 +68,25 @@ class Layout:
     them, `k2jax.rl.weight_sync`); the rest of the state is still donated."""
     if donate_params:
       return jax.jit(step, out_shardings=(self.shardings, None), donate_argnums=0)
+    return _KeepWeights(step, self.shardings)
+
+
+class _KeepWeights:
+  """`step(state, *batch)` jitted with the state's params and bias passed apart and not donated."""
+
+  def __init__(self, step: Callable, shardings: TrainState):
     weights_and_rest = lambda w, rest, *batch: step(rest._replace(params=w[0], bias=w[1]), *batch)  # noqa: E731
-    inner = jax.jit(weights_and_rest, out_shardings=(self.shardings, None), donate_argnums=1)
-    return lambda s, *batch: inner((s.params, s.bias), s._replace(params=None, bias=None), *batch)
+    self.inner = jax.jit(weights_and_rest, out_shardings=(shardings, None), donate_argnums=1)
+
+  @staticmethod
+  def _split(s: TrainState):
+    return (s.params, s.bias), s._replace(params=None, bias=None)
+
+  def __call__(self, s: TrainState, *batch):
+    return self.inner(*self._split(s), *batch)
+
+  def lower(self, s: TrainState, *batch):
+    return self.inner.lower(*self._split(s), *batch)
 
 
 @dataclasses.dataclass
@@ -87,7 +103,10 @@ class Core(Layout):
     """`step(state, *batch) -> (state, metrics)`, jitted (`Layout.jitted`), traced and called under this
     core's mesh context. Inputs keep their own shardings: the state comes from `build` (or a previous
     step), batches from `distributed.global_batch` (sharded on rows)."""
-    fn = self.jitted(step, donate_params=donate_params)
+    # Several processes: each batch signature is compiled, then run by all together (`compiled_together`).
+    fn = distributed.compiled_together(
+      self.jitted(step, donate_params=donate_params), getattr(step, "__name__", "step")
+    )
 
     def call(state, *batch):
       with self.use():

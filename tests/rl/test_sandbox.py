@@ -24,7 +24,9 @@ from k2jax.sandbox.runner import SandboxConfig, SandboxUnavailable, run_python
 from tests.rl import sandbox_probes
 
 # Generous wall limits: the CI machine is shared, so CPU seconds accrue slower than wall seconds.
-SB = SandboxConfig(cpu_time_s=1, wall_time_s=30, memory_bytes=128 * 2**20, file_size_bytes=2**20)
+# 5 s of CPU: a slow CI VM spends most of a second on interpreter start and page faults, and a memory
+# hog must meet its memory limit first. The CPU-limit case sets its own 1 s.
+SB = SandboxConfig(cpu_time_s=5, wall_time_s=30, memory_bytes=128 * 2**20, file_size_bytes=2**20)
 CFG = CodeRewardConfig(SB)
 TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]
 NOT_ISOLATED = sandbox.isolation_error(SB)
@@ -88,7 +90,11 @@ def test_wrong_code_gets_pass_rate():
   ],
 )
 def test_misbehaviour_gets_zero_with_reason(code, reason):
-  cfg = CFG if "sleep" not in code else CodeRewardConfig(dataclasses.replace(SB, wall_time_s=2.0))
+  cfg = CFG
+  if "sleep" in code:
+    cfg = CodeRewardConfig(dataclasses.replace(SB, wall_time_s=2.0))
+  elif reason == "CPU time limit":
+    cfg = CodeRewardConfig(dataclasses.replace(SB, cpu_time_s=1))
   r = _reward("\n" + code + "\n", cfg)
   assert r.reward == 0.0 and reason in r.reason, r
   assert not os.path.exists("/tmp/k2jax_sandbox_escape.txt")
