@@ -71,3 +71,45 @@ def test_initialize_argument_errors_and_single_process_default():
     distributed.initialize(env={"K2JAX_NUM_PROCESSES": "two"})
   with pytest.raises(ValueError, match="needs host:port"):
     distributed.initialize(env={"K2JAX_COORDINATOR": "10.0.0.1", "K2JAX_NUM_PROCESSES": "2", "K2JAX_PROCESS_ID": "0"})
+
+
+def test_compiled_together_compiles_then_meets_once_per_signature(monkeypatch):
+  """With several processes each new argument signature is compiled before the barrier and run after it
+  (no second compile); a signature seen before runs straight away. One process: no barrier at all."""
+  import numpy as np
+  from jax._src import monitoring
+
+  from k2jax import distributed
+
+  events: list[str] = []
+
+  def on_compile(event, duration, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      events.append("compile")
+
+  monitoring.register_event_duration_secs_listener(on_compile)
+  monkeypatch.setattr(distributed, "barrier", lambda what, **kw: events.append(f"barrier {what}"))
+  traced = []
+  fn = distributed.compiled_together(jax.jit(lambda x: traced.append(x.shape) or x * 2), "double")
+  ones = lambda *shape: np.ones(shape, np.float32)  # noqa: E731  host inputs: no compile of their own
+  try:
+    np.testing.assert_array_equal(np.asarray(fn(ones(3))), 2 * ones(3))  # one process: jit itself
+    assert events == ["compile"]
+    events.clear()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    np.testing.assert_array_equal(np.asarray(fn(ones(4))), 2 * ones(4))
+    assert events == ["compile", "barrier compiled double"]
+    fn(3 * ones(4))
+    assert events == ["compile", "barrier compiled double"]  # seen: no compile, no barrier
+    fn(ones(2, 2))
+    assert events[2:] == ["compile", "barrier compiled double"]
+    assert traced == [(3,), (4,), (2, 2)]  # each signature traced once
+    assert "mul" in fn.lower(ones(5)).as_text()  # the jitted function's own attributes pass through
+  finally:
+    monitoring.unregister_event_duration_listener(on_compile)
+
+
+def test_barrier_is_a_no_op_with_one_process():
+  from k2jax import distributed
+
+  distributed.barrier("alone", timeout_s=0.001)
