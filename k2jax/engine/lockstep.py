@@ -19,11 +19,15 @@ With one process nothing is broadcast: the leader just runs each command.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 
 from k2jax.engine.runner import ModelRunner, sampling_arrays
 from k2jax.engine.sampling import Sampled, SamplingArrays
+
+log = logging.getLogger(__name__)
 
 SAVE, KEEP, PREFILL, DECODE, PAUSE, CLOSE = range(1, 7)
 _HEADER = 16
@@ -84,7 +88,13 @@ class Executor:
       kind = int(msg[0])
       if kind in (PAUSE, CLOSE):
         return kind
-      self._run(msg)
+      try:
+        self._run(msg)
+      except Exception:
+        # The leader ran this same command (same program, same inputs) and met the same error; it decides
+        # what comes next (fails the request, prefills a failed batch one row at a time), and this loop
+        # runs that. A follower whose loop ended here would leave the leader's next broadcast hanging.
+        log.exception("engine command %d failed on process %d; following the leader", kind, jax.process_index())
 
   def _broadcast(self, msg: np.ndarray) -> np.ndarray:
     from jax.experimental import multihost_utils
