@@ -28,30 +28,82 @@ def is_partial_hf_dir(path: str) -> bool:
 
 
 def overlay_hf_tensors(cfg: K2Config, state: dict, path: str) -> dict:
-  """A new pure state dict: `state` with every tensor in the HF directory `path` replaced."""
+  """A new pure state dict: `state` with every tensor in the HF directory `path` replaced.
+
+  Leaves are host arrays or jax.Arrays of any sharding, over any number of processes: each process
+  writes only its own shards (a replaced leaf keeps its sharding) and reads only the tensors that fall
+  in them (an expert-sharded leaf: its own experts' files). Every tensor's shape is checked from its
+  header first, on every process alike, so a bad push fails the same way everywhere."""
   keys = {key: (entry, idx) for entry in entries(cfg) for idx, key in entry.keys(cfg)}
   new = jax.tree.map(lambda a: a, state)  # new containers, shared leaves
-  copied: set[tuple[str, ...]] = set()
-  for file, key, tensor in _read_tensors(path):
+  leaves: dict[tuple[str, ...], _Pieces] = {}
+  for file, key, shape, read in _tensors(path):
     if key not in keys:
       raise CheckpointError(f"{file}: tensor {key!r} is not a parameter of the served model")
     entry, idx = keys[key]
-    if entry.path not in copied:  # copy-on-write
-      _set(new, entry.path, np.array(_get(new, entry.path)))
-      copied.add(entry.path)
-    leaf = _get(new, entry.path)
-    value = tensor.T if entry.transpose else tensor
-    want = leaf[idx].shape
-    if value.shape != want:
+    if entry.path not in leaves:
+      leaves[entry.path] = _Pieces(_get(state, entry.path))
+    pieces = leaves[entry.path]
+    want = pieces.shape[len(idx) :]
+    if tuple(shape) != (want[::-1] if entry.transpose else want):
       raise CheckpointError(
-        f"{file}: tensor {key!r} has shape {list(tensor.shape)}, the served model needs "
+        f"{file}: tensor {key!r} has shape {list(shape)}, the served model needs "
         f"{list(want[::-1] if entry.transpose else want)}"
       )
-    leaf[idx] = value.astype(leaf.dtype)
+    if pieces.holds(idx):
+      value = read()
+      pieces.write(idx, value.T if entry.transpose else value)
+  for leaf_path, pieces in leaves.items():
+    _set(new, leaf_path, pieces.build())
   return new
 
 
-def _read_tensors(path: str):
+class _Pieces:
+  """One leaf being overlaid, as the pieces this process holds: a host array is one piece; a jax.Array
+  one per addressable shard. A piece is copied to the host the first time a tensor writes into it
+  (copy-on-write: the old leaf is never modified)."""
+
+  def __init__(self, leaf):
+    self.leaf, self.shape, self.dtype = leaf, tuple(leaf.shape), leaf.dtype
+    if isinstance(leaf, jax.Array):
+      shards = leaf.addressable_shards
+      self.devices = [sh.device for sh in shards]
+      self.data = [sh.data for sh in shards]
+      self.index = [_starts_stops(sh.index, self.shape) for sh in shards]
+    else:
+      self.devices, self.data, self.index = [None], [leaf], [tuple((0, d) for d in self.shape)]
+    self.copied = [False] * len(self.data)
+
+  def _targets(self, idx: tuple[int, ...]) -> list[int]:
+    return [k for k, bounds in enumerate(self.index) if all(lo <= i < hi for i, (lo, hi) in zip(idx, bounds))]
+
+  def holds(self, idx: tuple[int, ...]) -> bool:
+    return bool(self._targets(idx))
+
+  def write(self, idx: tuple[int, ...], value: np.ndarray) -> None:
+    """leaf[idx] = value, on the pieces that hold row `idx`."""
+    for k in self._targets(idx):
+      if not self.copied[k]:
+        self.data[k], self.copied[k] = np.array(self.data[k]), True
+      bounds = self.index[k]
+      at = tuple(i - lo for i, (lo, _) in zip(idx, bounds))
+      part = value[tuple(slice(lo, hi) for lo, hi in bounds[len(idx) :])]
+      self.data[k][at] = part.astype(self.dtype)
+
+  def build(self):
+    if not isinstance(self.leaf, jax.Array):
+      return self.data[0]
+    arrays = [jax.device_put(x, d) if c else x for x, d, c in zip(self.data, self.devices, self.copied)]
+    return jax.make_array_from_single_device_arrays(self.shape, self.leaf.sharding, arrays)
+
+
+def _starts_stops(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+  return tuple(sl.indices(d)[:2] for sl, d in zip(index, shape))
+
+
+def _tensors(path: str):
+  """(file, key, shape, read) per weight tensor of the weight-sync directory `path`; `read()` returns it
+  as a host array (block-FP8 dequantized with its scale), reading only then."""
   index = os.path.join(path, INDEX)
   if not os.path.isfile(index):
     raise CheckpointError(f"{path}: no {INDEX} (expected a weight-sync directory)")
@@ -71,10 +123,12 @@ def _read_tensors(path: str):
       for key, t in header.items():
         if key.endswith(fp8.SCALE_SUFFIX):
           continue  # applied with its weight
-        w = read_block(files, t, tuple((0, d) for d in t.shape))
-        if t.dtype == "F8_E4M3":
-          w = _dequantize(files, file, header, key, w)
-        yield file, key, w
+
+        def read(t=t, key=key):
+          w = read_block(files, t, tuple((0, d) for d in t.shape))
+          return _dequantize(files, file, header, key, w) if t.dtype == "F8_E4M3" else w
+
+        yield file, key, t.shape, read
 
 
 def _dequantize(files: ShardFiles, file: str, header: dict, key: str, w_fp8: np.ndarray) -> np.ndarray:

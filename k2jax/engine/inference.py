@@ -38,6 +38,7 @@ from flax import nnx
 
 from k2jax import api
 from k2jax.convert import overlay
+from k2jax.convert.export_dir import recover
 from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, InvalidRequest
 from k2jax.engine.lockstep import CLOSE, Executor
 from k2jax.engine.placement import make_placement
@@ -109,6 +110,7 @@ class InferenceEngine(Engine):
       leader=self.leader,
       processes=jax.process_count() if multi else 1,
     )
+    self._exec.on_update = self._update_everywhere
     self._next_entry = 0
     if config.precompile:
       t0 = time.monotonic()
@@ -185,22 +187,54 @@ class InferenceEngine(Engine):
 
     `model_path` is a weight-sync delta (an HF safetensors index without config.json, holding only the
     tensors that changed: they replace those tensors of the served weights), or a whole HF directory
-    or k2jax workdir of the same architecture. A failed load raises and changes nothing.
+    or k2jax workdir of the same architecture. A failed load raises and changes nothing. On a mesh of
+    several processes, process 0 takes the update while serving: it goes to every process in the command
+    stream, each reads its own shards from `model_path` (on a filesystem they share), and the new weights
+    serve only if every process read them. Paused (colocated RL phases), every process calls it itself.
     """
     if self._multi and not self._paused:
-      raise RuntimeError(
-        "update_weights from disk on a mesh of several processes: pause() the engine on every process and "
-        "call update_weights(path) on each (every process reads its shards), then resume()"
-      )
+      if not self.leader:
+        raise RuntimeError("update_weights while serving on several processes: call it on process 0 (it leads)")
+
+      def send():
+        version = self.weight_version + 1 if weight_version is None else int(weight_version)
+        return self._exec.update(model_path, version, flush_cache)
+
+      with self._update_lock:
+        return self._run_op(send)
     with self._update_lock:
-      if overlay.is_partial_hf_dir(model_path):
-        params = overlay.overlay_hf_tensors(self.cfg, self._runner.params(), model_path)
-      else:
-        model = api.load(model_path, param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype)
-        if model.cfg.replace(extra=()) != self.cfg.replace(extra=()):
-          raise ValueError("its config.json describes a different architecture than the served model")
-        params = nnx.to_pure_dict(nnx.state(model))
-      return self._swap(params, weight_version, flush_cache)
+      return self._swap(self._read_weights(model_path), weight_version, flush_cache)
+
+  def _read_weights(self, path: str) -> dict:
+    """The weights in `path` on the served shardings (this process reads only its own shards)."""
+    if overlay.is_partial_hf_dir(path):
+      return overlay.overlay_hf_tensors(self.cfg, self._runner.params(), path)
+    recover(path)  # an export that died between its two renames (as k2jax.load)
+    cfg = api.source_config(path, param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype)
+    if cfg.replace(extra=()) != self.cfg.replace(extra=()):
+      raise ValueError("its config.json describes a different architecture than the served model")
+    shardings = self._runner._pure_shardings()
+    return api.source_state(path, cfg, shardings if isinstance(shardings, dict) else None)
+
+  def _update_everywhere(self, path: str, version: int, flush_cache: bool) -> int:
+    """A lockstep UPDATE, on every process: read, agree that every process has the new weights, swap."""
+    try:
+      params, error = self._read_weights(path), None
+    except Exception as e:  # reported after the others have said how their reads went
+      params, error = None, e
+    from jax.experimental import multihost_utils
+
+    failed = np.flatnonzero(multihost_utils.process_allgather(np.int32(error is not None))).tolist()
+    if error is not None:
+      raise error
+    if failed:
+      raise ValueError(f"process(es) {failed} could not read {path} (their logs say why); the old weights serve on")
+    self._runner.set_params(params)
+    if flush_cache:
+      self._prefix.clear()
+      self._exec.rows.clear()  # every process drops its prefix rows alike (no KEEP command from inside one)
+    self.weight_version = version
+    return version
 
   @property
   def shares_pushed_buffers(self) -> bool:

@@ -12,6 +12,8 @@ next command and runs it. Both sides run a command through the same `_run`, so t
   PREFILL A; per row: slot, entry, start, n, sampling[5]; then the A rows' tokens, concatenated
           (the requests admitted in one step, one program; entry >= 0: copy its row into the slot first)
   DECODE  sampling and token/position per slot
+  UPDATE  version, flush, n; the weights' path (n bytes of UTF-8): every process reads its own shards
+          of it (`on_update`, the engine's; a process that cannot read it fails the update everywhere)
   PAUSE / CLOSE                the followers' loop returns (between RL phases / at shutdown)
 
 With one process nothing is broadcast: the leader just runs each command.
@@ -29,7 +31,7 @@ from k2jax.engine.sampling import Sampled, SamplingArrays
 
 log = logging.getLogger(__name__)
 
-SAVE, KEEP, PREFILL, DECODE, PAUSE, CLOSE = range(1, 7)
+SAVE, KEEP, PREFILL, DECODE, PAUSE, CLOSE, UPDATE = range(1, 8)
 _HEADER = 16
 _ROW = 9  # a PREFILL row's fields: slot, entry, start, n, 5 sampling words
 
@@ -40,6 +42,7 @@ class Executor:
   def __init__(self, runner: ModelRunner, *, prefix_entries: int, leader: bool, processes: int):
     self.runner, self.leader, self.processes = runner, leader, processes
     self.rows: dict[int, dict] = {}  # prefix entry id -> cache row (device arrays)
+    self.on_update = None  # (path, version, flush_cache) -> version: runs an UPDATE (the engine's)
     n = runner.num_slots
     self._width = _HEADER + max(_ROW * n + runner.max_prefill_tokens, 7 * n, prefix_entries)
 
@@ -64,6 +67,15 @@ class Executor:
     payload = np.concatenate([tokens_N, positions_N] + [_as_int32(np.asarray(a)) for a in s]).astype(np.int32)
     assert payload.size == 7 * n
     return self._send([DECODE], payload)
+
+  def update(self, path: str, version: int, flush_cache: bool) -> int:
+    raw = path.encode()
+    words = np.frombuffer(raw + b"\0" * (-len(raw) % 4), np.int32)
+    if words.size > self._width - _HEADER:
+      raise ValueError(
+        f"weights path of {len(raw)} bytes: the engine's commands carry at most {4 * (self._width - _HEADER)}"
+      )
+    return self._send([UPDATE, version, int(flush_cache), len(raw)], words)
 
   def pause(self) -> None:
     self._send([PAUSE])
@@ -121,6 +133,9 @@ class Executor:
       cols = body[: 7 * n].reshape(7, n)
       s = sampling_arrays(cols[2].view(np.float32), cols[3].view(np.float32), cols[4], cols[5].view(np.uint32), cols[6])
       return r.decode(cols[0], cols[1], s)
+    elif kind == UPDATE:
+      path = body.view(np.uint8)[: int(msg[3])].tobytes().decode()
+      return self.on_update(path, int(msg[1]), bool(msg[2]))
     elif kind not in (PAUSE, CLOSE):
       raise ValueError(f"unknown engine command {kind}")
     return None

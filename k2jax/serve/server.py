@@ -181,9 +181,6 @@ class Server:
 
   async def update_weights_from_disk(self, request: fastapi.Request):
     body = httpservice.validate(UpdateWeightsBody, await httpservice.read_json(request))
-    if getattr(self.engine, "spans_processes", False):
-      msg = "weight updates from disk are not supported while serving over several JAX processes"
-      return _update_failed(501, msg)
     path = os.path.realpath(body.model_path)
     if not weight_files.inside(path, self.weights_roots):
       roots = " or ".join(self.weights_roots)

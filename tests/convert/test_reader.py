@@ -6,6 +6,7 @@ import json
 import os
 
 import ml_dtypes
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -312,6 +313,45 @@ def test_overlay_applies_an_fp8_weight_push(fp8_dir, tmp_path):
   assert (
     new["moe_layers"]["moe"]["experts"]["w_down"][0, 4].tobytes()
     == state["moe_layers"]["moe"]["experts"]["w_down"][0, 4].tobytes()
+  )
+
+
+def test_overlay_on_sharded_arrays_writes_each_shard_and_keeps_the_sharding(fp8_dir, tmp_path):
+  """The same push onto a state sharded over 8 devices (fsdp_ep): the replaced leaves keep their
+  shardings, each shard is rewritten from the tensors that fall in it, and the result equals the host
+  overlay; untouched leaves are the very same arrays."""
+  from k2jax.convert import overlay
+
+  cfg, state = hf_io.load_hf(fp8_dir)
+  rng = np.random.default_rng(11)
+  tensors = {
+    "model.layers.1.mlp.experts.6.up_proj.weight": (CFG["moe_intermediate_size"], CFG["hidden_size"]),
+    "model.layers.1.self_attn.o_proj.weight": None,
+    "model.norm.weight": None,
+  }
+  host = {k: np.asarray(v) for k, v in hf_io.iter_hf_tensors(cfg, state, None) if k in tensors}
+  push = {k: rng.standard_normal(host[k].shape).astype(np.float32) for k in tensors}
+  delta = tmp_path / "v1"
+  delta.mkdir()
+  save_file(push, str(delta / "model-p00000-00001.safetensors"))
+  with open(delta / "model.safetensors.index.json", "w") as f:
+    json.dump({"metadata": {}, "weight_map": {k: "model-p00000-00001.safetensors" for k in push}}, f)
+
+  mesh = sharding.make_mesh({"fsdp": 2, "expert": 4})
+  sharded = jax.device_put(state, _shardings(cfg, mesh))
+  want = overlay.overlay_hf_tensors(cfg, state, str(delta))
+  got = overlay.overlay_hf_tensors(cfg, sharded, str(delta))
+  changed = {("moe_layers", "moe", "experts", "w_up"), ("moe_layers", "attn", "w_o"), ("final_norm", "scale")}
+  for path, x in _flat(got):
+    old = _get(sharded, path)
+    assert x.sharding == old.sharding, path
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(_get(want, path)), err_msg=str(path))
+    assert (x is old) == (path not in changed), path
+  np.testing.assert_array_equal(
+    np.asarray(_get(got, ("moe_layers", "moe", "experts", "w_up")))[0, 6],
+    push["model.layers.1.mlp.experts.6.up_proj.weight"].T.astype(
+      np.asarray(_get(state, ("moe_layers", "moe", "experts", "w_up"))).dtype
+    ),
   )
 
 

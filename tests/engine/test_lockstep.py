@@ -72,3 +72,19 @@ def test_follower_survives_a_failed_command_and_runs_the_leaders_recovery():
   assert not t.is_alive() and result["kind"] == lockstep.CLOSE
   want = [("prefill", [0, 1]), ("prefill", [0]), ("prefill", [1]), ("decode", [3, 4])]
   assert leader.runner.ran == follower.runner.ran == want
+
+
+def test_update_carries_the_path_version_and_flush_to_every_process():
+  leader, follower = _pair()
+  calls = {"leader": [], "follower": []}
+  leader.on_update = lambda *a: calls["leader"].append(a) or a[1]
+  follower.on_update = lambda *a: calls["follower"].append(a) or a[1]
+  t = threading.Thread(target=follower.follow, daemon=True)
+  t.start()
+  path = "/shared/weights/v7/åäö-ünïcode"  # not a multiple of 4 bytes
+  assert leader.update(path, 7, flush_cache=False) == 7
+  leader.close()
+  t.join(timeout=30)
+  assert calls["leader"] == calls["follower"] == [(path, 7, False)]
+  with np.testing.assert_raises_regex(ValueError, "weights path of .* bytes"):
+    leader.update("/" + "x" * 4 * leader._width, 8, flush_cache=True)
