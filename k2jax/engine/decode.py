@@ -82,8 +82,8 @@ def _run_stack(stack: Block, x_BTD, cache_stack: dict, side):
 
   The cache rides in the scan's carry and is updated in place: a cache scanned in as xs and out as ys
   would be a second whole cache among the step's temporaries (XLA cannot alias a while loop's stacked
-  outputs to its inputs): 1.1x the cache on CPU (tests/engine/test_decode_memory.py); the 1T AOT compile
-  showed 22.48 GiB of decode temporaries per device beside a 21.45 GiB cache on v5p-1024."""
+  outputs to its inputs): 1.1x the cache on CPU (tests/engine/test_decode_memory.py), and for configs/rl.py:1t
+  on v5p-1024 (AOT, XLA's figures) 22.48 GiB of temporaries per device beside a 21.45 GiB cache, 1.07 now."""
   graphdef, state = nnx.split(stack)
 
   def body(carry, xs):
