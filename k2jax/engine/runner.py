@@ -19,6 +19,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from flax import nnx
 
 from k2jax import distributed
@@ -232,7 +233,12 @@ def jit_steps(graphdef, num_top: int, placement: Placement, state_shardings) -> 
   step = functools.partial(_step, graphdef, num_top)
   # Two partials: jit shares one compilation cache among wrappers of the same callable, and the one-row
   # program keeps its own (`_prefill._cache_size()` counts the length buckets).
-  fn = _prefill if placement.mesh is None else _prefill_sharded
+  if placement.mesh is None:
+    fn = _prefill
+  else:  # the cache's slot axes (the preset's act_batch on this mesh; () when slots are not split)
+    axes = placement.cache_sharding().spec[1]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    fn = functools.partial(_prefill_sharded, mesh=placement.mesh, axes=axes)
   prefill, prefill_batch = functools.partial(fn, step), functools.partial(fn, step)
   if placement.mesh is None:
     return Steps(
@@ -288,22 +294,51 @@ def _update_row(a, rows, *, i, slot):
   return jax.lax.dynamic_update_slice_in_dim(a, rows[:, i : i + 1], slot, axis=1)
 
 
-def _prefill_sharded(step, state, cache, slots_R, tokens_RT, positions_RT, last_index_R, sampling):
-  """`_prefill` for a cache sharded by slot: each row is picked by a mask over the slots, not a dynamic
-  slice. A dynamic index into a sharded dim makes XLA gather the whole cache onto every device first
-  (`configs/rl.py:1t`, 640 slots x 4096 tokens: 177.7 GiB of temporaries per device, k2jax/rl/aot.py); masked,
-  each device sums its own shard (the row or zeros: exact) and the rows are all-reduced, and the writes
-  are local selects, in `_prefill`'s order (padding rows first, row 0 last). Every value is the one
-  `_prefill` computes. Each row's read is a pass over the device's cache shard: batches of many short
-  rows cost R passes (a per-device local slice under shard_map would read only the rows; not done)."""
-  n, R = jax.tree.leaves(cache)[0].shape[1], tokens_RT.shape[0]
-  masks = [lambda a, s=slots_R[i]: (jnp.arange(n) == s).reshape((1, n) + (1,) * (a.ndim - 2)) for i in range(R)]
-  pick = lambda a, m: jnp.sum(jnp.where(m(a), a, jnp.zeros((), a.dtype)), axis=1, keepdims=True)  # noqa: E731
-  rows = [jax.tree.map(lambda a, m=m: pick(a, m), cache) for m in masks]
-  rows = jax.tree.map(lambda *r: jnp.concatenate(r, axis=1), *rows) if R > 1 else rows[0]
+def _prefill_sharded(step, state, cache, slots_R, tokens_RT, positions_RT, last_index_R, sampling, *, mesh, axes):
+  """`_prefill` for a cache sharded by slot over mesh `axes`. A dynamic index into a sharded dim makes XLA
+  gather the whole cache onto every device first (`configs/rl.py:1t`, 640 slots x 4096 tokens: 177.7 GiB of
+  temporaries per device, k2jax/rl/aot.py), so under `shard_map` each device slices its own shard: a row
+  it holds, or zeros, summed over `axes` (exact: one term is the row), and it writes back only the rows
+  it holds, in `_prefill`'s order (padding rows first, row 0 last). Every value is the one `_prefill`
+  computes; each device reads and writes R rows, not R passes over its shard (the masked picks this
+  replaced)."""
+  R = tokens_RT.shape[0]
+  specs = jax.tree.map(lambda _: P(None, axes or None, None, None), cache)
+  rows_spec = jax.tree.map(lambda _: P(), cache)
+
+  def local(slots, n):
+    """Per row: (index into this device's shard, whether the shard holds the row)."""
+    lo = jax.lax.axis_index(axes) * n if axes else 0
+    k = slots - lo
+    return jnp.clip(k, 0, n - 1), (k >= 0) & (k < n)
+
+  def read(cache, slots):
+    k, mine = local(slots, jax.tree.leaves(cache)[0].shape[1])
+
+    def rows(a):
+      picked = [jax.lax.dynamic_slice_in_dim(a, k[i], 1, axis=1) for i in range(R)]
+      picked = [jnp.where(mine[i], p, jnp.zeros((), a.dtype)) for i, p in enumerate(picked)]
+      picked = jnp.concatenate(picked, axis=1) if R > 1 else picked[0]
+      return jax.lax.psum(picked, axes) if axes else picked
+
+    return jax.tree.map(rows, cache)
+
+  def write(cache, rows, slots):
+    k, mine = local(slots, jax.tree.leaves(cache)[0].shape[1])
+
+    def put(a, r):
+      for i in reversed(range(R)):
+        old = jax.lax.dynamic_slice_in_dim(a, k[i], 1, axis=1)
+        a = jax.lax.dynamic_update_slice_in_dim(
+          a, jnp.where(mine[i], r[:, i : i + 1].astype(a.dtype), old), k[i], axis=1
+        )
+      return a
+
+    return jax.tree.map(put, cache, rows)
+
+  rows = jax.shard_map(read, mesh=mesh, in_specs=(specs, P()), out_specs=rows_spec)(cache, slots_R)
   out, rows = step(state, rows, tokens_RT, positions_RT, last_index_R, sampling)
-  for i in reversed(range(R)):
-    cache = jax.tree.map(lambda a, r, m=masks[i], i=i: jnp.where(m(a), r[:, i : i + 1].astype(a.dtype), a), cache, rows)
+  cache = jax.shard_map(write, mesh=mesh, in_specs=(specs, rows_spec, P()), out_specs=specs)(cache, rows, slots_R)
   return out, cache
 
 
