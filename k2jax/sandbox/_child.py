@@ -280,6 +280,12 @@ def program():
 
 
 def main():
+  # The launcher dies with its caller: a runner SIGKILLed mid-run (an env worker stopped by its pool) must not
+  # leave a program running with no wall-clock deadline over it. Its PID 1 dies with it in turn (below), and
+  # with PID 1 the kernel kills the whole namespace. The parent may already be gone: then exit now.
+  _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+  if os.getppid() != cfg["parent_pid"]:
+    sys.exit(2)
   if cfg["go_fd"] is not None:  # the caller moves this process into the run's cgroup, then says go
     go = os.read(cfg["go_fd"], 1)
     os.close(cfg["go_fd"])

@@ -180,6 +180,7 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
     "K2JAX_REPORT_FD": str(report_w),
   }
   settings = {
+    "parent_pid": os.getpid(),  # the launcher dies with this process (PDEATHSIG), checked after it is set
     "isolate": isolate,
     "workdir": os.path.realpath(work),
     "newroot": os.path.join(io_dir, "root"),

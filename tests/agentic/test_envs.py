@@ -158,3 +158,37 @@ def test_service_caps_running_steps():
     assert r.status_code == 429 and "steps running" in r.json()["error"]["message"]
   finally:
     service.close()
+
+
+def test_pool_workers_die_with_a_killed_pool_process(tmp_path):
+  """A learner SIGKILLed (no close, no atexit) takes its env workers with it: each holds its stdin pipe."""
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  script = (
+    "import sys, time; sys.path.insert(0, sys.argv[1])\n"
+    "from k2jax.agentic.envs import EnvPool, EnvPoolConfig\n"
+    "pool = EnvPool(EnvPoolConfig(env='sim_tools', num_workers=2))\n"
+    "print(*pool.worker_pids(), flush=True)\n"
+    "time.sleep(600)\n"
+  )
+  owner = subprocess.Popen([sys.executable, "-c", script, root], stdout=subprocess.PIPE, text=True)
+  try:
+    pids = [int(p) for p in owner.stdout.readline().split()]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+  finally:
+    owner.kill()
+    owner.wait()
+  deadline = time.monotonic() + 20
+  while left := [p for p in pids if _alive(p)]:
+    assert time.monotonic() < deadline, f"env workers {left} outlived the process that started them"
+    time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False

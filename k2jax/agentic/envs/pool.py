@@ -58,6 +58,7 @@ class _Worker:
       f"--env={self.config.env}",
       "--port=0",
       f"--egress_allow={','.join(self.config.egress_allow)}",
+      "--exit_on_stdin_eof",  # its stdin is our pipe: it exits when this process dies, however it dies
     ]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
@@ -67,7 +68,13 @@ class _Worker:
     os.chmod(self.tmp, 0o711)
     env["TMPDIR"] = self.tmp
     self.proc = subprocess.Popen(
-      cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=env
+      cmd,
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.DEVNULL,
+      text=True,
+      start_new_session=True,
+      env=env,
     )
 
   def wait_ready(self) -> None:
@@ -93,6 +100,9 @@ class _Worker:
       except ProcessLookupError:
         pass
       self.proc.wait()
+    if self.proc is not None:
+      for pipe in (self.proc.stdin, self.proc.stdout):
+        pipe.close()
     if getattr(self, "tmp", None):
       shutil.rmtree(self.tmp, ignore_errors=True)
 
