@@ -86,7 +86,7 @@ def barrier(what: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
   a device group 30 s to form when its first collective runs (jaxlib's fixed key-value timeout), so a
   process that reaches its first collective that much before the others fails with "Gloo context
   initialization failed". Compiling the step is what makes processes drift apart (the persistent
-  compilation cache serves process 0 and not the others), so `Core.jit` compiles, then waits here.
+  compilation cache serves process 0 and not the others), so `compiled_together` compiles, then waits here.
   `multihost_utils.sync_global_devices` would not do: it is itself a collective.
   """
   if jax.process_count() == 1:

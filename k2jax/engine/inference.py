@@ -34,7 +34,6 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from k2jax import api
 from k2jax.convert import overlay
@@ -324,11 +323,6 @@ class InferenceEngine(Engine):
     """Blocks until the engine's loop has ended (a follower's: when the leader closes); True if it has."""
     self._thread.join(timeout)
     return not self._thread.is_alive()
-
-  @property
-  def spans_processes(self) -> bool:
-    """Whether the serving mesh spans several JAX processes (process 0 leads, the others follow)."""
-    return self._multi
 
   @property
   def closed(self) -> bool:

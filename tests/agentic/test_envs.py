@@ -15,6 +15,7 @@ from k2jax.agentic.envs import EnvPool, EnvPoolConfig, EnvService, RemoteEnvConf
 from k2jax.agentic.envs.code import CodeEnv
 from k2jax.agentic.envs.simulated import SimToolsEnv
 from k2jax.sandbox.runner import isolation_error
+from tests import procs
 
 TASK = {
   "id": "t1",
@@ -176,19 +177,11 @@ def test_pool_workers_die_with_a_killed_pool_process(tmp_path):
   owner = subprocess.Popen([sys.executable, "-c", script, root], stdout=subprocess.PIPE, text=True)
   try:
     pids = [int(p) for p in owner.stdout.readline().split()]
-    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    assert len(pids) == 2 and all(procs.alive(p) for p in pids)
   finally:
     owner.kill()
     owner.wait()
   deadline = time.monotonic() + 20
-  while left := [p for p in pids if _alive(p)]:
+  while left := [p for p in pids if procs.alive(p)]:
     assert time.monotonic() < deadline, f"env workers {left} outlived the process that started them"
     time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 
 from k2jax.engine import lockstep
-from k2jax.engine.runner import sampling_arrays
+from k2jax.engine.runner import _greedy
 
 
 class _Runner:
@@ -40,33 +40,23 @@ def _pair():
   return leader, follower
 
 
-def _sampling(n):
-  return sampling_arrays(
-    np.zeros(n, np.float32),
-    np.ones(n, np.float32),
-    np.zeros(n, np.int32),
-    np.zeros(n, np.uint32),
-    np.zeros(n, np.int32),
-  )
-
-
 def test_follower_survives_a_failed_command_and_runs_the_leaders_recovery():
   leader, follower = _pair()
   result = {}
   t = threading.Thread(target=lambda: result.setdefault("kind", follower.follow()), daemon=True)
   t.start()
   try:
-    leader.prefill([(0, -1, 0, [5, 13]), (1, -1, 0, [7])], _sampling(2))
+    leader.prefill([(0, -1, 0, [5, 13]), (1, -1, 0, [7])], _greedy(2))
     raise AssertionError("the poisoned batch should fail on the leader")
   except RuntimeError as e:
     assert "poisoned" in str(e)
   # The leader's recovery (InferenceEngine._prefill): each row alone; the poisoned one fails again.
   for row in ([(0, -1, 0, [5, 13])], [(1, -1, 0, [7])]):
     try:
-      leader.prefill(row, _sampling(1))
+      leader.prefill(row, _greedy(1))
     except RuntimeError:
       pass
-  leader.decode(np.array([3, 4], np.int32), np.array([1, 1], np.int32), _sampling(2))
+  leader.decode(np.array([3, 4], np.int32), np.array([1, 1], np.int32), _greedy(2))
   leader.close()
   t.join(timeout=30)
   assert not t.is_alive() and result["kind"] == lockstep.CLOSE

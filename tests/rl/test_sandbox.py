@@ -23,6 +23,7 @@ from k2jax.rl.rewards.code import code_reward
 from k2jax.sandbox import runner as sandbox
 from k2jax.sandbox.code import CodeRewardConfig, run_tests, split_test
 from k2jax.sandbox.runner import SandboxConfig, SandboxUnavailable, run_python
+from tests import procs
 from tests.rl import sandbox_probes
 
 # Generous wall limits: the CI machine is shared, so CPU seconds accrue slower than wall seconds.
@@ -357,24 +358,6 @@ def test_a_kernel_refusing_ipc_limits_still_runs_and_says_so(monkeypatch):
   assert "ipc_limits" not in r.layers and "scratch_tmpfs" in r.layers and r.full == (), r
 
 
-def _descendants(pid: int) -> set[int]:
-  """Live (not zombie) processes under `pid`, found through /proc (the sandbox's are visible from here)."""
-  parent: dict[int, int] = {}
-  for p in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{p}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-      continue
-    if fields[0] != "Z":
-      parent[int(p)] = int(fields[1])
-  out, frontier = set(), {pid}
-  while frontier:
-    frontier = {p for p, pp in parent.items() if pp in frontier} - out
-    out |= frontier
-  return out
-
-
 @needs_isolation
 def test_a_caller_killed_mid_run_leaves_no_sandbox_process_behind():
   """An env worker SIGKILLed by its pool while a run sleeps: the launcher dies with its caller (PDEATHSIG),
@@ -387,22 +370,14 @@ def test_a_caller_killed_mid_run_leaves_no_sandbox_process_behind():
   caller = subprocess.Popen([sys.executable, "-c", script, str(pathlib.Path(__file__).parents[2])])
   try:
     deadline = time.monotonic() + 60
-    while len(_descendants(caller.pid)) < 3:  # launcher, PID 1, the program
+    while len(procs.descendants(caller.pid)) < 3:  # launcher, PID 1, the program
       assert caller.poll() is None and time.monotonic() < deadline, "the run did not start"
       time.sleep(0.1)
-    under = _descendants(caller.pid)
+    under = procs.descendants(caller.pid)
   finally:
     caller.kill()
     caller.wait()
   deadline = time.monotonic() + 10
-  while alive := {p for p in under if _alive(p)}:
+  while alive := {p for p in under if procs.alive(p)}:
     assert time.monotonic() < deadline, f"left running after their caller died: {sorted(alive)}"
     time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
