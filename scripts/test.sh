@@ -11,4 +11,10 @@ pip install -q -e '.[test]'
 # (tests/conftest.py HEAVY_FIRST; --no-loadscope-reorder keeps that order instead of xdist's most-tests-first,
 # which left the one-test multi-process files for last). On 2 cores: 24 min with other jobs running beside it,
 # against 30 min serial on CI. PYTEST_WORKERS=0 runs serially.
-exec python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=30 tests "$@"
+# The whole run's wall time is printed last, pass or fail (the 20-minute budget on 2 cores is checked from it).
+start=$(date +%s)
+rc=0
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=30 tests "$@" || rc=$?
+secs=$(( $(date +%s) - start ))
+echo "suite_wall_time=${secs}s ($((secs / 60))m$((secs % 60))s) rc=${rc}"
+exit "$rc"
