@@ -56,6 +56,15 @@ class UpdateWeightsBody(httpservice.StrictBody):
   flush_cache: bool = True
 
 
+class TokenizeBody(httpservice.StrictBody):
+  prompt: str
+  add_special_tokens: bool = True
+
+
+class DetokenizeBody(httpservice.StrictBody):
+  tokens: list[int]
+
+
 class Server:
   """Loads a model (HF dir or k2jax workdir), runs an `InferenceEngine` and answers HTTP on host:port.
 
@@ -140,6 +149,9 @@ class Server:
     for path in ("/get_server_info", "/server_info"):
       app.get(path)(self.server_info)
     app.get("/v1/models")(self.list_models)
+    app.post("/tokenize")(self.tokenize)
+    app.post("/detokenize")(self.detokenize)
+    app.get("/tokenizer_info")(self.tokenizer_info)
     return app
 
   async def generate(self, request: fastapi.Request):
@@ -219,6 +231,49 @@ class Server:
     except RuntimeError as e:  # the engine failed or is closed
       return httpservice.error_response(503, str(e))
     return responses.Response(status_code=200)
+
+  def _need_tokenizer(self, field: str) -> Tokenizer:
+    if self.tokenizer is None:
+      raise InvalidRequest(field, "this server has no tokenizer")
+    return self.tokenizer
+
+  async def tokenize(self, request: fastapi.Request):
+    """Token ids of `prompt` (lm-eval's `remote` tokenizer). `add_special_tokens` true: exactly what a text
+    prompt to /generate or /v1/completions becomes (special-token text maps to its id; K2 adds no BOS);
+    false: special-token text stays plain text."""
+    body = httpservice.validate(TokenizeBody, await httpservice.read_json(request))
+    tok = self._need_tokenizer("prompt")
+    if len(body.prompt.encode()) > self.caps.max_prompt_bytes:
+      raise InvalidRequest("prompt", f"longer than {self.caps.max_prompt_bytes} bytes")
+    encode = tok.encode_with_specials if body.add_special_tokens else tok.encode
+    ids = await asyncio.to_thread(encode, body.prompt)
+    return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.config.max_seq_len}
+
+  async def detokenize(self, request: fastapi.Request):
+    body = httpservice.validate(DetokenizeBody, await httpservice.read_json(request))
+    tok = self._need_tokenizer("tokens")
+    bad = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
+    if bad:
+      raise InvalidRequest("tokens", f"token ids {bad[:5]} outside [0, {tok.vocab_size})")
+    text = await asyncio.to_thread(tok.decode, body.tokens)
+    return {"text": text, "prompt": text}  # SGLang names it text, vLLM prompt
+
+  async def tokenizer_info(self):
+    """The tokenizer's special tokens and sizes (lm-eval's `remote` tokenizer reads eos_token first)."""
+    tok = self._need_tokenizer("tokenizer")
+    return {
+      "tokenizer_path": tok.path,
+      "vocab_size": tok.vocab_size,
+      "model_vocab_size": self.cfg.vocab_size,
+      "eos_token": tok.token_name(tok.eos_id),
+      "eos_token_id": tok.eos_id,
+      "bos_token": tok.token_name(tok.bos_id),
+      "bos_token_id": tok.bos_id,
+      "pad_token": tok.token_name(tok.eos_id),  # K2 pads with EOS
+      "pad_token_id": tok.eos_id,
+      "add_bos_token": False,
+      "max_model_len": self.engine.config.max_seq_len,
+    }
 
   async def model_info(self):
     return {
