@@ -59,12 +59,22 @@ class GenerateRequest:
   rid: str
   input_ids: tuple[int, ...]
   sampling: SamplingParams = SamplingParams()
+  # SGLang's `logprob_start_len`: -1 = no prompt logprobs; p >= 0 = the logprob of every prompt token from
+  # position p on (given the tokens before it; position 0 has none), computed in the request's prefill.
+  logprob_start_len: int = -1
 
   def __post_init__(self):
     if not self.rid:
       raise InvalidRequest("rid", "must be a non-empty string")
     if len(self.input_ids) == 0:
       raise InvalidRequest("input_ids", f"request {self.rid}: the prompt is empty")
+    if self.logprob_start_len < -1:
+      raise InvalidRequest("logprob_start_len", f"must be -1 (none) or >= 0, got {self.logprob_start_len}")
+    if self.logprob_start_len >= len(self.input_ids):
+      raise InvalidRequest(
+        "logprob_start_len",
+        f"{self.logprob_start_len} is beyond the prompt of {len(self.input_ids)} tokens (at most {len(self.input_ids) - 1})",
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +84,8 @@ class GenerateResult:
   `matched_stop` is the stop token id or stop string that ended a "stop" request (SGLang's
   `finish_reason.matched`); `abort_message` says why an "abort" request ended. `top_logprobs`
   (per token: (token id, logprob) pairs, most likely first) and `cached_tokens` (prompt tokens
-  served from the prefix cache) are filled by engines that report them, empty/0 otherwise.
+  served from the prefix cache) are filled by engines that report them, empty/0 otherwise;
+  `input_logprobs` only for a request with `logprob_start_len >= 0`.
   """
 
   rid: str
@@ -89,6 +100,10 @@ class GenerateResult:
   top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
   cached_tokens: int = 0
   latency_s: float = 0.0
+  # Prompt tokens from the request's logprob_start_len on: each one's logprob (None for position 0, which
+  # has no context) and its position's top logprobs ((token id, logprob) pairs, most likely first).
+  input_logprobs: tuple[float | None, ...] = ()
+  input_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
   def __post_init__(self):
     n = len(self.output_ids)

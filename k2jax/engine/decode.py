@@ -59,6 +59,20 @@ def forward_cached(model: K2Model, cache: dict, tokens_BT, positions_BT, last_in
   Returns:
     (logits [B, S] float32 at `last_index_B`, updated cache).
   """
+  x_BTD, new_cache = hidden_cached(model, cache, tokens_BT, positions_BT)
+  x_BD = jnp.take_along_axis(x_BTD, last_index_B[:, None, None], axis=1)[:, 0]
+  return lm_logits(model, x_BD), new_cache
+
+
+def lm_logits(model: K2Model, x_BD):
+  """float32 next-token logits of final hidden states x (any leading axes; the last one D)."""
+  cdt = jnp.dtype(model.cfg.compute_dtype)
+  x_BD = model.final_norm(x_BD)
+  return jnp.dot(x_BD, model.lm_head.w[...].astype(cdt), preferred_element_type=jnp.float32).astype(jnp.float32)
+
+
+def hidden_cached(model: K2Model, cache: dict, tokens_BT, positions_BT):
+  """`forward_cached`'s pass over every new token: (final hidden states [B, T, D] before the norm, cache)."""
   cfg = model.cfg
   cdt = jnp.dtype(cfg.compute_dtype)
   x_BTD = jnp.take(model.embed.embedding[...], tokens_BT, axis=0).astype(cdt)
@@ -71,10 +85,7 @@ def forward_cached(model: K2Model, cache: dict, tokens_BT, positions_BT, last_in
   for name in STACKS:
     if name in cache:
       x_BTD, new_cache[name] = _run_stack(getattr(model, name), x_BTD, cache[name], side)
-  x_BD = jnp.take_along_axis(x_BTD, last_index_B[:, None, None], axis=1)[:, 0]
-  x_BD = model.final_norm(x_BD)
-  logits_BS = jnp.dot(x_BD, model.lm_head.w[...].astype(cdt), preferred_element_type=jnp.float32)
-  return logits_BS.astype(jnp.float32), new_cache
+  return x_BTD, new_cache
 
 
 def _run_stack(stack: Block, x_BTD, cache_stack: dict, side):

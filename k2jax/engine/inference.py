@@ -146,7 +146,7 @@ class InferenceEngine(Engine):
       if request.rid in self._by_rid:
         raise InvalidRequest("rid", f"request {request.rid!r} is already in flight")
       self._by_rid[request.rid] = live
-      if s.max_new_tokens == 0:
+      if s.max_new_tokens == 0 and request.logprob_start_len < 0:  # nothing to compute
         self._complete(live, "length")
       else:
         self._waiting.append(live)
@@ -417,17 +417,48 @@ class InferenceEngine(Engine):
         while len(batch) < len(free) and self._waiting:
           live = self._waiting[0]
           tokens = live.request.input_ids
+          scored = live.request.logprob_start_len >= 0
+          if scored and batch:  # a request that scores its prompt prefills alone (`_prefill_scored`)
+            break
           common, entry = self._prefix.lookup(tokens)
-          reuse = min(common, len(tokens) - 1)  # at least one token must run to produce logits
+          # At least one token must run to produce logits; a scored prompt runs whole: every position's
+          # logits come from this pass (no prefix reuse), so none is taken from another request's row.
+          reuse = 0 if scored else min(common, len(tokens) - 1)
           if batch and not self._runner.prefill_fits(len(batch) + 1, max(longest, len(tokens) - reuse)):
             break
           longest = max(longest, len(tokens) - reuse)
           self._waiting.popleft()
           self._slots[free[len(batch)]] = live
           batch.append((free[len(batch)], live, entry if reuse > 0 else -1, reuse))
+          if scored:
+            break
       if not batch:
         return
-      self._prefill(batch)
+      if batch[0][1].request.logprob_start_len >= 0:
+        self._prefill_scored(*batch[0][:2])
+      else:
+        self._prefill(batch)
+
+  def _prefill_scored(self, slot: int, live: Live) -> None:
+    """Prefills one request whose prompt logprobs were asked for; they come from this same forward pass."""
+    req = live.request
+    live.cached, live.fed = 0, list(req.input_ids)
+    try:
+      out, (token_lp, top_ids, top_lp) = self._runner.prefill_scored(slot, live.fed, sampling_of([live]))
+    except Exception as e:
+      log.exception("prefill of %s failed", req.rid)
+      with self._cv:
+        self._fail(live, slot, f"engine error: {type(e).__name__}: {e}")
+      return
+    start, k = req.logprob_start_len, top_ids.shape[1]
+    lps = [None] + [float(x) for x in token_lp]  # position 0 has no context
+    # Position p's top logprobs are the distribution p was drawn from: row p - 1 (none for position 0).
+    tops = [()] + [tuple((int(top_ids[p][j]), float(top_lp[p][j])) for j in range(k)) for p in range(len(lps) - 1)]
+    live.input_logprobs, live.input_tops = tuple(lps[start:]), tuple(tops[start:])
+    if req.sampling.max_new_tokens == 0:  # scoring only: no token is sampled
+      self._release(slot, live, "length")
+    else:
+      self._emit(slot, live, out, 0)
 
   def _prefill(self, batch: list[tuple[int, Live, int, int]]) -> None:
     for _, live, _, reuse in batch:
@@ -549,6 +580,10 @@ class InferenceEngine(Engine):
   def check(self, request: GenerateRequest) -> None:
     """Raises InvalidRequest naming the field when the engine cannot run `request` (nothing is queued)."""
     check_request(request, self.config.max_seq_len, self.cfg.vocab_size, self._detokenize is not None)
+    if request.logprob_start_len >= 0 and (self._multi or not self._runner.scores_prompts):
+      raise InvalidRequest(
+        "logprob_start_len", "prompt logprobs need a single-device engine; this one serves on a mesh"
+      )
 
 
 def check_shards(config: EngineConfig, shards: int) -> None:

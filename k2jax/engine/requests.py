@@ -35,6 +35,8 @@ class Live:
   versions: list[int] = dataclasses.field(default_factory=list)
   tops: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
   cached: int = 0
+  input_logprobs: tuple[float | None, ...] = ()  # from request.logprob_start_len on (the prefill's scores)
+  input_tops: tuple[tuple[tuple[int, float], ...], ...] = ()
   abort_message: str | None = None
   error: str | None = None  # the engine failed: `wait` raises instead of returning
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -82,6 +84,8 @@ class Live:
       top_logprobs=tuple(self.tops[:n]),
       cached_tokens=self.cached,
       latency_s=now - self.t0,
+      input_logprobs=self.input_logprobs,
+      input_top_logprobs=self.input_tops,
     )
 
 

@@ -70,6 +70,35 @@ class ModelRunner:
     steps = jit_steps(graphdef, self._num_top, self.placement, self._shardings)
     self._decode, self._prefill, self._prefill_batch = steps.decode, steps.prefill, steps.prefill_batch
     self._read_row, self._write_row, self._init_cache = steps.read_row, steps.write_row, steps.init_cache
+    # One-row prefill that also scores the prompt (prompt logprobs); single device only (`scores_prompts`).
+    scored = functools.partial(_prefill, functools.partial(_scored_step, graphdef, self._num_top))
+    self._prefill_scored = jax.jit(scored, donate_argnums=(1,)) if self.placement.mesh is None else None
+
+  @property
+  def scores_prompts(self) -> bool:
+    """Whether `prefill_scored` can run here (one device; a serving mesh has no scored program)."""
+    return self._prefill_scored is not None
+
+  def prefill_scored(self, slot: int, tokens: list[int], sampling: SamplingArrays):
+    """`prefill` of one whole prompt (from position 0) that also returns, from the same forward pass,
+    each prompt token's logprob given the tokens before it ([n - 1] float32, for tokens 1..n-1) and every
+    position's top logprobs (ids, logprobs [n, num_top]; row t: the distribution over token t + 1)."""
+    n = len(tokens)
+    if n < 1 or self._prefill_scored is None:
+      raise ValueError(f"prefill_scored: {n} tokens on a {'mesh' if self.placement.mesh else 'device'}")
+    _, T = self.prefill_shape(1, n)
+    tokens_1T = np.zeros((1, T), np.int32)
+    tokens_1T[0, :n] = tokens
+    positions_1T = np.full((1, T), self.max_len, np.int32)
+    positions_1T[0, :n] = np.arange(n)
+    last = np.asarray([n - 1], np.int32)
+    slots = np.asarray([slot], np.int32)
+    with self.placement.use():
+      (out, scores), self.cache = self._prefill_scored(
+        self._state, self.cache, slots, tokens_1T, positions_1T, last, sampling
+      )
+    token_lp, top_ids, top_lp = (np.asarray(a)[0] for a in scores)
+    return jax.tree.map(np.asarray, out), (token_lp[: n - 1], top_ids[:n], top_lp[:n])
 
   # ---- memory between phases (colocated RL) ---------------------------------------------------------
   def allocate_cache(self) -> None:
@@ -269,6 +298,20 @@ def _step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_index_B
   model = nnx.merge(graphdef, state)
   logits_BS, cache = decode.forward_cached(model, cache, tokens_BT, positions_BT, last_index_B)
   return sample(logits_BS, sampling, num_top), cache
+
+
+def _scored_step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_index_B, sampling):
+  """`_step` that also scores the new tokens from the same pass: logits at every position (the sampled
+  row is the one at last_index_B, exactly `_step`'s), log-softmaxed; each position's logprob of the next
+  new token [B, T - 1] and its top logprobs [B, T, num_top]."""
+  model = nnx.merge(graphdef, state)
+  x_BTD, cache = decode.hidden_cached(model, cache, tokens_BT, positions_BT)
+  logits_BTS = decode.lm_logits(model, x_BTD)
+  logits_BS = jnp.take_along_axis(logits_BTS, last_index_B[:, None, None], axis=1)[:, 0]
+  logp_BTS = jax.nn.log_softmax(logits_BTS, axis=-1)
+  next_BT = jnp.take_along_axis(logp_BTS[:, :-1], tokens_BT[:, 1:, None], axis=-1)[..., 0]
+  top_lp, top_ids = jax.lax.top_k(logp_BTS, max(num_top, 1))
+  return (sample(logits_BS, sampling, num_top), (next_BT, top_ids[..., :num_top], top_lp[..., :num_top])), cache
 
 
 def _prefill(step, state, cache, slots_R, tokens_RT, positions_RT, last_index_R, sampling):

@@ -53,7 +53,7 @@ _Ids = list[Annotated[int, Field(ge=0)]]
 class GenerateResultBody(_OpenAIBody):
   prompt: str | list[str] | _Ids | list[_Ids]
   logprobs: int | None = Field(None, ge=0)
-  echo: Literal[False] | None = None
+  echo: bool | None = None  # the prompt's tokens (and with logprobs their logprobs) before the output
   suffix: None = None
   best_of: Literal[1] | None = None
 
@@ -90,25 +90,33 @@ def completions(
     raise InvalidRequest("logprobs", f"must be in [0, {engine.config.num_top_logprobs}], got {b.logprobs}")
   sampling = _sampling(b, b.max_tokens, 16)
   call_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+  echo = bool(b.echo)
+  if echo and b.stream:
+    raise InvalidRequest("echo", "echo with stream is not supported; send stream: false")
 
   def respond(results: list[GenerateResult]) -> dict:
-    choices = [
-      {
-        "index": i,
-        "text": protocol.output_text(c, protocol.TextOptions(), tok) if tok else "",
-        "logprobs": _completion_logprobs(c, b.logprobs, tok) if b.logprobs is not None else None,
-        "finish_reason": c.finish_reason,
-        "matched_stop": c.matched_stop,
-      }
-      for i, c in enumerate(results)
-    ]
+    choices = []
+    for i, (c, req) in enumerate(zip(results, requests)):
+      prompt = req.input_ids if echo else ()
+      text = protocol.output_text(c, protocol.TextOptions(), tok) if tok else ""
+      choices.append(
+        {
+          "index": i,
+          "text": (tok.decode(prompt) if tok else "") + text,
+          "logprobs": _completion_logprobs(c, b.logprobs, tok, prompt) if b.logprobs is not None else None,
+          "finish_reason": c.finish_reason,
+          "matched_stop": c.matched_stop,
+        }
+      )
     return _envelope(call_id, created, "text_completion", model_name, choices, results, sum(map(len, prompts)))
 
   def chunk(delta: str, finish: str | None) -> dict:
     choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
     return {"id": call_id, "object": "text_completion", "created": created, "model": model_name, "choices": [choice]}
 
-  requests = _requests(engine, prompts, sampling, b, caps)
+  # echo with logprobs: the prompt's logprobs come from each request's prefill (logprob_start_len 0)
+  start = 0 if echo and b.logprobs is not None else -1
+  requests = _requests(engine, prompts, sampling, b, caps, start)
   return OpenAICall(requests, bool(b.stream), respond, chunk, sampling.stop)
 
 
@@ -202,7 +210,12 @@ def _sampling(b: _OpenAIBody, max_new: int | None, default_max: int) -> Sampling
 
 
 def _requests(
-  engine: InferenceEngine, prompts: list[list[int]], sampling: SamplingParams, b: _OpenAIBody, caps: RequestCaps
+  engine: InferenceEngine,
+  prompts: list[list[int]],
+  sampling: SamplingParams,
+  b: _OpenAIBody,
+  caps: RequestCaps,
+  logprob_start_len: int = -1,
 ):
   """n samples per prompt (seeds seed, seed+1, ... when a seed is given), checked by the engine."""
   n = b.n or 1
@@ -217,7 +230,7 @@ def _requests(
     for j in range(n):
       seed = None if sampling.seed is None else sampling.seed + j
       rid = base if len(prompts) * n == 1 else f"{base}-{len(requests)}"
-      request = GenerateRequest(rid, tuple(ids), dataclasses.replace(sampling, seed=seed))
+      request = GenerateRequest(rid, tuple(ids), dataclasses.replace(sampling, seed=seed), logprob_start_len)
       try:
         engine.check(request)
       except InvalidRequest as e:  # engine fields are /generate's; name the OpenAI ones instead
@@ -244,18 +257,23 @@ def _completion_prompts(prompt: Any, tok: Tokenizer | None, caps: RequestCaps) -
   return [tok.encode_with_specials(t) for t in texts]
 
 
-def _completion_logprobs(c: GenerateResult, n: int, tok: Tokenizer | None) -> dict:
+def _completion_logprobs(c: GenerateResult, n: int, tok: Tokenizer | None, prompt: tuple[int, ...] = ()) -> dict:
+  """OpenAI's completion logprobs; with `prompt` (echo) the prompt's tokens first, the first one's logprob
+  None (it has no context, as SGLang and vLLM answer)."""
   name = _namer(tok)
-  tokens = [name(t) for t in c.output_ids]
+  ids = list(prompt) + list(c.output_ids)
+  tokens = [name(t) for t in ids]
+  prompt_lps = list(c.input_logprobs) if prompt else []
+  prompt_tops = [{name(t): lp for t, lp in top[:n]} if top else None for top in c.input_top_logprobs] if prompt else []
   offsets, pos = [], 0
   for t in tokens:
     offsets.append(pos)
     pos += len(t)
   return {
     "tokens": tokens,
-    "token_logprobs": list(c.output_logprobs),
+    "token_logprobs": prompt_lps + list(c.output_logprobs),
     "text_offset": offsets,
-    "top_logprobs": [{name(t): lp for t, lp in top[:n]} for top in c.top_logprobs],
+    "top_logprobs": prompt_tops + [{name(t): lp for t, lp in top[:n]} for top in c.top_logprobs],
   }
 
 

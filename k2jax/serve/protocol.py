@@ -67,7 +67,7 @@ class GenerateBody(httpservice.StrictBody):
   top_logprobs_num: int = Field(0, ge=0)
   return_text_in_logprobs: bool = False
   stream: bool = False
-  logprob_start_len: Literal[-1] | None = None
+  logprob_start_len: int | None = None  # with return_logprob: prompt logprobs from this position on
   # not supported: accepted only when falsy
   return_hidden_states: Literal[False] | None = None
   return_routed_experts: Literal[False] | None = None
@@ -96,6 +96,7 @@ class TextOptions:
   return_text_in_logprobs: bool = False
   skip_special_tokens: bool = True
   no_stop_trim: bool = False
+  input_ids: tuple[int, ...] = ()  # the prompt from logprob_start_len on (input_token_logprobs' ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,13 +139,15 @@ def parse_generate(
   requests, options = [], []
   for ids, rid, sp, field in zip(prompts, rids, sps, fields):
     sampling, text_opts = parse_sampling(sp, field, tokenizer, caps)
-    requests.append(GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=sampling))
+    start = g.logprob_start_len if g.logprob_start_len is not None and g.return_logprob else -1
+    requests.append(GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=sampling, logprob_start_len=start))
     options.append(
       dataclasses.replace(
         text_opts,
         return_logprob=g.return_logprob,
         top_logprobs_num=g.top_logprobs_num,
         return_text_in_logprobs=g.return_text_in_logprobs,
+        input_ids=tuple(ids[start:]) if start >= 0 else (),
       )
     )
   return GenerateCall(requests, options, batch, g.stream)
@@ -197,6 +200,12 @@ def generate_response(c: GenerateResult, opts: TextOptions, tokenizer: Tokenizer
     "e2e_latency": c.latency_s,
   }
   piece = (lambda t: tokenizer.token_name(t)) if (tokenizer and opts.return_text_in_logprobs) else (lambda t: None)
+  if opts.return_logprob and opts.input_ids:
+    meta["input_token_logprobs"] = [[lp, t, piece(t)] for lp, t in zip(c.input_logprobs, opts.input_ids)]
+    if opts.top_logprobs_num:
+      meta["input_top_logprobs"] = [
+        [[lp, t, piece(t)] for t, lp in top[: opts.top_logprobs_num]] or None for top in c.input_top_logprobs
+      ]
   if opts.return_logprob:
     meta["output_token_logprobs"] = [[lp, t, piece(t)] for lp, t in zip(c.output_logprobs, c.output_ids)]
     if opts.top_logprobs_num:
