@@ -41,6 +41,9 @@ flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (else K
 flags.DEFINE_integer("num_processes", None, "Total JAX processes (multi-host).")
 flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
 flags.DEFINE_integer("read_budget_bytes", 2 << 30, "HF -> WORKDIR: host bytes of HF blocks in flight per process.")
+flags.DEFINE_integer(
+  "threads", 0, "Host threads reading/converting (HF -> WORKDIR) or quantizing (-> HF) per process; 0: one per core."
+)
 flags.DEFINE_string(
   "tokenizer_from", None, "WORKDIR -> HF: directory whose tiktoken.model the export carries (default: --src)."
 )
@@ -82,13 +85,16 @@ def _hf_to_workdir(src: str, dst: str) -> None:
   """Every process: read its own slices of the HF directory onto the mesh, write its own orbax shards."""
   import jax
 
-  from k2jax.api import source_state
   from k2jax.convert import hf as hf_io
   from k2jax.convert import workdir as wd
   from k2jax.convert.safetensors_io import STATS
 
   cfg = hf_io.read_config(src, **({"param_dtype": FLAGS.dtype} if FLAGS.dtype else {}))
-  state = source_state(src, cfg, _shardings(cfg), read_budget_bytes=FLAGS.read_budget_bytes)
+  shardings = _shardings(cfg)
+  abstract = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), hf_io.abstract_state(cfg), shardings
+  )
+  state = hf_io.read_state(src, cfg, abstract, read_budget_bytes=FLAGS.read_budget_bytes, threads=FLAGS.threads)
   total = sum(os.path.getsize(os.path.join(src, f)) for f in set(hf_io.weight_map(src).values()))
   print(f"process {jax.process_index()}: read {STATS.data_bytes} of {total} shard bytes", flush=True)
   wd.save_model_only(cfg, state, dst)
@@ -103,7 +109,7 @@ def _workdir_to_hf(src: str, dst: str) -> None:
   cfg = source_config(src)
   state = source_state(src, cfg, _shardings(cfg))
   tokenizer = lambda tmp: export_tokenizer(tmp, cfg.vocab_size, src=FLAGS.tokenizer_from or src)  # noqa: E731
-  writer.save_hf(cfg, state, dst, dtype=FLAGS.dtype, write_extra=tokenizer)
+  writer.save_hf(cfg, state, dst, dtype=FLAGS.dtype, write_extra=tokenizer, threads=FLAGS.threads)
 
 
 def _shardings(cfg):

@@ -27,22 +27,23 @@ weights are F8_E4M3 with a separate scale grid to apply per block; none of that 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from k2jax.convert import blockops, fp8
+from k2jax.convert import blockops, fp8, pool
 from k2jax.convert.errors import CheckpointError
 from k2jax.convert.hf_dir import INDEX, abstract_state, check_unexpected, get_path, read_config, set_path, weight_map
 from k2jax.convert.layout import Entry, entries, hf_shape
+from k2jax.convert.pool import Workers, resolve_threads
 from k2jax.convert.safetensors_io import ShardFiles, TensorInfo, read_block, read_header
 from k2jax.model.config import K2Config
 
@@ -53,10 +54,24 @@ DEVICE_CONVERT_BYTES = 1 << 20
 HOST_CONVERT_PLATFORMS = ("cpu",)  # devices whose memory is this host's: filled on the host (see `read_state`)
 SLAB_BYTES = 1 << 20  # rows of a transposed tensor read at a time: still in cache when the transpose reads them
 XLA_GROUP_ELEMS = 1 << 22  # FP8 elements dequantized per XLA call on a CPU device (bounds its transients)
-_READ_THREADS = 4  # concurrent block reads: pread, tiled copies and XLA calls release the GIL
 _FLOAT = ("F32", "BF16", "F16")
 _LEAD = {"global": 0, "layer": 1, "expert": 2}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # stored bytes travel as unsigned ints
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadConfig:
+  """How the reader uses the host: bytes of blocks in flight, and threads reading and converting them
+  (0: one per core this process may run on). Results are bitwise the same for any thread count."""
+
+  read_budget_bytes: int = READ_BUDGET_BYTES
+  threads: int = 0
+
+  def __post_init__(self):
+    b = self.read_budget_bytes
+    if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+      raise ValueError(f"read_budget_bytes must be positive, got {b!r}")
+    object.__setattr__(self, "threads", resolve_threads(self.threads, "threads"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,15 +123,17 @@ class Checkpoint:
     j = 0
     while j < len(infos):
       if xla_device is None or infos[j].dtype != "F8_E4M3":
-        self._fill(files, infos[j], hf_bounds, flat[j], entry.transpose)
+        with _naming(infos[j]):
+          self._fill(files, infos[j], hf_bounds, flat[j], entry.transpose)
         j += 1
         continue
       n = 1
       while j + n < len(infos) and infos[j + n].dtype == "F8_E4M3" and (n + 1) * per_tensor <= XLA_GROUP_ELEMS:
         n += 1
-      group = self._xla_dequantized(files, infos[j : j + n], hf_bounds, leaf.dtype, xla_device)
-      for g in range(n):
-        _put(flat[j + g], group[g], entry.transpose)
+      with _naming(*infos[j : j + n]):
+        group = self._xla_dequantized(files, infos[j : j + n], hf_bounds, leaf.dtype, xla_device)
+        for g in range(n):
+          _put(flat[j + g], group[g], entry.transpose)
       j += n
     return out
 
@@ -180,9 +197,10 @@ class Checkpoint:
       scale = blockops.aligned_empty(lead_shape + [hi - lo for lo, hi in grid], np.float32)
       flat_s = scale.reshape(-1, *scale.shape[n_lead:])
     for j, t in enumerate(infos):
-      read_block(files, t, hf_bounds, into=flat[j])
-      if quantized:
-        read_block(files, self.tensors[t.key + fp8.SCALE_SUFFIX], grid, into=flat_s[j])
+      with _naming(t):
+        read_block(files, t, hf_bounds, into=flat[j])
+        if quantized:
+          read_block(files, self.tensors[t.key + fp8.SCALE_SUFFIX], grid, into=flat_s[j])
     if not quantized:
       return RawBlock(raw, None, infos[0].dtype, (0, 0), entry.transpose)
     return RawBlock(raw, scale, infos[0].dtype, origin, entry.transpose)
@@ -195,6 +213,20 @@ class Checkpoint:
     grid, origin = self._grid(bounds)
     s = read_block(files, self.tensors[key + fp8.SCALE_SUFFIX], grid)
     return fp8.dequantize(w, s, self.quant.block, origin=origin)
+
+
+@contextlib.contextmanager
+def _naming(*infos: TensorInfo):
+  """A failure reading or converting these tensors (on a reader thread) as one naming the tensor and its
+  file; CheckpointErrors already name both (`read_into`: a shard truncated after its header was read)."""
+  try:
+    yield
+  except CheckpointError:
+    raise
+  except Exception as e:
+    t = infos[0]
+    more = f" (and {len(infos) - 1} more tensors of its group)" if len(infos) > 1 else ""
+    raise RuntimeError(f"reading {t.key}{more} from {t.file}: {type(e).__name__}: {e}") from e
 
 
 def _put(dst: np.ndarray, block: np.ndarray, transpose: bool) -> None:
@@ -239,11 +271,13 @@ def read_quant(path: str) -> Quant | None:
   return Quant(block, skip)
 
 
-def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: int = READ_BUDGET_BYTES) -> dict:
+def read_state(
+  path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: int = READ_BUDGET_BYTES, threads: int = 0
+) -> dict:
   """`abstract` (pure dict of ShapeDtypeStruct; leaves without a sharding go to this process's first
-  device) as jax.Arrays read from the HF directory `path`; this process reads only its own slices."""
-  if read_budget_bytes <= 0:
-    raise ValueError(f"read_budget_bytes must be positive, got {read_budget_bytes}")
+  device) as jax.Arrays read from the HF directory `path`; this process reads only its own slices, on
+  `threads` threads (0: one per core) with at most `read_budget_bytes` of blocks in flight."""
+  rc = ReadConfig(read_budget_bytes, threads)
   ckpt = open_checkpoint(path, cfg)
   here = SingleDeviceSharding(jax.local_devices()[0])
   jobs, shardings, outs = [], {}, {}
@@ -255,7 +289,7 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
     for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
       by_slice[_bounds(index, leaf.shape)].append(device)
     for bounds, devices in by_slice.items():
-      for piece in _pieces(bounds, _LEAD[entry.kind], np.dtype(leaf.dtype).itemsize, read_budget_bytes):
+      for piece in _pieces(bounds, _LEAD[entry.kind], np.dtype(leaf.dtype).itemsize, rc.read_budget_bytes):
         nbytes = int(np.prod([hi - lo for lo, hi in piece])) * np.dtype(leaf.dtype).itemsize
         jobs.append((entry, leaf, piece, devices, nbytes, bounds))
 
@@ -274,6 +308,12 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
     return ckpt.leaf_block(files, entry, leaf, bounds)
 
   def place(job, block):
+    entry, piece = job[0], job[2]
+    lead = tuple(lo for lo, _ in piece[: _LEAD[entry.kind]])
+    with _naming(ckpt.tensors[dict(entry.keys(cfg))[lead]]):
+      _place(job, block)
+
+  def _place(job, block):
     entry, leaf, piece, devices, _, bounds = job
     for d in devices:  # blocking per device: at most one converted piece in flight beyond the shards
       if isinstance(block, np.ndarray):  # converted on the host (aligned: a CPU device aliases it)
@@ -293,7 +333,7 @@ def read_state(path: str, cfg: K2Config, abstract: dict, *, read_budget_bytes: i
       at = tuple(p[0] - b[0] for p, b in zip(piece, bounds))
       outs[key] = _insert(outs[key], value, at).block_until_ready()
 
-  _run(jobs, read_budget_bytes, read, place)
+  _run(jobs, rc, read, place)
   state: dict = {}
   for entry in entries(cfg):
     leaf = get_path(abstract, entry.path)
@@ -324,9 +364,12 @@ def _pieces(bounds, n_lead: int, itemsize: int, budget: int) -> list[tuple[tuple
   return [((l, l + 1), (a, min(a + step, e1)), *inner_b) for l in range(l0, l1) for a in range(e0, e1, step)]
 
 
-def load_hf(path: str, **k2jax_fields) -> tuple[K2Config, dict]:
+def load_hf(
+  path: str, *, threads: int = 0, read_budget_bytes: int = READ_BUDGET_BYTES, **k2jax_fields
+) -> tuple[K2Config, dict]:
   """Read an HF directory into whole numpy leaves: (config, pure state dict in the config's param dtype).
   For one host and small models; sharded runs use `read_state`."""
+  rc = ReadConfig(read_budget_bytes, threads)
   cfg = read_config(path, **k2jax_fields)
   ckpt = open_checkpoint(path, cfg)
   abstract = abstract_state(cfg)
@@ -336,26 +379,18 @@ def load_hf(path: str, **k2jax_fields) -> tuple[K2Config, dict]:
     leaf = get_path(abstract, entry.path)
     jobs.append((entry, leaf, tuple((0, d) for d in leaf.shape), None, leaf.size * np.dtype(leaf.dtype).itemsize))
   read = lambda files, job: ckpt.leaf_block(files, job[0], job[1], job[2])
-  _run(jobs, READ_BUDGET_BYTES, read, lambda job, block: set_path(state, job[0].path, block))
+  _run(jobs, rc, read, lambda job, block: set_path(state, job[0].path, block))
   return cfg, state
 
 
-def _run(jobs, budget: int, read, done) -> None:
-  """`read(files, job)` on a thread pool, `done(job, block)` in order; blocks read but not yet handed to
-  `done` never total more than `budget` bytes (or one block, when a single block is larger)."""
-  with ShardFiles() as files, ThreadPoolExecutor(_READ_THREADS) as pool:
-    pending: collections.deque = collections.deque()
-    in_flight = 0
+def _run(jobs, rc: ReadConfig, read, done) -> None:
+  """`read(files, job)` on `rc.threads` threads (`pool.Workers`), `done(job, block)` in job order on
+  this thread; blocks read but not yet handed to `done` never total more than `rc.read_budget_bytes`
+  (or one block, when a single block is larger): `pool.READ` records the peak."""
+  with ShardFiles() as files, Workers(rc.threads, rc.read_budget_bytes, pool.READ, "k2jax-read") as workers:
     for job in jobs:
-      while pending and (in_flight + job[4] > budget or len(pending) >= 2 * _READ_THREADS):
-        first, fut = pending.popleft()
-        done(first, fut.result())
-        in_flight -= first[4]
-      pending.append((job, pool.submit(read, files, job)))
-      in_flight += job[4]
-    while pending:
-      first, fut = pending.popleft()
-      done(first, fut.result())
+      workers.submit(job[4], functools.partial(read, files, job), functools.partial(done, job))
+    workers.drain()
 
 
 def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

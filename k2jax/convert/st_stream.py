@@ -2,9 +2,12 @@
 
 Used by `k2jax.convert.writer` (the one HF writer). A tensor arrives in the k2jax layout and leaves in
 the HF layout: transposed, cast (float32 / bfloat16) or block-FP8-quantized (`fp8.quantize`, one
-128-row slab at a time on a few threads, plus its float32 `weight_scale_inv` grid) on the way, with its
-CRC-32 computed over the bytes written. Host memory: the source tensor plus three blocks (the one being
-prepared, the one waiting, the one being written), and for FP8 up to _QUANT_WINDOW quantized slabs.
+128-row slab at a time, plus its float32 `weight_scale_inv` grid) on the way, with its CRC-32 computed
+over the bytes written. The transposes, casts and quantization run on the writer's `pool.Workers`
+(its `threads`); this thread consumes their blocks in order (CRC, hand-off), so the file is the same
+bytes for any thread count, while the `Pipe` thread does the I/O. Host memory: the source tensor, at
+most the workers' in-flight budget of prepared blocks, and two more (the one waiting, the one being
+written).
 
 Written here rather than with `safetensors.numpy.save_file`: that needs every tensor of a file in memory
 at once, in its final dtype. The header is only known at the end (a caller may drop a tensor it finds
@@ -14,7 +17,6 @@ fewer tensors at smaller offsets is never longer) and padded with spaces, as saf
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import json
@@ -23,18 +25,18 @@ import queue
 import struct
 import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
 
 from k2jax.convert import blockops, fp8
 from k2jax.convert.errors import CheckpointError
+from k2jax.convert.pool import Workers
 
 ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32", "float8_e4m3fn": "F8_E4M3"}
 OUT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "fp8": fp8.E4M3}
 FP8_BLOCK = (128, 128)  # the release's weight_block_size
-_BLOCK_BYTES = 256 << 10  # rows transposed, cast, CRC'd and written per block (in cache from one to the next)
+_BLOCK_BYTES = 1 << 20  # rows transposed and cast per worker job (larger than a thread hand-off costs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +62,15 @@ def records(name: str, hf_shape: tuple[int, ...], out: np.dtype) -> list[Record]
 class SafetensorsStream:
   """A safetensors file at `path` that will hold (a subset of) `candidates`, written in their order."""
 
-  def __init__(self, path: str, candidates: list[Record], pipe: Pipe, crc: bool = True):
+  def __init__(self, path: str, candidates: list[Record], pipe: Pipe, workers: Workers, crc: bool = True):
     self._dtypes = {r.name: r.dtype for r in candidates}
     self._reserve = len(header([(r.name, r.dtype, r.shape, r.nbytes) for r in candidates]))
     self._reserve += -self._reserve % 8  # the data starts 8-byte aligned
-    self._pipe, self._crc = pipe, crc  # crc False: write() returns 0 (an export needs no checksums)
+    self._pipe, self._workers, self._crc = (
+      pipe,
+      workers,
+      crc,
+    )  # crc False: write() returns 0 (an export needs no checksums)
     self._f = open(path, "wb")
     self._f.seek(8 + self._reserve)
     self._written: list[list[tuple[str, tuple[int, ...], int]]] = []  # per write: (name, HF shape, nbytes)
@@ -78,37 +84,51 @@ class SafetensorsStream:
     if out == fp8.E4M3:
       crc, recs = self._write_fp8(name, a, transpose, shape2)
     else:
-      crc, recs = self._write_rows(a, transpose, shape2, out), [(name, hf_shape, a.size * out.itemsize)]
+      crc, recs = self._write_rows(name, a, transpose, shape2, out), [(name, hf_shape, a.size * out.itemsize)]
     self._written.append(recs)
     return crc
 
-  def _write_rows(self, a: np.ndarray, transpose: bool, shape2: tuple[int, int], out: np.dtype) -> int:
-    step = max(1, _BLOCK_BYTES // max(1, shape2[1] * max(a.itemsize, out.itemsize)))
+  def _write_rows(self, name: str, a: np.ndarray, transpose: bool, shape2: tuple[int, int], out: np.dtype) -> int:
+    """Row blocks of about _BLOCK_BYTES, transposed and cast on the workers' threads, CRC'd and written in
+    order. Blocks that are views of `a` (no transpose, same dtype) are written as they are."""
+    row_bytes = max(1, shape2[1] * max(a.itemsize, out.itemsize))
+    step = max(1, _BLOCK_BYTES // row_bytes)
     crc = 0
-    for i in range(0, shape2[0], step):
-      block = hf_rows(a, transpose, i, min(i + step, shape2[0]), out)
+
+    def done(block: np.ndarray) -> None:
+      nonlocal crc
       crc = self._submit(block.reshape(-1).view(np.uint8), crc)
+
+    as_is = not transpose and a.dtype == out
+    for i in range(0, shape2[0], step):
+      end = min(i + step, shape2[0])
+      if as_is:
+        done(hf_rows(a, False, i, end, out))
+      else:
+        job = functools.partial(_rows_job, name, self._f.name, a, transpose, i, end, out)
+        self._workers.submit((end - i) * row_bytes, job, done)
+    self._workers.drain()
     return crc
 
   def _write_fp8(self, name: str, a: np.ndarray, transpose: bool, shape2: tuple[int, int]) -> tuple[int, list]:
     """Block-FP8, one slab of FP8_BLOCK[0] HF rows at a time (each slab is whole blocks: its scales and
-    codes are those of the whole tensor), transposed and quantized on `_quantizer()`'s threads, written
-    in order; the scale grid follows the weight."""
+    codes are those of the whole tensor), transposed and quantized on the workers' threads, written in
+    order; the scale grid follows the weight."""
     grid = np.empty(fp8.scale_shape(shape2, FP8_BLOCK), np.float32)
-    crc, pending = 0, collections.deque()
+    crc = 0
 
-    def drain(keep: int) -> None:
+    def done(k: int, qs: tuple[np.ndarray, np.ndarray]) -> None:
       nonlocal crc
-      while len(pending) > keep:
-        k, fut = pending.popleft()
-        q, s = fut.result()
-        grid[k] = s[0]
-        crc = self._submit(q.reshape(-1).view(np.uint8), crc)
+      grid[k] = qs[1][0]
+      crc = self._submit(qs[0].reshape(-1).view(np.uint8), crc)
 
+    # a slab holds its source rows, their float32 copy and the codes until written
+    per_row = shape2[1] * (a.itemsize + 4 + 1)
     for k, i in enumerate(range(0, shape2[0], FP8_BLOCK[0])):
-      pending.append((k, _quantizer().submit(_quantize_slab, name, a, transpose, i, shape2[0])))
-      drain(_QUANT_WINDOW)
-    drain(0)
+      end = min(i + FP8_BLOCK[0], shape2[0])
+      job = functools.partial(_quantize_slab, name, self._f.name, a, transpose, i, shape2[0])
+      self._workers.submit((end - i) * per_row, job, functools.partial(done, k))
+    self._workers.drain()
     crc = self._submit(grid.reshape(-1).view(np.uint8), crc)
     return crc, [(name, shape2, a.size), (name + fp8.SCALE_SUFFIX, grid.shape, grid.nbytes)]
 
@@ -146,18 +166,13 @@ class SafetensorsStream:
       os.remove(self._f.name)
 
 
-_QUANT_THREADS = min(4, os.cpu_count() or 1)
-_QUANT_WINDOW = 2 * _QUANT_THREADS  # slabs quantized ahead of the one being written (bounded memory)
+WRITE_BUDGET_BYTES = 256 << 20  # default bytes of blocks prepared on the workers and not yet written
 
 
-@functools.cache
-def _quantizer() -> ThreadPoolExecutor:
-  """Threads that quantize FP8 slabs: numpy's ufuncs and `np.take` release the GIL, so slabs quantize in
-  parallel on the host's cores (the single-core rate, ~280 Melem/s here, is the FP8 export's bound)."""
-  return ThreadPoolExecutor(_QUANT_THREADS, thread_name_prefix="k2jax-fp8-quantize")
-
-
-def _quantize_slab(name: str, a: np.ndarray, transpose: bool, i: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+def _quantize_slab(
+  name: str, file: str, a: np.ndarray, transpose: bool, i: int, n_rows: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """(codes, scale row) of HF rows i..i+128 of `a` (on a worker thread)."""
   end = min(i + FP8_BLOCK[0], n_rows)
   try:
     return fp8.quantize(hf_rows(a, transpose, i, end, a.dtype).reshape(end - i, -1), FP8_BLOCK)
@@ -165,6 +180,15 @@ def _quantize_slab(name: str, a: np.ndarray, transpose: bool, i: int, n_rows: in
     raise CheckpointError(
       f"tensor {name!r}: rows {i}..{end - 1} hold NaN or inf; block-FP8 cannot represent them ({e}); export refused"
     ) from e
+  except Exception as e:
+    raise RuntimeError(f"writing {name} to {file}: quantizing rows {i}..{end - 1}: {type(e).__name__}: {e}") from e
+
+
+def _rows_job(name: str, file: str, a: np.ndarray, transpose: bool, i: int, end: int, out: np.dtype) -> np.ndarray:
+  try:
+    return hf_rows(a, transpose, i, end, out)
+  except Exception as e:
+    raise RuntimeError(f"writing {name} to {file}: rows {i}..{end - 1}: {type(e).__name__}: {e}") from e
 
 
 def hf_rows(a: np.ndarray, transpose: bool, i: int, end: int, dtype) -> np.ndarray:

@@ -12,8 +12,9 @@ programs on the state's mesh):
   2. write  each process streams its tensors into its own files (`st_stream`): fetched one at a time,
             transposed to the HF layout on their device (a CPU device's tensors are read in place
             and transposed on the host, tile by tile), cast or block-FP8-quantized on the host in row
-            blocks (FP8 on a few threads) while a writer thread does the I/O. Host memory: one tensor
-            plus a few blocks.
+            blocks on `threads` threads (`pool.Workers`, consumed in order: the same bytes for any
+            count) while a writer thread does the I/O. Host memory: one tensor plus at most
+            `in_flight_bytes` of blocks and two more.
   3. agree  an all-gather of each process's first error: if any process failed, every process raises
             (and runs every collective program first, so none is left waiting in one).
 `save_hf` then has process 0 write the index, config.json and the tokenizer into the same directory and
@@ -41,13 +42,22 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k2jax.convert import fp8
+from k2jax.convert import fp8, pool
 from k2jax.convert.errors import CheckpointError
 from k2jax.convert.export_dir import broadcast_text, decode_text, encode_text, write_export
 from k2jax.convert.layout import Entry, entries
+from k2jax.convert.pool import Workers, resolve_threads
 from k2jax.convert.hf_dir import get_path
 from k2jax.convert.safetensors_io import read_header
-from k2jax.convert.st_stream import FP8_BLOCK, OUT_DTYPES, Pipe, Record, SafetensorsStream, records
+from k2jax.convert.st_stream import (
+  FP8_BLOCK,
+  OUT_DTYPES,
+  WRITE_BUDGET_BYTES,
+  Pipe,
+  Record,
+  SafetensorsStream,
+  records,
+)
 from k2jax.model.config import ConfigError, K2Config
 
 INDEX = "model.safetensors.index.json"
@@ -101,12 +111,25 @@ class Writer:
   """Writes a model's HF tensors from its (sharded) state; see the module docstring. The plan is made on
   the first `write` and kept: later states must have the same shapes and shardings (RL pushes do)."""
 
-  def __init__(self, cfg: K2Config, dtype: str | None = None, max_shard_bytes: int = 4 << 30, naming: str = "global"):
+  def __init__(
+    self,
+    cfg: K2Config,
+    dtype: str | None = None,
+    max_shard_bytes: int = 4 << 30,
+    naming: str = "global",
+    *,
+    threads: int = 0,
+    in_flight_bytes: int = WRITE_BUDGET_BYTES,
+  ):
     if dtype is not None and dtype not in DTYPES:
       raise ConfigError(f"dtype: expected one of {list(DTYPES)} or None, got {dtype!r}")
     if max_shard_bytes <= 0 or naming not in ("global", "process"):
       raise ConfigError(f"Writer: max_shard_bytes={max_shard_bytes} must be > 0, naming={naming!r} global|process")
+    if in_flight_bytes <= 0:
+      raise ConfigError(f"Writer: in_flight_bytes={in_flight_bytes} must be > 0")
     self.cfg, self.dtype, self.max_shard_bytes, self.naming = cfg, dtype, max_shard_bytes, naming
+    # threads transposing, casting and quantizing blocks (0: one per core; the file bytes do not depend on it)
+    self.threads, self.in_flight_bytes = resolve_threads(threads, "threads"), in_flight_bytes
     self._plan: list[Source] | None = None
     self._files: dict[int, list[tuple[str, list[Tensor]]]] = {}
 
@@ -129,6 +152,7 @@ class Writer:
     mine = self._files.get(jax.process_index(), [])
     error: BaseException | None = None
     pipe, streams = Pipe(), []
+    workers = Workers(self.threads, self.in_flight_bytes, pool.WRITE, "k2jax-write")
     if not os.path.isdir(directory):
       error = CheckpointError(
         f"{directory}: not visible on process {jax.process_index()} (the directory must be on a "
@@ -137,7 +161,7 @@ class Writer:
     else:
       try:
         recs = [(os.path.join(directory, f), [r for t in ts for r in t.records]) for f, ts in mine]
-        streams = [SafetensorsStream(path, rs, pipe, crc=skip is not None) for path, rs in recs]
+        streams = [SafetensorsStream(path, rs, pipe, workers, crc=skip is not None) for path, rs in recs]
       except OSError as e:
         error = e
     stream_of = {t.name: st for st, (_, ts) in zip(streams, mine) for t in ts}
@@ -152,6 +176,7 @@ class Writer:
         except Exception as e:  # reported to every process by _agree
           error = e
       del array
+    workers.close(cancel=error is not None)  # a failed export stops quantizing the blocks still queued
     error = _close(streams, pipe, error)
     _agree(error)
     return written
@@ -207,12 +232,14 @@ def save_hf(
   dtype: str | None = None,
   max_shard_bytes: int = 4 << 30,
   write_extra: Callable[[str], None] | None = None,
+  threads: int = 0,
 ) -> None:
   """Write `state` as an HF directory at `dst` (sharded safetensors + index + config.json), atomically.
 
   Every process calls it (multi-process: each writes its own tensors, process 0 the rest and the swap).
-  `write_extra(tmp)` (process 0) adds more files, e.g. the tokenizer, inside the same atomic export."""
-  writer = Writer(cfg, dtype, max_shard_bytes)
+  `write_extra(tmp)` (process 0) adds more files, e.g. the tokenizer, inside the same atomic export.
+  `threads` transpose, cast and quantize on this host (0: one per core); the files do not depend on it."""
+  writer = Writer(cfg, dtype, max_shard_bytes, threads=threads)
   if jax.process_index() != 0:
     tmp = broadcast_text("")
     if tmp.startswith("\0"):

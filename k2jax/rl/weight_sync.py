@@ -47,9 +47,11 @@ class WeightSyncConfig:
   max_shard_bytes: int = 4 * 2**30  # each process splits its tensors into files of at most this size
   keep_last: int = 2  # version directories kept on disk (older ones are deleted)
   dtype: str | None = None  # remote pushes: None (param dtype), 'bfloat16', 'float32' or 'fp8' (block-FP8)
+  threads: int = 0  # remote pushes: host threads casting / quantizing the tensors (0: one per core)
 
   def __post_init__(self):
-    if self.keep_last < 1 or self.max_shard_bytes <= 0 or self.dtype not in (None, *hf_writer.DTYPES):
+    bad_threads = isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0
+    if self.keep_last < 1 or self.max_shard_bytes <= 0 or self.dtype not in (None, *hf_writer.DTYPES) or bad_threads:
       raise ValueError(f"invalid WeightSyncConfig {self}")
 
 
@@ -64,7 +66,9 @@ class WeightSync:
     self.version = initial_version
     self.colocated = callable(getattr(engine, "update_weights_from_params", None))
     self._crcs: dict[str, int] = {}  # CRC-32 of each tensor this process wrote, as the engine holds it
-    self._writer = hf_writer.Writer(model, config.dtype, config.max_shard_bytes, naming="process")
+    self._writer = hf_writer.Writer(
+      model, config.dtype, config.max_shard_bytes, naming="process", threads=config.threads
+    )
     self.bytes_written = 0  # tensor bytes of the last remote push, all processes together (process 0)
 
   @property
