@@ -49,6 +49,8 @@ class InFlight:
   name: str
   bytes: int = 0
   peak_bytes: int = 0
+  jobs: int = 0
+  peak_jobs: int = 0
   largest_job: int = 0
   budget_bytes: int = 0
   threads: int = 0
@@ -56,12 +58,16 @@ class InFlight:
 
   def reset(self) -> None:
     with self.lock:
-      self.bytes = self.peak_bytes = self.largest_job = self.budget_bytes = self.threads = 0
+      self.bytes = self.peak_bytes = self.jobs = self.peak_jobs = 0
+      self.largest_job = self.budget_bytes = self.threads = 0
 
-  def add(self, n: int) -> None:
+  def add(self, n: int, jobs: int) -> None:
+    """`jobs` jobs of `n` bytes in all entered (positive) or left (negative) the pipeline."""
     with self.lock:
       self.bytes += n
+      self.jobs += jobs
       self.peak_bytes = max(self.peak_bytes, self.bytes)
+      self.peak_jobs = max(self.peak_jobs, self.jobs)
       self.largest_job = max(self.largest_job, n)
 
 
@@ -93,7 +99,7 @@ class Workers:
     while self._pending and (self._in_flight + nbytes > self.budget_bytes or len(self._pending) >= 2 * self.threads):
       self._consume()
     self._in_flight += nbytes
-    self._stats.add(nbytes)
+    self._stats.add(nbytes, 1)
     self._pending.append((nbytes, self._pool.submit(fn), done))
 
   def drain(self) -> None:
@@ -107,14 +113,14 @@ class Workers:
       result = fut.result()
     finally:
       self._in_flight -= nbytes
-      self._stats.add(-nbytes)
+      self._stats.add(-nbytes, -1)
     done(result)
 
   def close(self, cancel: bool = False) -> None:
     if cancel:
       for nbytes, fut, _ in self._pending:
         fut.cancel()
-        self._stats.add(-nbytes)
+        self._stats.add(-nbytes, -1)
       self._pending.clear()
       self._in_flight = 0
     self._pool.shutdown(wait=True, cancel_futures=cancel)

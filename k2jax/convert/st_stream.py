@@ -92,7 +92,7 @@ class SafetensorsStream:
     """Row blocks of about _BLOCK_BYTES, transposed and cast on the workers' threads, CRC'd and written in
     order. Blocks that are views of `a` (no transpose, same dtype) are written as they are."""
     row_bytes = max(1, shape2[1] * max(a.itemsize, out.itemsize))
-    step = max(1, _BLOCK_BYTES // row_bytes)
+    step = max(1, min(_BLOCK_BYTES, self._workers.budget_bytes) // row_bytes)  # a job fits the budget
     crc = 0
 
     def done(block: np.ndarray) -> None:
