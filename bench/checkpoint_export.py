@@ -75,8 +75,10 @@ def _raw_write(path: str, nbytes: int, chunk: np.ndarray) -> None:
   os.remove(path)
 
 
-def export_rows(cfg, reps: int, root: str) -> list[str]:
-  """Runs the export half for model config `cfg` (files under `root`); returns (and prints) its lines."""
+def export_rows(cfg, reps: int, root: str, threads: int = 0, out: dict | None = None) -> list[str]:
+  """Runs the export half for model config `cfg` (files under `root`) with the writer on `threads`
+  threads (0: one per core); returns (and prints) its lines. `out` receives the per-rep wall and CPU
+  seconds and the bytes (`bench/checkpoint_io.py` computes its bounds from them)."""
   state = filled_state(cfg)
   dst = {d: os.path.join(root, f"export_{d}") for d in ("bfloat16", "fp8")}
   chunk = np.ones(64 << 20, np.uint8)
@@ -90,14 +92,16 @@ def export_rows(cfg, reps: int, root: str) -> list[str]:
     return run
 
   fns = {
-    "export_bf16": synced(lambda: writer.save_hf(cfg, state, dst["bfloat16"], dtype="bfloat16")),
+    "export_bf16": synced(lambda: writer.save_hf(cfg, state, dst["bfloat16"], dtype="bfloat16", threads=threads)),
     "raw_bf16": synced(lambda: _raw_write(raw, _tensor_bytes(dst["bfloat16"]), chunk)),
-    "export_fp8": synced(lambda: writer.save_hf(cfg, state, dst["fp8"], dtype="fp8")),
+    "export_fp8": synced(lambda: writer.save_hf(cfg, state, dst["fp8"], dtype="fp8", threads=threads)),
     "raw_fp8": synced(lambda: _raw_write(raw, _tensor_bytes(dst["fp8"]), chunk)),
   }
   cpu: dict = {}
   times = interleave.time_interleaved(fns, reps, cpu=cpu, min_rep_s=0.0)  # its untimed first round: the
   nbytes = {d: _tensor_bytes(dst[d]) for d in dst}  # exports exist before their raw twins run
+  if out is not None:
+    out.update(times=times, cpu=cpu, nbytes=nbytes)
   lines = [
     f"export: hidden={cfg.hidden_size} layers={cfg.num_hidden_layers} param_dtype={cfg.param_dtype} reps={reps} "
     f"devices={jax.device_count()} {interleave.load_average()}",

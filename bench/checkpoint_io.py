@@ -1,6 +1,6 @@
 """Checkpoint import benchmark: the sharded HF reader against raw sequential reads of the same bytes.
 
-Run: python bench/checkpoint_io.py [--preset small] [--num_layers N] [--reps 5] [--dir /tmp/...] [--rows=import,export]
+Run: python bench/checkpoint_io.py [--preset small] [--num_layers N] [--reps 5] [--threads 0] [--rows=import,export]
 Writes two HF directories of the preset (same weights): bf16, and the release's block-FP8 layout (F8_E4M3
 + float32 128x128 `weight_scale_inv` for every projection; bf16 embeddings/norms/router; f32 bias). Then,
 interleaved over the reps (bench/interleave.py), on one device in this process:
@@ -12,7 +12,13 @@ Prints key=value lines (medians with min-max spread):
   peak_rss_over_local_shard_bytes_{1,2}proc = (peak RSS - RSS before the load) / (bytes of this process's
                                    shards + the in-flight budget), from fresh processes (1 CPU device each;
                                    2 processes = `jax.distributed` on localhost, mesh fsdp=2), one run each
-  kimi_k2_v5p1024_*              estimated bytes read per host and seconds at the measured FP8 rate
+  {import,export}_{src}_stages   raw I/O MB/s, transform MB/s per core (CPU-s beyond the raw twin's), the
+                                 bound min(raw I/O, transform x threads) and the job's MB/s, per rep
+  {import,export}_over_bound_{src} = job MB/s / that bound (target >= 0.8: the pipeline reaches the slower
+                                 of the disk and the cores), median with spread
+  kimi_k2_v5p1024_*              estimated bytes read per host and seconds at the measured FP8 rate, and
+                                 at the per-core transform rate x a v5p host's 208 vCPUs
+--threads (0: one per core) sets the reader's and writer's threads; `threads=` is printed first.
 The files are read from the page cache in both timings (each directory is read once before timing):
 this measures the reader's CPU cost over the bytes, not the disk.
 
@@ -44,10 +50,12 @@ from bench.interleave import fmt, load_average, median_ms, ratio, time_interleav
 from k2jax.convert import fp8  # noqa: E402
 from k2jax.convert.hf_dir import INDEX, abstract_state  # noqa: E402
 from k2jax.convert.layout import entries, hf_shape  # noqa: E402
+from k2jax.convert.pool import default_threads, resolve_threads  # noqa: E402
 from k2jax.model import presets  # noqa: E402
 
 KIMI_FP8_BYTES = 958.51 * 2**30  # the release on disk (reference §1.4)
 V5P_1024_HOSTS = 128  # 512 chips, 4 per host
+V5P_HOST_VCPUS = 208  # a v5p host VM (ct5p-hightpu-4t): 208 vCPUs
 _CHUNK = 64 << 20
 _SHARD_BYTES = 512 << 20
 
@@ -130,10 +138,11 @@ def raw_read(path: str) -> int:
   return total
 
 
-def import_once(path: str, cfg) -> None:
-  from k2jax.api import source_state
+def import_once(path: str, cfg, threads: int) -> None:
+  """What `k2jax.api.source_state(path, cfg)` does for an HF directory, on `threads` reader threads."""
+  from k2jax.convert import reader
 
-  state = source_state(path, cfg)
+  state = reader.read_state(path, cfg, abstract_state(cfg), threads=threads)
   jax.block_until_ready(state)
 
 
@@ -265,6 +274,7 @@ def main():
   ap.add_argument("--read_budget_bytes", type=int, default=256 << 20)
   ap.add_argument("--rss_worker", nargs=5, default=None)
   ap.add_argument("--rows", default="import,export", help="which halves to run: import, export or both")
+  ap.add_argument("--threads", type=int, default=0, help="reader/writer threads (0: one per core of this host)")
   args = ap.parse_args()
   if args.rss_worker:
     path, budget, nproc, pid, port = args.rss_worker
@@ -272,20 +282,83 @@ def main():
   over = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
   cfg = presets.get(args.preset, param_dtype="bfloat16", **over)
   root = args.dir or tempfile.mkdtemp(prefix="k2jax-ckpt-bench-")
+  threads = resolve_threads(args.threads)
+  cores = default_threads()
+  print(
+    f"threads={threads} cores={cores} (reader/writer threads; the bounds use min(threads, cores)="
+    f"{min(threads, cores)}; other jobs share these cores, so wall-time figures are noisy)",
+    flush=True,
+  )
   try:
+    per_core = {}
     if "import" in args.rows.split(","):
-      import_rows(cfg, args, root)
+      per_core.update(import_rows(cfg, args, root, min(threads, cores)))
     if "export" in args.rows.split(","):
       from bench.checkpoint_export import export_rows
 
-      export_rows(cfg, args.reps, os.path.join(root, "export"))
+      measured: dict = {}
+      export_rows(cfg, args.reps, os.path.join(root, "export"), threads=threads, out=measured)
+      per_core.update(export_bounds(measured, min(threads, cores), args.reps))
+    projection(per_core)
   finally:
     if not args.dir:
       shutil.rmtree(root, ignore_errors=True)
 
 
-def import_rows(cfg, args, root: str) -> None:
-  """The import half: the reader against raw reads, peak RSS, the Kimi-K2 projection."""
+def stage_bounds(
+  name: str, nbytes: int, io: str, job: str, times: dict, cpu: dict, threads: int, reps: int
+) -> tuple[list[str], float]:
+  """Per-stage rates of `job` (an import or export of `nbytes`) against its raw I/O twin `io`, per rep:
+  raw I/O MB/s (wall); transform MB/s per core = bytes / (job CPU-s - raw CPU-s), the CPU the job spends
+  beyond moving the bytes (reads, transposes, dequantization, casts, quantization; all threads, so a
+  per-core rate); bound = min(raw I/O, transform per core x threads); `{name}_over_bound` = job MB/s /
+  bound. Returns the lines and the median transform MB/s per core."""
+  io_rate = [nbytes / t for t in times[io]]
+  core = [nbytes / max(c - r, 1e-9) for c, r in zip(cpu[job], cpu[io])]
+  bound = [min(a, b * threads) for a, b in zip(io_rate, core)]
+  rate = [nbytes / t for t in times[job]]
+  over = [r / b for r, b in zip(rate, bound)]
+  med = lambda xs: float(np.median(xs)) / 1e6  # noqa: E731
+  kind = "read" if name.startswith("import") else "write"
+  stages = (
+    f"{name}_stages raw_{kind}_MBps={med(io_rate):.0f} transform_MBps_per_core={med(core):.0f} "
+    f"bound_MBps={med(bound):.0f} (min(raw {kind}, transform x {threads} threads)) {name}_MBps={med(rate):.0f}"
+  )
+  lines = [
+    stages,
+    fmt(f"{name}_over_bound", (float(np.median(over)), min(over), max(over)), reps),
+  ]
+  return lines, float(np.median(core))
+
+
+def export_bounds(measured: dict, threads: int, reps: int) -> dict:
+  """The export rows' bounds (`stage_bounds` on the export timings); returns the per-core rates."""
+  times, cpu, nbytes = measured["times"], measured["cpu"], measured["nbytes"]
+  out = {}
+  for d, b in (("bf16", nbytes["bfloat16"]), ("fp8", nbytes["fp8"])):
+    lines, out[f"export_{d}"] = stage_bounds(f"export_{d}", b, f"raw_{d}", f"export_{d}", times, cpu, threads, reps)
+    for line in lines:
+      print(line, flush=True)
+  return out
+
+
+def projection(per_core: dict) -> None:
+  """Kimi-K2 on a v5p-1024 host at the measured per-core transform rates times the host's cores."""
+  per_host = KIMI_FP8_BYTES / V5P_1024_HOSTS
+  for name in ("import_fp8", "export_fp8"):
+    if name in per_core:
+      rate = per_core[name] * V5P_HOST_VCPUS
+      print(
+        f"kimi_k2_v5p1024_{name}_seconds_cores_bound={per_host / rate:.1f} (estimated: {per_host / 2**30:.2f} GiB "
+        f"per host at the measured {per_core[name] / 1e6:.0f} MB/s per core x {V5P_HOST_VCPUS} vCPUs = "
+        f"{rate / 1e9:.1f} GB/s; the host's disk must deliver that much too, else it is the bound; untested on TPU)",
+        flush=True,
+      )
+
+
+def import_rows(cfg, args, root: str, threads: int) -> dict:
+  """The import half: the reader against raw reads, per-stage rates and bounds, peak RSS, the Kimi-K2
+  projection at the measured import rate; returns the per-core transform rates."""
   dirs = write_sources(cfg, root)
   sizes = {k: sum(os.path.getsize(f) for f in shard_files(d)) for k, d in dirs.items()}
   print(
@@ -297,9 +370,10 @@ def import_rows(cfg, args, root: str) -> None:
   for k, d in dirs.items():
     raw_read(d)  # into the page cache: both timings then read from memory
     fns[f"raw_{k}"] = _user_sys(lambda d=d: raw_read(d), split.setdefault(f"raw_{k}", []))
-    fns[f"import_{k}"] = _user_sys(lambda d=d: import_once(d, cfg), split.setdefault(f"import_{k}", []))
+    fns[f"import_{k}"] = _user_sys(lambda d=d: import_once(d, cfg, args.threads), split.setdefault(f"import_{k}", []))
   cpu: dict = {}
   times = time_interleaved(fns, args.reps, cpu=cpu)
+  per_core: dict = {}
   for k in dirs:
     print(f"raw_{k}_ms={median_ms(times[f'raw_{k}'])} import_{k}_ms={median_ms(times[f'import_{k}'])}")
     u, sy = (float(np.median([x[i] for x in split[f"import_{k}"]])) for i in (0, 1))
@@ -307,6 +381,11 @@ def import_rows(cfg, args, root: str) -> None:
     print(f"import_{k}_user_s={u:.2f} import_{k}_sys_s={sy:.2f} raw_{k}_user_s={ru:.2f} raw_{k}_sys_s={rs:.2f}")
     print(fmt(f"import_over_raw_read_{k}", ratio(times, f"raw_{k}", f"import_{k}"), args.reps), flush=True)
     print(fmt(f"import_over_raw_read_{k}_cpu", ratio(cpu, f"raw_{k}", f"import_{k}"), args.reps), flush=True)
+    lines, per_core[f"import_{k}"] = stage_bounds(
+      f"import_{k}", sizes[k], f"raw_{k}", f"import_{k}", times, cpu, threads, args.reps
+    )
+    for line in lines:
+      print(line, flush=True)
   print(breakdown(cfg, sizes, times, args.reps), flush=True)
   for n in (1, 2):
     r = peak_rss_ratio(dirs["bf16"], n, args.read_budget_bytes)
@@ -318,6 +397,7 @@ def import_rows(cfg, args, root: str) -> None:
     f"kimi_k2_v5p1024_import_seconds={per_host / fp8_rate:.0f} (estimated at the measured FP8 import rate "
     f"{fp8_rate / 2**20:.0f} MiB/s per process from page cache; untested on TPU)"
   )
+  return per_core
 
 
 if __name__ == "__main__":
