@@ -12,7 +12,10 @@ Blocks bound for CPU devices (whose memory is this host's) are built once in a h
 aliases: read straight in, or read in cache-sized row slabs and tile-transposed, FP8 dequantized by XLA
 on that device in groups first (`Checkpoint.leaf_block`); bitwise equal to the other two. Host
 memory is this process's shards plus at most `read_budget_bytes` of blocks in flight (one block when a
-single block is larger). `load_hf` is the same reader into whole numpy leaves (one host, small models).
+single block is larger). Blocks are read and converted on `threads` threads (`pool.Workers`; 0: one
+per core), the next ones read while the current ones convert, and placed in job order: the arrays are
+bitwise the same for any thread count, and a failing thread fails the read naming the tensor and file.
+`load_hf` is the same reader into whole numpy leaves (one host, small models).
 
 Everything is validated before the first tensor byte is read (config.json, quantization_config, index,
 every header, shape, dtype and scale), so bad input fails fast with a CheckpointError naming the file and
@@ -53,6 +56,9 @@ READ_BUDGET_BYTES = 2 << 30  # default in-flight host buffer (orbax's Safetensor
 DEVICE_CONVERT_BYTES = 1 << 20
 HOST_CONVERT_PLATFORMS = ("cpu",)  # devices whose memory is this host's: filled on the host (see `read_state`)
 SLAB_BYTES = 1 << 20  # rows of a transposed tensor read at a time: still in cache when the transpose reads them
+# Leaf bytes per reader job: a stacked expert leaf is many jobs (one per leaf left one thread doing most
+# of an import), each large enough that a hand-off to a thread is noise.
+JOB_BYTES = 32 << 20
 XLA_GROUP_ELEMS = 1 << 22  # FP8 elements dequantized per XLA call on a CPU device (bounds its transients)
 _FLOAT = ("F32", "BF16", "F16")
 _LEAD = {"global": 0, "layer": 1, "expert": 2}
@@ -72,6 +78,11 @@ class ReadConfig:
     if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
       raise ValueError(f"read_budget_bytes must be positive, got {b!r}")
     object.__setattr__(self, "threads", resolve_threads(self.threads, "threads"))
+
+  @property
+  def job_bytes(self) -> int:
+    """Leaf bytes per reader job (`_pieces`): a large leaf is many jobs, so every thread has work."""
+    return min(self.read_budget_bytes, JOB_BYTES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +118,19 @@ class Checkpoint:
   quant: Quant | None
   tensors: dict[str, TensorInfo]
 
-  def leaf_block(self, files: ShardFiles, entry: Entry, leaf, bounds, xla_device=None) -> np.ndarray:
+  def leaf_block(self, files: ShardFiles, entry: Entry, leaf, bounds, xla_device=None, out=None) -> np.ndarray:
     """The block `bounds` of the k2jax leaf `entry` (shape `leaf.shape`), in the leaf's dtype, in a buffer a
-    CPU device takes without a copy. With `xla_device` (a CPU device) FP8 tensors are dequantized there,
-    XLA_GROUP_ELEMS at a time (`_xla_dequantized`); everything else with numpy (`_fill`)."""
+    CPU device takes without a copy (or into `out`, a C-contiguous view of such a buffer). With
+    `xla_device` (a CPU device) FP8 tensors are dequantized there, XLA_GROUP_ELEMS at a time
+    (`_xla_dequantized`); everything else with numpy (`_fill`)."""
     n_lead = _LEAD[entry.kind]
     keys = dict(entry.keys(self.cfg))
-    out = blockops.aligned_empty([hi - lo for lo, hi in bounds], leaf.dtype)
-    flat = out.reshape(-1, *out.shape[n_lead:])
+    shape = [hi - lo for lo, hi in bounds]
+    if out is None:
+      out = blockops.aligned_empty(shape, leaf.dtype)
+    elif list(out.shape) != shape or not out.flags.c_contiguous:
+      raise ValueError(f"leaf_block: {'.'.join(entry.path)}: buffer {out.shape} is not a contiguous {shape}")
+    flat = out.reshape(-1, *out.shape[n_lead:])  # a view: `out` is contiguous
     inner = bounds[n_lead:]
     hf_bounds = inner[::-1] if entry.transpose else inner
     leads = itertools.product(*(range(lo, hi) for lo, hi in bounds[:n_lead]))
@@ -289,18 +305,24 @@ def read_state(
     for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
       by_slice[_bounds(index, leaf.shape)].append(device)
     for bounds, devices in by_slice.items():
-      for piece in _pieces(bounds, _LEAD[entry.kind], np.dtype(leaf.dtype).itemsize, rc.read_budget_bytes):
+      pieces = _pieces(bounds, _LEAD[entry.kind], np.dtype(leaf.dtype).itemsize, rc.job_bytes)
+      # CPU devices: the "device" is this host; the slice's buffer is filled in place, piece by piece on
+      # the threads, and handed to the devices once whole (aliased: no second copy)
+      on_host = all(d.platform in HOST_CONVERT_PLATFORMS for d in devices)
+      fill = _Fill(bounds, leaf.dtype, len(pieces)) if on_host else None
+      for piece in pieces:
         nbytes = int(np.prod([hi - lo for lo, hi in piece])) * np.dtype(leaf.dtype).itemsize
-        jobs.append((entry, leaf, piece, devices, nbytes, bounds))
+        jobs.append((entry, leaf, piece, devices, nbytes, bounds, fill))
 
   def read(files, job):
-    entry, leaf, bounds, devices, nbytes, _ = job
-    # Small blocks: numpy is cheaper than a compile per shape. CPU devices: the "device" is this host;
-    # its buffer is filled once on the host (tiled transposes: XLA:CPU's are slow on some shapes), FP8
-    # dequantized by XLA there without the transpose (`blockops`).
+    entry, leaf, piece, devices, nbytes, _, fill = job
+    # Small blocks: numpy is cheaper than a compile per shape. CPU devices: filled on the host (tiled
+    # transposes: XLA:CPU's are slow on some shapes), FP8 dequantized by XLA there without the
+    # transpose (`blockops`).
     small = nbytes < DEVICE_CONVERT_BYTES
-    if all(d.platform in HOST_CONVERT_PLATFORMS for d in devices):
-      return ckpt.leaf_block(files, entry, leaf, bounds, xla_device=None if small else devices[0])
+    if fill is not None:
+      return ckpt.leaf_block(files, entry, leaf, piece, None if small else devices[0], out=fill.view(piece))
+    bounds = piece
     if not small:
       block = ckpt.raw_block(files, entry, bounds)
       if block is not None:
@@ -308,13 +330,23 @@ def read_state(
     return ckpt.leaf_block(files, entry, leaf, bounds)
 
   def place(job, block):
-    entry, piece = job[0], job[2]
-    lead = tuple(lo for lo, _ in piece[: _LEAD[entry.kind]])
-    with _naming(ckpt.tensors[dict(entry.keys(cfg))[lead]]):
+    try:
       _place(job, block)
+    except CheckpointError:
+      raise
+    except Exception as e:  # named by the piece's first tensor (looked up only on failure)
+      entry, piece = job[0], job[2]
+      t = ckpt.tensors[dict(entry.keys(cfg))[tuple(lo for lo, _ in piece[: _LEAD[entry.kind]])]]
+      raise RuntimeError(f"reading {t.key} from {t.file}: placing its block: {type(e).__name__}: {e}") from e
 
   def _place(job, block):
-    entry, leaf, piece, devices, _, bounds = job
+    entry, leaf, piece, devices, _, bounds, fill = job
+    if fill is not None:
+      if fill.piece_done():
+        buf = fill.take()
+        for d in devices:
+          outs[(entry.path, bounds, d)] = jax.device_put(buf, d).block_until_ready()
+      return
     for d in devices:  # blocking per device: at most one converted piece in flight beyond the shards
       if isinstance(block, np.ndarray):  # converted on the host (aligned: a CPU device aliases it)
         value = jax.device_put(block, d)
@@ -377,10 +409,42 @@ def load_hf(
   jobs = []
   for entry in entries(cfg):
     leaf = get_path(abstract, entry.path)
-    jobs.append((entry, leaf, tuple((0, d) for d in leaf.shape), None, leaf.size * np.dtype(leaf.dtype).itemsize))
-  read = lambda files, job: ckpt.leaf_block(files, job[0], job[1], job[2])
-  _run(jobs, rc, read, lambda job, block: set_path(state, job[0].path, block))
+    bounds = tuple((0, d) for d in leaf.shape)
+    pieces = _pieces(bounds, _LEAD[entry.kind], np.dtype(leaf.dtype).itemsize, rc.job_bytes)
+    fill = _Fill(bounds, leaf.dtype, len(pieces))
+    for piece in pieces:
+      jobs.append((entry, leaf, piece, fill, int(np.prod([hi - lo for lo, hi in piece])) * leaf.dtype.itemsize))
+
+  def read(files, job):
+    return ckpt.leaf_block(files, job[0], job[1], job[2], out=job[3].view(job[2]))
+
+  def done(job, _):
+    if job[3].piece_done():
+      set_path(state, job[0].path, job[3].take())
+
+  _run(jobs, rc, read, done)
   return cfg, state
+
+
+class _Fill:
+  """A slice converted on the host into one buffer (aligned: a CPU device aliases it), its pieces
+  (along the stacked axes: contiguous views) filled on the reader threads; counts the pieces left."""
+
+  def __init__(self, bounds, dtype, n_pieces: int):
+    self.bounds, self.left = bounds, n_pieces
+    self.buf = blockops.aligned_empty([hi - lo for lo, hi in bounds], dtype)
+
+  def view(self, piece) -> np.ndarray:
+    return self.buf[tuple(slice(p0 - b0, p1 - b0) for (p0, p1), (b0, _) in zip(piece, self.bounds))]
+
+  def piece_done(self) -> bool:
+    """Counts one piece consumed (in job order, on the consuming thread); True for the last."""
+    self.left -= 1
+    return self.left == 0
+
+  def take(self) -> np.ndarray:
+    buf, self.buf = self.buf, None
+    return buf
 
 
 def _run(jobs, rc: ReadConfig, read, done) -> None:

@@ -5,9 +5,10 @@ the HF layout: transposed, cast (float32 / bfloat16) or block-FP8-quantized (`fp
 128-row slab at a time, plus its float32 `weight_scale_inv` grid) on the way, with its CRC-32 computed
 over the bytes written. The transposes, casts and quantization run on the writer's `pool.Workers`
 (its `threads`); this thread consumes their blocks in order (CRC, hand-off), so the file is the same
-bytes for any thread count, while the `Pipe` thread does the I/O. Host memory: the source tensor, at
-most the workers' in-flight budget of prepared blocks, and two more (the one waiting, the one being
-written).
+bytes for any thread count, while the `Pipe` thread does the I/O. Tensors are queued back to back (no
+wait between them). Host memory: the source tensors of the queued blocks (views of a CPU device's
+shards), at most the workers' in-flight budget of prepared blocks (the writer sets it to one tensor's
+bytes), each running thread's working copy of one block, and two blocks in the pipe.
 
 Written here rather than with `safetensors.numpy.save_file`: that needs every tensor of a file in memory
 at once, in its final dtype. The header is only known at the end (a caller may drop a tensor it finds
@@ -25,6 +26,7 @@ import queue
 import struct
 import threading
 import zlib
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -36,7 +38,7 @@ from k2jax.convert.pool import Workers
 ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32", "float8_e4m3fn": "F8_E4M3"}
 OUT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "fp8": fp8.E4M3}
 FP8_BLOCK = (128, 128)  # the release's weight_block_size
-_BLOCK_BYTES = 1 << 20  # rows transposed and cast per worker job (larger than a thread hand-off costs)
+BLOCK_BYTES = 256 << 10  # rows transposed and cast per worker job (~10x what a hand-off to a thread costs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +68,8 @@ class SafetensorsStream:
     self._dtypes = {r.name: r.dtype for r in candidates}
     self._reserve = len(header([(r.name, r.dtype, r.shape, r.nbytes) for r in candidates]))
     self._reserve += -self._reserve % 8  # the data starts 8-byte aligned
-    self._pipe, self._workers, self._crc = (
-      pipe,
-      workers,
-      crc,
-    )  # crc False: write() returns 0 (an export needs no checksums)
+    self._pipe, self._workers = pipe, workers
+    self._crc = crc  # False: write() returns 0 (an export needs no checksums)
     self._f = open(path, "wb")
     self._f.seek(8 + self._reserve)
     self._written: list[list[tuple[str, tuple[int, ...], int]]] = []  # per write: (name, HF shape, nbytes)
@@ -79,58 +78,67 @@ class SafetensorsStream:
   def write(self, name: str, a: np.ndarray, transpose: bool, out: np.dtype) -> int:
     """Appends `a` (k2jax layout; transposed to HF when `transpose`) as dtype `out`; returns the CRC-32 of
     the bytes stored (the weight and, for FP8, its scale grid)."""
+    crc = []
+    self.write_async(name, a, transpose, out, crc.append)
+    self._workers.drain()
+    return crc[0]
+
+  def write_async(self, name: str, a: np.ndarray, transpose: bool, out: np.dtype, then: Callable[[int], None]):
+    """`write` without waiting: the tensor's blocks are queued on the workers behind the tensors before
+    it (no drain between tensors, so the threads stay busy across them); `then(crc)` runs on the
+    consuming thread once its last block has been handed to the pipe, before any later tensor's block
+    is, so it may `drop_last`. `a` is kept alive until then."""
     hf_shape = a.shape[::-1] if transpose else a.shape
     shape2 = (hf_shape[0], int(np.prod(hf_shape[1:]))) if len(hf_shape) > 1 else (1, int(np.prod(hf_shape)))
     if out == fp8.E4M3:
-      crc, recs = self._write_fp8(name, a, transpose, shape2)
+      self._write_fp8(name, a, transpose, shape2, then)
     else:
-      crc, recs = self._write_rows(name, a, transpose, shape2, out), [(name, hf_shape, a.size * out.itemsize)]
-    self._written.append(recs)
-    return crc
+      self._write_rows(name, a, transpose, shape2, out, [(name, hf_shape, a.size * out.itemsize)], then)
 
-  def _write_rows(self, name: str, a: np.ndarray, transpose: bool, shape2: tuple[int, int], out: np.dtype) -> int:
-    """Row blocks of about _BLOCK_BYTES, transposed and cast on the workers' threads, CRC'd and written in
-    order. Blocks that are views of `a` (no transpose, same dtype) are written as they are."""
-    row_bytes = max(1, shape2[1] * max(a.itemsize, out.itemsize))
-    step = max(1, min(_BLOCK_BYTES, self._workers.budget_bytes) // row_bytes)  # a job fits the budget
-    crc = 0
+  def _write_rows(self, name: str, a: np.ndarray, transpose: bool, shape2, out: np.dtype, recs: list, then) -> None:
+    """Row blocks of about BLOCK_BYTES, transposed and cast on the workers' threads (blocks that are
+    views of `a`, no transpose and the same dtype, are passed through), CRC'd and written in order."""
+    row_bytes = max(1, shape2[1] * out.itemsize)  # what a finished block holds until written
+    step = max(1, min(BLOCK_BYTES, self._workers.budget_bytes) // row_bytes)  # a job fits the budget
+    crc, starts = 0, range(0, shape2[0], step)
 
-    def done(block: np.ndarray) -> None:
+    def done(last: bool, block: np.ndarray) -> None:
       nonlocal crc
       crc = self._submit(block.reshape(-1).view(np.uint8), crc)
+      if last:
+        self._written.append(recs)
+        then(crc)
 
-    as_is = not transpose and a.dtype == out
-    for i in range(0, shape2[0], step):
+    job_fn = _view_job if not transpose and a.dtype == out else _rows_job
+    for i in starts:
       end = min(i + step, shape2[0])
-      if as_is:
-        done(hf_rows(a, False, i, end, out))
-      else:
-        job = functools.partial(_rows_job, name, self._f.name, a, transpose, i, end, out)
-        self._workers.submit((end - i) * row_bytes, job, done)
-    self._workers.drain()
-    return crc
+      job = functools.partial(job_fn, name, self._f.name, a, transpose, i, end, out)
+      self._workers.submit((end - i) * row_bytes, job, functools.partial(done, i == starts[-1]))
 
-  def _write_fp8(self, name: str, a: np.ndarray, transpose: bool, shape2: tuple[int, int]) -> tuple[int, list]:
+  def _write_fp8(self, name: str, a: np.ndarray, transpose: bool, shape2: tuple[int, int], then) -> None:
     """Block-FP8, one slab of FP8_BLOCK[0] HF rows at a time (each slab is whole blocks: its scales and
     codes are those of the whole tensor), transposed and quantized on the workers' threads, written in
     order; the scale grid follows the weight."""
     grid = np.empty(fp8.scale_shape(shape2, FP8_BLOCK), np.float32)
-    crc = 0
+    crc, starts = 0, range(0, shape2[0], FP8_BLOCK[0])
+    recs = [(name, shape2, a.size), (name + fp8.SCALE_SUFFIX, grid.shape, grid.nbytes)]
 
     def done(k: int, qs: tuple[np.ndarray, np.ndarray]) -> None:
       nonlocal crc
       grid[k] = qs[1][0]
       crc = self._submit(qs[0].reshape(-1).view(np.uint8), crc)
+      if k == len(starts) - 1:
+        crc = self._submit(grid.reshape(-1).view(np.uint8), crc)
+        self._written.append(recs)
+        then(crc)
 
-    # a slab holds its source rows, their float32 copy and the codes until written
-    per_row = shape2[1] * (a.itemsize + 4 + 1)
-    for k, i in enumerate(range(0, shape2[0], FP8_BLOCK[0])):
+    # a finished slab holds its codes (and a scale row) until written; the float32 working copy of a
+    # running one is bounded by the thread count instead
+    per_row = shape2[1]
+    for k, i in enumerate(starts):
       end = min(i + FP8_BLOCK[0], shape2[0])
       job = functools.partial(_quantize_slab, name, self._f.name, a, transpose, i, shape2[0])
       self._workers.submit((end - i) * per_row, job, functools.partial(done, k))
-    self._workers.drain()
-    crc = self._submit(grid.reshape(-1).view(np.uint8), crc)
-    return crc, [(name, shape2, a.size), (name + fp8.SCALE_SUFFIX, grid.shape, grid.nbytes)]
 
   def _submit(self, block: np.ndarray, crc: int) -> int:
     self._pipe.submit(self._f.write, block)
@@ -166,7 +174,7 @@ class SafetensorsStream:
       os.remove(self._f.name)
 
 
-WRITE_BUDGET_BYTES = 256 << 20  # default bytes of blocks prepared on the workers and not yet written
+WRITE_BUDGET_BYTES = 256 << 20  # most bytes of blocks prepared on the workers and not yet written
 
 
 def _quantize_slab(
@@ -182,6 +190,11 @@ def _quantize_slab(
     ) from e
   except Exception as e:
     raise RuntimeError(f"writing {name} to {file}: quantizing rows {i}..{end - 1}: {type(e).__name__}: {e}") from e
+
+
+def _view_job(name: str, file: str, a: np.ndarray, transpose: bool, i: int, end: int, out: np.dtype) -> np.ndarray:
+  del name, file, transpose  # rows of `a` as they are: a view, nothing to prepare
+  return hf_rows(a, False, i, end, out)
 
 
 def _rows_job(name: str, file: str, a: np.ndarray, transpose: bool, i: int, end: int, out: np.dtype) -> np.ndarray:

@@ -13,8 +13,8 @@ programs on the state's mesh):
             transposed to the HF layout on their device (a CPU device's tensors are read in place
             and transposed on the host, tile by tile), cast or block-FP8-quantized on the host in row
             blocks on `threads` threads (`pool.Workers`, consumed in order: the same bytes for any
-            count) while a writer thread does the I/O. Host memory: one tensor plus at most
-            `in_flight_bytes` of blocks and two more.
+            count) while a writer thread does the I/O. Host memory: about one tensor of prepared
+            blocks (at most `in_flight_bytes`) plus each thread's working block and two more.
   3. agree  an all-gather of each process's first error: if any process failed, every process raises
             (and runs every collective program first, so none is left waiting in one).
 `save_hf` then has process 0 write the index, config.json and the tokenizer into the same directory and
@@ -50,6 +50,7 @@ from k2jax.convert.pool import Workers, resolve_threads
 from k2jax.convert.hf_dir import get_path
 from k2jax.convert.safetensors_io import read_header
 from k2jax.convert.st_stream import (
+  BLOCK_BYTES,
   FP8_BLOCK,
   OUT_DTYPES,
   WRITE_BUDGET_BYTES,
@@ -152,7 +153,11 @@ class Writer:
     mine = self._files.get(jax.process_index(), [])
     error: BaseException | None = None
     pipe, streams = Pipe(), []
-    workers = Workers(self.threads, self.in_flight_bytes, pool.WRITE, "k2jax-write")
+    # Prepared blocks in flight: at most one tensor's bytes (the writer's memory stays "one tensor plus a
+    # few blocks" for any thread count), never more than in_flight_bytes, at least a few blocks.
+    largest = max((t.nbytes for _, ts in mine for t in ts), default=0)
+    budget = min(self.in_flight_bytes, max(4 * BLOCK_BYTES, largest))
+    workers = Workers(self.threads, budget, pool.WRITE, "k2jax-write")
     if not os.path.isdir(directory):
       error = CheckpointError(
         f"{directory}: not visible on process {jax.process_index()} (the directory must be on a "
@@ -176,6 +181,11 @@ class Writer:
         except Exception as e:  # reported to every process by _agree
           error = e
       del array
+    if error is None:
+      try:
+        workers.drain()  # the last tensors' blocks (each tensor's are queued behind the one before)
+      except Exception as e:
+        error = e
     workers.close(cancel=error is not None)  # a failed export stops quantizing the blocks still queued
     error = _close(streams, pipe, error)
     _agree(error)
@@ -189,11 +199,7 @@ class Writer:
         host = np.asarray(array[t.index])
       else:  # transposed on its device, or for a CPU device by the stream (`_host_tensor`)
         host, transpose = _host_tensor(shards[t.writer], t.index, transpose)
-      crc = stream.write(t.name, host, transpose, t.out)
-      if skip is not None and skip(t.name, crc):
-        stream.drop_last()
-      else:
-        written[t.name] = crc
+      stream.write_async(t.name, host, transpose, t.out, functools.partial(_kept, stream, t.name, skip, written))
 
   def _export(self, src: Source):
     return _export_fn(src.entry.kind == "expert" and len(src.index) == 1, src.export)
@@ -423,6 +429,15 @@ def _mesh(leaf) -> Mesh:
   if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh):
     return s.mesh
   return Mesh(np.asarray(sorted(s.device_set, key=lambda d: d.id)), ("x",))
+
+
+def _kept(stream: SafetensorsStream, name: str, skip, written: dict, crc: int) -> None:
+  """A tensor's bytes are all in the pipe: keep it (record its CRC) or, when `skip` says the engine holds
+  it already, cut it from its file again."""
+  if skip is not None and skip(name, crc):
+    stream.drop_last()
+  else:
+    written[name] = crc
 
 
 def _close(streams: list, pipe: Pipe, error: BaseException | None) -> BaseException | None:
