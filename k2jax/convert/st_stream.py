@@ -69,25 +69,19 @@ class SafetensorsStream:
     self._reserve = len(header([(r.name, r.dtype, r.shape, r.nbytes) for r in candidates]))
     self._reserve += -self._reserve % 8  # the data starts 8-byte aligned
     self._pipe, self._workers = pipe, workers
-    self._crc = crc  # False: write() returns 0 (an export needs no checksums)
+    self._crc = crc  # False: every CRC is 0 (an export needs no checksums)
     self._f = open(path, "wb")
     self._f.seek(8 + self._reserve)
     self._written: list[list[tuple[str, tuple[int, ...], int]]] = []  # per write: (name, HF shape, nbytes)
     self._end = 0  # data bytes written
 
-  def write(self, name: str, a: np.ndarray, transpose: bool, out: np.dtype) -> int:
-    """Appends `a` (k2jax layout; transposed to HF when `transpose`) as dtype `out`; returns the CRC-32 of
-    the bytes stored (the weight and, for FP8, its scale grid)."""
-    crc = []
-    self.write_async(name, a, transpose, out, crc.append)
-    self._workers.drain()
-    return crc[0]
-
   def write_async(self, name: str, a: np.ndarray, transpose: bool, out: np.dtype, then: Callable[[int], None]):
-    """`write` without waiting: the tensor's blocks are queued on the workers behind the tensors before
-    it (no drain between tensors, so the threads stay busy across them); `then(crc)` runs on the
-    consuming thread once its last block has been handed to the pipe, before any later tensor's block
-    is, so it may `drop_last`. `a` is kept alive until then."""
+    """Appends `a` (k2jax layout; transposed to HF when `transpose`) as dtype `out`, without waiting: its
+    blocks are queued on the workers behind the tensors before it (no drain between tensors, so the
+    threads stay busy across them). `then(crc)`, the CRC-32 of the bytes stored (the weight and, for
+    FP8, its scale grid), runs on the consuming thread once its last block has been handed to the
+    pipe, before any later tensor's block is, so it may `drop_last`. `a` is kept alive until then;
+    `Workers.drain` waits for every queued tensor."""
     hf_shape = a.shape[::-1] if transpose else a.shape
     shape2 = (hf_shape[0], int(np.prod(hf_shape[1:]))) if len(hf_shape) > 1 else (1, int(np.prod(hf_shape)))
     if out == fp8.E4M3:

@@ -2,9 +2,11 @@
 one thread, never more than the in-flight byte budget in the pool, and a failing thread fails the
 import naming the tensor and its file, or the export with nothing written."""
 
+import functools
 import hashlib
 import os
 import shutil
+import time
 
 import jax
 import numpy as np
@@ -53,6 +55,30 @@ def _read(path, cfg, abstract, threads, budget):
   pool.READ.reset()
   state = reader.read_state(path, cfg, abstract, read_budget_bytes=budget, threads=threads)
   return _bytes(state), {"peak": pool.READ.peak_bytes, "jobs": pool.READ.peak_jobs, "largest": pool.READ.largest_job}
+
+
+def test_workers_consume_in_order_within_the_byte_budget():
+  """Jobs finishing in random order are consumed in submission order; bytes in flight never pass the
+  budget (a job larger than it runs alone); a failing job is raised by the call that consumes it."""
+  rng = np.random.default_rng(0)
+  sizes = [int(x) for x in rng.integers(1, 40, 200)] + [150, 3]
+  got, stats = [], pool.InFlight("test")
+
+  def job(i):
+    time.sleep(float(rng.random()) * 1e-3)
+    return i
+
+  with pool.Workers(N, 100, stats) as w:
+    for i, n in enumerate(sizes):
+      w.submit(n, functools.partial(job, i), got.append)
+    w.drain()
+  assert got == list(range(len(sizes)))
+  assert stats.peak_bytes == 150 and stats.bytes == 0 and stats.peak_jobs == 2 * N  # 150: alone
+  stats.reset()
+  with pytest.raises(ZeroDivisionError), pool.Workers(N, 100, stats) as w:
+    for i in range(50):
+      w.submit(1, functools.partial(lambda i: 1 // (i - 7), i), lambda r: None)
+    w.drain()
 
 
 @pytest.mark.parametrize("device_convert", [False, True], ids=["numpy", "xla"])
