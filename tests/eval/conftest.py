@@ -5,10 +5,14 @@ import json
 import threading
 
 import pytest
+from flax import nnx
+
+import k2jax
 
 from k2jax.data.tokenizer import load_tokenizer
 from k2jax.engine.base import Engine, GenerateRequest, GenerateResult
 from k2jax.eval import Model, Scorer
+from k2jax.model import K2Model, presets
 
 GSM8K = [
   {"question": "Tom has 3 apples and buys 4 more. How many apples?", "answer": "3 + 4 = 7\n#### 7"},
@@ -47,6 +51,14 @@ MC = [
 def write_jsonl(path, records):
   path.write_text("".join(json.dumps(r) + "\n" for r in records))
   return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+  """The tiny model exported to an HF dir (shared: the export and its first compiles are the cost)."""
+  hf_dir = str(tmp_path_factory.mktemp("tiny_hf"))
+  k2jax.save_hf(K2Model(presets.get("tiny", max_position_embeddings=128), rngs=nnx.Rngs(0)), hf_dir)
+  return hf_dir
 
 
 @pytest.fixture
