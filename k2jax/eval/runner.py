@@ -106,6 +106,19 @@ def run(config: EvalConfig, model: Model | None = None) -> dict[str, Any]:
   tasks = [(spec, get_format(spec.format), *_docs(spec, config)) for spec in config.tasks]
   own = model is None
   model = model or open_model(config)
+  try:
+    sections = _run_tasks(config, model, tasks)
+  finally:
+    if own:
+      model.engine.close()
+  report = {"config": _config_json(config), "finished_at": time.time(), "tasks": sections}
+  write_atomic(os.path.join(config.out, REPORT_JSON), json.dumps(report, indent=1, ensure_ascii=False))
+  write_atomic(os.path.join(config.out, REPORT_MD), report_lib.markdown(report))
+  return report
+
+
+def _run_tasks(config: EvalConfig, model: Model, tasks) -> dict[str, Any]:
+  """Makes what the samples file lacks, task by task, and returns each task's report section."""
   store = SampleStore(config.out)
   try:
     sections = {}
@@ -119,14 +132,9 @@ def run(config: EvalConfig, model: Model | None = None) -> dict[str, Any]:
       records = [(d.doc_id, [store.get((spec.name, d.doc_id, i), fingerprint) for i in range(n)]) for d in docs]
       sections[spec.name] = report_lib.task_report(spec.name, fmt.name, fmt.kind, spec.path, records, config.ks)
     store.sync()
+    return sections
   finally:
     store.close()
-    if own:
-      model.engine.close()
-  report = {"config": _config_json(config), "finished_at": time.time(), "tasks": sections}
-  write_atomic(os.path.join(config.out, REPORT_JSON), json.dumps(report, indent=1, ensure_ascii=False))
-  write_atomic(os.path.join(config.out, REPORT_MD), report_lib.markdown(report))
-  return report
 
 
 def open_model(config: EvalConfig) -> Model:

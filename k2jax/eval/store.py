@@ -69,6 +69,7 @@ def write_atomic(path: str, text: str) -> None:
   d = os.path.dirname(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.")
   try:
+    os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a report is for everyone who can read the dir
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       f.write(text)
       f.flush()
