@@ -48,7 +48,10 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars.")
 def tasks_from_flags():
   from k2jax.eval import TaskSpec
 
-  shots = dict(item.split("=", 1) for item in _FEWSHOT_FILE.value if "=" in item)
+  bad = [item for item in _FEWSHOT_FILE.value if "=" not in item]
+  if bad:
+    raise app.UsageError(f"--fewshot_file items {bad}: expected NAME=PATH")
+  shots = dict(item.split("=", 1) for item in _FEWSHOT_FILE.value)
   if _TASKS_FILE.value:
     with open(_TASKS_FILE.value, encoding="utf-8") as f:
       return tuple(TaskSpec(**spec) for spec in json.load(f))
