@@ -28,6 +28,9 @@ HEAVY_FIRST = (
   "tests/train/test_multihost.py",
   "tests/sharding/test_two_process.py",
   "tests/serve/test_serve_processes.py",
+  "tests/serve/test_likelihood.py",  # ~80-170 s here: shared tiny server, a scored prefill program
+  "tests/eval/test_embedded.py",  # ~90-115 s here: export + engine + forward scorer
+  "tests/eval/test_http.py",
 )
 
 
