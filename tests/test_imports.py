@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "k2jax"
 # paths under k2jax/ (a subpackage may be its own entry: the longest match wins); the
 # package root (`k2jax.load`, `k2jax.save_hf`) re-exports `api` and counts as it.
 LAYERS = (
-  ("sharding", "distributed", "transport", "httpservice"),
+  ("configlib", "sharding", "distributed", "transport", "httpservice"),  # configlib: typed config trees
   ("model", "sandbox", "llm_client", "data.tokenizer"),  # the tokenizer is a leaf: exports write it
   ("convert", "optim", "swe"),  # swe: SWE tasks and grading over the sandbox
   ("api", "memory", "data"),

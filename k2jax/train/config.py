@@ -1,8 +1,11 @@
-"""The one boundary where a training ConfigDict (configs/k2.py) becomes frozen, typed dataclasses.
+"""The typed config of pretraining / SFT (configs/k2.py): the single declaration of every training knob.
 
-`from_config_dict` checks everything that can be checked without devices or data (unknown keys,
-types, divisibility, schedule lengths); `check_runtime` checks the rest (mesh vs devices and hosts,
-data and tokenizer paths) before anything is compiled. Every error names the config key.
+Each field below is a knob: its default, type and one-line doc (`configlib.knob`), and its check. configs/k2.py
+starts from `config_dict()` (these defaults as a ConfigDict) and its presets only change fields; absl parses
+`--config.a.b=v` against that ConfigDict. `from_config_dict` is the one boundary back to these frozen
+dataclasses (`configlib.build`: unknown keys, types, choices, divisibility, schedule lengths; every error names
+the dotted key); `check_runtime` checks the rest (mesh vs devices and hosts, data and tokenizer paths) before
+anything is compiled.
 """
 
 from __future__ import annotations
@@ -12,183 +15,209 @@ import glob
 import math
 import os
 
-from ml_collections import config_dict
+from ml_collections import config_dict as mlc
 
-from k2jax import sharding
+from k2jax import configlib, sharding
+from k2jax.configlib import knob, section
 from k2jax.model import presets
 from k2jax.model.config import ConfigError, K2Config
 
 ON_UNREADABLE = ("error", "fresh")  # checkpoint.on_unreadable (k2jax.train.checkpoint.restore_latest)
 
 DATA_KINDS = ("pretrain", "sft")
+_POSITIVE = {"check": lambda v: v >= 1, "rule": "must be >= 1"}
+_NONE = "None = the preset's value"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """`model.*`: a k2jax.model.presets name, architecture overrides (HF DeepSeek-V3 names) and execution knobs."""
+
+  preset: str = knob("tiny", "k2jax.model.presets name: tiny | small | 1t")
+  vocab_size: int | None = knob(None, f"tokens in the vocabulary ({_NONE})")
+  hidden_size: int | None = knob(None, f"model width ({_NONE})")
+  intermediate_size: int | None = knob(None, f"dense-layer SwiGLU width ({_NONE})")
+  moe_intermediate_size: int | None = knob(None, f"per routed (and shared) expert SwiGLU width ({_NONE})")
+  num_hidden_layers: int | None = knob(None, f"transformer layers ({_NONE})")
+  num_attention_heads: int | None = knob(None, f"attention heads; MLA kv heads follow ({_NONE})")
+  q_lora_rank: int | None = knob(None, f"MLA query low-rank width ({_NONE})")
+  kv_lora_rank: int | None = knob(None, f"MLA key/value latent width ({_NONE})")
+  qk_nope_head_dim: int | None = knob(None, f"per-head query/key dims without RoPE ({_NONE})")
+  qk_rope_head_dim: int | None = knob(None, f"per-head query/key dims with RoPE ({_NONE})")
+  v_head_dim: int | None = knob(None, f"per-head value dims ({_NONE})")
+  n_routed_experts: int | None = knob(None, f"routed experts per MoE layer ({_NONE})")
+  num_experts_per_tok: int | None = knob(None, f"experts each token is routed to ({_NONE})")
+  n_shared_experts: int | None = knob(None, f"always-on experts per MoE layer ({_NONE})")
+  first_k_dense_replace: int | None = knob(None, f"leading dense (non-MoE) layers ({_NONE})")
+  n_group: int | None = knob(None, f"expert groups for group-limited routing ({_NONE})")
+  topk_group: int | None = knob(None, f"groups each token may route into ({_NONE})")
+  max_position_embeddings: int | None = knob(None, f"longest sequence the model supports ({_NONE})")
+  routed_scaling_factor: float | None = knob(None, f"scale of the routed experts' output ({_NONE})")
+  rope_theta: float | None = knob(None, f"RoPE base ({_NONE})")
+  rms_norm_eps: float | None = knob(None, f"RMSNorm epsilon ({_NONE})")
+  initializer_range: float | None = knob(None, f"init std of the weights ({_NONE})")
+  param_dtype: str = knob("float32", "master weights")
+  compute_dtype: str = knob("float32", "activations / matmuls (bfloat16 on accelerators)")
+  scan_layers: bool = knob(True, "lax.scan over stacked layers (one compiled layer body)")
+  remat_policy: str = knob("none", "none | full | dots | dots_no_batch")
+  # auto = the Pallas flash kernel (linear memory in seq_len, returns QK-Clip's max logit) when compiling for
+  # TPU (GPU: its plain-JAX blocked fallback), the einsum path on CPU.
+  attention: str = knob("auto", "attention kernel: auto | einsum | flash")
+  moe_dispatch: str = knob("auto", "EP all-to-all: auto (ragged on TPU/GPU, fixed on CPU) | fixed | ragged")
+  moe_chunk_tokens: int = knob(0, "EP: tokens per device per dispatch chunk (0 = all at once; bounds EP buffers)")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
-  kind: str
-  path: str
-  tokenizer_path: str
-  seq_len: int
-  global_batch_size: int
-  num_microbatches: int
-  seed: int
-  num_workers: int
-  read_threads: int
+  kind: str = knob("pretrain", "pretrain (packed documents) | sft (chat, assistant-only loss)", choices=DATA_KINDS)
+  path: str = knob("", "'' = bundled corpus; else a file or glob (jsonl/parquet/array_record)")
+  tokenizer_path: str = knob("", "'' = bundled tiny BPE; else a tiktoken rank file (K2's tiktoken.model) or its HF dir")
+  seq_len: int = knob(64, "tokens per packed row", check=lambda v: v > 1, rule="must be > 1")
+  global_batch_size: int = knob(16, "rows per optimizer step, summed over all hosts")
+  num_microbatches: int = knob(1, "gradient accumulation: the global batch is split into this many", **_POSITIVE)
+  seed: int = knob(0, "shuffle / packing seed")
+  num_workers: int = knob(0, "grain worker processes per host (0 = in-process)")
+  read_threads: int = knob(0, "grain read/tokenize threads per host")
+
+  def validate(self):
+    configlib.need(
+      self.global_batch_size % self.num_microbatches == 0,
+      "global_batch_size",
+      f"{self.global_batch_size} is not divisible by data.num_microbatches={self.num_microbatches}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimSpec:
-  peak_lr: float
-  final_lr: float
-  warmup_steps: int
-  decay_fraction: float
-  weight_decay: float
-  momentum: float
-  adam_b1: float
-  adam_b2: float
-  adam_eps: float
-  qk_clip_tau: float
-  bias_update_rate: float
-  offload_state: bool = False
+  """MuonClip (k2jax.optim.muonclip) + WSD schedule."""
+
+  peak_lr: float = knob(2e-4, "constant-phase LR, shared by Muon (0.2*sqrt(max(A,B)) RMS) and AdamW")
+  final_lr: float = knob(2e-5, "LR at the end of the cosine decay")
+  warmup_steps: int = knob(500, "linear warmup from 0", check=lambda v: v >= 0, rule="must be >= 0")
+  decay_fraction: float = knob(
+    5.5 / 15.5, "fraction of `steps` in the cosine decay (K2: 5.5T of 15.5T tokens)", check=lambda v: 0 <= v <= 1
+  )
+  weight_decay: float = knob(0.1, "decoupled, times the LR, on Muon and AdamW leaves")
+  momentum: float = knob(0.95, "Muon (plain-sum Nesterov) momentum")
+  adam_b1: float = knob(0.9, "AdamW beta1 (non-matrix leaves)")
+  adam_b2: float = knob(0.95, "AdamW beta2")
+  adam_eps: float = knob(1e-8, "AdamW epsilon")
+  qk_clip_tau: float = knob(100.0, "QK-Clip threshold on the max pre-softmax logit (<= 0 disables)")
+  bias_update_rate: float = knob(
+    1e-3, "aux-loss-free balancing: b_i += u * sign(mean_load - load_i)", check=lambda v: v >= 0, rule="must be >= 0"
+  )
+  # Brought to HBM for the update only. On CPU the device memory is host memory: ignored.
+  offload_state: bool = knob(False, "keep the optimizer state in pinned host memory between steps (TPU/GPU)")
+
+  def validate(self):
+    configlib.need(
+      self.peak_lr > 0 and 0 <= self.final_lr <= self.peak_lr,
+      "final_lr",
+      f"need 0 <= final_lr ({self.final_lr}) <= peak_lr ({self.peak_lr}) and peak_lr > 0",
+    )
+
+
+def _axis(v: int) -> bool:
+  return v == -1 or v >= 1
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-  rules: str
-  data: int
-  fsdp: int
-  expert: int
-  tensor: int
+  """Device mesh and rules preset (the same keys for every loop); -1 = all remaining devices."""
+
+  rules: str = knob("fsdp", "k2jax.sharding rules preset: fsdp | fsdp_ep | fsdp_ep_tp")
+  data: int = knob(1, "data-parallel axis", check=_axis, rule="must be >= 1 or -1")
+  fsdp: int = knob(-1, "FSDP axis (-1 = all remaining devices)", check=_axis, rule="must be >= 1 or -1")
+  expert: int = knob(1, "expert-parallel axis", check=_axis, rule="must be >= 1 or -1")
+  tensor: int = knob(1, "tensor-parallel axis", check=_axis, rule="must be >= 1 or -1")
+
+  def validate(self):
+    configlib.need(self.rules in sharding.RULES, "rules", f"one of {sorted(sharding.RULES)}, got {self.rules!r}")
+    configlib.need(sum(getattr(self, a) == -1 for a in sharding.MESH_AXES) <= 1, "", "at most one axis may be -1")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSpec:
-  every_steps: int
-  keep: int
-  async_save: bool
-  init_from: str
-  read_budget_bytes: int
-  on_unreadable: str  # every checkpoint unreadable: "error" (stop, nothing moved) | "fresh" (start at step 0)
+  every_steps: int = knob(100, "save every N steps (and at the end, and on SIGTERM/preemption)", **_POSITIVE)
+  keep: int = knob(3, "keep the last K checkpoints", **_POSITIVE)
+  async_save: bool = knob(True, "write in the background while training continues")
+  init_from: str = knob("", "workdir or HF dir whose weights start a fresh run ('' = random init)")
+  read_budget_bytes: int = knob(
+    2 << 30,
+    "HF init_from: bytes of HF blocks each process holds in flight beyond its shards (orbax: 2 GiB)",
+    **_POSITIVE,
+  )
+  # "error" stops naming each and why (nothing moved, exit != 0); "fresh" moves them to W/checkpoints_corrupt/
+  # and trains from step 0.
+  on_unreadable: str = knob(
+    "error", "checkpoints exist but none restores: error | fresh (k2jax.train.checkpoint)", choices=ON_UNREADABLE
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class LogSpec:
-  every_steps: int
-  progress: bool
-  tensorboard: bool
-  peak_flops: float
-  spike_factor: float
-  spike_window: int
+  every_steps: int = knob(10, "metrics.jsonl / TensorBoard / progress line cadence", **_POSITIVE)
+  progress: bool = knob(True, "live rich progress line with ETA (only on a terminal)")
+  tensorboard: bool = knob(True, "TensorBoard events in W/tb")
+  peak_flops: float = knob(0.0, "per-device peak FLOP/s for MFU; 0 = measure fp32 matmul rate at start")
+  spike_factor: float = knob(2.0, "loss > factor x running mean of the last window -> spike logged")
+  spike_window: int = knob(50, "steps in the running mean", **_POSITIVE)
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  model: K2Config
-  steps: int
-  seed: int
-  topology: str
-  data: DataSpec
-  optim: OptimSpec
-  mesh: MeshSpec
-  checkpoint: CheckpointSpec
-  log: LogSpec
-
-
-def from_config_dict(c: config_dict.ConfigDict) -> TrainConfig:
-  """ConfigDict -> TrainConfig; raises ConfigError naming the key on any bad value."""
-  known = {"steps", "seed", "topology", "model", "data", "optim", "mesh", "checkpoint", "log"}
-  extra = sorted(set(c.keys()) - known)
-  if extra:
-    raise ConfigError(f"unknown config key(s) {extra}; known: {sorted(known)}")
-  tc = TrainConfig(
-    model=model_config(c.model),
-    steps=c.steps,
-    seed=c.seed,
-    topology=c.topology,
-    data=_section(DataSpec, c.data, "data"),
-    optim=_section(OptimSpec, c.optim, "optim"),
-    mesh=mesh_spec(c.mesh),
-    checkpoint=_section(CheckpointSpec, c.checkpoint, "checkpoint"),
-    log=_section(LogSpec, c.log, "log"),
-  )
-  _validate(tc)
-  return tc
-
-
-def model_config(m: config_dict.ConfigDict) -> K2Config:
+def model_config(m: ModelSpec) -> K2Config:
   """`model.preset` plus the non-None `model.*` fields -> frozen K2Config."""
-  overrides = {k: v for k, v in m.items() if k != "preset" and v is not None}
-  names = {f.name for f in dataclasses.fields(K2Config)}
-  bad = sorted(set(overrides) - names)
-  if bad:
-    raise ConfigError(f"model: unknown field(s) {bad}")
+  overrides = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "preset"}
+  overrides = {k: v for k, v in overrides.items() if v is not None}
   if "num_attention_heads" in overrides:  # MLA: kv heads always equal q heads.
     overrides["num_key_value_heads"] = overrides["num_attention_heads"]
   try:
     return presets.get(m.preset, **overrides)
   except KeyError as e:
-    raise ConfigError(f"model.preset: {e.args[0]}") from None
-  except ConfigError as e:
-    raise ConfigError(f"model.{e}") from None
+    raise configlib.Invalid("preset", e.args[0]) from None
+  except ConfigError as e:  # K2Config's checks name the field: "num_experts_per_tok: ..."
+    field, _, why = str(e).partition(": ")
+    if field in {f.name for f in dataclasses.fields(K2Config)}:
+      raise configlib.Invalid(field, why) from None
+    raise configlib.Invalid("", str(e)) from None
 
 
-def _section(cls, d: config_dict.ConfigDict, name: str):
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  keys = set(d.keys())
-  if keys != set(fields):
-    raise ConfigError(
-      f"{name}: unknown key(s) {sorted(keys - set(fields))}, missing key(s) {sorted(set(fields) - keys)}"
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """configs/k2.py, typed. `model` is declared by ModelSpec and holds the resolved K2Config."""
+
+  model: K2Config = section(
+    ModelSpec, "architecture and execution", resolve=model_config, factory=lambda: presets.get("tiny")
+  )
+  steps: int = knob(300, "optimizer steps to train (the LR schedule spans them)", **_POSITIVE)
+  seed: int = knob(0, "parameter init seed")
+  topology: str = knob("", "k2jax.memory.TOPOLOGIES name for --dry_run's memory plan ('' = none)")
+  data: DataSpec = section(DataSpec, "data pipeline")
+  optim: OptimSpec = section(OptimSpec, "MuonClip + WSD schedule")
+  mesh: MeshSpec = section(MeshSpec, "device mesh; -1 = all remaining devices")
+  checkpoint: CheckpointSpec = section(CheckpointSpec, "orbax checkpoints and init_from")
+  log: LogSpec = section(LogSpec, "metrics, progress and spike logging")
+
+  def validate(self):
+    configlib.need(
+      self.data.seq_len <= self.model.max_position_embeddings,
+      "data.seq_len",
+      f"{self.data.seq_len} > model max_position_embeddings {self.model.max_position_embeddings}",
     )
-  kw = {}
-  for k, f in fields.items():
-    v, want = d[k], {"int": int, "float": float, "str": str, "bool": bool}[f.type]
-    if want is float and isinstance(v, int) and not isinstance(v, bool):
-      v = float(v)
-    if not isinstance(v, want) or (want is int and isinstance(v, bool)):
-      raise ConfigError(f"{name}.{k}: expected {f.type}, got {v!r}")
-    kw[k] = v
-  return cls(**kw)
+
+
+def config_dict() -> mlc.ConfigDict:
+  """The ConfigDict of TrainConfig's defaults (what configs/k2.py's presets change)."""
+  return configlib.config_dict(TrainConfig)
+
+
+def from_config_dict(c) -> TrainConfig:
+  """ConfigDict (or plain dict) -> TrainConfig; raises ConfigError naming the key on any bad value."""
+  return configlib.build(TrainConfig, c, error=ConfigError)
 
 
 def _need(cond: bool, key: str, msg: str) -> None:
   if not cond:
     raise ConfigError(f"{key}: {msg}")
-
-
-def _validate(tc: TrainConfig) -> None:
-  d, o = tc.data, tc.optim
-  _need(tc.steps > 0, "steps", f"must be > 0, got {tc.steps}")
-  _need(d.kind in DATA_KINDS, "data.kind", f"one of {DATA_KINDS}, got {d.kind!r}")
-  _need(d.seq_len > 1, "data.seq_len", f"must be > 1, got {d.seq_len}")
-  _need(
-    d.seq_len <= tc.model.max_position_embeddings,
-    "data.seq_len",
-    f"{d.seq_len} > model max_position_embeddings {tc.model.max_position_embeddings}",
-  )
-  _need(d.num_microbatches >= 1, "data.num_microbatches", f"must be >= 1, got {d.num_microbatches}")
-  _need(
-    d.global_batch_size % d.num_microbatches == 0,
-    "data.global_batch_size",
-    f"{d.global_batch_size} is not divisible by data.num_microbatches={d.num_microbatches}",
-  )
-  _need(
-    o.peak_lr > 0 and 0 <= o.final_lr <= o.peak_lr,
-    "optim.final_lr",
-    f"need 0 <= final_lr ({o.final_lr}) <= peak_lr ({o.peak_lr}) and peak_lr > 0",
-  )
-  _need(0.0 <= o.decay_fraction <= 1.0, "optim.decay_fraction", f"in [0, 1], got {o.decay_fraction}")
-  _need(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
-  _need(o.bias_update_rate >= 0, "optim.bias_update_rate", f"must be >= 0, got {o.bias_update_rate}")
-  _need(tc.checkpoint.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
-  _need(tc.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
-  _need(tc.checkpoint.read_budget_bytes >= 1, "checkpoint.read_budget_bytes", "must be >= 1")
-  _need(
-    tc.checkpoint.on_unreadable in ON_UNREADABLE,
-    "checkpoint.on_unreadable",
-    f"one of {ON_UNREADABLE}, got {tc.checkpoint.on_unreadable!r}",
-  )
-  _need(tc.log.every_steps >= 1, "log.every_steps", "must be >= 1")
-  _need(tc.log.spike_window >= 1, "log.spike_window", "must be >= 1")
 
 
 def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[str, int]:
@@ -242,11 +271,6 @@ def mesh_shape(spec: MeshSpec, model: K2Config, n_devices: int, *, rows: int, wh
   return shape
 
 
-def mesh_spec(m: config_dict.ConfigDict) -> MeshSpec:
+def mesh_spec(m) -> MeshSpec:
   """`mesh.*` keys -> MeshSpec, validated (the same keys and presets for every loop)."""
-  spec = _section(MeshSpec, m, "mesh")
-  _need(spec.rules in sharding.RULES, "mesh.rules", f"one of {sorted(sharding.RULES)}, got {spec.rules!r}")
-  for a in sharding.MESH_AXES:
-    _need(getattr(spec, a) == -1 or getattr(spec, a) >= 1, f"mesh.{a}", f"must be >= 1 or -1, got {getattr(spec, a)}")
-  _need(sum(getattr(spec, a) == -1 for a in sharding.MESH_AXES) <= 1, "mesh", "at most one axis may be -1")
-  return spec
+  return configlib.build(MeshSpec, m, key="mesh", error=ConfigError)
