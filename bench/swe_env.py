@@ -93,7 +93,6 @@ def main(argv):
   del argv
   root = os.path.abspath(_TASKS.value)
   tempfile.tempdir = tempfile.mkdtemp(prefix="k2jax-bench-swe-")  # leaks are counted in this run's own dir
-  os.chmod(tempfile.tempdir, 0o711)  # the sandbox uid mounts workspaces from under it
   instances = read_instances(os.path.join(root, "instances.jsonl"))
   files = {i.instance_id: _gold_files(i, root) for i in instances}
   run = WorkspaceRunConfig(timeout_s=120.0, python_paths=default_python_paths())

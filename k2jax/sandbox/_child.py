@@ -1,6 +1,11 @@
 """The sandbox launcher (standard library only): build the kernel's isolation, then exec the program.
 
-Started by `runner.py` as the sandbox uid with argv[1] = a JSON object. Isolated runs:
+Started by `runner.py` with argv[1] = a JSON object, as the sandbox uid, or as root when the caller is root
+(`drop_uid` set). Root first stages: in a private mount namespace of its own it bind-mounts every host path
+the new root will hold (interpreter prefix, system dirs, the run's dir, `binds`) at `stage_dir/N`, then drops
+to `drop_uid` (no groups, no capabilities) and goes on as below reading those paths through the stages: a
+venv or workspace in a directory the sandbox uid cannot enter (a 0700 home) is still mounted, and nothing of
+the caller's permissions changes. Isolated runs:
 1. unshare a user namespace mapping the calling uid to 0, and an IPC namespace owned by it, whose
    SysV limits (shmmax, shmall, shmmni, msgmni, msgmnb, sem) and POSIX mqueue count it sets: the kernel lets
    only that namespace's root write them. Then a second user namespace inside, mapping uid 1000 to it
@@ -44,10 +49,11 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE, MS_RELATIME = (
   1 << 18,
   1 << 21,
 )
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
 INNER_ID = 1000
 DEVICES = ("null", "zero", "random", "urandom")
 NO_IPC_LIMITS = []  # the IPC sysctl this kernel refused to the namespace, if any
+STAGED = {}  # host dir -> the bind of it root made under stage_dir (where the sandbox uid reaches it)
 
 cfg = json.loads(sys.argv[1])
 status = os.fdopen(cfg["status_fd"], "w", buffering=1)
@@ -126,8 +132,9 @@ def _scratch(workdir, root):
   os.makedirs(dst, exist_ok=True)
   size, inodes = cfg["scratch_bytes"], cfg["scratch_inodes"]
   _mount("tmpfs", dst, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes={inodes},mode=0755")
-  for d, dirs, names in os.walk(workdir):
-    rel = os.path.relpath(d, workdir)
+  src = STAGED.get(workdir, workdir)
+  for d, dirs, names in os.walk(src):
+    rel = os.path.relpath(d, src)
     for n in dirs:
       os.makedirs(os.path.join(dst, rel, n), exist_ok=True)
     for n in names:
@@ -157,8 +164,9 @@ def _full(workdir):
   return ",".join(flags) or "-"
 
 
-def _bind(src, root, read_only, is_file=False, device=False):
-  dst = root + src
+def _bind(src, dst, read_only, is_file=False, device=False):
+  """Bind-mounts host path `src` (through its stage, when root staged it) at `dst` under the new root."""
+  src = STAGED.get(src, src)
   if is_file:
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     open(dst, "a").close()
@@ -168,14 +176,6 @@ def _bind(src, root, read_only, is_file=False, device=False):
   # A device node opens only on a mount without nodev; everything else writable is nodev.
   flags = MS_BIND | MS_REMOUNT | MS_NOSUID | _locked_flags(src) | (MS_RDONLY if read_only else 0)
   flags |= 0 if device else MS_NODEV
-  _mount(None, dst, None, flags)
-
-
-def _bind_at(src, dst, read_only):
-  """Like `_bind`, but mounts `src` at `dst` (a path under the new root) rather than at its own path."""
-  os.makedirs(dst, exist_ok=True)
-  _mount(src, dst, None, MS_BIND)
-  flags = MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | _locked_flags(src) | (MS_RDONLY if read_only else 0)
   _mount(None, dst, None, flags)
 
 
@@ -191,25 +191,65 @@ def _ro_paths():
   return out
 
 
-def build_root(ro_paths):
+def root_plan(ro_paths):
+  """What the new root holds, read by whoever can see it all (root, before it drops): [(path, link target or
+  None for a dir)]. Paths that are neither are left out."""
+  plan = []
+  for path in ro_paths:
+    if os.path.islink(path):  # /bin -> usr/bin on merged-/usr systems: same link, same target
+      plan.append((path, os.readlink(path)))
+    elif os.path.isdir(path):
+      plan.append((path, None))
+  return plan
+
+
+def stage(plan):
+  """Root only: a private mount namespace (nothing reaches the caller's) where every host dir of the new root
+  is bind-mounted under `stage_dir`, whose own mode lets the sandbox uid through to those binds."""
+  _check(libc.unshare(CLONE_NEWNS), "unshare(mount namespace) to stage the binds as root")
+  _mount(None, "/", None, MS_REC | MS_PRIVATE)
+  top = cfg["stage_dir"]
+  _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0755")
+  dirs = [p for p, link in plan if link is None] + [cfg["workdir"]] + [src for src, _, _ in cfg["binds"]]
+  for path in dict.fromkeys(dirs):
+    if not os.path.isdir(path):
+      raise SetupError(f"bind source {path!r} is not a directory")
+    at = os.path.join(top, str(len(STAGED)))
+    os.mkdir(at)
+    _mount(path, at, None, MS_BIND)
+    STAGED[path] = at
+
+
+def drop_to(uid):
+  """Root becomes `uid` for good: no supplementary groups, real/effective/saved ids, no capabilities left."""
+  os.setgroups([])
+  os.setresgid(uid, uid, uid)
+  os.setresuid(uid, uid, uid)
+  if os.getuid() != uid or os.geteuid() != uid:
+    raise SetupError(f"could not drop to uid {uid}")
+  # The id change made this process non-dumpable, which hands /proc/self/* to root: uid_map must be ours.
+  _check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")
+
+
+def build_root(plan):
   root = cfg["newroot"]
   _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates back to the caller
   _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
-  for path in ro_paths:
-    if os.path.islink(path):  # /bin -> usr/bin on merged-/usr systems: same link, same target
+  for path, link in plan:
+    if link is not None:
       if not os.path.lexists(root + path):
         os.makedirs(os.path.dirname(root + path), exist_ok=True)
-        os.symlink(os.readlink(path), root + path)
-    elif os.path.isdir(path):
-      _bind(path, root, read_only=True)
+        os.symlink(link, root + path)
+    else:
+      _bind(path, root + path, read_only=True)
   for dev in DEVICES:
-    _bind("/dev/" + dev, root, read_only=False, is_file=True, device=True)
+    _bind("/dev/" + dev, root + "/dev/" + dev, read_only=False, is_file=True, device=True)
   if cfg["kernel_limits"]:
     _scratch(cfg["workdir"], root)
   else:
-    _bind(cfg["workdir"], root, read_only=False)
+    _bind(cfg["workdir"], root + cfg["workdir"], read_only=False)
   for src, dst, read_only in cfg["binds"]:  # SandboxConfig.binds: host path -> a path inside
-    _bind_at(src, root + dst, read_only)
+    _bind(src, root + dst, read_only)
   os.makedirs(root + "/proc", exist_ok=True)
   try:  # refused where the caller's /proc is partly masked (some containers); Python does not need it
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -242,7 +282,7 @@ def set_limits():
     resource.setrlimit(getattr(resource, name), (soft, hard))
 
 
-def child(cap_last):
+def child(cap_last, plan):
   """Isolated: PID 1 of the namespace, builds the root, then runs the program as its child and reports.
 
   The program is not PID 1 itself: the kernel drops signals without a handler sent to a namespace's
@@ -251,7 +291,7 @@ def child(cap_last):
     _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
     if not cfg["isolate"]:
       program()
-    build_root(_ro_paths())
+    build_root(plan)
     drop_privileges(cap_last)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the program may signal PID 1 only where it has a handler
     pid = os.fork()
@@ -292,6 +332,14 @@ def main():
     if go != b"g":
       sys.exit(2)
   try:
+    plan = root_plan(_ro_paths()) if cfg["isolate"] else []
+    if cfg["drop_uid"] is not None:  # started as root: stage what the sandbox uid could not reach, then drop
+      if cfg["isolate"]:
+        stage(plan)
+      drop_to(cfg["drop_uid"])
+      _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # an id change clears it
+      if os.getppid() != cfg["parent_pid"]:
+        sys.exit(2)
     if cfg["isolate"]:
       enter_namespaces()
   except (SetupError, OSError) as e:
@@ -304,7 +352,7 @@ def main():
     cap_last = 40  # CAP_CHECKPOINT_RESTORE, the highest as of Linux 6.x
   pid = os.fork()  # the program's setsid aside, all share the process group the caller kills at the deadline
   if pid == 0:
-    child(cap_last)
+    child(cap_last, plan)
   os.close(cfg["report_fd"])
   for fd in (0, 1, 2):
     os.close(fd)

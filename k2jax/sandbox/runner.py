@@ -9,7 +9,10 @@ them with unshare(2); no privilege needed where unprivileged user namespaces are
   counts per user namespace, so `max_processes` caps the run's own processes; when the run ends or
   times out the kernel kills everything left in the namespace;
 - no network (a network namespace with no interface up), no capabilities (mapped to uid 1000 inside,
-  bounding set emptied, no_new_privs); as root the launcher first drops to `uid` (default nobody);
+  bounding set emptied, no_new_privs); as root the launcher first drops to `uid` (default nobody), after
+  bind-mounting (in a private mount namespace) every host dir the run's root holds, so an interpreter,
+  venv or workspace under a directory that uid cannot enter (a 0700 home) is still mounted, read-only
+  where it was, and no permission on the host changes;
 - rlimits: CPU seconds, address space, file size (stdout/stderr go to capped files), open files, no
   locked memory;
 - memory that is not address space, each bounded where it lives: the only writable path is a private
@@ -153,13 +156,16 @@ def _execute(files: dict[str, str], entry: str, config: SandboxConfig, stdin: st
       path.write_text(text)
     pathlib.Path(io_dir, "stdin").write_text(stdin)
     os.mkdir(os.path.join(io_dir, "root"))
+    os.mkdir(os.path.join(io_dir, "stage"))  # root's binds of what the sandbox uid cannot reach (_child.stage)
     shutil.copy(_CHILD, os.path.join(io_dir, "launcher.py"))
     if uid is not None:
       for d, dirs, names in os.walk(work):
         for p in [d, *(os.path.join(d, n) for n in dirs + names)]:
           os.chown(p, uid, uid)
-      for p in (io_dir, os.path.join(io_dir, "root"), os.path.join(io_dir, "launcher.py")):
-        os.chown(p, uid, uid)
+      # The launcher starts as root: its file and dir stay root's (the sandbox uid cannot swap the code root
+      # runs); the uid gets through to its new root's mount point only.
+      os.chmod(io_dir, 0o711)
+      os.chown(os.path.join(io_dir, "root"), uid, uid)
     return _launch(python, work, io_dir, entry, config, uid, isolate)
   finally:
     shutil.rmtree(work, ignore_errors=True)
@@ -200,8 +206,9 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
     "shm_bytes": config.shm_bytes,
     "ipc_sysctls": _ipc_sysctls(config),
     "binds": [[os.path.realpath(src), dst, bool(ro)] for src, dst, ro in config.binds],
+    "drop_uid": uid,  # root: the launcher stages the binds while root, then drops to this uid itself
+    "stage_dir": os.path.join(io_dir, "stage"),
   }
-  ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
   report = _Drain(report_r, config.max_output_bytes)
   start = time.monotonic()
   proc = None
@@ -220,7 +227,6 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
         env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
         pass_fds=tuple(fd for fd in (report_w, status_w, go_r) if fd is not None),
         start_new_session=True,
-        **ids,
       )
     if cgroup is not None:
       try:

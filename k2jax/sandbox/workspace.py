@@ -57,18 +57,13 @@ def sandbox_uid() -> int | None:
 
 
 def prepare_workspace(path: str) -> None:
-  """Makes `path` writable by the sandbox uid and its parents traversable (so it can be bind-mounted)."""
+  """Makes `path` writable by the sandbox uid. Its parents need no change: as root the sandbox mounts it
+  (and `python_paths`) before dropping to that uid, so a workspace in a 0700 dir still mounts."""
   uid = sandbox_uid()
   if uid is not None:
     for d, dirs, names in os.walk(path):
       for p in [d, *(os.path.join(d, n) for n in dirs + names)]:
         os.lchown(p, uid, uid)
-  parent = os.path.dirname(os.path.realpath(path))
-  while parent not in ("/", ""):
-    mode = os.stat(parent).st_mode
-    if not mode & 0o001:
-      os.chmod(parent, mode | 0o011)  # search only: names inside stay unlistable for others
-    parent = os.path.dirname(parent)
 
 
 def run_command(

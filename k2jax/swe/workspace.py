@@ -49,7 +49,6 @@ class WorkspacePool:
     parent = config.root_parent or tempfile.gettempdir()
     reap_dead_pools(parent)
     self.root = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent)
-    os.chmod(self.root, 0o711)  # the sandbox uid must traverse it to mount a workspace
     self._ready: collections.OrderedDict[str, collections.deque[str]] = collections.OrderedDict()
     self._pending: collections.Counter[str] = collections.Counter()
     self._lock = threading.Lock()
