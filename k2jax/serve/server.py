@@ -238,15 +238,16 @@ class Server:
     return self.tokenizer
 
   async def tokenize(self, request: fastapi.Request):
-    """Token ids of `prompt` (lm-eval's `remote` tokenizer). `add_special_tokens` true: exactly what a text
-    prompt to /generate or /v1/completions becomes (special-token text maps to its id; K2 adds no BOS);
-    false: special-token text stays plain text."""
+    """Token ids of `prompt` (lm-eval's `remote` tokenizer): exactly what a text prompt to /generate or
+    /v1/completions becomes, special-token text mapped to its id, as the export's HF tokenizer, SGLang and
+    vLLM answer. `add_special_tokens` only adds BOS/EOS templates there, and K2 adds none, so both values
+    give the same ids: lm-eval's remote backend reads `eos_token_id` as `tokenize(eos_token,
+    add_special_tokens=False)[0]`, which must be the [EOS] id, not the first piece of the text "[EOS]"."""
     body = httpservice.validate(TokenizeBody, await httpservice.read_json(request))
     tok = self._need_tokenizer("prompt")
     if len(body.prompt.encode()) > self.caps.max_prompt_bytes:
       raise InvalidRequest("prompt", f"longer than {self.caps.max_prompt_bytes} bytes")
-    encode = tok.encode_with_specials if body.add_special_tokens else tok.encode
-    ids = await asyncio.to_thread(encode, body.prompt)
+    ids = await asyncio.to_thread(tok.encode_with_specials, body.prompt)
     return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.config.max_seq_len}
 
   async def detokenize(self, request: fastapi.Request):

@@ -15,8 +15,11 @@ def test_tokenize_matches_the_servers_own_text_prompts(served):
   # A text prompt to /generate becomes exactly these tokens (its prompt_tokens count and logprob ids agree).
   gen = _post(served, "generate", {"text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
   assert gen["meta_info"]["prompt_tokens"] == len(got["tokens"])
+  # add_special_tokens: false (lm-eval's remote backend) gives the same ids: K2 adds no BOS, and special-token
+  # text is its id, as the export's HF tokenizer encodes it (lm-eval reads eos_token_id from these ids).
   plain = _post(served, "tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
-  assert plain == served.tok.encode(text) and plain != got["tokens"]  # <|im_end|> stays text
+  assert plain == got["tokens"] and served.tok.special_ids["<|im_end|>"] in plain
+  assert _post(served, "tokenize", {"prompt": "[EOS]", "add_special_tokens": False})["tokens"] == [served.tok.eos_id]
 
 
 def test_detokenize_round_trips(served):
