@@ -55,6 +55,12 @@ class CodeRewardConfig:
   sandbox: SandboxConfig = SandboxConfig()
   # The grader's own memory cap: elements + characters + int words of any value a check builds here.
   max_check_items: int = 1 << 18
+  # The dataset-format verifier (k2jax.sandbox.verify):
+  case_time_s: float = 6.0  # per case, wall clock (LiveCodeBench's 6 s); the CPU limit is its ceiling
+  compare: str = "tokens"  # stdin/stdout comparison: "exact" | "lines" | "tokens" (verify.py says each rule)
+  float_tol: float = 1e-6  # tokens and call results: |a - b| <= float_tol * max(1, |b|)
+  stop_at_first_failure: bool = False  # True: 1.0 only when every case passes, later cases may not run
+  max_case_output_bytes: int = 1 << 20  # what one case may print or return; more fails the case
 
 
 @dataclasses.dataclass(frozen=True)

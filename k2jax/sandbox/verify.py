@@ -1,0 +1,661 @@
+"""One code verifier for the published test formats: `verify(code, row)` reads a dataset row by its own fields.
+
+  input_output                  APPS / TACO / DeepCoder: a JSON string or dict {"inputs": [...], "outputs":
+                                [...], "fn_name"?}. Without fn_name each case is stdin -> stdout; with it,
+                                each input is the argument list (or newline-separated JSON arguments) of
+                                `fn_name` (a function, or a method of LeetCode's `class Solution`), and the
+                                output its result (APPS's rule: equal, or equal to the output's only element)
+  public_test_cases,            LiveCodeBench: JSON lists (private ones also base64 + zlib + pickle, read
+  private_test_cases, metadata  with an unpickler that builds no object) of {input, output, testtype:
+                                "stdin" | "functional"}; functional cases call metadata.func_name with the
+                                input's newline-separated JSON arguments, output JSON
+  public_tests, private_tests,  CodeContests: {"input": [...], "output": [...]} each, stdin -> stdout
+  generated_tests
+  test, entry_point, prompt?    HumanEval: `test` defines check(candidate), run as `check(candidate)`
+  test_list, test_setup_code?   MBPP: each assert of test_list is a case, after test_setup_code
+  checker (with a stdin format) trusted Python defining check(input, output, expected) -> bool, for
+                                problems with several right answers (replaces the comparison)
+
+How cases run (`_solution_driver.py`, `_test_driver.py`):
+- stdin and call cases: ONE sandbox launch per program, holding the inputs and never an expected output;
+  its driver forks each case (fresh `__main__`, CPU limit, deadline `case_time_s`, output cap) and reports
+  what the case printed or returned. Everything is compared HERE, in the grader's process: the expected
+  outputs never enter the solution's process.
+- trusted test code (HumanEval's check with its loops, helpers and `random`; MBPP's asserts after their setup
+  code): in its OWN sandbox, separate from the solution's. The names it calls into the solution are proxies
+  whose calls cross two FIFOs as plain data (`_wire`: no object, so no always-equal `__eq__`, can cross), one
+  worker process per case on the solution's side. The verdict is written by the test's process, which runs
+  no code of the solution's: nothing the solution does reaches it.
+- a checker runs in a sandbox of its own on the outputs (data) of the cases that ran cleanly.
+
+Comparison (`CodeRewardConfig.compare`) of stdin/stdout cases, both sides' "\\r\\n" read as "\\n":
+  exact    byte-for-byte equal text
+  lines    LiveCodeBench's line rule: the whole text stripped, split on newlines, each line stripped; equal lists
+  tokens   LiveCodeBench's `grade_stdio` (lines as above, same count; a line passes when equal, or when both
+           split into the same number of tokens that are pairwise equal or both numbers within `float_tol`),
+           with Codeforces testlib's absolute-or-relative tolerance |a - b| <= float_tol * max(1, |b|) where
+           LiveCodeBench compares Decimals exactly (float_tol=0 gives its rule exactly). The default.
+Call results compare as plain data (tuples as lists, LiveCodeBench's rule), floats within `float_tol`
+(absolute or relative, EvalPlus's shape). A printed or returned prefix of the right answer fails in every mode.
+
+Verdicts: `Graded.reward` is the share of cases passed (every case in the denominator: a crash, a timeout,
+`sys.exit` before the answer, an over-long output each fail their own case), or with
+`stop_at_first_failure` 1.0 only when all pass (cases after a crash or timeout are not run). A sandbox that
+could not start at all is an infrastructure error: reward NaN (the RL batch masks it), `info["infra_error"]`
+says why; never a 0. A malformed row raises ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import builtins
+import concurrent.futures
+import dataclasses
+import decimal
+import io
+import json
+import math
+import os
+import pathlib
+import pickle
+import shutil
+import tempfile
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+from k2jax.sandbox import _wire
+from k2jax.sandbox.code import CodeRewardConfig, Graded
+from k2jax.sandbox.runner import SandboxResult, SandboxUnavailable, run_python
+
+_HERE = pathlib.Path(__file__).parent
+_WIRE = (_HERE / "_wire.py").read_text()
+_SOLUTION_DRIVER = (_HERE / "_solution_driver.py").read_text()
+_TEST_DRIVER = (_HERE / "_test_driver.py").read_text()
+_CHAN_MOUNT = "/k2jax-chan"
+COMPARE_MODES = ("exact", "lines", "tokens")
+_STARTUP_S = 20.0  # how long the test's sandbox waits for the solution's to connect
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """A row read into what the verifier runs. kind: "stdin" | "call" | "module"."""
+
+  kind: str
+  source: str  # the format the row was read as ("apps", "livecodebench", "codecontests", "humaneval", "mbpp")
+  inputs: tuple[Any, ...] = ()  # stdin: str; call: list of arguments
+  expected: tuple[Any, ...] = ()  # stdin: str; call: the value
+  fn_name: str | None = None
+  wrapped_outputs: bool = False  # APPS's rule: the result may equal the expected output's only element
+  checker: str | None = None
+  prompt: str = ""  # module: trusted code run first in the test's process (HumanEval's helpers)
+  setup: str = ""  # module: trusted setup (MBPP's test_setup_code), run in both processes
+  test: str = ""  # module: the trusted test module (HumanEval's `def check`)
+  cases: tuple[str, ...] = ()  # module: one source per case
+  remote: tuple[str, ...] = ()  # module: names the test calls into the solution
+  bind: tuple[tuple[str, str], ...] = ()  # module: alias -> solution name ("candidate" -> entry_point)
+  setup_classes: tuple[str, ...] = ()  # classes the setup defines: their instances cross as attributes
+
+  @property
+  def n_cases(self) -> int:
+    return len(self.cases) if self.kind == "module" else len(self.inputs)
+
+
+# ---- reading rows ---------------------------------------------------------------------------------------
+def parse_row(row: Mapping[str, Any]) -> Problem:
+  """The Problem of a dataset row, by its own field names; ValueError naming the field when it is malformed."""
+  if not isinstance(row, Mapping):
+    raise ValueError(f"verify: a row must be a mapping of fields, got {type(row).__name__}")
+  checker = row.get("checker")
+  if checker is not None and not (isinstance(checker, str) and checker.strip()):
+    raise ValueError("field 'checker': must be Python source defining check(input, output, expected)")
+  if "input_output" in row:
+    p = _apps(row["input_output"])
+  elif "public_test_cases" in row or "private_test_cases" in row:
+    p = _livecodebench(row)
+  elif any(k in row for k in ("public_tests", "private_tests", "generated_tests")):
+    p = _codecontests(row)
+  elif "entry_point" in row and "test" in row:
+    return _humaneval(row)
+  elif "test_list" in row:
+    return _mbpp(row)
+  else:
+    raise ValueError(
+      f"verify: no test field in the row (fields {sorted(row)[:12]}); expected one of input_output, "
+      "public_test_cases / private_test_cases, public_tests / private_tests / generated_tests, "
+      "test + entry_point, test_list"
+    )
+  if checker is not None:
+    if p.kind != "stdin":
+      raise ValueError("field 'checker': only stdin/stdout cases take a checker program")
+    p = dataclasses.replace(p, checker=checker)
+  return p
+
+
+def _json_field(value: Any, field: str) -> Any:
+  if isinstance(value, (str, bytes)):
+    try:
+      return json.loads(value)
+    except ValueError as e:
+      raise ValueError(f"field {field!r}: not valid JSON ({e})") from None
+  return value
+
+
+def _text(v: Any, field: str) -> str:
+  if isinstance(v, str):
+    return v
+  if isinstance(v, list) and all(isinstance(x, str) for x in v):
+    return "\n".join(v)
+  raise ValueError(f"field {field!r}: a case must be a string (or a list of lines), got {type(v).__name__}")
+
+
+def _json_args(text: str, field: str) -> list:
+  try:
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
+  except ValueError as e:
+    raise ValueError(f"field {field!r}: a functional input must be newline-separated JSON arguments ({e})") from None
+
+
+def _apps(value: Any) -> Problem:
+  io_ = _json_field(value, "input_output")
+  if not isinstance(io_, Mapping):
+    raise ValueError(f"field 'input_output': must be an object with inputs and outputs, got {type(io_).__name__}")
+  for k in ("inputs", "outputs"):
+    if not isinstance(io_.get(k), list):
+      raise ValueError(f"field 'input_output.{k}': must be a list")
+  ins, outs = io_["inputs"], io_["outputs"]
+  if not ins or len(ins) != len(outs):
+    raise ValueError(f"field 'input_output': {len(ins)} inputs and {len(outs)} outputs (need as many, at least 1)")
+  fn = io_.get("fn_name")
+  if fn is None:
+    return Problem(
+      "stdin",
+      "apps",
+      tuple(_text(x, "input_output.inputs") for x in ins),
+      tuple(_text(x, "input_output.outputs") for x in outs),
+    )
+  if not (isinstance(fn, str) and fn.isidentifier()):
+    raise ValueError(f"field 'input_output.fn_name': must be an identifier, got {fn!r}")
+  args = []
+  for x in ins:
+    if isinstance(x, str):
+      args.append(_json_args(x, "input_output.inputs"))
+    elif isinstance(x, list):
+      args.append(x)
+    else:
+      raise ValueError(f"field 'input_output.inputs': a call's input must be a list of arguments, got {x!r:.60}")
+  outs = [_json_field(o, "input_output.outputs") if isinstance(o, str) else o for o in outs]
+  return Problem("call", "apps", tuple(args), tuple(outs), fn_name=fn, wrapped_outputs=True)
+
+
+class _NoObjects(pickle.Unpickler):
+  def find_class(self, module, name):
+    raise pickle.UnpicklingError(f"refusing to build {module}.{name}: test cases are plain data")
+
+
+def _lcb_cases(value: Any, field: str) -> list:
+  if isinstance(value, str) and not value.lstrip().startswith("["):
+    try:  # code_generation_lite's private cases: base64(zlib(pickle(json string)))
+      value = _NoObjects(io.BytesIO(zlib.decompress(base64.b64decode(value)))).load()
+    except Exception as e:
+      raise ValueError(f"field {field!r}: neither a JSON list nor base64+zlib+pickle of one ({e})") from None
+  cases = _json_field(value, field)
+  if not isinstance(cases, list) or not all(isinstance(c, Mapping) for c in cases):
+    raise ValueError(f"field {field!r}: must be a list of {{input, output, testtype}} objects")
+  for c in cases:
+    for k in ("input", "output"):
+      if not isinstance(c.get(k), str):
+        raise ValueError(f"field {field!r}: case {k!r} must be a string")
+    if c.get("testtype", "stdin") not in ("stdin", "functional"):
+      raise ValueError(f"field {field!r}: testtype {c.get('testtype')!r} is not 'stdin' or 'functional'")
+  return cases
+
+
+def _livecodebench(row: Mapping[str, Any]) -> Problem:
+  cases = []
+  for field in ("public_test_cases", "private_test_cases"):
+    if row.get(field) not in (None, "", []):
+      cases += _lcb_cases(row[field], field)
+  if not cases:
+    raise ValueError("field 'public_test_cases' / 'private_test_cases': no cases")
+  kinds = {c.get("testtype", "stdin") for c in cases}
+  if len(kinds) > 1:
+    raise ValueError("field 'public_test_cases' / 'private_test_cases': stdin and functional cases mixed")
+  if kinds == {"stdin"}:
+    return Problem("stdin", "livecodebench", tuple(c["input"] for c in cases), tuple(c["output"] for c in cases))
+  meta = _json_field(row.get("metadata"), "metadata")
+  fn = meta.get("func_name") if isinstance(meta, Mapping) else None
+  if not (isinstance(fn, str) and fn.isidentifier()):
+    raise ValueError("field 'metadata.func_name': functional cases need the function's name")
+  args = tuple(_json_args(c["input"], "public_test_cases") for c in cases)
+  outs = tuple(_json_field(c["output"], "public_test_cases.output") for c in cases)
+  return Problem("call", "livecodebench", args, outs, fn_name=fn)
+
+
+def _codecontests(row: Mapping[str, Any]) -> Problem:
+  ins, outs = [], []
+  for field in ("public_tests", "private_tests", "generated_tests"):
+    t = row.get(field)
+    if t is None:
+      continue
+    t = _json_field(t, field)
+    if not (isinstance(t, Mapping) and isinstance(t.get("input"), list) and isinstance(t.get("output"), list)):
+      raise ValueError(f"field {field!r}: must be {{'input': [...], 'output': [...]}}")
+    if len(t["input"]) != len(t["output"]):
+      raise ValueError(f"field {field!r}: {len(t['input'])} inputs and {len(t['output'])} outputs")
+    ins += [_text(x, f"{field}.input") for x in t["input"]]
+    outs += [_text(x, f"{field}.output") for x in t["output"]]
+  if not ins:
+    raise ValueError("field 'public_tests' / 'private_tests' / 'generated_tests': no cases")
+  return Problem("stdin", "codecontests", tuple(ins), tuple(outs))
+
+
+def _str_field(row: Mapping[str, Any], key: str, required: bool = True) -> str:
+  v = row.get(key)
+  if v is None and not required:
+    return ""
+  if not isinstance(v, str):
+    raise ValueError(f"field {key!r}: must be a string, got {type(v).__name__}")
+  return v
+
+
+def _compiles(source: str, field: str) -> ast.Module:
+  try:
+    return ast.parse(source)
+  except SyntaxError as e:
+    raise ValueError(f"field {field!r}: not valid Python ({e})") from None
+
+
+def _humaneval(row: Mapping[str, Any]) -> Problem:
+  test, entry = _str_field(row, "test"), _str_field(row, "entry_point")
+  prompt = _str_field(row, "prompt", required=False)
+  if not entry.isidentifier():
+    raise ValueError(f"field 'entry_point': must be an identifier, got {entry!r}")
+  module = _compiles(test, "test")
+  if not any(isinstance(s, ast.FunctionDef) and s.name == "check" for s in module.body):
+    raise ValueError("field 'test': defines no check(candidate)")
+  if prompt:
+    _compiles(prompt, "prompt")
+  return Problem(
+    "module",
+    "humaneval",
+    prompt=prompt,
+    test=test,
+    cases=("check(candidate)",),
+    remote=(entry,),
+    bind=(("candidate", entry),),
+  )
+
+
+def _mbpp(row: Mapping[str, Any]) -> Problem:
+  tests = row["test_list"]
+  if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+    raise ValueError("field 'test_list': must be a non-empty list of assert strings")
+  setup = _str_field(row, "test_setup_code", required=False)
+  setup_ast = _compiles(setup, "test_setup_code")
+  defined = _top_level_names(setup_ast)
+  called: list[str] = []
+  for i, t in enumerate(tests):
+    for node in ast.walk(_compiles(t, f"test_list[{i}]")):
+      if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        name = node.func.id
+        if name not in defined and not hasattr(builtins, name) and name not in called:
+          called.append(name)
+  if not called:
+    raise ValueError("field 'test_list': the asserts call no function of the solution")
+  classes = tuple(s.name for s in setup_ast.body if isinstance(s, ast.ClassDef))
+  return Problem("module", "mbpp", setup=setup, cases=tuple(tests), remote=tuple(called), setup_classes=classes)
+
+
+def _top_level_names(module: ast.Module) -> set[str]:
+  names: set[str] = set()
+  for s in module.body:
+    if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(s.name)
+    elif isinstance(s, (ast.Import, ast.ImportFrom)):
+      names.update((a.asname or a.name).split(".")[0] for a in s.names)
+    else:
+      names.update(n.id for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+  return names
+
+
+# ---- comparing -------------------------------------------------------------------------------------------
+def _lines(text: str) -> list[str]:
+  return [line.strip() for line in text.replace("\r\n", "\n").strip().split("\n")]
+
+
+def _number(token: str) -> decimal.Decimal | None:
+  try:
+    d = decimal.Decimal(token)
+  except (decimal.InvalidOperation, ValueError):
+    return None
+  return d if d.is_finite() else None
+
+
+def compare_output(got: str, want: str, mode: str, float_tol: float) -> tuple[bool, str]:
+  """(passed, why not) for one stdin/stdout case, in `mode` (module docstring)."""
+  if mode == "exact":
+    ok = got.replace("\r\n", "\n") == want.replace("\r\n", "\n")
+    return ok, "" if ok else "output differs"
+  g, w = _lines(got), _lines(want)
+  if len(g) != len(w):
+    return False, f"{len(g)} output lines, {len(w)} expected"
+  for k, (a, b) in enumerate(zip(g, w, strict=True)):
+    if a == b:
+      continue
+    if mode == "lines":
+      return False, f"line {k + 1} differs"
+    ta, tb = a.split(), b.split()
+    if len(ta) != len(tb):
+      return False, f"line {k + 1}: {len(ta)} tokens, {len(tb)} expected"
+    for x, y in zip(ta, tb, strict=True):
+      if x == y:
+        continue
+      dx, dy = _number(x), _number(y)
+      if dx is None or dy is None:
+        return False, f"line {k + 1}: token {x[:40]!r} != {y[:40]!r}"
+      tol = decimal.Decimal(repr(float_tol)) * max(decimal.Decimal(1), abs(dy))
+      if abs(dx - dy) > tol:
+        return False, f"line {k + 1}: {x[:40]} is not within {float_tol} of {y[:40]}"
+  return True, ""
+
+
+def values_equal(got: Any, want: Any, float_tol: float, depth: int = 0) -> bool:
+  """Plain-data equality: tuples as lists, numbers within float_tol (absolute or relative) when one is a float."""
+  if depth > _wire.MAX_DEPTH + 4:
+    return False
+  if isinstance(got, tuple):
+    got = list(got)
+  if isinstance(want, tuple):
+    want = list(want)
+  num = (int, float)
+  if type(got) in num and type(want) in num and (type(got) is float or type(want) is float):
+    if math.isnan(got) or math.isnan(want):
+      return math.isnan(got) and math.isnan(want)
+    return math.isclose(got, want, rel_tol=float_tol, abs_tol=float_tol)
+  if type(got) is list and type(want) is list:
+    return len(got) == len(want) and all(values_equal(a, b, float_tol, depth + 1) for a, b in zip(got, want))
+  if type(got) is dict and type(want) is dict:
+    return got.keys() == want.keys() and all(values_equal(got[k], want[k], float_tol, depth + 1) for k in got)
+  if type(got) is bool or type(want) is bool:
+    return type(got) is type(want) and got == want
+  return type(got) in (*num, str, bytes, set, frozenset, complex, type(None)) and got == want
+
+
+# ---- running ---------------------------------------------------------------------------------------------
+def verify(code: str, row: Mapping[str, Any] | Problem, config: CodeRewardConfig = CodeRewardConfig()) -> Graded:
+  """The verdict on program `code` against the tests of `row` (a dataset row, or a parsed Problem)."""
+  if config.compare not in COMPARE_MODES:
+    raise ValueError(f"CodeRewardConfig.compare: {config.compare!r} is not one of {COMPARE_MODES}")
+  problem = row if isinstance(row, Problem) else parse_row(row)
+  try:
+    if problem.kind == "module":
+      outcomes, info = _run_module(code, problem, config)
+    else:
+      outcomes, info = _run_cases(code, problem, config)
+  except _Infra as e:
+    return Graded(math.nan, f"infrastructure error (masked, not a verdict): {e}", {"infra_error": str(e)})
+  passed = sum(ok for ok, _ in outcomes)
+  total = problem.n_cases
+  failures = [(i, why) for i, (ok, why) in enumerate(outcomes) if not ok]
+  if config.stop_at_first_failure:
+    reward = 1.0 if passed == total else 0.0
+  else:
+    reward = passed / total
+  reason = f"{passed}/{total} cases passed" + (f"; case {failures[0][0]}: {failures[0][1]}" if failures else "")
+  return Graded(
+    reward, reason, {**info, "format": problem.source, "passed": passed, "total": total, "outcomes": outcomes}
+  )
+
+
+class _Infra(Exception):
+  """A sandbox that could not start at all: no verdict on the program."""
+
+
+def _sandbox_for(config: CodeRewardConfig, n: int, files_bytes: int, processes: int, binds=()):
+  sb = config.sandbox
+  scratch = max(sb.scratch_bytes, 2 * files_bytes + 16 * 2**20)
+  return dataclasses.replace(
+    sb,
+    max_processes=processes,
+    cpu_time_s=math.ceil(config.case_time_s) + 5,
+    wall_time_s=n * (config.case_time_s + 1.0) + _STARTUP_S + 10.0,
+    max_output_bytes=min(64 * 2**20, n * (2 * config.max_case_output_bytes + 4096) + 65536),
+    scratch_bytes=scratch,
+    total_memory_bytes=max(sb.total_memory_bytes, scratch + 2 * sb.memory_bytes + 64 * 2**20),
+    binds=tuple(binds),
+  )
+
+
+def _records(report: str) -> list[dict]:
+  out = []
+  for line in report.splitlines():
+    try:
+      obj = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(obj, dict):
+      out.append(obj)
+  return out
+
+
+def _run(files: dict[str, str], config) -> SandboxResult:
+  try:
+    return run_python(files, "main.py", config)
+  except SandboxUnavailable as e:
+    raise _Infra(f"the sandbox could not start: {e}") from None
+
+
+def _started(result: SandboxResult, what: str) -> list[dict]:
+  recs = _records(result.report)
+  if not recs or "ready" not in recs[0]:
+    raise _Infra(f"the {what} sandbox did not start its driver: {result.reason}; {result.stderr[-300:]}".strip())
+  return recs
+
+
+def _case_failure(rec: dict) -> str | None:
+  if rec.get("timeout"):
+    return f"timed out after {rec['time']}s"
+  if rec.get("over"):
+    return "output over the cap"
+  if "signal" in rec:
+    return f"killed by signal {rec['signal']}" + (" (CPU limit)" if rec["signal"] in (9, 24) else "")
+  if rec.get("exit") != 0:
+    tail = (rec.get("err") or "").strip().splitlines()[-1:] or [""]
+    return f"exit status {rec.get('exit')}: {tail[0][:200]}".rstrip(": ")
+  return None
+
+
+def _run_cases(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[tuple[bool, str]], dict]:
+  inputs = list(p.inputs) if p.kind == "stdin" else [_wire.encode(list(a)) for a in p.inputs]
+  plan = {
+    "mode": p.kind,
+    "fn_name": p.fn_name,
+    "case_time_s": config.case_time_s,
+    "cpu_s": math.ceil(config.case_time_s),
+    "max_case_output": config.max_case_output_bytes,
+    "stop_at_first_failure": config.stop_at_first_failure,
+  }
+  files = {
+    "main.py": _SOLUTION_DRIVER,
+    "_wire.py": _WIRE,
+    "solution.py": code,
+    "plan.json": json.dumps(plan),
+    "inputs.json": json.dumps(inputs),
+  }
+  size = sum(len(t.encode()) for t in files.values())
+  result = _run(files, _sandbox_for(config, len(inputs), size, processes=2))
+  recs = _started(result, "solution's")
+  info = {"sandbox_reason": result.reason, "layers": result.layers, "elapsed_s": result.elapsed_s}
+  load_error = next((r["load_error"] for r in recs if "load_error" in r), None)
+  by_case = {r["case"]: r for r in recs if type(r.get("case")) is int}
+  stopped = next((r["stopped"] for r in recs if "stopped" in r), None)
+  outcomes: list[tuple[bool, str] | None] = []
+  to_check = []
+  for i in range(len(inputs)):
+    rec = by_case.get(i)
+    if load_error is not None:
+      outcomes.append((False, f"the program does not compile: {load_error}"))
+    elif rec is None:
+      why = f"not run: stopped after case {stopped} failed" if stopped is not None else "no record (the run ended)"
+      outcomes.append((False, f"{why}; sandbox: {result.reason}"))
+    elif (why := _case_failure(rec)) is not None:
+      outcomes.append((False, why))
+    elif p.kind == "stdin" and p.checker is not None:
+      outcomes.append(None)
+      to_check.append({"case": i, "input": p.inputs[i], "output": rec["out"], "expected": p.expected[i]})
+    elif p.kind == "stdin":
+      outcomes.append(compare_output(rec["out"], p.expected[i], config.compare, config.float_tol))
+    else:
+      outcomes.append(_compare_call(rec["res"], p.expected[i], p.wrapped_outputs, config.float_tol))
+  if to_check:
+    for i, verdict in _run_checker(p.checker, to_check, config).items():
+      outcomes[i] = verdict
+  return [o if o is not None else (False, "the checker gave no verdict") for o in outcomes], info
+
+
+def _compare_call(res: str, want: Any, wrapped: bool, float_tol: float) -> tuple[bool, str]:
+  line = res.split("\n", 1)[0]
+  if not line:
+    return False, "no result (the call ended without returning)"
+  try:
+    got = _wire.loads(line)
+  except (ValueError, TypeError, RecursionError) as e:
+    return False, f"the result is not plain data: {e}"[:200]
+  if values_equal(got, want, float_tol):
+    return True, ""
+  if wrapped and isinstance(want, list) and len(want) == 1 and values_equal(got, want[0], float_tol):
+    return True, ""
+  return False, f"returned {repr(got)[:80]}, expected {repr(want)[:80]}"
+
+
+def _run_checker(checker: str, cases: list[dict], config: CodeRewardConfig) -> dict[int, tuple[bool, str]]:
+  plan = {
+    "mode": "checker",
+    "checker": checker,
+    "case_time_s": config.case_time_s,
+    "max_case_output": config.max_case_output_bytes,
+  }
+  files = {"main.py": _TEST_DRIVER, "_wire.py": _WIRE, "plan.json": json.dumps(plan), "cases.json": json.dumps(cases)}
+  size = sum(len(t.encode()) for t in files.values())
+  result = _run(files, _sandbox_for(config, len(cases), size, processes=1))
+  recs = _started(result, "checker's")
+  err = next((r["test_error"] for r in recs if "test_error" in r), None)
+  if err is not None:
+    raise ValueError(f"field 'checker': the checker program fails: {err}")
+  return {
+    r["case"]: (bool(r["ok"]) if type(r.get("ok")) is bool else False, str(r.get("why", "")))
+    for r in recs
+    if type(r.get("case")) is int
+  }
+
+
+def _fifo_dir() -> str:
+  chan = tempfile.mkdtemp(prefix="k2jax-verify-chan-")
+  os.chmod(chan, 0o755)
+  for name in ("calls", "results"):
+    path = os.path.join(chan, name)
+    os.mkfifo(path)
+    os.chmod(path, 0o666)  # both sandboxes' uids (mapped to nobody here) open it
+  return chan
+
+
+def _unblock(chan: str) -> list[int]:
+  """When one side could not start: hold both FIFOs open (O_RDWR never blocks) with a stop line in each, so the
+  other side's driver, blocked opening its end or waiting for its peer, reads it and ends at once. The
+  caller closes the fds once that side has ended."""
+  fds = []
+  for name in ("calls", "results"):
+    fd = os.open(os.path.join(chan, name), os.O_RDWR | os.O_NONBLOCK)
+    fds.append(fd)
+    os.write(fd, b'{"stop": "the other sandbox could not start"}\n')
+  return fds
+
+
+def _run_module(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[tuple[bool, str]], dict]:
+  chan = _fifo_dir()
+  try:
+    common = {
+      "chan": _CHAN_MOUNT,
+      "case_time_s": config.case_time_s,
+      "max_case_output": config.max_case_output_bytes,
+      "stop_at_first_failure": config.stop_at_first_failure,
+      "setup_classes": list(p.setup_classes),
+    }
+    solution = f"{p.setup}\n{code}" if p.setup else code
+    sol_plan = {**common, "mode": "serve", "cpu_s": math.ceil(config.case_time_s)}
+    sol_files = {
+      "main.py": _SOLUTION_DRIVER,
+      "_wire.py": _WIRE,
+      "solution.py": solution,
+      "plan.json": json.dumps(sol_plan),
+    }
+    test_plan = {
+      **common,
+      "mode": "module",
+      "startup_s": _STARTUP_S,
+      "prompt": p.prompt,
+      "setup": p.setup,
+      "test": p.test,
+      "cases": list(p.cases),
+      "remote": list(p.remote),
+      "bind": dict(p.bind),
+    }
+    test_files = {"main.py": _TEST_DRIVER, "_wire.py": _WIRE, "plan.json": json.dumps(test_plan)}
+    binds = ((chan, _CHAN_MOUNT, True),)
+    n = len(p.cases) + 2
+    sol_cfg = _sandbox_for(config, n, sum(map(len, sol_files.values())), processes=2, binds=binds)
+    test_cfg = _sandbox_for(config, n, sum(map(len, test_files.values())), processes=1, binds=binds)
+    held: list[int] = []
+    try:
+      with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {pool.submit(_run, sol_files, sol_cfg): "solution", pool.submit(_run, test_files, test_cfg): "test"}
+        results, infra = {}, None
+        for f in concurrent.futures.as_completed(futures):
+          try:
+            results[futures[f]] = f.result()
+          except _Infra as e:
+            if infra is None:
+              held = _unblock(chan)  # the other side waits for a peer that will never come
+            infra = infra or e
+    finally:
+      for fd in held:
+        os.close(fd)
+    if infra is not None:
+      raise infra
+  finally:
+    shutil.rmtree(chan, ignore_errors=True)
+  _started(results["solution"], "solution's")
+  recs = _started(results["test"], "test's")
+  peer = next((r["no_peer"] for r in recs if "no_peer" in r), None)
+  if peer is not None:
+    raise _Infra(peer)
+  info = {
+    "sandbox_reason": results["solution"].reason,
+    "test_sandbox_reason": results["test"].reason,
+    "layers": results["test"].layers,
+    "elapsed_s": max(r.elapsed_s for r in results.values()),
+  }
+  err = next((r["test_error"] for r in recs if "test_error" in r), None)
+  if err is not None:
+    return [(False, f"the test module failed before any case: {err.splitlines()[0]}")] * len(p.cases), {
+      **info,
+      "test_error": err,
+    }
+  by_case = {r["case"]: r for r in recs if type(r.get("case")) is int}
+  outcomes = []
+  for i in range(len(p.cases)):
+    r = by_case.get(i)
+    if r is None:
+      outcomes.append((False, "not run" + (" (stopped at the first failure)" if config.stop_at_first_failure else "")))
+    else:
+      outcomes.append((r.get("ok") is True, str(r.get("why", ""))[:300]))
+  return outcomes, info
+
+
+def is_infra_error(graded: Graded) -> bool:
+  return bool(graded.info.get("infra_error"))
+
+
+__all__ = ["Problem", "compare_output", "is_infra_error", "parse_row", "values_equal", "verify"]

@@ -1,0 +1,430 @@
+"""The dataset-format code verifier (issue 28, items 1 and 2): every published test format grades a right program
+1.0 and a wrong one 0.0 on rows shaped like the published ones; comparisons, limits and failures per case;
+expected outputs never reach the solution's sandbox; trusted test code runs in a sandbox of its own.
+
+Tests that run programs need the sandbox's namespaces and skip, naming why, where the kernel refuses them.
+"""
+
+import base64
+import json
+import pickle
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from k2jax.sandbox import runner, verify as verify_mod
+from k2jax.sandbox.code import CodeRewardConfig
+from k2jax.sandbox.verify import compare_output, parse_row, values_equal, verify
+
+CFG = CodeRewardConfig(case_time_s=2.0)
+NOT_ISOLATED = runner.isolation_error()
+needs_isolation = pytest.mark.skipif(
+  NOT_ISOLATED is not None, reason=f"this machine cannot create the sandbox's namespaces: {NOT_ISOLATED}"
+)
+
+ADD_STDIN = "a, b = map(int, input().split())\nprint(a + b)\n"
+MUL_STDIN = "a, b = map(int, input().split())\nprint(a * b)\n"
+APPS_STDIN = {"input_output": json.dumps({"inputs": ["1 2\n", "3 4\n", "10 -5\n"], "outputs": ["3\n", "7\n", "5\n"]})}
+LCB_STDIN = {
+  "public_test_cases": json.dumps([{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]),
+  "private_test_cases": json.dumps([{"input": "3 4\n", "output": "7\n", "testtype": "stdin"}]),
+  "metadata": "{}",
+}
+CODECONTESTS = {
+  "public_tests": {"input": ["1 2\n"], "output": ["3\n"]},
+  "private_tests": {"input": ["3 4\n"], "output": ["7\n"]},
+  "generated_tests": {"input": ["0 0\n"], "output": ["0\n"]},
+}
+TWO_SUM_SOLUTION = """
+class Solution:
+    def twoSum(self, nums, target):
+        seen = {}
+        for i, x in enumerate(nums):
+            if target - x in seen:
+                return [seen[target - x], i]
+            seen[x] = i
+"""
+TWO_SUM_WRONG = "class Solution:\n    def twoSum(self, nums, target):\n        return [0, 1]\n"
+LCB_FUNCTIONAL = {
+  "public_test_cases": json.dumps(
+    [
+      {"input": "[2, 7, 11, 15]\n9", "output": "[0, 1]", "testtype": "functional"},
+      {"input": "[3, 2, 4]\n6", "output": "[1, 2]", "testtype": "functional"},
+    ]
+  ),
+  "private_test_cases": "",
+  "metadata": json.dumps({"func_name": "twoSum"}),
+}
+APPS_CALL = {
+  "input_output": {
+    "inputs": [[[2, 7, 11, 15], 9], [[3, 2, 4], 6]],
+    "outputs": [[[0, 1]], [[1, 2]]],
+    "fn_name": "twoSum",
+  }
+}
+HUMANEVAL_ROW = {
+  "task_id": "Test/0",
+  "prompt": (
+    "import math\n\ndef poly(xs, x):\n    return sum(c * math.pow(x, i) for i, c in enumerate(xs))\n\n"
+    "def find_zero(xs):\n    '''A zero of the odd-degree polynomial xs.'''\n"
+  ),
+  "test": (
+    "import math, random\nMETADATA = {}\n\ndef check(candidate):\n    rng = random.Random(42)\n"
+    "    for _ in range(30):\n        coeffs = [rng.randint(-5, 5) or 1 for _ in range(2 * rng.randint(1, 3))]\n"
+    "        x = candidate(coeffs)\n        assert math.fabs(poly(coeffs, x)) < 1e-4\n"
+  ),
+  "entry_point": "find_zero",
+}
+FIND_ZERO = """
+def find_zero(xs):
+    lo, hi = -1.0, 1.0
+    while poly(xs, lo) * poly(xs, hi) > 0:
+        lo, hi = lo * 2.0, hi * 2.0
+    while hi - lo > 1e-10:
+        mid = (lo + hi) / 2.0
+        if poly(xs, mid) * poly(xs, lo) > 0:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+"""
+MBPP_ROW = {
+  "task_id": 900,
+  "text": "Sum a linked list.",
+  "code": "",
+  "test_setup_code": "class Node:\n    def __init__(self, v, nxt=None):\n        self.v, self.nxt = v, nxt\n",
+  "test_list": [
+    "assert list_sum(Node(1, Node(2, Node(3)))) == 6",
+    "assert list_sum(Node(5)) == 5",
+    "assert build(3).v == 0 and build(3).nxt.nxt.v == 2",
+  ],
+  "challenge_test_list": [],
+}
+MBPP_SOLUTION = """
+def list_sum(node):
+    total = 0
+    while node is not None:
+        total, node = total + node.v, node.nxt
+    return total
+
+def build(n):
+    head = None
+    for v in reversed(range(n)):
+        head = Node(v, head)
+    return head
+"""
+
+
+def _prompt(source):
+  return source
+
+
+# ---- no sandbox needed -------------------------------------------------------------------------------------
+def test_compare_modes_prefix_and_tolerance():
+  assert compare_output("3\n7\n", "3\n7\n", "exact", 1e-6)[0]
+  assert not compare_output("3\n7", "3\n7\n", "exact", 1e-6)[0]
+  assert compare_output("  3 \n7  \n\n", "3\n7\n", "lines", 0)[0]
+  assert not compare_output("3 4\n", "3  4\n", "lines", 0)[0]  # LiveCodeBench strips lines, not inside them
+  assert compare_output("3 4\n", "3  4\n", "tokens", 0)[0]
+  for mode in ("exact", "lines", "tokens"):  # a correct prefix of the output fails, whichever the mode
+    assert not compare_output("1\n2\n", "1\n2\n3\n", mode, 1e-6)[0], mode
+    assert not compare_output("1 2", "1 2 3", mode, 1e-6)[0], mode
+    assert not compare_output("", "1\n", mode, 1e-6)[0], mode
+  assert compare_output("0.3333333\n", "0.333333333\n", "tokens", 1e-6)[0]
+  assert not compare_output("0.3333\n", "0.333333333\n", "tokens", 1e-6)[0]
+  assert compare_output("1000000.5\n", "1000000.0\n", "tokens", 1e-6)[0]  # relative: 0.5 <= 1e-6 * 1e6
+  assert not compare_output("1000002.5\n", "1000000.0\n", "tokens", 1e-6)[0]
+  assert compare_output("1.00\n", "1\n", "tokens", 0)[0] and not compare_output("1.01\n", "1\n", "tokens", 0)[0]
+  assert (
+    not compare_output("nan\n", "0\n", "tokens", 1e-6)[0] and not compare_output("inf\n", "1e400\n", "tokens", 1)[0]
+  )
+  assert not compare_output("YES\n", "yes\n", "tokens", 1e-6)[0]
+
+
+def test_values_equal_is_plain_and_toleranced():
+  assert values_equal((1, 2), [1, 2], 0) and values_equal([0.1 + 0.2], [0.3], 1e-9)
+  assert not values_equal([0.31], [0.3], 1e-6) and not values_equal(True, 1, 0) and not values_equal("1", 1, 0)
+  assert values_equal({"a": [1.0]}, {"a": [1]}, 1e-9) and not values_equal({"a": 1}, {"b": 1}, 0)
+
+
+@pytest.mark.parametrize(
+  "row,field",
+  [
+    ({"input_output": "{not json"}, "input_output"),
+    ({"input_output": {"inputs": ["1"], "outputs": []}}, "input_output"),
+    ({"input_output": {"inputs": "1", "outputs": ["1"]}}, "input_output.inputs"),
+    ({"input_output": {"inputs": [["1"]], "outputs": ["1"], "fn_name": "not a name"}}, "input_output.fn_name"),
+    ({"input_output": {"inputs": [3], "outputs": ["1"]}}, "input_output.inputs"),
+    ({"public_test_cases": "[{\"input\": 1, \"output\": \"2\"}]"}, "public_test_cases"),
+    ({"public_test_cases": "[{\"input\": \"1\", \"output\": \"2\", \"testtype\": \"rpc\"}]"}, "public_test_cases"),
+    (
+      {"public_test_cases": json.dumps([{"input": "1", "output": "2", "testtype": "functional"}])},
+      "metadata.func_name",
+    ),
+    ({"private_test_cases": "not-base64!!"}, "private_test_cases"),
+    ({"public_tests": {"input": ["1"], "output": "2"}}, "public_tests"),
+    ({"test": "def check(candidate):\n  pass", "entry_point": "f(x)"}, "entry_point"),
+    ({"test": "assert f(1) == 2", "entry_point": "f"}, "test"),
+    ({"test": "def check(candidate):\n  pass", "entry_point": "f", "prompt": "def f(:"}, "prompt"),
+    ({"test_list": []}, "test_list"),
+    ({"test_list": ["assert f(1) == 2"], "test_setup_code": "def ("}, "test_setup_code"),
+    ({"test_list": ["assert 1 == 1"]}, "test_list"),
+    ({"input_output": {"inputs": ["1"], "outputs": ["1"]}, "checker": 3}, "checker"),
+    ({"prompt": "hi"}, "input_output"),
+  ],
+)
+def test_malformed_rows_name_the_field(row, field):
+  with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+    parse_row(row)
+
+
+def test_lcb_lite_private_cases_decode_without_building_objects():
+  cases = [{"input": "3 4\n", "output": "7\n", "testtype": "stdin"}]
+  lite = base64.b64encode(zlib.compress(pickle.dumps(json.dumps(cases)))).decode()
+  p = parse_row({"public_test_cases": "[]", "private_test_cases": lite, "metadata": "{}"})
+  assert p.kind == "stdin" and p.inputs == ("3 4\n",) and p.expected == ("7\n",)
+
+  class Boom:
+    def __reduce__(self):
+      return (print, ("pwned",))
+
+  evil = base64.b64encode(zlib.compress(pickle.dumps(Boom()))).decode()
+  with pytest.raises(ValueError, match="private_test_cases.*refusing to build builtins.print"):
+    parse_row({"private_test_cases": evil})
+
+
+# ---- through the sandbox -----------------------------------------------------------------------------------
+@needs_isolation
+@pytest.mark.parametrize("row", [APPS_STDIN, LCB_STDIN, CODECONTESTS], ids=["apps", "livecodebench", "codecontests"])
+def test_stdin_formats_right_and_wrong(row):
+  g = verify(ADD_STDIN, row, CFG)
+  assert g.reward == 1.0, g.reason
+  assert verify(MUL_STDIN, row, CFG).reward == 0.0 or row is CODECONTESTS  # 0 * 0 == 0 + 0 passes one case
+  assert verify(MUL_STDIN, CODECONTESTS, CFG).reward == pytest.approx(1 / 3)
+  assert "pidns" in g.info["layers"]
+
+
+@needs_isolation
+@pytest.mark.parametrize("row", [LCB_FUNCTIONAL, APPS_CALL], ids=["livecodebench", "apps"])
+def test_call_based_formats_right_and_wrong(row):
+  g = verify(TWO_SUM_SOLUTION, row, CFG)
+  assert g.reward == 1.0, g.reason
+  assert verify(TWO_SUM_WRONG, row, CFG).reward == 0.5  # [0, 1] is right for the first case only
+  top_level = "def twoSum(nums, target):\n    return [i for i in range(len(nums)) for j in range(i) if 0][:0]\n"
+  assert verify(top_level, row, CFG).reward == 0.0
+
+
+@needs_isolation
+def test_float_answers_within_tolerance_pass_outside_fail():
+  row = {"input_output": {"inputs": ["3\n", "7\n"], "outputs": ["0.333333333\n", "0.142857143\n"]}}
+  assert verify("print(1 / int(input()))", row, CFG).reward == 1.0
+  assert verify("print(round(1 / int(input()), 4))", row, CFG).reward == 0.0
+  strict = CodeRewardConfig(case_time_s=2.0, compare="exact")
+  assert verify("print(1 / int(input()))", row, strict).reward == 0.0
+  call = {"input_output": {"inputs": [[3]], "outputs": [0.3333333333], "fn_name": "inv"}}
+  assert verify("def inv(n):\n    return 1 / n\n", call, CFG).reward == 1.0
+  assert verify("def inv(n):\n    return 0.333\n", call, CFG).reward == 0.0
+
+
+@needs_isolation
+def test_prefix_of_the_output_fails():
+  row = {"input_output": {"inputs": ["3\n"], "outputs": ["1\n2\n3\n"]}}
+  assert verify("n = int(input())\nfor i in range(n): print(i + 1)", row, CFG).reward == 1.0
+  assert verify("n = int(input())\nfor i in range(n - 1): print(i + 1)", row, CFG).reward == 0.0
+  assert verify("print(1)\nprint(2)", row, CFG).reward == 0.0
+
+
+@needs_isolation
+def test_timeout_crash_and_exit_fail_only_their_cases():
+  cases = ["1\n", "2\n", "3\n", "4\n", "5\n", "6\n"]
+  row = {"input_output": {"inputs": cases, "outputs": [f"{int(c) * 2}\n" for c in cases]}}
+  program = """
+import os, sys
+n = int(input())
+if n == 2:
+    while True: pass                     # CPU-bound past the deadline
+if n == 3:
+    raise RuntimeError("boom")           # a crash
+if n == 4:
+    sys.exit(0)                          # exit 0 before the answer
+if n == 5:
+    import time; time.sleep(60)          # sleeps past the deadline
+if n == 6:
+    os._exit(0)                          # hard exit before the answer
+print(n * 2)
+"""
+  cfg = CodeRewardConfig(case_time_s=1.0)
+  g = verify(program, row, cfg)
+  assert g.reward == pytest.approx(1 / 6), g.reason
+  outcomes = g.info["outcomes"]
+  assert outcomes[0] == (True, "")
+  assert "timed out" in outcomes[1][1] and "timed out" in outcomes[4][1]
+  assert "exit status 1: RuntimeError: boom" in outcomes[2][1]
+  assert outcomes[3] == (False, "0 output lines, 1 expected") or not outcomes[3][0]
+  assert not outcomes[5][0]
+  # Printing the answer and then exiting 0 is a right answer (competitive code does it).
+  assert verify("import sys\nprint(int(input()) * 2)\nsys.exit(0)", row, cfg).reward == 1.0
+
+
+@needs_isolation
+def test_stop_at_first_failure_is_all_or_nothing_and_stops_after_a_crash():
+  row = {"input_output": {"inputs": ["1\n", "2\n", "3\n"], "outputs": ["1\n", "2\n", "3\n"]}}
+  stop = CodeRewardConfig(case_time_s=2.0, stop_at_first_failure=True)
+  crash_at_2 = "n = int(input())\nassert n != 2\nprint(n)"
+  assert verify("print(input())", row, stop).reward == 1.0
+  g = verify(crash_at_2, row, stop)
+  assert g.reward == 0.0 and "not run: stopped after case 1" in g.info["outcomes"][2][1], g.info["outcomes"]
+  assert verify(crash_at_2, row, CFG).reward == pytest.approx(2 / 3)
+
+
+@needs_isolation
+def test_checker_program_for_several_right_answers():
+  checker = (
+    "def check(input, output, expected):\n"
+    "    n = int(input)\n    a, b = map(int, output.split())\n    return a + b == n and a >= 0 and b >= 0\n"
+  )
+  row = {"input_output": {"inputs": ["5\n", "8\n"], "outputs": ["0 5\n", "4 4\n"]}, "checker": checker}
+  assert verify("n = int(input())\nprint(1, n - 1)", row, CFG).reward == 1.0  # neither equals the expected text
+  assert verify("n = int(input())\nprint(1, n)", row, CFG).reward == 0.0
+  assert verify("print(0, 5)", row, CFG).reward == 0.5
+
+
+@needs_isolation
+def test_expected_outputs_never_enter_the_solution_sandbox(monkeypatch):
+  seen = []
+  real = verify_mod.run_python
+
+  def spy(files, entry, config=runner.SandboxConfig(), stdin=""):
+    seen.append(dict(files))
+    return real(files, entry, config, stdin)
+
+  monkeypatch.setattr(verify_mod, "run_python", spy)
+  marker = "EXPECTED_7f3a9c"
+  row = {"input_output": {"inputs": ["x\n"], "outputs": [marker + "\n"]}}
+  leak = (
+    "import os\nfor d, _, names in os.walk('/'):\n"
+    "    for n in names:\n        p = os.path.join(d, n)\n"
+    "        try:\n            t = open(p, errors='ignore').read(1 << 20)\n        except Exception:\n            continue\n"
+    "        if 'EXPECTED_' in t and 'leak' not in t:\n            print(t[t.index('EXPECTED_'):][:15]); raise SystemExit\n"
+  )
+  g = verify(leak, row, CodeRewardConfig(case_time_s=5.0))
+  assert g.reward == 0.0, g.reason
+  assert seen and not any(marker in text for files in seen for text in files.values())
+
+
+@needs_isolation
+def test_humaneval_row_runs_trusted_loops_helpers_and_randomness_in_its_own_process():
+  row = HUMANEVAL_ROW
+  assert verify(row["prompt"] + FIND_ZERO, row, CFG).reward == 1.0
+  assert verify(row["prompt"] + "    return None\n", row, CFG).reward == 0.0
+  # A completion that redefines the trusted helper cannot change what the test computes with it.
+  forge = "def poly(xs, x):\n    return 0.0\n\ndef find_zero(xs):\n    return 0.0\n"
+  assert verify(row["prompt"] + forge, row, CFG).reward == 0.0
+
+
+@needs_isolation
+@pytest.mark.parametrize(
+  "body",
+  [
+    "import os\ndef find_zero(xs):\n    os._exit(0)\n",
+    "import sys\ndef find_zero(xs):\n    sys.exit(0)\n",
+    "import sys\nsys.exit(0)\n",
+    "import os\nos.kill(1, 9)\n",
+    "class E:\n    def __eq__(self, o): return True\n    def __lt__(self, o): return True\n"
+    "    def __abs__(self): return 0\n    def __float__(self): return 0.0\ndef find_zero(xs):\n    return E()\n",
+    "import os\ndef find_zero(xs):\n    fd = os.open('/k2jax-chan/results', os.O_WRONLY)\n"
+    "    os.write(fd, b'{\"id\": 1, \"ok\": 1.0}\\n' * 50)\n    return 123456.0\n",
+    "def find_zero(xs):\n    while True: pass\n",
+    "def find_zero(xs):\n    raise AssertionError('pass')\n",
+  ],
+  ids=["os._exit", "sys.exit-in-call", "sys.exit-at-load", "kill-pid1", "always-equal", "forge-pipe", "loop", "raise"],
+)
+def test_solution_cannot_reach_the_verdict(body):
+  g = verify(HUMANEVAL_ROW["prompt"] + body, HUMANEVAL_ROW, CodeRewardConfig(case_time_s=2.0))
+  assert g.reward == 0.0, (g.reason, g.info)
+  assert "infra_error" not in g.info
+
+
+@needs_isolation
+def test_mbpp_setup_code_and_its_objects_cross_as_plain_data():
+  assert verify(MBPP_SOLUTION, MBPP_ROW, CFG).reward == 1.0
+  wrong = MBPP_SOLUTION.replace("total + node.v", "total + 2 * node.v")
+  g = verify(wrong, MBPP_ROW, CFG)
+  assert g.reward == pytest.approx(1 / 3), g.info["outcomes"]
+  crashes_second = "def list_sum(node):\n    if node.nxt is None:\n        raise SystemExit(0)\n    return 6\n" + (
+    MBPP_SOLUTION.split("def build")[0].replace("def list_sum", "def _unused")
+    + "def build"
+    + MBPP_SOLUTION.split("def build")[1]
+  )
+  g = verify(crashes_second, MBPP_ROW, CFG)
+  assert [ok for ok, _ in g.info["outcomes"]] == [True, False, True], g.info["outcomes"]
+
+
+@needs_isolation
+def test_a_missing_function_and_a_syntax_error_fail_every_case():
+  assert verify("def other(): pass", MBPP_ROW, CFG).reward == 0.0
+  g = verify("def f(:", APPS_STDIN, CFG)
+  assert g.reward == 0.0 and "does not compile" in g.reason
+  assert verify("def f(:", HUMANEVAL_ROW, CFG).reward == 0.0
+
+
+@needs_isolation
+def test_a_sandbox_that_cannot_start_is_masked_never_zero(monkeypatch):
+  def refuse(files, entry, config=None, stdin=""):
+    raise runner.SandboxUnavailable("no user namespaces here")
+
+  monkeypatch.setattr(verify_mod, "run_python", refuse)
+  for row, code in ((APPS_STDIN, ADD_STDIN), (HUMANEVAL_ROW, FIND_ZERO), (MBPP_ROW, MBPP_SOLUTION)):
+    g = verify(code, row, CFG)
+    assert g.reward != g.reward and "no user namespaces" in g.info["infra_error"], g  # NaN: masked
+
+
+@needs_isolation
+@pytest.mark.parametrize("refused", ["serve", "module"], ids=["solution-side", "test-side"])
+def test_one_side_failing_to_start_unblocks_the_other(monkeypatch, refused):
+  real, ran = verify_mod.run_python, []
+
+  def one_side_refused(files, entry, config=None, stdin=""):
+    if f'"mode": "{refused}"' in files["plan.json"]:
+      raise runner.SandboxUnavailable(f"the {refused} sandbox is refused")
+    ran.append(real(files, entry, config, stdin))
+    return ran[-1]
+
+  monkeypatch.setattr(verify_mod, "run_python", one_side_refused)
+  g = verify(FIND_ZERO, HUMANEVAL_ROW, CFG)
+  assert g.reward != g.reward and "refused" in g.info["infra_error"]
+  (other,) = ran
+  assert not other.timed_out and other.reason == "ok", other  # it ended on the grader's stop line, not its deadline
+
+
+@needs_isolation
+def test_many_cases_share_one_sandbox_launch(monkeypatch):
+  launches = []
+  real = verify_mod.run_python
+  monkeypatch.setattr(verify_mod, "run_python", lambda f, e, c, s="": launches.append(1) or real(f, e, c, s))
+  n = 40
+  row = {"input_output": {"inputs": [f"{i} {i}\n" for i in range(n)], "outputs": [f"{2 * i}\n" for i in range(n)]}}
+  g = verify(ADD_STDIN, row, CFG)
+  assert g.reward == 1.0 and len(launches) == 1
+
+
+@needs_isolation
+def test_python_O_strips_no_check():
+  script = (
+    "import json, sys\nfrom k2jax.sandbox.verify import verify\nfrom k2jax.sandbox.code import CodeRewardConfig\n"
+    "row, cfg = json.loads(sys.argv[1]), CodeRewardConfig(case_time_s=2.0)\n"
+    "print(json.dumps([verify(c, row, cfg).reward for c in json.loads(sys.argv[2])]))\n"
+  )
+  mbpp = {"test_list": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]}
+  codes = ["def add(a, b):\n    return a + b\n", "def add(a, b):\n    return 0\n"]
+  for row in (mbpp, APPS_STDIN):
+    sols = codes if row is mbpp else [ADD_STDIN, MUL_STDIN]
+    out = subprocess.run(
+      [sys.executable, "-O", "-c", script, json.dumps(row), json.dumps(sols)],
+      capture_output=True,
+      text=True,
+      check=True,
+    )
+    assert json.loads(out.stdout) == [1.0, 0.0], out
