@@ -46,6 +46,8 @@ import os
 
 from ml_collections import config_dict
 
+from k2jax.rl import config as rl_config
+
 TASK_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "rl", "agentic_tiny")
 SWE_TASKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "swe", "toy_tasks")
 VARIANTS = ("tiny", "1t", "agentic_tiny", "swe_tiny")
@@ -109,143 +111,8 @@ def _k2_1t(c):
 
 
 def _tiny() -> config_dict.ConfigDict:
-  c = config_dict.ConfigDict()
-  c.seed = 0  # model init and warm-start sampling
-  c.iterations = 60  # RL iterations (one rollout batch each)
-  c.tokenizer_path = ""  # tiktoken model for prompts and rewards ("" = the bundled BPE)
-  c.topology = ""  # k2jax.memory.TOPOLOGIES name for --dry_run's memory plan ('' = none)
-
-  c.model = config_dict.ConfigDict()
-  c.model.preset = "tiny"  # k2jax.model.presets name (used when init_from is empty)
-  c.model.init_from = ""  # k2jax workdir or HF dir to start the policy from ("" = random init)
-  # HF init_from: bytes of HF blocks each process holds in flight beyond its own shards (orbax uses 2 GiB)
-  c.model.read_budget_bytes = 2 << 30
-  c.model.param_dtype = "float32"  # master weights
-  c.model.compute_dtype = "float32"  # matmuls/activations ("bfloat16" on accelerators)
-  c.model.scan_layers = True  # lax.scan over stacked layers
-  c.model.remat_policy = "none"  # none | full | dots | dots_no_batch
-  c.model.attention = "auto"  # attention kernel, as configs/k2.py
-
-  c.mesh = config_dict.ConfigDict()  # device mesh and rules preset, exactly as configs/k2.py
-  c.mesh.rules = "fsdp"  # k2jax.sharding rules preset: fsdp | fsdp_ep | fsdp_ep_tp
-  c.mesh.data = 1
-  c.mesh.fsdp = -1  # -1 = all remaining devices
-  c.mesh.expert = 1
-  c.mesh.tensor = 1
-
-  c.task = config_dict.ConfigDict()  # k2jax/rl/tasks.py
-  c.task.kind = "arith"  # "arith": generated a+b, exact match; "math_jsonl": task.path, \boxed{} reward
-  c.task.path = ""  # math_jsonl: {"question", "answer"} records (chat-templated prompts)
-  c.task.a_min, c.task.a_max = 1, 1  # "1+b": the digit that follows b
-  c.task.b_min, c.task.b_max = 0, 8
-  c.task.seed = 0  # prompt stream (prompt i is a function of (seed, i))
-  c.task.template = "{a}+{b}"  # prompt text ({a}, {b} = operands); ends on b so a tiny model reads it
-  c.task.budget = 4  # total response tokens per sample over all its segments (K2 budget control)
-  c.task.truncation_penalty = 0.5  # subtracted from the reward of samples that hit the budget (all tasks)
-
-  # Mixed task batches: tasks.<name> = {kind, reward, path, env, budget, weight} replaces the single `task`
-  # (kind "arith" still reads task.a_min.. and task.template). k2jax/rl/tasks.py:task_specs has the keys.
-  c.tasks = config_dict.ConfigDict()
-
-  c.reward = config_dict.ConfigDict()  # k2jax/rl/rewards/contract.py (the one reward contract)
-  c.reward.judge_url = ""  # OpenAI-compatible endpoint for judge/rubric rewards ("" = the rollout engine)
-  c.reward.judge_model = "default"  # model name sent to judge_url
-  c.reward.judge_max_tokens = 64  # judge reply length
-  c.reward.judge_criteria = ""  # judge criteria for prompts without data["criteria"] ("" = the default)
-
-  c.agentic = config_dict.ConfigDict()  # multi-turn episodes (k2jax/agentic): env services and turn limits
-  c.agentic.env_urls = ""  # "sim_tools=http://host:port,..."; an env without a URL gets a local service
-  c.agentic.local_workers = 1  # service processes started per environment without a URL
-  c.agentic.max_turns = 4  # assistant turns per episode (a task's max_turns may lower it)
-  c.agentic.max_new_tokens_per_turn = 64  # per engine call; the task budget caps the whole response
-  c.agentic.step_timeout_s = 60.0  # an env reset/step slower than this fails the episode (dropped)
-
-  c.rollout = config_dict.ConfigDict()
-  c.rollout.engine_url = ""  # "" = an engine in this process (rollout.engine); else an SGLang /generate server
-  c.rollout.engine = "embedded"  # in-process engine: "embedded" (k2jax) | "sglang_jax_colocated"
-  c.rollout.worker_urls = ""  # with a router as engine_url: its workers, comma-separated (updates, aborts)
-  c.rollout.group_size = 8  # K responses per prompt
-  c.rollout.target_groups = 16  # complete groups per train batch
-  c.rollout.launch_groups = 20  # groups in flight (over-sampling; the slowest are aborted)
-  c.rollout.partial_rollout = True  # aborted samples resume next iteration (K1.5 partial rollouts)
-  c.rollout.max_staleness = 2  # resumed tokens at most this many weight versions old
-  c.rollout.temperature = 1.0  # initial sampling temperature ...
-  c.rollout.temperature_final = 1.0  # ... decaying towards this (K2 temperature decay)
-  c.rollout.temperature_half_life = 100.0  # iterations
-  c.rollout.top_p = 1.0  # nucleus sampling (1 = off)
-  c.rollout.max_concurrency = 64  # rollout threads = in-flight engine requests
-
-  c.engine = config_dict.ConfigDict()  # embedded engine only (k2jax.engine.EngineConfig)
-  c.engine.max_slots = 32  # requests decoded together
-  c.engine.max_seq_len = 64  # prompt + response tokens per request
-  c.engine.sharding = ""  # serving preset on all devices (tp | ep | tp_ep; "" = one device, one process)
-  c.engine.mesh = ""  # serving mesh, e.g. "expert:4,tensor:2" ("" = the preset's default)
-
-  c.colocate = config_dict.ConfigDict()  # engine.sharding set: generate/update phases (k2jax/rl/phases.py)
-  c.colocate.offload_opt_state = True  # optimizer state to host memory while the engine generates
-  c.colocate.offload_params = False  # the float32 master weights too (the engine serves its own copy)
-
-  c.sglang_jax = config_dict.ConfigDict()  # rollout.engine=sglang_jax_colocated (k2jax.engine.SglangJaxConfig)
-  c.sglang_jax.device = "cpu"  # cpu | tpu | gpu
-  c.sglang_jax.tp_size = 1  # its mesh: the first tp_size local devices
-  c.sglang_jax.dtype = "float32"  # served weights ("bfloat16" on TPU; float32 matches the trainer's logprobs)
-  c.sglang_jax.attention_backend = "native"  # CPU: native; TPU: fa
-  c.sglang_jax.context_length = 512  # prompt + response tokens per request
-  c.sglang_jax.mem_fraction_static = 0.1  # device memory share for weights + KV pool
-  c.sglang_jax.max_total_tokens = 4096  # KV pool size in tokens
-  c.sglang_jax.max_running_requests = 8  # requests decoded together
-  c.sglang_jax.chunked_prefill_size = 256
-  c.sglang_jax.precompile_bs_paddings = "8"  # comma-separated batch sizes compiled at start
-  c.sglang_jax.precompile_token_paddings = "256"  # comma-separated prefill token counts compiled at start
-
-  c.loss = config_dict.ConfigDict()  # k2jax.rl.algo.K2LossConfig
-  c.loss.tau = 1.0  # regulariser tau of the K2 objective
-  c.loss.old_logprobs = "trainer"  # pi_old: "trainer" (recomputed) or "engine" (sampling logprobs)
-  c.loss.ptx_coef = 0.002  # weight of the PTX NLL on the curated set (0 disables PTX)
-
-  c.ptx = config_dict.ConfigDict()  # k2jax.rl.ptx.PTXConfig
-  c.ptx.source = "bundled"  # jsonl of {"messages"} or {"text"} records; "bundled" = offline corpus
-  c.ptx.num_samples = 32  # curated records kept (the first usable ones)
-  c.ptx.batch_size = 8  # PTX rows per update (a multiple of the mesh's batch shards)
-  c.ptx.seq_len = 32  # tokens per PTX row (longer records truncated)
-
-  c.warm_start = config_dict.ConfigDict()  # format-only SFT before RL (random answers; see tasks.py)
-  c.warm_start.steps = 20  # 0 disables
-  c.warm_start.batch_size = 32  # format examples per warm-start update
-  c.warm_start.lr = 0.01  # constant LR during the warm start
-
-  c.optim = config_dict.ConfigDict()  # MuonClip (k2jax.optim.muonclip)
-  c.optim.lr = 0.003  # constant RL learning rate
-  c.optim.weight_decay = 0.0  # decoupled decay (times the LR) on Muon and AdamW params
-  c.optim.momentum = 0.95  # Muon momentum
-  c.optim.qk_clip_tau = 100.0  # QK-Clip threshold on the forward's max logits (0 disables)
-  c.optim.bias_update_rate = 0.0  # MoE balancing-bias step per update (0 keeps the bias fixed)
-  c.optim.updates_per_batch = 1  # optimizer steps per rollout batch (pi_old fixed across them)
-
-  c.train = config_dict.ConfigDict()
-  c.train.seq_len = 16  # trainer row length: prompt + response must fit
-
-  c.sync = config_dict.ConfigDict()  # k2jax.rl.weight_sync.WeightSyncConfig
-  c.sync.root = ""  # shared dir for HF safetensors pushes ("" = WORKDIR/weights)
-  c.sync.keep_last = 2  # pushed version directories kept on disk
-  c.sync.dtype = ""  # remote pushes: "" (param dtype) | bfloat16 | float32 | fp8 (the release's block-FP8)
-
-  c.checkpoint = config_dict.ConfigDict()
-  c.checkpoint.every = 20  # iterations between orbax checkpoints (and one at the end)
-  c.checkpoint.keep = 2  # checkpoints kept
-  c.checkpoint.async_save = True  # write in the background while rollouts continue
-  # When checkpoints exist but none restores: "error" stops naming each and why (nothing moved, exit != 0);
-  # "fresh" moves them to WORKDIR/checkpoints_corrupt/ and starts from iteration 0.
-  c.checkpoint.on_unreadable = "error"
-
-  c.log = config_dict.ConfigDict()
-  c.log.tensorboard = False  # also write TensorBoard events to WORKDIR/tb
-  c.log.rollouts = False  # also write every sample's tokens and loss mask to WORKDIR/rollouts.jsonl
-
-  c.eval = config_dict.ConfigDict()
-  c.eval.every = 10  # greedy accuracy on every distinct prompt each N iterations (0 = off)
-
-  return c
+  """k2jax/rl/config.py declares every key, its default (this preset) and doc."""
+  return rl_config.config_dict()
 
 
 def _agentic_tiny(c: config_dict.ConfigDict) -> None:
@@ -260,11 +127,8 @@ def _agentic_tiny(c: config_dict.ConfigDict) -> None:
     ("rubric", "jsonl", "rubric", 8),
     ("sim_tools", "agentic", "env", 128),
   ):
-    t = config_dict.ConfigDict()
-    t.kind, t.reward, t.budget, t.weight = kind, reward, budget, 1
-    t.path = os.path.join(TASK_DATA, f"{name}.jsonl")
-    t.env = "sim_tools" if kind == "agentic" else ""
-    c.tasks[name] = t
+    path, env = os.path.join(TASK_DATA, f"{name}.jsonl"), "sim_tools" if kind == "agentic" else ""
+    c.tasks[name] = rl_config.task_section(kind=kind, reward=reward, budget=budget, weight=1, path=path, env=env)
   c.task.truncation_penalty = 0.0
   c.rollout.group_size = 2
   c.rollout.target_groups = c.rollout.launch_groups = 6  # = the number of task types: every kind in every batch
@@ -292,9 +156,7 @@ def _swe_tiny(c: config_dict.ConfigDict) -> None:
     ("arith", "arith", "exact", 4, "", ""),
     ("swe", "agentic", "env", 160, os.path.join(SWE_TASKS, "rl_tasks.jsonl"), "swe"),
   ):
-    t = config_dict.ConfigDict()
-    t.kind, t.reward, t.budget, t.weight, t.path, t.env = kind, reward, budget, 1, path, env
-    c.tasks[name] = t
+    c.tasks[name] = rl_config.task_section(kind=kind, reward=reward, budget=budget, weight=1, path=path, env=env)
   c.task.truncation_penalty = 0.0
   c.rollout.group_size = 2
   c.rollout.target_groups = c.rollout.launch_groups = 2  # = the number of task types

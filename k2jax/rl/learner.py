@@ -33,12 +33,13 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 from ml_collections import config_dict
 
-from k2jax import distributed, sharding
+from k2jax import configlib, distributed, sharding
 from k2jax.api import model_from_state
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 from k2jax.model import presets
 from k2jax.model.config import ConfigError, K2Config
 from k2jax.rl import batching, rl_step
+from k2jax.rl.config import RLConfig, RLModelSpec
 from k2jax.rl.algo import K2LossConfig, rollout_metrics, select_old_logprobs
 from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
 from k2jax.engine.http import HttpEngine, HttpEngineConfig
@@ -57,7 +58,7 @@ from k2jax.rl.weight_sync import WeightSync, WeightSyncConfig
 from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.train import core
 from k2jax.train.checkpoint import merge_dicts
-from k2jax.train.config import ON_UNREADABLE, MeshSpec, mesh_spec
+from k2jax.train.config import MeshSpec
 from k2jax.train.counting import flops_per_token
 from k2jax.train.init_from import EXEC_FIELDS, check_workdir_model, resolve_model
 from k2jax.train.metrics import MetricsLogger, measure_peak_flops, say
@@ -65,7 +66,8 @@ from k2jax.train.metrics import MetricsLogger, measure_peak_flops, say
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
-  """The typed form of configs/rl.py (see that file for every field's meaning)."""
+  """The runtime form of configs/rl.py, derived from its typed tree `k2jax.rl.config.RLConfig` (which declares
+  every knob: default, type, doc, check) by `from_config_dict`."""
 
   seed: int
   iterations: int
@@ -106,33 +108,38 @@ class LearnerConfig:
   rollout_engine: str = "embedded"  # in-process engine without engine_url: embedded | sglang_jax_colocated
   sglang_jax: SglangJaxConfig = SglangJaxConfig()
   colocate: ColocateConfig = ColocateConfig()  # phases of an engine on a serving mesh (phases.py)
+  spec: RLConfig | None = None  # the typed configs/rl.py tree this was derived from (new knobs: read them here)
 
   @property
   def rows(self) -> int:
     return self.rollout.target_groups * self.rollout.group_size
 
 
-ROLLOUT_ENGINES = ("embedded", "sglang_jax_colocated")
 TASK_NAMES = {"arith": TASK_NAME, "math_jsonl": MathJsonlTask.name}  # task.kind -> budget key
 
 
-def model_config(c: config_dict.ConfigDict) -> K2Config:
-  """The policy's K2Config: `model.preset` with its execution knobs, or `model.init_from`'s architecture."""
-  m = c.model
+def _spec(c) -> RLConfig:
+  return c if isinstance(c, RLConfig) else configlib.build(RLConfig, c, error=ConfigError)
+
+
+def model_config(c) -> K2Config:
+  """The policy's K2Config: `model.preset` with its execution knobs, or `model.init_from`'s architecture.
+  `c`: the RL ConfigDict (or plain dict) or its RLConfig."""
+  m = c.model if isinstance(c, RLConfig) else configlib.build(RLModelSpec, c.model, key="model", error=ConfigError)
   try:
-    preset = presets.get(m.preset, **{k: m[k] for k in EXEC_FIELDS if k in m})
+    preset = presets.get(m.preset, **{k: getattr(m, k) for k in EXEC_FIELDS if hasattr(m, k)})
   except KeyError as e:
     raise ConfigError(f"model.preset: {e.args[0]}") from None
   return resolve_model(preset, m.init_from, key="model.init_from")
 
 
-def from_config_dict(
-  c: config_dict.ConfigDict, workdir: str, stop_ids: tuple[int, ...], *, check_files: bool = True
-) -> LearnerConfig:
-  """ConfigDict -> LearnerConfig (the one boundary); errors name the config key. `check_files=False`
-  (compiling for a slice, `k2jax.rl.aot`) does not ask for the task file to exist."""
-  model = model_config(c)
-  r = c.rollout
+def from_config_dict(c, workdir: str, stop_ids: tuple[int, ...], *, check_files: bool = True) -> LearnerConfig:
+  """RL ConfigDict (or plain dict) -> LearnerConfig (the one boundary): `configlib.build` checks every key
+  of the RLConfig tree (errors name the dotted key), then the values computed from several keys are derived
+  here. `check_files=False` (compiling for a slice, `k2jax.rl.aot`) does not ask for the task file to exist."""
+  rc = _spec(c)
+  model = model_config(rc)
+  r, t, o = rc.rollout, rc.task, rc.optim
   rollout = RolloutConfig(
     group_size=r.group_size,
     target_groups=r.target_groups,
@@ -140,86 +147,73 @@ def from_config_dict(
     partial_rollout=r.partial_rollout,
     max_staleness=r.max_staleness,
     task_budgets=tasks_lib.task_budgets(c, check_files=check_files),
-    truncation_penalty=c.task.truncation_penalty,
+    truncation_penalty=t.truncation_penalty,
     temperature=TemperatureSchedule(r.temperature, r.temperature_final, r.temperature_half_life),
     top_p=r.top_p,
     stop_token_ids=tuple(stop_ids),
     max_concurrency=r.max_concurrency,
   )
-  loss = K2LossConfig(tau=c.loss.tau, ptx_coef=c.loss.ptx_coef, old_logprobs=c.loss.old_logprobs)
-  ptx = PTXConfig(c.ptx.source, c.ptx.num_samples, c.ptx.batch_size, c.ptx.seq_len) if loss.ptx_coef > 0 else None
+  loss = K2LossConfig(**dataclasses.asdict(rc.loss))
+  ptx = PTXConfig(**dataclasses.asdict(rc.ptx)) if loss.ptx_coef > 0 else None
+  s = rc.sglang_jax
+  paddings = {k: tuple(int(x) for x in getattr(s, k).split(",") if x) for k in SGLANG_PADDINGS}
   lc = LearnerConfig(
-    seed=c.seed,
-    iterations=c.iterations,
-    topology=c.topology,
+    seed=rc.seed,
+    iterations=rc.iterations,
+    topology=rc.topology,
     model=model,
-    init_from=c.model.init_from,
-    read_budget_bytes=c.model.read_budget_bytes,
-    mesh=mesh_spec(c.mesh),
-    tokenizer_path=c.tokenizer_path or BUNDLED_TOKENIZER,
-    task_kind=c.task.kind,
-    task_path=c.task.path,
-    task=ArithmeticTaskConfig(c.task.a_min, c.task.a_max, c.task.b_min, c.task.b_max, c.task.seed, c.task.template),
+    init_from=rc.model.init_from,
+    read_budget_bytes=rc.model.read_budget_bytes,
+    mesh=rc.mesh,
+    tokenizer_path=rc.tokenizer_path or BUNDLED_TOKENIZER,
+    task_kind=t.kind,
+    task_path=t.path,
+    task=ArithmeticTaskConfig(t.a_min, t.a_max, t.b_min, t.b_max, t.seed, t.template),
     rollout=rollout,
     engine_url=r.engine_url,
     worker_urls=tuple(u for u in r.worker_urls.split(",") if u),
-    engine=EngineConfig(
-      max_slots=c.engine.max_slots, max_seq_len=c.engine.max_seq_len, sharding=c.engine.sharding, mesh=c.engine.mesh
-    ),
+    engine=EngineConfig(**dataclasses.asdict(rc.engine)),
     loss=loss,
     ptx=ptx,
-    warm_start_steps=c.warm_start.steps,
-    warm_start_batch_size=c.warm_start.batch_size,
-    warm_start_lr=c.warm_start.lr,
-    lr=c.optim.lr,
-    weight_decay=c.optim.weight_decay,
-    momentum=c.optim.momentum,
-    qk_clip_tau=c.optim.qk_clip_tau or None,
-    bias_update_rate=c.optim.bias_update_rate,
-    updates_per_batch=c.optim.updates_per_batch,
-    seq_len=c.train.seq_len,
+    warm_start_steps=rc.warm_start.steps,
+    warm_start_batch_size=rc.warm_start.batch_size,
+    warm_start_lr=rc.warm_start.lr,
+    lr=o.lr,
+    weight_decay=o.weight_decay,
+    momentum=o.momentum,
+    qk_clip_tau=o.qk_clip_tau or None,
+    bias_update_rate=o.bias_update_rate,
+    updates_per_batch=o.updates_per_batch,
+    seq_len=rc.train.seq_len,
     sync=WeightSyncConfig(
-      c.sync.root or os.path.join(workdir, "weights"), keep_last=c.sync.keep_last, dtype=c.sync.dtype or None
+      rc.sync.root or os.path.join(workdir, "weights"), keep_last=rc.sync.keep_last, dtype=rc.sync.dtype or None
     ),
-    checkpoint_every=c.checkpoint.every,
-    checkpoint_keep=c.checkpoint.keep,
-    checkpoint_async=c.checkpoint.async_save,
-    checkpoint_on_unreadable=c.checkpoint.on_unreadable,
-    tensorboard=c.log.tensorboard,
-    eval_every=c.eval.every,
-    log_rollouts=c.log.rollouts,
+    checkpoint_every=rc.checkpoint.every,
+    checkpoint_keep=rc.checkpoint.keep,
+    checkpoint_async=rc.checkpoint.async_save,
+    checkpoint_on_unreadable=rc.checkpoint.on_unreadable,
+    tensorboard=rc.log.tensorboard,
+    eval_every=rc.eval.every,
+    log_rollouts=rc.log.rollouts,
     task_runtime=runtime_config(c),
     rollout_engine=r.engine,
-    sglang_jax=_sglang_jax_config(c.sglang_jax),
-    colocate=ColocateConfig(c.colocate.offload_opt_state, c.colocate.offload_params),
+    sglang_jax=SglangJaxConfig(**{**dataclasses.asdict(s), **paddings}),
+    colocate=ColocateConfig(**dataclasses.asdict(rc.colocate)),
+    spec=rc,
   )
-  mixed = len(c.tasks) > 0  # tasks.* sections (validated by tasks.task_specs) replace the single task.*
-  for key, ok in (
-    ("iterations", lc.iterations >= 1),
-    ("optim.lr", lc.lr > 0),
+  mixed = len(rc.tasks) > 0  # tasks.* sections (validated by tasks.task_specs) replace the single task.*
+  for key, ok in (  # checks across sections or against the resolved model and files (the rest: RLConfig)
     ("task.kind", mixed or lc.task_kind in TASK_NAMES),
     ("task.path", mixed or lc.task_kind != "math_jsonl" or not check_files or os.path.isfile(lc.task_path)),
     ("warm_start.steps", mixed or lc.task_kind == "arith" or lc.warm_start_steps == 0),
-    ("optim.updates_per_batch", lc.updates_per_batch >= 1),
-    ("warm_start.steps", lc.warm_start_steps >= 0),
-    ("checkpoint.every", lc.checkpoint_every >= 1),
-    ("checkpoint.keep", lc.checkpoint_keep >= 1),
-    ("checkpoint.on_unreadable", lc.checkpoint_on_unreadable in ON_UNREADABLE),
     ("train.seq_len", 2 <= lc.seq_len <= model.max_position_embeddings),
-    ("rollout.engine_url", all(u.startswith(("http://", "https://")) for u in (lc.engine_url,) + lc.worker_urls if u)),
-    ("rollout.worker_urls", not lc.worker_urls or bool(lc.engine_url)),
-    ("rollout.engine", lc.rollout_engine in ROLLOUT_ENGINES and (lc.rollout_engine == "embedded" or not lc.engine_url)),
   ):
     if not ok:
       raise ConfigError(f"{key}: invalid value in the RL config")
   return lc
 
 
-def _sglang_jax_config(s: config_dict.ConfigDict) -> SglangJaxConfig:
-  paddings = ("precompile_bs_paddings", "precompile_token_paddings")  # comma-separated ints in the config
-  fields = {k: s[k] for k in s if k not in paddings}
-  fields.update({k: tuple(int(x) for x in str(s[k]).split(",") if x) for k in paddings})
-  return SglangJaxConfig(**fields)
+SGLANG_PADDINGS = ("precompile_bs_paddings", "precompile_token_paddings")  # comma-separated ints in the config
 
 
 def run(config: config_dict.ConfigDict, workdir: str) -> dict:

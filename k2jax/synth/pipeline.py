@@ -26,9 +26,17 @@ from k2jax.synth.llm import LLM
 from k2jax.synth.store import StageStore, run_units
 from k2jax.synth.trajectories import make_trajectory
 from k2jax.llm_client import ChatConfig
+from k2jax import configlib
+from k2jax.configlib import knob
 
 log = logging.getLogger(__name__)
 STAGES = ("tools", "agents", "tasks", "trajectories", "sft")
+EXAMPLE_MCP_TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples", "mcp_tools.json")
+_POSITIVE = {"check": lambda v: v >= 1, "rule": "must be >= 1"}
+
+
+def _stages(v: tuple[str, ...]) -> bool:
+  return all(s in STAGES for s in v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +65,53 @@ class SynthConfig:
     bad = [s for s in self.stages if s not in STAGES]
     if bad:
       raise ValueError(f"SynthConfig.stages: unknown {bad}; known {STAGES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SynthSpec:
+  """configs/synth.py, typed: the single declaration of every synthesis knob (default, type, doc, check);
+  configs/synth.py starts from `configlib.config_dict(SynthSpec)` and its presets only change fields."""
+
+  # The LLM endpoint (every role: generators, simulated user, agent, tool simulator, judge).
+  llm_url: str = knob("", "OpenAI-compatible root or .../v1; '' = serve serve_model locally")
+  serve_model: str = knob("tiny-random", "used only without llm_url: workdir / HF dir / tiny-random")
+  serve_max_seq_len: int = knob(1024, "without llm_url: the local engine's prompt + response tokens", **_POSITIVE)
+  model: str = knob("default", "`model` field of the requests")
+  api_key: str = knob("", "Bearer token ('' = none)")
+  temperature: float = knob(0.7, "sampling temperature of every role")
+  max_tokens: int = knob(512, "per request, every role but the agent", **_POSITIVE)
+  agent_max_tokens: int = knob(512, "per agent turn", **_POSITIVE)
+  timeout_s: float = knob(120.0, "per request attempt", check=lambda v: v > 0, rule="must be > 0")
+  concurrency: int = knob(8, "requests in flight to the endpoint", **_POSITIVE)
+  max_retries: int = knob(3, "attempts = 1 + max_retries", check=lambda v: v >= 0, rule="must be >= 0")
+  workers: int = knob(8, "stage units processed at once", **_POSITIVE)
+  # (a) tools: real MCP specs + hierarchical evolution.
+  mcp_tool_files: tuple[str, ...] = knob((EXAMPLE_MCP_TOOLS,), "MCP tool spec files imported as real tools")
+  categories: tuple[str, ...] = knob(
+    ("financial trading", "software applications", "robot control"), "tool categories evolved into domains"
+  )
+  domains_per_category: int = knob(3, "synthetic domains per category")
+  tools_per_domain: int = knob(4, "synthetic tools per domain")
+  dedup_threshold: float = knob(0.8, "description word-set Jaccard within a domain above which tools are dropped")
+  # (b) agents, (c) tasks.
+  num_agents: int = knob(8, "agents synthesized")
+  tools_per_agent: int = knob(4, "tools each agent is given")
+  cross_domain_tools: int = knob(1, "of those, tools from other domains")
+  tasks_per_agent: int = knob(2, "rubric tasks per agent")
+  # (d) trajectories: simulated user x agent x tool simulator.
+  max_turns: int = knob(6, "user turns per trajectory")
+  p_failure: float = knob(0.15, "probability of an injected tool failure")
+  p_edge_case: float = knob(0.15, "probability of an injected edge case")
+  default_persona: str = knob("a busy professional who writes short, direct messages", "simulated user persona")
+  # (e) judge.
+  judge_min_score: float = knob(7.0, "trajectories scoring below this are rejected")
+  stages: tuple[str, ...] = knob(
+    STAGES,
+    "stages to run (a prefix/subset stops early; later stages read earlier files)",
+    check=_stages,
+    rule=f"each one of {STAGES}",
+  )
+  seed: int = knob(0, "sampling seed of every stage")
 
 
 def run_synth(cfg: SynthConfig, out_dir: str) -> dict:
@@ -182,35 +237,11 @@ def _rewrite(path: str, records: list[dict]) -> None:
 
 
 def from_config_dict(c, llm_url: str) -> SynthConfig:
-  """The typed config from configs/synth.py (`llm_url` resolved by the launcher)."""
-  llm = ChatConfig(
-    url=llm_url,
-    model=c.model,
-    api_key=c.api_key or None,
-    temperature=c.temperature,
-    max_tokens=c.max_tokens,
-    timeout_s=c.timeout_s,
-    concurrency=c.concurrency,
-    max_retries=c.max_retries,
-  )
-  return SynthConfig(
-    llm=llm,
-    mcp_tool_files=tuple(c.mcp_tool_files),
-    categories=tuple(c.categories),
-    domains_per_category=c.domains_per_category,
-    tools_per_domain=c.tools_per_domain,
-    dedup_threshold=c.dedup_threshold,
-    num_agents=c.num_agents,
-    tools_per_agent=c.tools_per_agent,
-    cross_domain_tools=c.cross_domain_tools,
-    tasks_per_agent=c.tasks_per_agent,
-    max_turns=c.max_turns,
-    p_failure=c.p_failure,
-    p_edge_case=c.p_edge_case,
-    agent_max_tokens=c.agent_max_tokens,
-    judge_min_score=c.judge_min_score,
-    default_persona=c.default_persona,
-    stages=tuple(c.stages),
-    workers=c.workers,
-    seed=c.seed,
-  )
+  """The typed config from configs/synth.py (a ConfigDict or plain dict; `llm_url` resolved by the launcher):
+  `configlib.build` checks it against SynthSpec (errors name the key); every SynthConfig and ChatConfig field
+  takes the knob of the same name."""
+  spec = configlib.build(SynthSpec, c)
+  knobs = dataclasses.asdict(spec)
+  chat = {f.name: knobs[f.name] for f in dataclasses.fields(ChatConfig) if f.name in knobs}
+  llm = ChatConfig(**{**chat, "url": llm_url, "api_key": spec.api_key or None})
+  return SynthConfig(llm=llm, **{f.name: knobs[f.name] for f in dataclasses.fields(SynthConfig) if f.name != "llm"})

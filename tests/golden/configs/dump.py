@@ -37,7 +37,10 @@ def typed(file: str, preset: str):
     from configs import rl
     from k2jax.rl.learner import from_config_dict
 
-    return _plain(from_config_dict(rl.get_config(preset), WORKDIR, STOP_IDS, check_files=False))
+    lc = from_config_dict(rl.get_config(preset), WORKDIR, STOP_IDS, check_files=False)
+    out = _plain(lc)
+    out.pop("spec", None)  # LearnerConfig.spec: the RLConfig tree every other field is derived from
+    return out
   if file == "synth":
     from configs import synth
     from k2jax.synth import from_config_dict
