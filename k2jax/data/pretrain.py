@@ -21,7 +21,7 @@ import numpy as np
 from k2jax.data.corpus import BUNDLED_CORPUS
 from k2jax.data.packing import pack_and_batch
 from k2jax.data.report import Issue
-from k2jax.data.sources import SourceSpec, decode_record, open_source
+from k2jax.data.sources import HoldoutSplit, SourceSpec, decode_record, open_source, training_records
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 
 
@@ -42,6 +42,7 @@ class PretrainDataConfig:
   num_packing_bins: int = 256  # Open best-fit bins; more bins = less padding (98.4% at 1024).
   add_bos: bool = False
   append_eos: bool = True
+  holdout: HoldoutSplit | None = None  # records set aside for evaluation, never read (sources.HoldoutSplit)
 
 
 def make_pretrain_iter(
@@ -60,7 +61,7 @@ def build_pretrain_dataset(cfg: PretrainDataConfig, *, process_index: int, proce
   tok = load_tokenizer(cfg.tokenizer_path)  # Fails now, naming the path, if it is bad.
   parts = []
   for i, spec in enumerate(cfg.sources):
-    ds = open_source(spec)[process_index::process_count]
+    ds = training_records(open_source(spec), cfg.holdout)[process_index::process_count]
     ds = ds.shuffle(seed=cfg.seed + 7919 * i).repeat(cfg.num_epochs)
     parts.append(
       ds.map(TokenizeDocument(cfg.tokenizer_path, spec.text_field, tok.vocab_size, cfg.add_bos, cfg.append_eos))

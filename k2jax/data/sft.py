@@ -26,7 +26,7 @@ from k2jax.data.chat import (
 )
 from k2jax.data.packing import pack_and_batch
 from k2jax.data.report import Issue
-from k2jax.data.sources import SourceSpec, decode_record, open_source
+from k2jax.data.sources import HoldoutSplit, SourceSpec, decode_record, open_source, training_records
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 
 __all__ = [
@@ -57,6 +57,7 @@ class SFTDataConfig:
   read_threads: int = 0
   num_packing_bins: int = 256
   default_system: str | None = None  # K2's template inserts chat.K2_DEFAULT_SYSTEM.
+  holdout: HoldoutSplit | None = None  # records set aside for evaluation, never read (sources.HoldoutSplit)
 
 
 def make_sft_iter(cfg: SFTDataConfig, *, process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
@@ -70,7 +71,7 @@ def build_sft_dataset(cfg: SFTDataConfig, *, process_index: int, process_count: 
   load_tokenizer(cfg.tokenizer_path)  # Fails now, naming the path, if it is bad.
   parts = []
   for i, spec in enumerate(cfg.sources):
-    ds = open_source(spec)[process_index::process_count]
+    ds = training_records(open_source(spec), cfg.holdout)[process_index::process_count]
     ds = ds.shuffle(seed=cfg.seed + 7919 * i).repeat(cfg.num_epochs)
     parts.append(ds.map(RenderConversation(cfg.tokenizer_path, cfg.default_system)))
   ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, [s.weight for s in cfg.sources])

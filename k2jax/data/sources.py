@@ -33,6 +33,106 @@ class SourceSpec:
   text_field: str = "text"
 
 
+@dataclasses.dataclass(frozen=True)
+class HoldoutSplit:
+  """A fraction of every source's records set aside for held-out evaluation, never read by training.
+
+  A record's id is its index in its source (`open_source`: files in sorted order, concatenated; rows in
+  file order). Record i is held out iff `u(i) < fraction`, where `u(i)` in [0, 1) is the splitmix64 hash
+  of `i` and `seed`: a pure function of the id, so every host, process count and resume draws the same
+  split, and no held-out record reaches any process's training stream. Appending files at the end of a
+  source keeps the split of its existing records; inserting or reordering files re-deals it.
+  """
+
+  fraction: float = 0.0
+  seed: int = 0
+
+  def __post_init__(self):
+    if not 0.0 <= self.fraction < 1.0:
+      raise ValueError(f"HoldoutSplit.fraction: {self.fraction} not in [0, 1)")
+
+
+_HASH_CHUNK = 1 << 22  # ids hashed per numpy pass: bounds the split's transient memory (32 MiB)
+
+
+def record_hash(ids: np.ndarray, seed: int) -> np.ndarray:
+  """splitmix64 of `ids` (uint64) salted by `seed`, as floats in [0, 1).
+
+  Hand-written (a dozen numpy ops) because it must be vectorised over billions of ids and stable forever:
+  Python's `hash` is salted per process and hashlib runs one id per call."""
+  with np.errstate(over="ignore"):
+    z = ids.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15) * np.uint64(seed + 1)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+  return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def heldout_ids(n: int, split: HoldoutSplit) -> np.ndarray:
+  """Sorted ids in [0, n) that `split` holds out (int64); memory is that of the held-out ids only."""
+  out = []
+  for lo in range(0, n, _HASH_CHUNK):
+    ids = np.arange(lo, min(n, lo + _HASH_CHUNK), dtype=np.int64)
+    out.append(ids[record_hash(ids, split.seed) < split.fraction])
+  return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def training_records(ds: grain.MapDataset, split: HoldoutSplit | None) -> grain.MapDataset:
+  """`ds` without the records `split` holds out (in their original order); `ds` itself when none are."""
+  if split is None or split.fraction == 0.0:
+    return ds
+  held = heldout_ids(len(ds), split)
+  if len(held) == len(ds):
+    raise ValueError(f"HoldoutSplit(fraction={split.fraction}) holds out all {len(ds)} records: none left to train")
+  return grain.MapDataset.source(_Complement(ds, held))
+
+
+def heldout_records(ds: grain.MapDataset, split: HoldoutSplit) -> tuple[grain.MapDataset, np.ndarray]:
+  """(the held-out records of `ds` ordered by their hash: a fixed shuffle; their ids in that order)."""
+  held = heldout_ids(len(ds), split)
+  if len(held) == 0:
+    raise ValueError(f"HoldoutSplit(fraction={split.fraction}, seed={split.seed}) holds out none of {len(ds)} records")
+  held = held[np.argsort(record_hash(held, split.seed), kind="stable")]
+  return subset(ds, held), held
+
+
+def subset(ds: grain.MapDataset, ids: np.ndarray) -> grain.MapDataset:
+  """Records `ids` of `ds`, in that order."""
+  return grain.MapDataset.source(_Subset(ds, ids))
+
+
+class _Subset:
+  """Records `ids` of `ds`, by position."""
+
+  def __init__(self, ds, ids: np.ndarray):
+    self.ds, self.ids = ds, ids
+
+  def __len__(self) -> int:
+    return len(self.ids)
+
+  def __getitem__(self, k: int):
+    return self.ds[int(self.ids[k])]
+
+
+class _Complement:
+  """Records of `ds` not in the sorted `held` ids, in order. Record k is id k + (held ids at or before it):
+  with d[j] = held[j] - j (training records before held[j]), that count is searchsorted(d, k, 'right')."""
+
+  def __init__(self, ds, held: np.ndarray):
+    self.ds = ds
+    self.n = len(ds) - len(held)
+    self.d = held - np.arange(len(held), dtype=np.int64)
+
+  def __len__(self) -> int:
+    return self.n
+
+  def __getitem__(self, k: int):
+    k = int(k)
+    if not 0 <= k < self.n:
+      raise IndexError(f"record {k} of {self.n}")
+    return self.ds[k + int(np.searchsorted(self.d, k, side="right"))]
+
+
 def open_source(spec: SourceSpec) -> grain.MapDataset:
   """MapDataset of raw records (bytes or dict) over all files of `spec`; fails early on bad paths."""
   paths = sorted(glob.glob(spec.path)) if glob.has_magic(spec.path) else [spec.path]

@@ -164,6 +164,41 @@ class LogSpec:
   spike_window: int = knob(50, "steps in the running mean", **_POSITIVE)
 
 
+_NONNEG = {"check": lambda v: v >= 0, "rule": "must be >= 0"}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+  """`eval.*`: held-out loss, perplexity and bits-per-byte (k2jax.train.heldout); off unless `path` or
+  `fraction` names a held-out set. Record i of a training source is held out iff the splitmix64 hash of
+  (i, seed) is below `fraction` (k2jax.data.sources.HoldoutSplit): the same split on every host, process
+  count and resume, and training never reads those records."""
+
+  path: str = knob("", "held-out files, '[name=]file_or_glob,...' (all their records); '' = none")
+  fraction: float = knob(
+    0.0,
+    "fraction of data.path held out by record-id hash, never trained on (0 = none)",
+    check=lambda v: 0 <= v < 1,
+    rule="must be in [0, 1)",
+  )
+  seed: int = knob(0, "salt of the held-out split's record-id hash")
+  every_steps: int = knob(0, "evaluate every N steps (0 = only at the end of training)", **_NONNEG)
+  steps: int = knob(0, "batches per held-out source per evaluation (0 = all of it)", **_NONNEG)
+  batch_size: int = knob(0, "global rows per eval batch (0 = a training microbatch)", **_NONNEG)
+  at_start: bool = knob(False, "also evaluate the starting weights (step 0, or the step resumed from)")
+
+  @property
+  def enabled(self) -> bool:
+    return bool(self.path) or self.fraction > 0
+
+  def validate(self):
+    configlib.need(
+      not (self.path and self.fraction > 0),
+      "fraction",
+      f"{self.fraction} with eval.path={self.path!r}: hold out a fraction of data.path or name held-out files, not both",
+    )
+
+
 def model_config(m: ModelSpec) -> K2Config:
   """`model.preset` plus the non-None `model.*` fields -> frozen K2Config."""
   overrides = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "preset"}
@@ -196,6 +231,7 @@ class TrainConfig:
   mesh: MeshSpec = section(MeshSpec, "device mesh; -1 = all remaining devices")
   checkpoint: CheckpointSpec = section(CheckpointSpec, "orbax checkpoints and init_from")
   log: LogSpec = section(LogSpec, "metrics, progress and spike logging")
+  eval: EvalSpec = section(EvalSpec, "held-out loss / perplexity / bits-per-byte (off unless path or fraction)")
 
   def validate(self):
     configlib.need(
@@ -238,6 +274,13 @@ def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[s
   if tc.data.path:
     found = glob.glob(tc.data.path) if glob.has_magic(tc.data.path) else [tc.data.path]
     _need(bool(found) and all(os.path.isfile(p) for p in found), "data.path", f"no data file at {tc.data.path!r}")
+  if tc.eval.enabled:
+    rows = eval_rows(tc)
+    mesh_shape(tc.mesh, tc.model, n_devices, rows=rows, what=f"eval.batch_size ({rows} rows per eval batch)")
+    for entry in filter(None, (e.strip() for e in tc.eval.path.split(","))):
+      path = entry.partition("=")[2].strip() if "=" in entry else entry
+      found = glob.glob(path) if glob.has_magic(path) else [path]
+      _need(bool(found) and all(os.path.isfile(p) for p in found), "eval.path", f"no held-out file at {path!r}")
   if tc.data.tokenizer_path:
     tok = tc.data.tokenizer_path  # a rank file, or a Kimi-K2 HF directory holding tiktoken.model
     ok = os.path.isfile(tok) or os.path.isfile(os.path.join(tok, "tiktoken.model"))
@@ -247,6 +290,11 @@ def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[s
       os.path.isdir(tc.checkpoint.init_from), "checkpoint.init_from", f"no directory at {tc.checkpoint.init_from!r}"
     )
   return shape
+
+
+def eval_rows(tc: TrainConfig) -> int:
+  """Global rows of an eval batch: `eval.batch_size`, else one training microbatch."""
+  return tc.eval.batch_size or tc.data.global_batch_size // tc.data.num_microbatches
 
 
 def mesh_shape(spec: MeshSpec, model: K2Config, n_devices: int, *, rows: int, what: str) -> dict[str, int]:

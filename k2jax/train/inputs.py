@@ -16,14 +16,16 @@ from jax.sharding import NamedSharding
 from k2jax import distributed
 from k2jax.data import PretrainDataConfig, SFTDataConfig, SourceSpec, make_pretrain_iter, make_sft_iter
 from k2jax.data.corpus import BUNDLED_CORPUS
+from k2jax.data.sources import HoldoutSplit
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 from k2jax.model.config import ConfigError
 from k2jax.train.config import DataSpec
 from k2jax.train.step import BATCH_KEYS
 
 
-def make_iterator(spec: DataSpec, vocab_size: int, *, seed_offset: int = 0):
-  """This process's batch iterator (grain; supports get_state / set_state)."""
+def make_iterator(spec: DataSpec, vocab_size: int, *, seed_offset: int = 0, holdout: HoldoutSplit | None = None):
+  """This process's batch iterator (grain; supports get_state / set_state). `holdout`: records set aside for
+  held-out evaluation (`eval.fraction`), which this iterator never yields."""
   tok_path = spec.tokenizer_path or BUNDLED_TOKENIZER
   tok_vocab = load_tokenizer(tok_path).vocab_size
   if tok_vocab > vocab_size:
@@ -38,6 +40,7 @@ def make_iterator(spec: DataSpec, vocab_size: int, *, seed_offset: int = 0):
     tokenizer_path=tok_path,
     num_workers=spec.num_workers,
     read_threads=spec.read_threads,
+    holdout=holdout,
   )
   if spec.kind == "pretrain":
     sources = (SourceSpec(spec.path or BUNDLED_CORPUS),)

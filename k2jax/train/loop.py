@@ -23,9 +23,11 @@ import optax
 from ml_collections import config_dict
 
 from k2jax.optim import QKClipSpec, muonclip, wsd_schedule
-from k2jax.train import core, inputs
+from k2jax.data.corpus import BUNDLED_CORPUS
+from k2jax.data.tokenizer import BUNDLED_TOKENIZER
+from k2jax.train import core, heldout, inputs
 from k2jax.train.checkpoint import Checkpointer
-from k2jax.train.config import TrainConfig, check_runtime, from_config_dict
+from k2jax.train.config import TrainConfig, check_runtime, eval_rows, from_config_dict
 from k2jax.train.counting import flops_per_token
 from k2jax.train.init_from import model_config_for_run
 from k2jax.train.metrics import MetricsLogger, SpikeDetector, measure_peak_flops, say, to_record
@@ -41,7 +43,8 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
   peak = _peak(tc)  # Before the mesh is active: measured on one device.
   # Optimizer and data.
   optimizer, schedule = make_optimizer(tc)
-  it = inputs.make_iterator(tc.data, tc.model.vocab_size)
+  holdout = heldout.holdout_split(tc.eval) if tc.eval.enabled else None
+  it = inputs.make_iterator(tc.data, tc.model.vocab_size, holdout=holdout)
   # The training core: mesh, sharded state, restore (or initialise).
   c = core.build(
     tc.model,
@@ -61,10 +64,25 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
   if c.restored_step is not None:
     say(f"resumed from {c.ckpt.directory}/{c.restored_step}")
     if not c.data_restored:
-      it = inputs.make_iterator(tc.data, tc.model.vocab_size, seed_offset=int(c.state.step))
+      it = inputs.make_iterator(tc.data, tc.model.vocab_size, seed_offset=int(c.state.step), holdout=holdout)
   # Step and loop.
   step_fn = c.jit(make_step(tc, c.mdef, optimizer, schedule))
-  return _Loop(tc, workdir, step_fn, c.ckpt, c.batch_sharding, c.meta, peak).run(c.state, it)
+  evaluator = make_evaluator(tc, c) if tc.eval.enabled else None
+  return _Loop(tc, workdir, step_fn, c.ckpt, c.batch_sharding, c.meta, peak, evaluator).run(c.state, it)
+
+
+def make_evaluator(tc: TrainConfig, layout: core.Layout) -> heldout.Evaluator:
+  """The held-out evaluator of `eval.*` on the training mesh (`eval.path`'s files or `eval.fraction` of
+  `data.path`), with training's tokenizer, sequence length and data kind."""
+  return heldout.Evaluator(
+    heldout.sources_for(tc.eval, tc.data.path or BUNDLED_CORPUS),
+    layout,
+    kind=tc.data.kind,
+    seq_len=tc.data.seq_len,
+    rows=eval_rows(tc),
+    tokenizer_path=tc.data.tokenizer_path or BUNDLED_TOKENIZER,
+    max_batches=tc.eval.steps,
+  )
 
 
 def make_optimizer(tc: TrainConfig) -> tuple[optax.GradientTransformationExtraArgs, optax.Schedule]:
@@ -133,6 +151,7 @@ class _Loop:
     batch_sharding,
     meta: dict,
     peak: tuple[float, str],
+    evaluator: heldout.Evaluator | None = None,
   ):
     self.tc, self.workdir, self.step_fn, self.ckpt = tc, workdir, step_fn, ckpt
     self.batch_sharding = batch_sharding
@@ -143,6 +162,7 @@ class _Loop:
     self._sigterm = threading.Event()
     self.last: dict = {}
     self.peak, self.peak_source = peak
+    self.evaluator = evaluator
 
   def run(self, state: TrainState, it) -> dict:
     tc = self.tc
@@ -163,6 +183,8 @@ class _Loop:
     self._t, self._t_step = 0.0, None
     step, pending, saved = start, None, start
     try:
+      if self.evaluator is not None and tc.eval.at_start:
+        self._evaluate(step, state)
       while step < tc.steps:
         if self._sigterm.is_set() or self.ckpt.reached_preemption(step):
           logging.warning("stop requested at step %d: saving a checkpoint and exiting", step)
@@ -174,12 +196,18 @@ class _Loop:
         if pending is not None:
           self._handle(*pending)
         pending = (step, metrics, inputs.fingerprint(host), data_state)
-        if step % tc.checkpoint.every_steps == 0:
-          # Read this step's metrics first: the saved spike history then ends exactly at `step`.
+        evaluate = self._eval_due(step)
+        if step % tc.checkpoint.every_steps == 0 or evaluate:
+          # Read this step's metrics first: the saved spike history then ends exactly at `step`, and the
+          # eval line follows its step's training line. The eval comes before the save: a run killed after
+          # the save resumes past this step and keeps its eval line (metrics.jsonl keeps lines <= step).
           self._handle(*pending)
           pending = None
-          self._save(step, state, it)
-          saved = step
+          if evaluate:
+            self._evaluate(step, state)
+          if step % tc.checkpoint.every_steps == 0:
+            self._save(step, state, it)
+            saved = step
       if pending is not None:
         self._handle(*pending)
       if saved != step:
@@ -190,6 +218,19 @@ class _Loop:
       if previous_handler is not None:
         signal.signal(signal.SIGTERM, previous_handler)
     return dict(self.last, step=step)
+
+  def _eval_due(self, step: int) -> bool:
+    if self.evaluator is None:
+      return False
+    every = self.tc.eval.every_steps
+    return step == self.tc.steps or (every > 0 and step % every == 0)
+
+  def _evaluate(self, step: int, state: TrainState) -> None:
+    t = time.perf_counter()
+    record = self.evaluator.evaluate(state.params, state.bias)
+    seconds = time.perf_counter() - t
+    self.log.write_eval({"step": step, **record, "eval/seconds": seconds})
+    self._t += seconds  # Eval time is not training time: tokens/s and MFU leave it out.
 
   def _save(self, step: int, state: TrainState, it) -> None:
     meta = {"spike_history": self.spikes.state(), "process_count": jax.process_count()}

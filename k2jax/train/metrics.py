@@ -125,6 +125,28 @@ class MetricsLogger:
     else:
       say(f"step {step}/{self._total} {info}")
 
+  def write_eval(self, record: dict) -> None:
+    """One held-out evaluation (`k2jax.train.heldout`: `step` and `eval/...` keys) as its own metrics line,
+    TensorBoard scalars and a console line."""
+    if not self.enabled:
+      return
+    self._file.write(json.dumps(record, sort_keys=True) + "\n")
+    self._file.flush()
+    step = record["step"]
+    if self._tb is not None:
+      for k, v in record.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+          self._tb.add_scalar(k, v, step)
+      self._tb.flush()
+    per_source = sorted({k.split("/")[1] for k in record if k.count("/") == 2})
+    line = f"eval step {step}/{self._total} " + _eval_summary(record, "eval")
+    if len(per_source) > 1:
+      line += "; " + ", ".join(f"{s}: " + _eval_summary(record, f"eval/{s}") for s in per_source)
+    if self._progress is not None:
+      self._progress.console.print(line)
+    else:
+      say(line)
+
   def advance(self, step: int) -> None:
     if self._progress is not None:
       self._progress.update(self._task, completed=step)
@@ -137,6 +159,13 @@ class MetricsLogger:
     if self._tb is not None:
       self._tb.close()
     self._file.close()
+
+
+def _eval_summary(record: dict, prefix: str) -> str:
+  return (
+    f"loss {record[prefix + '/loss']:.4f} ppl {record[prefix + '/perplexity']:.2f} "
+    f"bpb {record[prefix + '/bpb']:.4f} ({record[prefix + '/tokens']} tokens)"
+  )
 
 
 class MetricsFileError(ValueError):
