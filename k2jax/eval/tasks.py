@@ -14,7 +14,9 @@ reads, and for multiple choice the continuations scored by log-likelihood.
   mc          question, choices, answer (index or    "Question: {question}\\nAnswer:" + " {choice}": acc and
               letter A, B, ...)                      acc_norm by log-likelihood
   answer.KIND prompt, plus what reward KIND reads:   the prompt as is; graded by the RL reward of that kind
-              exact|math: answer; code: tests;       (k2jax.rl.rewards.contract)
+              exact|math: answer; code: tests (a     (k2jax.rl.rewards.contract)
+              list of asserts, or an object: a row in
+              one of k2jax.sandbox.verify's formats);
               instruction: constraints
 
 A record that lacks a field, or has one of the wrong type, is a `TaskFormatError` naming file and line.
@@ -31,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from k2jax.rl.rewards.math import extract_boxed
+from k2jax.sandbox.verify import parse_row
 
 REWARD_FIELDS = {"exact": "answer", "math": "answer", "code": "tests", "instruction": "constraints"}
 GENERIC_FORMATS = tuple(f"answer.{kind}" for kind in REWARD_FIELDS)
@@ -190,7 +193,12 @@ def _generic(kind: str) -> Callable[[Mapping[str, Any], int], Doc]:
   def parse(r: Mapping[str, Any], i: int) -> Doc:
     prompt = _str(r, "prompt")
     value = r[field]
-    if kind == "code":
+    if kind == "code" and isinstance(value, dict):  # a dataset row in one of k2jax.sandbox.verify's formats
+      try:
+        parse_row(value)
+      except ValueError as e:
+        raise ValueError(f"'tests': {e}") from None
+    elif kind == "code":
       _str_list(r, "tests")
     elif kind == "instruction" and not (isinstance(value, list) and all(isinstance(c, dict) for c in value)):
       raise TypeError("'constraints' must be a list of objects")

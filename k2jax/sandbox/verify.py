@@ -62,7 +62,7 @@ import pickle
 import shutil
 import tempfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from k2jax.sandbox import _wire
@@ -403,10 +403,22 @@ def verify(code: str, row: Mapping[str, Any] | Problem, config: CodeRewardConfig
     reward = 1.0 if passed == total else 0.0
   else:
     reward = passed / total
-  reason = f"{passed}/{total} cases passed" + (f"; case {failures[0][0]}: {failures[0][1]}" if failures else "")
+  reason = f"{passed}/{total} tests passed" + (f"; test {failures[0][0]}: {failures[0][1]}" if failures else "")
   return Graded(
     reward, reason, {**info, "format": problem.source, "passed": passed, "total": total, "outcomes": outcomes}
   )
+
+
+def verify_batch(
+  jobs: Sequence[tuple[str, Mapping[str, Any] | Problem]],
+  config: CodeRewardConfig = CodeRewardConfig(),
+  max_workers: int = 4,
+) -> list[Graded]:
+  """`verify` over (code, row) pairs, `max_workers` at once (each is one or two sandbox launches), in order.
+  Every row is parsed first, so a malformed one raises before any program runs."""
+  parsed = [(code, row if isinstance(row, Problem) else parse_row(row)) for code, row in jobs]
+  with concurrent.futures.ThreadPoolExecutor(max(1, max_workers)) as pool:
+    return list(pool.map(lambda job: verify(job[0], job[1], config), parsed))
 
 
 class _Infra(Exception):
@@ -658,4 +670,4 @@ def is_infra_error(graded: Graded) -> bool:
   return bool(graded.info.get("infra_error"))
 
 
-__all__ = ["Problem", "compare_output", "is_infra_error", "parse_row", "values_equal", "verify"]
+__all__ = ["Problem", "compare_output", "is_infra_error", "parse_row", "values_equal", "verify", "verify_batch"]

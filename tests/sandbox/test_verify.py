@@ -428,3 +428,35 @@ def test_python_O_strips_no_check():
       check=True,
     )
     assert json.loads(out.stdout) == [1.0, 0.0], out
+
+
+@needs_isolation
+def test_eval_grading_uses_the_verifier_exit_status_decides_nothing():
+  from k2jax.eval.grading import grade
+  from k2jax.eval.tasks import Doc
+
+  he = Doc("T/0", HUMANEVAL_ROW["prompt"], "", {k: HUMANEVAL_ROW[k] for k in ("prompt", "test", "entry_point")})
+  assert grade("humaneval", "he", he, FIND_ZERO.split("\n", 2)[2], "stop", CFG).score == 1.0  # the body only
+  for hack in ("    import os; os._exit(0)\n", "    import sys; sys.exit(0)\n"):
+    v = grade("humaneval", "he", he, hack, "stop", CFG)
+    assert v.score == 0.0, v
+  mbpp = Doc("900", "", "", {"tests": MBPP_ROW["test_list"], "setup": MBPP_ROW["test_setup_code"]})
+  assert grade("mbpp", "m", mbpp, f"```python\n{MBPP_SOLUTION}```", "stop", CFG).score == 1.0
+  assert grade("mbpp", "m", mbpp, "import os\nos._exit(0)\n", "stop", CFG).score == 0.0
+  generic = Doc("g", "", "", {"tests": APPS_STDIN})
+  assert grade("answer.code", "c", generic, f"```python\n{ADD_STDIN}```", "stop", CFG).score == 1.0
+
+
+@needs_isolation
+def test_code_reward_takes_dataset_rows_and_keeps_assert_lists():
+  from k2jax.rl.rewards.base import Completion, Prompt
+  from k2jax.rl.rewards.code import code_reward
+
+  def reward(tests, text):
+    return code_reward(Prompt("p", "code", (), data={"tests": tests}), Completion((), text, "stop", False), CFG)
+
+  assert reward(LCB_FUNCTIONAL, f"```python\n{TWO_SUM_SOLUTION}```").reward == 1.0
+  assert reward(LCB_FUNCTIONAL, f"```python\n{TWO_SUM_WRONG}```").reward == 0.5
+  assert reward(["assert add(1, 2) == 3"], "def add(a, b):\n    return a + b\n").reward == 1.0
+  with pytest.raises(ValueError, match="data\\['tests'\\].*input_output"):
+    reward({"input_output": "{"}, "print(1)")
