@@ -1,0 +1,241 @@
+"""Held-out loss (`eval.*`, k2jax.train.heldout): equals a numpy computation over a plain forward's logits,
+bits-per-byte by hand, one compilation, a split training never reads, and identical numbers after a SIGKILL +
+resume and on 1 vs 2 processes."""
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from k2jax import sharding
+from k2jax.data import PretrainDataConfig, SourceSpec, make_pretrain_iter
+from k2jax.data import heldout as data_heldout
+from k2jax.data.sources import HoldoutSplit, heldout_ids
+from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
+from k2jax.train import core, heldout, inputs, loop
+from k2jax.train.config import from_config_dict
+from tests.train import _util
+from tests.train.test_multihost import FAKE_SCONTROL, FAKE_SRUN, _tool
+
+SEQ, ROWS = 64, 8
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+
+
+def _texts(n: int, seed: int) -> list[str]:
+  """Short ASCII documents (under SEQ tokens: each is one packed segment, its first token never a target)."""
+  rng = np.random.default_rng(seed)
+  return [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 12)))) + f" {i}." for i in range(n)]
+
+
+def _write(path, texts):
+  with open(path, "w") as f:
+    for t in texts:
+      f.write(json.dumps({"text": t}) + "\n")
+  return str(path)
+
+
+def _core(tmp_path, **overrides):
+  tc = from_config_dict(_util.tiny_config(**{"data.seq_len": SEQ, "data.global_batch_size": ROWS, **overrides}))
+  optimizer, _ = loop.make_optimizer(tc)
+  c = core.build(
+    tc.model,
+    optimizer,
+    mesh_shape=sharding.resolve_mesh_shape({"data": 1, "fsdp": -1, "expert": 1, "tensor": 1}, jax.device_count()),
+    preset="fsdp",
+    seed=3,
+    init_from="",
+    read_budget_bytes=1 << 30,
+    workdir=str(tmp_path / "w"),
+    keep=1,
+    async_save=False,
+    on_unreadable="error",
+  )
+  return tc, c
+
+
+def test_loss_equals_numpy_over_plain_forward_and_bpb_by_hand(tmp_path):
+  a = _write(tmp_path / "a.jsonl", _texts(40, 0))
+  b = _write(tmp_path / "b.jsonl", _texts(9, 1))
+  tc, c = _core(tmp_path, **{"eval.path": f"first={a},{b}"})
+  ev = loop.make_evaluator(tc, c)
+  assert [s.name for s in ev.sources] == ["first", "b"]
+
+  # One batch: the eval step's per-token cross entropy == numpy's over the logits of a plain (unsharded,
+  # unjitted) forward of the same weights.
+  batch = next(iter(ev.batches(ev.sources[0])))
+  got_BT = ev.ce(c.state.params, c.state.bias, batch)
+  model = c.mdef.bind(jax.device_get(c.state.params), jax.device_get(c.state.bias))
+  logits = np.asarray(model(batch["input_ids"], batch["segment_ids"], batch["positions"]).logits, np.float64)
+  m = logits.max(-1, keepdims=True)
+  lse_BT = (m[..., 0] + np.log(np.exp(logits - m).sum(-1))).astype(np.float64)
+  ce_BT = lse_BT - np.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+  want_BT = ce_BT * batch["loss_mask"]
+  assert batch["loss_mask"].sum() > 100
+  np.testing.assert_allclose(got_BT, want_BT, rtol=2e-5, atol=2e-5)
+
+  # All batches of both sources: token-weighted loss, perplexity, bpb by hand.
+  rec = ev.evaluate(c.state.params, c.state.bias)
+  tok = load_tokenizer(BUNDLED_TOKENIZER)
+  overall_loss, overall_tokens, overall_bytes = 0.0, 0, 0
+  for src, texts in ((ev.sources[0], _texts(40, 0)), (ev.sources[1], _texts(9, 1))):
+    loss_sum, tokens = 0.0, 0
+    for bt in ev.batches(src):
+      ce = ev.ce(c.state.params, c.state.bias, bt)
+      loss_sum += float(np.sum(ce, dtype=np.float64))
+      tokens += int(bt["loss_mask"].sum())
+    # Every document's tokens + EOS, minus the first (never a target); the EOS has no bytes.
+    assert tokens == sum(len(tok.encode(t)) for t in texts)
+    n_bytes = sum(len(t.encode()) - len(tok.decode(tok.encode(t)[:1]).encode()) for t in texts)
+    p = f"eval/{src.name}"
+    assert rec[f"{p}/tokens"] == tokens and rec[f"{p}/bytes"] == n_bytes
+    assert rec[f"{p}/loss"] == pytest.approx(loss_sum / tokens, rel=1e-12)
+    assert rec[f"{p}/perplexity"] == pytest.approx(math.exp(loss_sum / tokens), rel=1e-12)
+    assert rec[f"{p}/bpb"] == pytest.approx(loss_sum / tokens * tokens / (n_bytes * math.log(2)), rel=1e-12)
+    overall_loss, overall_tokens, overall_bytes = (
+      overall_loss + loss_sum,
+      overall_tokens + tokens,
+      overall_bytes + n_bytes,
+    )
+  assert rec["eval/loss"] == pytest.approx(overall_loss / overall_tokens, rel=1e-12)
+  assert rec["eval/bpb"] == pytest.approx(overall_loss / (overall_bytes * math.log(2)), rel=1e-12)
+  assert 0 < rec["eval/bpb"] < rec["eval/loss"]  # ~4 bytes per token here
+  assert rec["eval/b/batches"] == 1 and rec["eval/first/batches"] >= 2  # the last one padded
+  assert ev.fn._cache_size() == 1  # one compilation for every batch, padded or not
+
+  # eval.steps bounds the batches per source; the same weights give the same numbers twice.
+  ev2 = loop.make_evaluator(
+    from_config_dict(
+      _util.tiny_config(**{"data.seq_len": SEQ, "data.global_batch_size": ROWS, "eval.path": a, "eval.steps": 1})
+    ),
+    c,
+  )
+  r2 = ev2.evaluate(c.state.params, c.state.bias)
+  assert r2["eval/batches"] == 1 and r2["eval/tokens"] == int(batch["loss_mask"].sum())
+  assert r2["eval/loss"] == ev2.evaluate(c.state.params, c.state.bias)["eval/loss"]
+
+
+def _ids_of(batches) -> set[int]:
+  return {int(t) for b in batches for t in b["input_ids"][b["segment_ids"] > 0].ravel()}
+
+
+def test_no_heldout_record_reaches_training(tmp_path):
+  n, base = 300, 100  # record i is `input_ids = [base + i] * 3` (+ EOS): its id is its tokens
+  path = tmp_path / "ids.jsonl"
+  with open(path, "w") as f:
+    for i in range(n):
+      f.write(json.dumps({"input_ids": [base + i] * 3}) + "\n")
+  tc = from_config_dict(_util.tiny_config(**{"data.path": str(path), "eval.fraction": 0.1, "eval.seed": 5}))
+  split = heldout.holdout_split(tc.eval)
+  held = {base + i for i in heldout_ids(n, split)}
+  assert 15 < len(held) < 45
+  eos = load_tokenizer(BUNDLED_TOKENIZER).eos_id
+
+  # The held-out batches hold exactly the held-out records.
+  (src,) = heldout.sources_for(tc.eval, tc.data.path)
+  assert (
+    _ids_of(data_heldout.batches(src, kind="pretrain", seq_len=64, rows=4, tokenizer_path=BUNDLED_TOKENIZER)) - {eos}
+    == held
+  )
+
+  # The training iterator of the run (inputs.make_iterator with the split), over ~8 epochs (packing bins hold
+  # records back): every
+  # training record, and no held-out one.
+  it = inputs.make_iterator(tc.data, tc.model.vocab_size, holdout=split)
+  seen = _ids_of(next(it) for _ in range(8 * n * 4 // (tc.data.global_batch_size * tc.data.seq_len))) - {eos}
+  assert not seen & held
+  assert seen == set(range(base, base + n)) - held
+  # One epoch on 2 processes: disjoint per process, together all training records, none held out.
+  cfg = PretrainDataConfig(sources=(SourceSpec(str(path)),), seq_len=64, batch_size=4, num_epochs=1, holdout=split)
+  per = [_ids_of(make_pretrain_iter(cfg, process_index=p, process_count=2)) - {eos} for p in range(2)]
+  assert not per[0] & per[1] and per[0] | per[1] == set(range(base, base + n)) - held
+  # The split is a pure function of (record id, seed): pinned, so no version quietly re-deals it.
+  assert heldout_ids(1000, HoldoutSplit(0.01, 0)).tolist() == PINNED_SPLIT
+
+
+PINNED_SPLIT = [196, 295, 472, 558, 663, 689, 710, 963, 975, 976, 992]
+
+
+EVAL_KEYS = lambda r: {k: v for k, v in r.items() if k.startswith("eval/") and k != "eval/seconds"}  # noqa: E731
+
+
+def _evals(workdir):
+  return [r for r in _util.metrics(workdir) if "eval/loss" in r]
+
+
+@pytest.mark.slow
+def test_eval_identical_after_sigkill_and_resume(tmp_path):
+  cache = str(tmp_path / "jax_cache")
+  args = _util.flags(
+    **{"steps": 4, "checkpoint.every_steps": 2, "log.every_steps": 1, "eval.fraction": 0.05, "eval.every_steps": 2}
+  ) + ["--config.eval.steps=2"]
+  straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+  _util.run_train(straight, *args, cache_dir=cache)
+  env = _util.env(cache_dir=cache)
+  env["K2JAX_KILL_AFTER_STEP"] = "2"
+  p = subprocess.run(
+    _util.train_cmd(killed, *args, script="tests/train/kill_after_save.py"),
+    cwd=_util.ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+  assert [r["step"] for r in _evals(killed)] == [2]
+  _util.run_train(killed, *args, cache_dir=cache)
+  a, b = _evals(straight), _evals(killed)
+  assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4]
+  assert [EVAL_KEYS(r) for r in a] == [EVAL_KEYS(r) for r in b]
+  assert a[1]["eval/loss"] < a[0]["eval/loss"] and a[0]["eval/batches"] == 2
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_eval_identical_on_one_and_two_processes(tmp_path):
+  """Two processes (4 devices each) train and evaluate at the end; one process (8 devices, the same mesh)
+  evaluates their final checkpoint at start: the same numbers."""
+  bin_dir, workdir = str(tmp_path / "bin"), str(tmp_path / "w")
+  os.makedirs(bin_dir)
+  _tool(bin_dir, "srun", FAKE_SRUN)
+  _tool(bin_dir, "scontrol", FAKE_SCONTROL)
+  env = _util.env(devices=4)
+  env.update(
+    PATH=bin_dir + os.pathsep + env["PATH"],
+    SLURM_NTASKS="2",
+    SLURM_JOB_NODELIST="n[1-2]",
+    CONFIG=os.path.join(_util.ROOT, "configs/k2.py:tiny"),
+    WORKDIR=workdir,
+    REPO=_util.ROOT,
+    PORT=str(_free_port()),
+    PYTHON=sys.executable,
+  )
+  args = _util.flags(**{"steps": 2, "checkpoint.every_steps": 2, "log.every_steps": 1, "eval.fraction": 0.05})
+  args.append("--config.eval.steps=3")
+  p = subprocess.run(
+    ["bash", os.path.join(_util.ROOT, "launch/slurm_gpu.sh"), *args],
+    cwd=_util.ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+  (two,) = _evals(workdir)
+  assert two["step"] == 2
+  _util.run_train(workdir, *args, "--config.eval.at_start=True")
+  one = _evals(workdir)[-1]
+  assert one["step"] == 2
+  assert EVAL_KEYS(one) == EVAL_KEYS(two)
+  assert two["eval/batches"] == 3 and two["eval/tokens"] > 1000
