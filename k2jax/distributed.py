@@ -105,6 +105,26 @@ def barrier(what: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
     ) from e
 
 
+def shutdown(what: str = "exit") -> None:
+  """Leave the multi-process runtime together: wait at `barrier` (an hour), then `jax.distributed.shutdown`.
+
+  jax shuts the runtime down at interpreter exit with a barrier of its own that waits
+  `shutdown_timeout_seconds` (300 s) for every process; a process that gets there that much before another
+  (process 0 writing the last metrics and checkpoint on a loaded host, a peer still compiling) fails it,
+  and then every process aborts (SIGABRT, "Shutdown barrier in coordination service has failed:
+  DEADLINE_EXCEEDED"; tests/test_distributed.py reproduces it). Waiting here first absorbs that drift
+  under `BARRIER_TIMEOUT_S`, so the processes reach jax's barrier together. Call it on the success path
+  only: after an error the peers are not coming, and jax's own exit handling applies. No-op single-process.
+  """
+  from jax._src import distributed as jax_distributed
+
+  if jax_distributed.global_state.client is None:
+    return
+  if jax.process_count() > 1:
+    barrier(f"shutdown {what}")
+  jax.distributed.shutdown()
+
+
 class compiled_together:
   """`jitted` (a `jax.jit` function, or anything with its `lower`) that, with several processes, compiles
   each new argument signature and waits at `barrier` before running it, so every process enters the

@@ -73,6 +73,7 @@ def main(argv):
   final = learner.run(_CONFIG.value, _WORKDIR.value)
   if final:
     print(json.dumps({k: final[k] for k in ("step", "reward_mean", "eval_accuracy") if k in final}))
+  distributed.shutdown("rl")  # the processes leave together (jax's own exit barrier gives up after 300 s)
 
 
 if __name__ == "__main__":

@@ -178,6 +178,7 @@ def main(argv):
     if jax.process_index() > 0:
       print(f"process {jax.process_index()} follows process 0's engine", flush=True)
       follower.follow(_MODEL.value, config)
+      distributed.shutdown("serve")
       return
   server = Server(
     _MODEL.value,
@@ -214,6 +215,8 @@ def main(argv):
     server.serve_forever()
   finally:
     server.close()
+  if multi:
+    distributed.shutdown("serve")  # after CLOSE reached the followers: the processes leave together
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; the loop prints status
   final = loop.run(FLAGS.config, FLAGS.workdir)
   print(" ".join(f"{k}={final[k]}" for k in ("step", "loss") if k in final))
+  distributed.shutdown("train")  # the processes leave together (jax's own exit barrier gives up after 300 s)
 
 
 if __name__ == "__main__":
