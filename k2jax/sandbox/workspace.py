@@ -80,12 +80,18 @@ def run_command(
 
 
 def run_entry(
-  files: Mapping[str, str], entry: str, workspace: str, config: WorkspaceRunConfig = WorkspaceRunConfig()
+  files: Mapping[str, str],
+  entry: str,
+  workspace: str,
+  config: WorkspaceRunConfig = WorkspaceRunConfig(),
+  stdin: str = "",
 ) -> SandboxResult:
-  """`runner.run_python(files, entry)` with the workspace at /testbed and `config.python_paths` mounted.
+  """`runner.run_python(files, entry, stdin=stdin)` with the workspace at /testbed and `config.python_paths`
+  mounted.
 
   The entry starts as `python -I -S` (no site, PYTHONPATH ignored); `K2JAX_PYTHONPATH`, `K2JAX_ENV`
-  (JSON) and `K2JAX_TESTBED` tell it what to set up for what it runs."""
+  (JSON) and `K2JAX_TESTBED` tell it what to set up for what it runs. `stdin` is for what the entry must
+  know but its files and environment must not show (a test harness's nonce)."""
   if not os.path.isdir(workspace):
     raise FileNotFoundError(f"run_entry: workspace {workspace!r} is not a directory")
   paths = tuple(os.path.realpath(p) for p in config.python_paths)
@@ -107,7 +113,7 @@ def run_entry(
     binds=((workspace, WORKSPACE_MOUNT, False), *((p, p, True) for p in paths)),
   )
   header = f"import os\nos.environ.update({env!r})\n"  # runner.py gives the entry a fixed environment
-  return run_python({**files, entry: header + files[entry]}, entry, sb)
+  return run_python({**files, entry: header + files[entry]}, entry, sb, stdin)
 
 
 def default_python_paths() -> tuple[str, ...]:

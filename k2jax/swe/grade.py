@@ -6,13 +6,19 @@ For one (instance, patch):
 1. check the pristine snapshot still hashes to `base_commit` (else: infrastructure failure, masked);
 2. copy it to a new temp dir (no .git anywhere: there is no history to read the fix from) and apply the
    patch with `git apply`, then `patch` (SWE-bench's order); a patch that does not apply is unresolved;
+   the static hack check (`hackcheck.py`) reads the patch's added non-test lines: introspection of the
+   interpreter or the test machinery (frames, gc, sys.modules, __main__, pytest/pluggy internals, ctypes,
+   tracing hooks, os._exit, always-equal objects) is unresolved, the findings in `hack_check`;
 3. restore every test file, conftest file and test configuration (pytest.ini, tox.ini, setup.cfg,
    pyproject.toml, *.pth, sitecustomize) from the pristine copy, deleting any the patch added, then apply
    the instance's `test_patch` (hidden tests of version-diff tasks): edited, deleted, skipped or forged
    tests are gone before anything runs;
-4. run FAIL_TO_PASS + PASS_TO_PASS in the sandbox (no network, rlimits, a deadline) with outcomes read
-   from the nonce-tagged report pipe (`testrun.py`: not a file the patch can plant, not a log it can
-   print into), and require pytest's exit status to be the process's and 0;
+4. delete compiled caches (a planted `__pycache__` is not the source), hash the test files, run
+   FAIL_TO_PASS + PASS_TO_PASS in the sandbox (no network, rlimits, a deadline) with outcomes read from
+   the nonce-tagged report pipe and the harness's checks of pytest's plugins, hooks and test functions
+   (`testrun.py`: not a file the patch can plant, not a log it can print into), require pytest's exit
+   status to be the process's and 0, and the test files to hash as before; any tampering is unresolved,
+   named in `tampering` and `reason`;
 5. SWE-bench's rules: a missing or skipped FAIL_TO_PASS test fails; a skipped PASS_TO_PASS test is kept.
 `resolved` (0/1) is the reward; `pass_rate` (K2: FAIL_TO_PASS share passing x [all PASS_TO_PASS pass]) is
 logged beside it. A run that could not happen (sandbox unavailable, pytest absent, broken task data) is
@@ -23,14 +29,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from typing import Sequence
 
 from k2jax.sandbox.workspace import WorkspaceRunConfig, default_python_paths, prepare_workspace
-from k2jax.swe import snapshot
+from k2jax.swe import hackcheck, snapshot
 from k2jax.swe.instances import Instance, InstanceReport, Prediction, summary
 from k2jax.swe.testrun import PASSED, InfraError, TestRun, run_tests
 
@@ -39,6 +47,7 @@ from k2jax.swe.testrun import PASSED, InfraError, TestRun, run_tests
 class GradeConfig:
   run: WorkspaceRunConfig = WorkspaceRunConfig(timeout_s=300.0)  # SWE-bench/R2E-Gym: 300 s of tests
   check_snapshot: bool = True  # re-hash the pristine snapshot against base_commit before grading
+  hack_check: bool = True  # the static check of the patch's added lines (off only to test the runtime layers)
 
 
 def grade(instance: Instance, patch: str | None, task_root: str, config: GradeConfig = GradeConfig()) -> InstanceReport:
@@ -59,17 +68,48 @@ def grade(instance: Instance, patch: str | None, task_root: str, config: GradeCo
       snapshot.apply_patch(patch, work)
     except snapshot.PatchError as e:
       return report.done(reason=str(e)[:500], t0=t0)
+    findings = [str(f) for f in hackcheck.check_patch(patch, work)] if config.hack_check else []
+    if findings:
+      why = f"unresolved: the hack check flags {len(findings)} added lines: " + "; ".join(findings[:3])
+      return report.done(applied=True, reason=why[:1000], hack_check=findings, t0=t0)
     restored = snapshot.restore_tests(pristine, work)
     try:
       snapshot.apply_patch(instance.test_patch, work)
     except snapshot.PatchError as e:
       return report.done(applied=True, infra=True, reason=f"the instance's test_patch does not apply: {e}"[:500], t0=t0)
+    _drop_caches(work)
+    tests_before = _test_hashes(work)
     prepare_workspace(work)
     try:
       run = run_tests(work, (*instance.FAIL_TO_PASS, *instance.PASS_TO_PASS), config.run)
     except InfraError as e:
       return report.done(applied=True, infra=True, reason=str(e)[:500], t0=t0)
-  return report.from_run(run, restored, t0)
+    now = _test_hashes(work)
+    touched = sorted(k for k in set(tests_before) | set(now) if tests_before.get(k) != now.get(k))
+  return report.from_run(run, restored, t0, [f"test files changed during the run: {touched[:5]}"] if touched else [])
+
+
+def _drop_caches(root: str) -> None:
+  """Compiled caches come from the patch, never from the source: pytest would load a planted one."""
+  for d, dirs, names in os.walk(root):
+    for n in dirs:
+      if n == "__pycache__":
+        shutil.rmtree(os.path.join(d, n))
+    dirs[:] = [n for n in dirs if n != "__pycache__"]
+    for n in names:
+      if n.endswith(snapshot.SKIP_SUFFIXES):
+        os.unlink(os.path.join(d, n))
+
+
+def _test_hashes(root: str) -> dict[str, str]:
+  """sha256 of every test path (tests, conftest files, test configuration) under `root`."""
+  out = {}
+  for rel in snapshot.walk_files(root):
+    if snapshot.is_test_path(rel):
+      p = os.path.join(root, rel)
+      data = os.readlink(p).encode() if os.path.islink(p) else open(p, "rb").read()
+      out[rel] = hashlib.sha256(data).hexdigest()
+  return out
 
 
 def grade_all(
@@ -92,14 +132,15 @@ class _Report:
   def __init__(self, instance: Instance):
     self.i = instance
 
-  def done(self, *, patch_is_None=False, exists=True, applied=False, infra=False, reason="", t0=0.0):
+  def done(self, *, patch_is_None=False, exists=True, applied=False, infra=False, reason="", hack_check=(), t0=0.0):
     status = {k: {"success": [], "failure": list(v)} for k, v in self._lists().items()}
     took = time.monotonic() - t0
     return InstanceReport(
-      self.i.instance_id, patch_is_None, exists, applied, False, infra, status, 0.0, reason, None, took
+      self.i.instance_id, patch_is_None, exists, applied, False, infra, status, 0.0, reason, None, took,
+      list(hack_check),
     )  # fmt: skip
 
-  def from_run(self, run: TestRun, restored: list[str], t0: float) -> InstanceReport:
+  def from_run(self, run: TestRun, restored: list[str], t0: float, outside: list[str] = ()) -> InstanceReport:
     status = {}
     for key, tests in self._lists().items():
       ok = [
@@ -108,15 +149,17 @@ class _Report:
         if run.passed(t) or (key == "PASS_TO_PASS" and run.consistent and run.outcomes.get(t) == "skipped")
       ]
       status[key] = {"success": ok, "failure": [t for t in tests if t not in ok]}
+    tampering = [*run.tamper, *outside]
+    trusted = run.consistent and not outside
     f2p_ok, p2p_ok = len(status["FAIL_TO_PASS"]["success"]), not status["PASS_TO_PASS"]["failure"]
-    resolved = run.consistent and run.exit_code == 0 and p2p_ok and f2p_ok == len(self.i.FAIL_TO_PASS)
-    pass_rate = f2p_ok / len(self.i.FAIL_TO_PASS) * float(p2p_ok) if run.consistent else 0.0
-    reason = _why(run, status, resolved)
+    resolved = trusted and run.exit_code == 0 and p2p_ok and f2p_ok == len(self.i.FAIL_TO_PASS)
+    pass_rate = f2p_ok / len(self.i.FAIL_TO_PASS) * float(p2p_ok) if trusted else 0.0
+    reason = f"unresolved: tampering: {'; '.join(tampering[:5])}" if tampering else _why(run, status, resolved)
     if restored:
       reason += f"; restored from pristine: {restored[:5]}"
     return InstanceReport(
       self.i.instance_id, False, True, True, resolved, False, status, pass_rate, reason, run.exit_code,
-      time.monotonic() - t0,
+      time.monotonic() - t0, [], tampering,
     )  # fmt: skip
 
   def _lists(self) -> dict[str, tuple[str, ...]]:
@@ -126,12 +169,8 @@ class _Report:
 def _why(run: TestRun, status: dict, resolved: bool) -> str:
   if resolved:
     return "resolved: every FAIL_TO_PASS and PASS_TO_PASS test passed"
-  if run.tampered:
-    return "unresolved: something other than the harness wrote to the report pipe"
-  if not run.ended:
-    return f"unresolved: pytest did not finish (exit {run.exit_code}{', timed out' if run.timed_out else ''})"
-  if run.end_code != run.exit_code:
-    return f"unresolved: pytest reported exit {run.end_code} but the process exited {run.exit_code}"
+  if run.reason:
+    return f"unresolved: {run.reason}"
   failed = status["FAIL_TO_PASS"]["failure"] + status["PASS_TO_PASS"]["failure"]
   missing = [t for t in failed if t not in run.outcomes]
   return f"unresolved: {len(failed)} tests failed ({len(missing)} missing), exit {run.exit_code}: {failed[:3]}"

@@ -102,6 +102,8 @@ class InstanceReport:
   reason: str  # why it is (un)resolved, in words
   exit_code: int | None = None
   grade_s: float = 0.0
+  hack_check: list = dataclasses.field(default_factory=list)  # hackcheck findings on the patch's added lines
+  tampering: list = dataclasses.field(default_factory=list)  # what the run's checks caught (testrun, grade)
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -171,6 +173,8 @@ def summary(reports: Sequence[InstanceReport], instance_ids: Sequence[str]) -> d
     "error_ids": sorted(i for i, r in by_id.items() if r.patch_exists and not r.patch_successfully_applied),
     "infra_failure_ids": sorted(i for i, r in by_id.items() if r.infra_failure),
     "missing_ids": sorted(set(instance_ids) - set(by_id)),
+    "hack_check_ids": sorted(i for i, r in by_id.items() if r.hack_check),  # unresolved by the static check
+    "tampered_ids": sorted(i for i, r in by_id.items() if r.tampering),  # unresolved by the run's checks
   }
   for key in list(out):
     if key.endswith("_ids"):

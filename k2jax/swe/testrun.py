@@ -1,19 +1,36 @@
 """Run a repository's pytest tests in the sandbox and read per-test outcomes from a channel the code under
-test cannot forge by accident or by plan the way a log or a junit file can be.
+test can neither forge by accident nor reach by name.
 
-The harness (an entry file run by `sandbox.workspace.run_entry` as `python -I -S`, so neither PYTHONPATH,
-sitecustomize nor .pth files of the repository apply) does, in order:
-1. takes the report pipe ($K2JAX_REPORT_FD) and a random per-run nonce, deletes its own file (the nonce
-   leaves the filesystem), puts only the read-only test tools on sys.path and imports pytest from there
-   (a `pytest.py` the repository adds cannot shadow it), writes `START`;
-2. only then puts /testbed on sys.path and runs `pytest.main` with plugin autoloading off and a reporter
-   plugin that writes one nonce-tagged JSON record per test phase and collection error, then `END <exit>`.
-Here every line must carry the nonce (anything else on the pipe is tampering: the run counts as failed),
-START must come (else it is an infrastructure failure: pytest never ran), END must come and agree with the
-process's exit status (`os._exit(0)` or `sys.exit(0)` from the code under test, a crash, a timeout: no
-agreement), and a test is passed only with a passing record. Residual risk, as in SWE-bench: the code under
-test runs in the same process as pytest and could in principle find the nonce in memory; it cannot find it
-on disk, in the environment or in the repository.
+The code under test shares its interpreter with pytest (tests call it directly), so in principle it can
+reach anything pytest holds. The defence is in layers, each with its own test (tests/swe/test_exploits.py);
+any breach makes the run `tampered`, with the reason in `TestRun.tamper`:
+1. nothing by name: the harness (an entry file run by `sandbox.workspace.run_entry` as `python -I -S`, so
+   neither PYTHONPATH, sitecustomize nor .pth files of the repository apply) is one function that removes
+   itself from `__main__` before it runs; its spec and per-run nonce come on stdin (never in its source or
+   environment, stdin is then /dev/null), its state lives in locals and closures only, it deletes its own
+   file and makes the process non-dumpable (its own /proc/self/mem is closed to it). It puts only the
+   read-only test tools on sys.path and imports pytest from there (a `pytest.py` the repository adds cannot
+   shadow it), reads every test and conftest file before any repository code runs, then puts /testbed on
+   sys.path and runs `pytest.main` with plugin autoloading off and a reporter plugin;
+2. the plugins and hook implementations: every plugin registered after the reporter must be a module or
+   class of the read-only test tools, or a conftest file of /testbed (restored from the pristine copy by the
+   grader) whose hook functions are that file's code; at the session's end every hook implementation belongs
+   to an accepted plugin and is the function it registered, the plugin manager's and hook callers' call
+   paths are the ones they started with, and every function and class of pytest, pluggy and the other tools
+   and every builtin is the object it was (the old fingerprint);
+3. the tests: each collected test function's code must be the code pytest compiles (assertion rewriting
+   included) from the file as read before the run, and still be that function and code at the end; no
+   tracing or profiling hook may be active when a report is made; reports must be pytest's own class;
+4. the records: one nonce-tagged JSON record per test phase (setup, call, teardown) and collection error,
+   the list of collected tests, `checked` after the checks and `end <exit>`: every line must carry the
+   nonce, START must come (else it is an infrastructure failure: pytest never ran), END must come and agree
+   with the process's exit status (`os._exit(0)` or `sys.exit(0)` from the code under test, a crash, a
+   timeout: no agreement), each (test, phase) has exactly one record, only collected tests have records, and
+   a test is passed only with passing setup, call and teardown records.
+The grader adds the layers outside the process: a static check of the patch's added lines (`hackcheck.py`)
+and the test files hashed before and after the run (`grade.py`). Residual risk: code that reads the nonce
+through the interpreter's internals and rewrites the whole report; each such route (frames, gc, ctypes,
+sys.modules, tracing hooks, os._exit) is what the static check refuses.
 """
 
 from __future__ import annotations
@@ -37,15 +54,27 @@ class TestRun:
   started: bool  # pytest was imported and began (False: an infrastructure failure)
   ended: bool  # the reporter wrote END
   end_code: int | None  # pytest's exit status as the reporter saw it
-  tampered: bool  # a line without the nonce reached the report pipe
+  tampered: bool  # the report or the test machinery was interfered with (`tamper` says how)
   timed_out: bool
   output: str  # the end of pytest's console output
   elapsed_s: float
+  tamper: tuple[str, ...] = ()  # every breach found, in words
+
+  @property
+  def reason(self) -> str:
+    """Why this run gives no verdict ("" when it does)."""
+    if self.tamper:
+      return "tampering: " + "; ".join(self.tamper[:5])
+    if not self.ended:
+      return f"pytest did not finish (exit {self.exit_code}{', timed out' if self.timed_out else ''})"
+    if self.end_code != self.exit_code:
+      return f"pytest reported exit {self.end_code} but the process exited {self.exit_code}"
+    return ""
 
   @property
   def consistent(self) -> bool:
     """pytest finished, its own exit status is the process's, and nothing forged records."""
-    return self.started and self.ended and self.end_code == self.exit_code and not self.tampered
+    return self.started and self.ended and self.end_code == self.exit_code and not self.tampered and not self.tamper
 
   def passed(self, node_id: str) -> bool:
     return self.consistent and self.outcomes.get(node_id) in PASSED
@@ -69,7 +98,7 @@ def run_tests(
     pass
   spec = json.dumps({"nonce": nonce, "args": args + list(test_ids)})
   try:
-    r = run_entry({"harness.py": _HARNESS.replace("SPEC", json.dumps(spec))}, "harness.py", workspace, config)
+    r = run_entry({"harness.py": _HARNESS}, "harness.py", workspace, config, stdin=spec)
   except SandboxUnavailable as e:
     raise InfraError(str(e)) from None
   run = _parse(r.report, nonce, r.returncode, r.timed_out, (r.stdout + r.stderr)[-6000:], r.elapsed_s)
@@ -79,110 +108,343 @@ def run_tests(
 
 
 def _parse(report: str, nonce: str, code: int, timed_out: bool, output: str, elapsed: float) -> TestRun:
-  outcomes: dict[str, str] = {}
-  collect_errors, started, end_code, tampered = [], False, None, False
+  phases: dict[str, dict[str, dict]] = {}
+  collect_errors, started, end_code, collected, checked = [], False, None, None, False
+  tamper: list[str] = []
+
+  def breach(why: str) -> None:
+    if why not in tamper:
+      tamper.append(why)
+
   for line in report.splitlines():
     tag, _, body = line.partition(" ")
     if tag != nonce:
-      tampered = True
-      continue
-    if body == "START":
-      started = True
-      continue
-    if body.startswith("END "):
-      end_code = int(body.split()[1])
+      breach("a line without the run's nonce reached the report pipe")
       continue
     try:
       rec = json.loads(body)
-    except json.JSONDecodeError:  # cut short (the report cap) or garbled: no verdict from this run
-      tampered = True
+      kind = rec["t"]
+    except (json.JSONDecodeError, TypeError, KeyError):  # cut short (the report cap) or garbled: no verdict
+      breach("a garbled record on the report pipe")
       continue
-    if rec["t"] == "collect":
+    if kind == "start":
+      started = True
+    elif kind == "end":
+      end_code = int(rec["code"])
+    elif kind == "collected":
+      if collected is not None:
+        breach("two lists of collected tests")
+      collected = set(rec["ids"])
+    elif kind == "collect":
       collect_errors.append(rec["id"])
-    else:
-      outcomes[rec["id"]] = _merge(outcomes.get(rec["id"]), rec)
+    elif kind == "tamper":
+      breach(str(rec["why"]))
+    elif kind == "checked":
+      checked = True
+    elif kind == "test":
+      node, when = rec["id"], rec["when"]
+      if collected is not None and node not in collected:
+        breach(f"a record for {node!r}, which pytest did not collect")
+      if when in phases.setdefault(node, {}):
+        breach(f"two {when} records for {node!r}")
+      phases[node][when] = rec
+  if started and end_code is not None and not checked:
+    breach("pytest ended but the harness's checks did not run")
+  outcomes = {node: _outcome(p) for node, p in phases.items()}
   return TestRun(
-    outcomes, tuple(collect_errors), code, started, end_code is not None, end_code, tampered, timed_out, output, elapsed
-  )
+    outcomes, tuple(collect_errors), code, started, end_code is not None, end_code, bool(tamper), timed_out, output,
+    elapsed, tuple(tamper),
+  )  # fmt: skip
 
 
-def _merge(prev: str | None, rec: dict) -> str:
-  """One test's outcome over its setup/call/teardown records: any failure fails it."""
-  when, outcome = rec["when"], rec["outcome"]
-  if prev in ("failed", "error"):
-    return prev
-  if outcome == "failed":
-    return "failed" if when == "call" else "error"
-  if outcome == "skipped":
-    return "xfailed" if rec.get("xfail") else "skipped"
-  if when == "call":
-    return "xpassed" if rec.get("xfail") else "passed"
-  return prev or ("pending" if when == "setup" else "passed")
+def _outcome(phases: dict[str, dict]) -> str:
+  """One test's outcome from its setup, call and teardown records: passing needs all three to pass."""
+  setup, call, teardown = phases.get("setup"), phases.get("call"), phases.get("teardown")
+  if setup is None or setup["outcome"] == "failed":
+    return "error"
+  if setup["outcome"] == "skipped":
+    return "xfailed" if setup.get("xfail") else "skipped"
+  if call is None:  # the test never ran, or its record was suppressed
+    return "error"
+  if call["outcome"] == "failed":
+    out = "failed"
+  elif call["outcome"] == "skipped":
+    out = "xfailed" if call.get("xfail") else "skipped"
+  else:
+    out = "xpassed" if call.get("xfail") else "passed"
+  if teardown is None or teardown["outcome"] == "failed":
+    return "error" if out != "failed" else out
+  return out
 
 
 _HARNESS = r'''
-import json, os, sys
-spec = json.loads(SPEC)
-nonce = spec["nonce"]
-out = os.fdopen(int(os.environ.pop("K2JAX_REPORT_FD")), "w", buffering=1)
-os.unlink(__file__)
-tools = os.environ["K2JAX_PYTHONPATH"].split(os.pathsep)[1:]
-testbed = os.environ["K2JAX_TESTBED"]
-sys.path[:0] = tools
-os.environ.update(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTHONDONTWRITEBYTECODE="1", HOME=os.environ["HOME"])
-os.environ.update(json.loads(os.environ["K2JAX_ENV"]))
-import pytest, _pytest.config, pluggy  # noqa: E401  (from the read-only tools, before the repository is on the path)
-emit = lambda text: out.write(nonce + " " + text + "\n")
-emit("START")
+import os, sys
 
 
-def fingerprint():
-    """Identity of every function and class (and class member) of pytest and pluggy: the code under test
-    runs in this process and could monkeypatch the machinery that decides outcomes."""
-    out = {}
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not name.split(".")[0] in ("_pytest", "pytest", "pluggy"):
-            continue
-        for key, val in list(vars(mod).items()):
-            if callable(val):
-                out[(name, key)] = id(val)
-                if isinstance(val, type):
-                    for k2, v2 in list(vars(val).items()):
-                        out[(name, key, k2)] = id(v2)
-    return out
+def _harness():
+    import ast, builtins, ctypes, json, pathlib, types
+    raw = bytearray()
+    while chunk := os.read(0, 1 << 16):
+        raw += chunk
+    spec = json.loads(bytes(raw))
+    del raw
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    tag = spec.pop("nonce").encode() + b" "
+    fd = int(os.environ.pop("K2JAX_REPORT_FD"))
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: /proc/self/mem is closed to this process
+    os.unlink(__file__)
+    # The harness's own tools, bound now: later rebinding of os, json or a builtin does not reach them.
+    write, dumps, realpath, walk, join, lstat = os.write, json.dumps, os.path.realpath, os.walk, os.path.join, os.lstat
+    _id, _type, _vars, _callable, _isinstance, _getattr, _list, _sorted = (
+        id, type, vars, callable, isinstance, getattr, list, sorted)
+    gettrace, getprofile, modules = sys.gettrace, sys.getprofile, sys.modules
+    ModuleType, FunctionType = types.ModuleType, types.FunctionType
+
+    def emit(rec):
+        data = tag + dumps(rec).encode() + b"\n"
+        while data:
+            data = data[write(fd, data):]
+
+    tools = os.environ["K2JAX_PYTHONPATH"].split(os.pathsep)[1:]
+    testbed = os.environ["K2JAX_TESTBED"]
+    sys.path[:0] = tools
+    os.environ.update(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTHONDONTWRITEBYTECODE="1", HOME=os.environ["HOME"])
+    os.environ.update(json.loads(os.environ.pop("K2JAX_ENV")))
+    import pytest, pluggy, _pytest.reports  # noqa: E401  (from the read-only tools, before the repository is on the path)
+    from _pytest.assertion.rewrite import rewrite_asserts
+    TestReport, CollectReport = _pytest.reports.TestReport, _pytest.reports.CollectReport
+    emit({"t": "start"})
+    tool_dirs = tuple(realpath(t) + os.sep for t in tools)
+    testbed_dir = realpath(testbed) + os.sep
+
+    def tool_file(f):
+        return _isinstance(f, str) and realpath(f).startswith(tool_dirs)
+
+    # Every test and conftest file as it is before any code of the repository runs.
+    sources, size = {}, 0
+    for d, dirs, names in walk(testbed):
+        dirs[:] = [x for x in dirs if not x.startswith(".") and x not in ("__pycache__", "node_modules")]
+        for n in names:
+            if n.endswith(".py") and (n.startswith("test") or n.endswith("_test.py") or n == "conftest.py"
+                                      or "test" in d[len(testbed):]):
+                p = realpath(join(d, n))
+                if size < 64 << 20:
+                    with open(p, "rb") as f:
+                        sources[p] = f.read()
+                    size += len(sources[p])
+    compiled = {}
+
+    def pristine_code(path, config):
+        """{qualname: [code objects]} of a pre-read file, compiled as pytest does (and plain)."""
+        if path not in compiled:
+            out = {}
+            src = sources.get(path)
+            if src is not None:
+                variants = []
+                try:
+                    tree = ast.parse(src, filename=path)
+                    rewrite_asserts(tree, src, pathlib.Path(path), config)
+                    variants.append(compile(tree, path, "exec", dont_inherit=True))
+                except Exception:
+                    pass
+                try:
+                    variants.append(compile(src, path, "exec", dont_inherit=True))
+                except Exception:
+                    pass
+                stack = variants
+                while stack:
+                    co = stack.pop()
+                    out.setdefault(co.co_qualname, []).append(co)
+                    stack += [c for c in co.co_consts if _isinstance(c, _type(co))]
+            compiled[path] = out
+        return compiled[path]
+
+    def fingerprint():
+        """The identity of every function and class (and class member) of the tools' modules, and builtins."""
+        out = {}
+        for name, mod in _list(modules.items()):
+            if mod is None or not tool_file(_getattr(mod, "__file__", None)):
+                continue
+            for key, val in _list(_vars(mod).items()):
+                if _callable(val):
+                    out[(name, key)] = val
+                    if _isinstance(val, _type):
+                        for k2, v2 in _list(_vars(val).items()):
+                            if _callable(v2) or _isinstance(v2, (staticmethod, classmethod, property)):
+                                out[(name, key, k2)] = v2
+        for key, val in _list(_vars(builtins).items()):
+            out[("builtins", key)] = val
+        for key in ("settrace", "setprofile", "gettrace", "getprofile", "exit", "_getframe", "excepthook"):
+            out[("sys", key)] = _getattr(sys, key, None)
+        return out
+
+    def from_tools(obj):
+        """pytest's own plugins patch pytest at configure time (legacypath): with functions of the tools."""
+        obj = _getattr(obj, "__func__", obj)
+        code = _getattr(obj, "__code__", None)
+        if code is not None:
+            return tool_file(code.co_filename)
+        mod = modules.get(_getattr(obj, "__module__", None) or "")
+        return _isinstance(obj, _type) and mod is not None and tool_file(_getattr(mod, "__file__", None))
+
+    state = {"pm": None, "accepted": {}, "impls": set(), "callers": {}, "items": {}}
+    breaches = []
+
+    def breach(why):
+        if why not in breaches:
+            breaches.append(why)
+            emit({"t": "tamper", "why": why})
+
+    def verdict_on(plugin, name):
+        """None when `plugin` may take part in the run, else what it is."""
+        if plugin is None or plugin is reporter:
+            return None
+        if _isinstance(plugin, ModuleType):
+            f = _getattr(plugin, "__file__", None)
+            if tool_file(f):
+                return None
+            if _isinstance(f, str) and f.endswith("conftest.py") and realpath(f) in sources:
+                return None  # its hook functions are checked against the file at the end
+            return f"module {_getattr(plugin, '__name__', '?')!r} from {f!r}"
+        cls = _type(plugin)
+        mod = modules.get(_getattr(cls, "__module__", ""))
+        if mod is not None and tool_file(_getattr(mod, "__file__", None)) and _getattr(mod, cls.__name__, None) is cls:
+            return None
+        return f"an object of class {cls.__qualname__} from {cls.__module__}"
+
+    def impls_of(pm):
+        out = set()
+        for hname, caller in _list(_vars(pm.hook).items()):
+            for impl in caller.get_hookimpls():
+                out.add((hname, _id(impl.plugin), _id(impl.function)))
+        return out
+
+    def callers_of(pm):
+        return {k: (_id(v), _id(_getattr(v, "_hookexec", None))) for k, v in _list(_vars(pm.hook).items())}
+
+    def code_of(item):
+        fn = _getattr(item, "obj", None)
+        fn = _getattr(fn, "__func__", fn)
+        for _ in range(16):  # decorators that keep the test function (functools.wraps, mock.patch)
+            inner = _getattr(fn, "__wrapped__", None)
+            if inner is None:
+                break
+            fn = _getattr(inner, "__func__", inner)
+        return fn, _getattr(fn, "__code__", None)
+
+    class Reporter:
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_plugin_registered(self, plugin, manager):
+            if state["pm"] is None:  # the first call is the replay of pytest's own plugins, before any conftest
+                state["pm"] = manager
+                state["pm_attrs"] = {k: _id(v) for k, v in _list(_vars(manager).items()) if _callable(v)}
+                state["before"] = fingerprint()
+            why = verdict_on(plugin, manager.get_name(plugin))
+            if why is not None:
+                breach(f"a plugin was registered during the run: {why}")
+                return
+            state["accepted"][_id(plugin)] = plugin
+            for hname, caller in _list(_vars(manager.hook).items()):
+                for impl in caller.get_hookimpls():
+                    if impl.plugin is plugin:
+                        state["impls"].add((hname, _id(plugin), _id(impl.function)))
+            for k, v in callers_of(manager).items():
+                state["callers"].setdefault(k, v)
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_collection_finish(self, session):
+            emit({"t": "collected", "ids": [item.nodeid for item in session.items]})
+            for item in session.items:
+                fn, code = code_of(item)
+                state["items"][item.nodeid] = (item, _id(_getattr(item, "obj", None)), fn, code)
+                if code is None:
+                    continue  # not a Python function (a doctest): nothing to compare
+                where = realpath(code.co_filename)
+                if not where.startswith(testbed_dir):
+                    continue  # a decorator's wrapper from a library: the test's own code is not in view
+                path = realpath(str(item.path))
+                if where != path or code not in pristine_code(path, session.config).get(code.co_qualname, ()):
+                    breach(f"the code of test {item.nodeid} is not its file's as read before the run")
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_runtest_logreport(self, report):
+            if _type(report) is not TestReport:
+                breach(f"a test report of a foreign class {_type(report).__qualname__}")
+            if gettrace() is not None or getprofile() is not None:
+                breach("a tracing or profiling hook was active while tests ran")
+            rec = {"t": "test", "id": report.nodeid, "when": report.when, "outcome": report.outcome,
+                   "xfail": _getattr(report, "wasxfail", None) is not None}
+            emit(rec)
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_collectreport(self, report):
+            if _type(report) is not CollectReport:
+                breach(f"a collection report of a foreign class {_type(report).__qualname__}")
+            if report.failed:
+                emit({"t": "collect", "id": report.nodeid or "<session>"})
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_sessionfinish(self, session):  # before pytest's own cleanup undoes its plugins' setattrs
+            check(session)
+            emit({"t": "checked"})
+
+    def check(session):
+        pm = state["pm"]
+        if pm is None or session.config.pluginmanager is not pm:
+            breach("the plugin manager is not the one the run started with")
+            return
+        after = fingerprint()
+        missing = object()
+        changed = _sorted(str(k) for k, v in state["before"].items()
+                          if after.get(k, missing) is not v and not from_tools(after.get(k)))
+        old_modules = {k[0] for k in state["before"]}
+        added = _sorted(str(k) for k, v in after.items() if k not in state["before"] and len(k) == 2
+                        and k[0] != "builtins" and k[0] in old_modules and not from_tools(v))
+        if changed or added:
+            breach(f"pytest, pluggy or builtins were changed during the run: {(changed + added)[:5]}")
+        attrs = {k: _id(v) for k, v in _list(_vars(pm).items()) if _callable(v)}
+        if attrs != state["pm_attrs"]:
+            breach("the plugin manager's call path was replaced")
+        now = callers_of(pm)
+        moved = _sorted(k for k, v in state["callers"].items() if now.get(k) != v)
+        if moved or _sorted(set(now) - set(state["callers"])):
+            breach(f"hook callers were replaced or added: {(moved or _sorted(set(now) - set(state['callers'])))[:5]}")
+        for hname, plugin_id, fn_id in _sorted(impls_of(pm) - state["impls"]):
+            plugin = state["accepted"].get(plugin_id)
+            what = pm.get_name(plugin) if plugin is not None else "a plugin never registered"
+            breach(f"a hook implementation was added or replaced: {hname} of {what}")
+        for hname, plugin_id, fn_id in _sorted(state["impls"] - impls_of(pm)):
+            if state["accepted"].get(plugin_id) is reporter or pm.is_registered(state["accepted"].get(plugin_id)):
+                breach(f"a hook implementation was removed: {hname}")
+        for plugin in _list(state["accepted"].values()):  # conftest hooks: the code of the file read before
+            f = _getattr(plugin, "__file__", None) if _isinstance(plugin, ModuleType) else None
+            if f is None or tool_file(f):
+                continue
+            codes = pristine_code(realpath(f), session.config)
+            for hname, caller in _list(_vars(pm.hook).items()):
+                for impl in caller.get_hookimpls():
+                    if impl.plugin is plugin:
+                        co = _getattr(impl.function, "__code__", None)
+                        if co is None or co not in codes.get(co.co_qualname, ()):
+                            breach(f"conftest hook {hname} of {f} is not that file's code")
+        for node, (item, obj_id, fn, code) in _list(state["items"].items()):
+            now_fn, now_code = code_of(item)
+            if _id(_getattr(item, "obj", None)) != obj_id or now_fn is not fn or now_code is not code:
+                breach(f"test {node} was changed during the run")
+        if gettrace() is not None or getprofile() is not None:
+            breach("a tracing or profiling hook was left active")
+
+    reporter = Reporter()
+    sys.path.insert(0, testbed)
+    os.chdir(testbed)
+    code = int(pytest.main(spec["args"], plugins=[reporter]))
+    emit({"t": "end", "code": code})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
-class Reporter:
-    before = None
-
-    def pytest_sessionstart(self, session):
-        Reporter.before = fingerprint()
-
-    def pytest_sessionfinish(self, session):  # before pytest's own cleanup undoes its plugins' setattrs
-        Reporter.after = fingerprint()
-
-    def pytest_runtest_logreport(self, report):
-        if report.when != "call" and report.passed:
-            return  # a passing setup/teardown adds nothing to the call's record (keeps the report small)
-        rec = {"t": "test", "id": report.nodeid, "when": report.when, "outcome": report.outcome,
-               "xfail": bool(getattr(report, "wasxfail", None) is not None)}
-        emit(json.dumps(rec))
-
-    def pytest_collectreport(self, report):
-        if report.failed:
-            emit(json.dumps({"t": "collect", "id": report.nodeid or "<session>"}))
-
-
-os.environ.pop("K2JAX_ENV", None)
-sys.path.insert(0, testbed)
-os.chdir(testbed)
-code = int(pytest.main(spec["args"], plugins=[Reporter()]))
-after = getattr(Reporter, "after", None) or {}
-if Reporter.before is None or any(after.get(k) != v for k, v in Reporter.before.items()):
-    out.write("TAMPERED %s\n" % [k for k, v in Reporter.before.items() if after.get(k) != v][:20])
-emit("END %d" % code)
-out.flush()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
+globals().pop("_harness")()
 '''

@@ -2,6 +2,7 @@
 (swe-environments.md §3.3): edited / deleted tests, forging or skipping conftest files, broken collection,
 exiting at import, planted or forged reports, monkeypatched pytest, shadowed pytest, the network."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -16,6 +17,9 @@ from k2jax.swe import instances as io
 from tests.swe.conftest import ROOT, RUN, patch_with, read
 
 CFG = grading.GradeConfig(run=RUN)
+# The hacks below are each caught by the layer they name; the static hack check (which flags most of them
+# before anything runs, tests/swe/test_exploits.py) is off so that the layer itself is what is tested.
+RUNTIME = dataclasses.replace(CFG, hack_check=False)
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +30,14 @@ def bug(toy_tasks):
 
 
 def _grade(root, inst, patch):
-  return grading.grade(inst, patch, root, CFG)
+  return grading.grade(inst, patch, root, RUNTIME)
 
 
 def test_every_kind_of_task_grades_its_gold_patch_resolved(toy_tasks):
   root, instances = toy_tasks
   assert {i.kind for i in instances} == {"procedural", "combo", "version_diff"}
   for inst in instances:
-    r = _grade(root, inst, inst.patch)
+    r = grading.grade(inst, inst.patch, root, CFG)
     assert r.resolved and r.pass_rate == 1.0 and r.exit_code == 0, (inst.instance_id, r.reason)
     assert r.tests_status["FAIL_TO_PASS"]["success"] == list(inst.FAIL_TO_PASS)
 
@@ -140,8 +144,11 @@ _pytest.reports.TestReport.__init__ = _forged
 
 def test_monkeypatching_pytest_from_the_code_under_test_is_caught(bug):
   root, inst, module, _ = bug
-  r = _grade(root, inst, patch_with(root, inst, {module: MONKEY + read(root, inst, module)}))
-  assert not r.resolved and "report pipe" in r.reason
+  patch = patch_with(root, inst, {module: MONKEY + read(root, inst, module)})
+  r = grading.grade(inst, patch, root, CFG)
+  assert not r.resolved and r.hack_check and "pytest's internals" in r.reason  # the static check
+  r = _grade(root, inst, patch)
+  assert not r.resolved and "pytest, pluggy or builtins were changed during the run" in r.reason  # the run's
 
 
 def test_a_shadowing_pytest_module_or_sitecustomize_does_not_run(bug):
