@@ -8,6 +8,8 @@ test's own `except Exception` cannot swallow), compiled with optimize=0 (asserts
 Modes (`plan.json`):
   module   exec the trusted `prompt` (HumanEval's helpers), `setup`, `test`; then each case's source
            (`check(candidate)`, or one MBPP assert) in a copy of that namespace
+  pytest   KodCode: pytest on the trusted test file, `solution` a module of Remote proxies (plugins pytest ships
+           only), one case per collected test item
   checker  exec the trusted checker source, then `check(input, output, expected)` per case (no solution
            here: its outputs are data in `cases.json`); a true result passes
 Records go to $K2JAX_REPORT_FD: {"ready": ...} first, then {"case": i, "ok": bool, "why": str} per case.
@@ -200,10 +202,86 @@ def checker_mode():
     emit({"case": case["case"], "ok": ok, "why": why})
 
 
+def pytest_mode():
+  """KodCode: the trusted pytest file, `from solution import f` giving Remote proxies; one case per test item."""
+  try:
+    channel = Channel(plan["chan"], plan["startup_s"])
+  except OSError as e:
+    emit({"no_peer": f"the solution's sandbox never connected: {e}"})
+    return
+  emit({"ready": "pytest"})
+  os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # only the plugins pytest itself ships
+  sys.path[:0] = plan["python_paths"]
+  import types
+
+  import pytest
+
+  solution = types.ModuleType("solution")
+
+  def remote(name):
+    if name.startswith("__"):
+      raise AttributeError(name)
+    return Remote(channel, name)
+
+  solution.__getattr__ = remote
+  sys.modules["solution"] = solution
+
+  class Recorder:
+    def __init__(self):
+      self.index, self.outcome = {}, {}
+
+    def pytest_collection_modifyitems(self, items):
+      self.index = {item.nodeid: i for i, item in enumerate(items)}
+      emit({"collected": len(items)})
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+      channel.case = self.index.get(item.nodeid, -1)  # a fresh worker of the solution's per test
+      signal.setitimer(signal.ITIMER_REAL, plan["case_time_s"])
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_teardown(self, item):
+      signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def pytest_runtest_logreport(self, report):
+      i = self.index.get(report.nodeid)
+      if i is None:
+        return
+      ok, why = self.outcome.get(i, (True, ""))
+      if not ok:
+        return
+      if report.failed:
+        text = str(report.longrepr).strip().splitlines()
+        self.outcome[i] = (False, f"{report.when}: {text[-1] if text else 'failed'}"[:300])
+      elif report.skipped:
+        self.outcome[i] = (False, f"{report.when}: skipped (a skipped test verifies nothing)")
+      elif report.when == "call":
+        self.outcome[i] = (True, "")
+
+    def pytest_collectreport(self, report):
+      if report.failed:
+        emit({"collect_error": str(report.longrepr)[-600:]})
+
+  rec = Recorder()
+  args = ["test_solution.py", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", os.getcwd(), "-s"]
+  with open(os.devnull, "w") as null:
+    out, err = sys.stdout, sys.stderr
+    sys.stdout = sys.stderr = null
+    try:
+      pytest.main(args, plugins=[rec])
+    finally:
+      sys.stdout, sys.stderr = out, err
+  for nodeid, i in rec.index.items():
+    ok, why = rec.outcome.get(i, (False, "no call phase ran"))
+    emit({"case": i, "ok": ok, "why": why, "name": nodeid})
+
+
 signal.signal(signal.SIGALRM, _alarm)
 sys.setrecursionlimit(max(sys.getrecursionlimit(), 3000))
 if plan["mode"] == "checker":
   checker_mode()
+elif plan["mode"] == "pytest":
+  pytest_mode()
 else:
   module_mode()
 report.close()

@@ -13,6 +13,9 @@
   generated_tests
   test, entry_point, prompt?    HumanEval: `test` defines check(candidate), run as `check(candidate)`
   test_list, test_setup_code?   MBPP: each assert of test_list is a case, after test_setup_code
+  test (a pytest file)          KodCode: `from solution import f, g` then test functions; pytest runs it in the
+                                test's sandbox, each collected item a case (functions only: an object of the
+                                solution's, such as a class instance, is not plain data and fails its test)
   checker (with a stdin format) trusted Python defining check(input, output, expected) -> bool, for
                                 problems with several right answers (replaces the comparison)
 
@@ -68,6 +71,7 @@ from typing import Any
 from k2jax.sandbox import _wire
 from k2jax.sandbox.code import CodeRewardConfig, Graded
 from k2jax.sandbox.runner import SandboxResult, SandboxUnavailable, run_python
+from k2jax.sandbox.workspace import default_python_paths
 
 _HERE = pathlib.Path(__file__).parent
 _WIRE = (_HERE / "_wire.py").read_text()
@@ -120,6 +124,8 @@ def parse_row(row: Mapping[str, Any]) -> Problem:
     return _humaneval(row)
   elif "test_list" in row:
     return _mbpp(row)
+  elif "test" in row:
+    return _kodcode(row)
   else:
     raise ValueError(
       f"verify: no test field in the row (fields {sorted(row)[:12]}); expected one of input_output, "
@@ -308,6 +314,31 @@ def _mbpp(row: Mapping[str, Any]) -> Problem:
   return Problem("module", "mbpp", setup=setup, cases=tuple(tests), remote=tuple(called), setup_classes=classes)
 
 
+def _kodcode(row: Mapping[str, Any]) -> Problem:
+  test = _str_field(row, "test")
+  module = _compiles(test, "test")
+  imported = [
+    a.name
+    for n in ast.walk(module)
+    if isinstance(n, ast.ImportFrom) and n.module == "solution" and not n.level
+    for a in n.names
+  ]
+  if not imported:
+    raise ValueError(
+      "field 'test': a pytest file must import what it tests with `from solution import ...` (KodCode's form); "
+      "a HumanEval row needs 'entry_point'"
+    )
+  if "*" in imported:
+    raise ValueError("field 'test': `from solution import *` names nothing the verifier can proxy")
+  names = [f.name for f in module.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test")]
+  for c in module.body:
+    if isinstance(c, ast.ClassDef) and c.name.startswith("Test"):
+      names += [f"{c.name}.{f.name}" for f in c.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test")]
+  if not names:
+    raise ValueError("field 'test': no test function (def test_...) in the pytest file")
+  return Problem("pytest", "kodcode", test=test, cases=tuple(names), remote=tuple(imported))
+
+
 def _top_level_names(module: ast.Module) -> set[str]:
   names: set[str] = set()
   for s in module.body:
@@ -390,14 +421,14 @@ def verify(code: str, row: Mapping[str, Any] | Problem, config: CodeRewardConfig
     raise ValueError(f"CodeRewardConfig.compare: {config.compare!r} is not one of {COMPARE_MODES}")
   problem = row if isinstance(row, Problem) else parse_row(row)
   try:
-    if problem.kind == "module":
+    if problem.kind in ("module", "pytest"):
       outcomes, info = _run_module(code, problem, config)
     else:
       outcomes, info = _run_cases(code, problem, config)
   except _Infra as e:
     return Graded(math.nan, f"infrastructure error (masked, not a verdict): {e}", {"infra_error": str(e)})
   passed = sum(ok for ok, _ in outcomes)
-  total = problem.n_cases
+  total = len(outcomes)  # every case the row defines (pytest: every test collected, at least every def test_)
   failures = [(i, why) for i, (ok, why) in enumerate(outcomes) if not ok]
   if config.stop_at_first_failure:
     reward = 1.0 if passed == total else 0.0
@@ -616,9 +647,15 @@ def _run_module(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[t
     }
     test_files = {"main.py": _TEST_DRIVER, "_wire.py": _WIRE, "plan.json": json.dumps(test_plan)}
     binds = ((chan, _CHAN_MOUNT, True),)
+    test_binds = binds
+    if p.kind == "pytest":
+      paths = default_python_paths()  # pytest and its dependencies, read-only in the test's sandbox
+      test_plan.update(mode="pytest", python_paths=list(paths))
+      test_files.update({"plan.json": json.dumps(test_plan), "test_solution.py": p.test})
+      test_binds = (*binds, *((q, q, True) for q in paths))
     n = len(p.cases) + 2
     sol_cfg = _sandbox_for(config, n, sum(map(len, sol_files.values())), processes=2, binds=binds)
-    test_cfg = _sandbox_for(config, n, sum(map(len, test_files.values())), processes=1, binds=binds)
+    test_cfg = _sandbox_for(config, n, sum(map(len, test_files.values())), processes=1, binds=test_binds)
     held: list[int] = []
     try:
       with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -656,8 +693,16 @@ def _run_module(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[t
       "test_error": err,
     }
   by_case = {r["case"]: r for r in recs if type(r.get("case")) is int}
+  n_cases = len(p.cases)
+  if p.kind == "pytest":
+    collected = next((r["collected"] for r in recs if type(r.get("collected")) is int), 0)
+    n_cases = max(n_cases, collected)
+    collect_error = next((r["collect_error"] for r in recs if "collect_error" in r), None)
+    if collect_error is not None and not by_case:
+      last = [line for line in str(collect_error).splitlines() if line.strip()][-1:] or [""]
+      return [(False, f"collection failed: {last[0][:200]}")] * n_cases, info
   outcomes = []
-  for i in range(len(p.cases)):
+  for i in range(n_cases):
     r = by_case.get(i)
     if r is None:
       outcomes.append((False, "not run" + (" (stopped at the first failure)" if config.stop_at_first_failure else "")))

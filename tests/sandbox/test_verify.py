@@ -173,6 +173,8 @@ def test_values_equal_is_plain_and_toleranced():
     ({"test_list": ["assert 1 == 1"]}, "test_list"),
     ({"input_output": {"inputs": ["1"], "outputs": ["1"]}, "checker": 3}, "checker"),
     ({"prompt": "hi"}, "input_output"),
+    ({"test": "def test_a():\n  assert 1"}, "test"),
+    ({"test": "from solution import f\n"}, "test"),
   ],
 )
 def test_malformed_rows_name_the_field(row, field):
@@ -460,3 +462,40 @@ def test_code_reward_takes_dataset_rows_and_keeps_assert_lists():
   assert reward(["assert add(1, 2) == 3"], "def add(a, b):\n    return a + b\n").reward == 1.0
   with pytest.raises(ValueError, match="data\\['tests'\\].*input_output"):
     reward({"input_output": "{"}, "print(1)")
+
+
+KODCODE_ROW = {
+  "question_id": "Kod_1",
+  "question": "FizzBuzz and add.",
+  "solution": "",
+  "test": (
+    "from solution import fizz, add\nimport pytest\n\n"
+    "def test_fizz():\n    assert fizz(3) == 'Fizz'\n    assert fizz(5) == 'Buzz'\n\n"
+    "@pytest.mark.parametrize('a,b,c', [(1, 2, 3), (2, 2, 4)])\ndef test_add(a, b, c):\n    assert add(a, b) == c\n\n"
+    "class TestMore:\n    def test_raises(self):\n        with pytest.raises(ValueError):\n            fizz(-1)\n\n"
+    "    def test_approx(self):\n        assert add(0.1, 0.2) == pytest.approx(0.3)\n"
+  ),
+  "test_info": [{"function_name": "fizz"}, {"function_name": "add"}],
+}
+KODCODE_SOLUTION = (
+  "def fizz(n):\n    if n < 0:\n        raise ValueError('negative')\n"
+  "    return 'Fizz' if n % 3 == 0 else 'Buzz' if n % 5 == 0 else str(n)\n\ndef add(a, b):\n    return a + b\n"
+)
+
+
+@needs_isolation
+def test_kodcode_pytest_file_runs_in_the_tests_own_sandbox():
+  cfg = CodeRewardConfig(case_time_s=3.0)
+  g = verify(KODCODE_SOLUTION, KODCODE_ROW, cfg)
+  assert g.reward == 1.0 and g.info["total"] == 5, g.info["outcomes"]  # parametrize: 2 items from one def
+  g = verify("def fizz(n):\n    return 'Fizz'\n\ndef add(a, b):\n    return 4\n", KODCODE_ROW, cfg)
+  assert [ok for ok, _ in g.info["outcomes"]] == [False, False, True, False, False], g.info["outcomes"]
+  # Hacks that beat pytest graders sharing the solution's interpreter: nothing here reaches pytest.
+  for hack in (
+    "import os\nos._exit(0)\n",
+    "import sys\nsys.exit(0)\n",
+    "import _pytest.reports as r\nr.TestReport.outcome = 'passed'\ndef fizz(n): return 0\ndef add(a, b): return 0\n",
+    "class E:\n    def __eq__(self, o): return True\ndef fizz(n): return E()\ndef add(a, b): return E()\n",
+  ):
+    g = verify(hack, KODCODE_ROW, cfg)
+    assert g.reward == 0.0 and g.info["total"] == 5, (hack, g.reason)
