@@ -149,7 +149,7 @@ class _Report:
         if run.passed(t) or (key == "PASS_TO_PASS" and run.consistent and run.outcomes.get(t) == "skipped")
       ]
       status[key] = {"success": ok, "failure": [t for t in tests if t not in ok]}
-    tampering = [*run.tamper, *outside]
+    tampering = [*outside, *run.tamper]  # what was checked outside the sandbox first
     trusted = run.consistent and not outside
     f2p_ok, p2p_ok = len(status["FAIL_TO_PASS"]["success"]), not status["PASS_TO_PASS"]["failure"]
     resolved = trusted and run.exit_code == 0 and p2p_ok and f2p_ok == len(self.i.FAIL_TO_PASS)
