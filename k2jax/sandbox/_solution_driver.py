@@ -28,14 +28,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the 
 import _wire  # noqa: E402
 from _wire import Lines, write_all  # noqa: E402
 
-PR_SET_DUMPABLE = 4
+PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
 
 report = os.fdopen(int(os.environ.pop("K2JAX_REPORT_FD")), "w")
 plan = json.load(open("plan.json"))
 try:
-  ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+  _libc = ctypes.CDLL(None)
+  _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+  _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # a case's orphans become ours, to kill and reap
 except (OSError, AttributeError):
   pass
+# Isolated, this driver's parent is PID 1 of the run's own PID namespace: kill(-1) reaches exactly the run's
+# other processes. Unisolated (the unsafe mode) it would reach every process of the uid: never used there.
+OWN_PID_NAMESPACE = plan.get("isolated") is True and os.getppid() == 1
+if plan.get("prelude"):  # the modules a LeetCode-style prelude star-imports, loaded once before any fork
+  for _m in ("typing", "collections", "heapq", "bisect", "itertools", "functools", "math", "string", "re"):
+    __import__(_m)
 CODE, LOAD_ERROR = None, None
 
 
@@ -64,6 +72,8 @@ def load_module():
   m.__file__ = "solution.py"
   sys.modules["__main__"] = m
   sys.argv = ["solution.py"]
+  if plan.get("prelude"):
+    exec(compile(plan["prelude"], "<prelude>", "exec", dont_inherit=True), m.__dict__)
   exec(CODE, m.__dict__)
   for name in plan.get("setup_classes", ()):
     if isinstance(m.__dict__.get(name), type):
@@ -79,6 +89,24 @@ def entry(ns, name):
   if name in ns and callable(ns[name]):
     return ns[name]
   raise NameError(f"the solution defines no function {name!r} (nor a Solution class with that method)")
+
+
+def end_case(pid):
+  """Kills case `pid`'s process group, and isolated every other process but this one (what a case left
+  behind, in any session: nothing outlives its case), and reaps them all."""
+  for target in (-pid, -1) if OWN_PID_NAMESPACE else (-pid,):
+    try:
+      os.kill(target, signal.SIGKILL)
+    except OSError:
+      pass
+  status = None
+  while True:
+    try:
+      got, st = os.waitpid(-1, 0)
+    except ChildProcessError:
+      return status
+    if got == pid:
+      status = st
 
 
 def child_setup(keep):
@@ -161,9 +189,13 @@ def run_case(i, case_input):
   while True:
     left = deadline - time.monotonic()
     if left <= 0:
-      timed_out = True
+      timed_out = not exited
       break
+    if exited:  # the case is its main process: once it ends, take what is already written, nothing more
+      left = 0
     ready, _, _ = select.select([*open_fds, *([] if exited else [pidfd])], [], [], left)
+    if exited and not ready:
+      break
     for fd in ready:
       if fd == pidfd:
         exited = True
@@ -181,11 +213,7 @@ def run_case(i, case_input):
     if over or (exited and not open_fds):
       break
   elapsed = time.monotonic() - start
-  try:
-    os.killpg(pid, signal.SIGKILL)
-  except OSError:
-    pass
-  _, st = os.waitpid(pid, 0)
+  st = end_case(pid)
   os.close(pidfd)
   for r, _ in pipes:
     os.close(r)
@@ -231,11 +259,7 @@ def serve():
   worker = None  # [case, pid, to-worker fd, Lines from the worker, pending request id]
 
   def stop(w):
-    try:
-      os.killpg(w[1], signal.SIGKILL)
-    except OSError:
-      pass
-    os.waitpid(w[1], 0)
+    end_case(w[1])
     os.close(w[2])
     os.close(w[3].fd)
 

@@ -68,7 +68,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from k2jax.sandbox import _wire
+from k2jax.sandbox import _wire, runner
 from k2jax.sandbox.code import CodeRewardConfig, Graded
 from k2jax.sandbox.runner import SandboxResult, SandboxUnavailable, run_python
 from k2jax.sandbox.workspace import default_python_paths
@@ -80,6 +80,14 @@ _TEST_DRIVER = (_HERE / "_test_driver.py").read_text()
 _CHAN_MOUNT = "/k2jax-chan"
 COMPARE_MODES = ("exact", "lines", "tokens")
 _STARTUP_S = 20.0  # how long the test's sandbox waits for the solution's to connect
+# What call-based (LeetCode-style) code may use unimported, like LiveCodeBench's own import prelude: `List`,
+# `Optional`, `defaultdict`, `heappush`, `bisect_left`, `accumulate`, `lru_cache`, the modules themselves.
+CALL_PRELUDE = (
+  "from typing import *\nfrom collections import *\nfrom heapq import *\nfrom bisect import *\n"
+  "from itertools import *\nfrom functools import *\nimport math, string, re, collections, heapq, bisect, itertools, "
+  "functools\n"
+)
+_SOLUTION_PROCESSES = 16  # the driver and a case's process and threads (competitive code's deep-recursion thread)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,6 +527,8 @@ def _run_cases(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[tu
     "cpu_s": math.ceil(config.case_time_s),
     "max_case_output": config.max_case_output_bytes,
     "stop_at_first_failure": config.stop_at_first_failure,
+    "prelude": CALL_PRELUDE if p.kind == "call" else "",
+    "isolated": runner.isolation_error(config.sandbox) is None,
   }
   files = {
     "main.py": _SOLUTION_DRIVER,
@@ -528,7 +538,7 @@ def _run_cases(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[tu
     "inputs.json": json.dumps(inputs),
   }
   size = sum(len(t.encode()) for t in files.values())
-  result = _run(files, _sandbox_for(config, len(inputs), size, processes=2))
+  result = _run(files, _sandbox_for(config, len(inputs), size, processes=_SOLUTION_PROCESSES))
   recs = _started(result, "solution's")
   info = {"sandbox_reason": result.reason, "layers": result.layers, "elapsed_s": result.elapsed_s}
   load_error = next((r["load_error"] for r in recs if "load_error" in r), None)
@@ -627,7 +637,12 @@ def _run_module(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[t
       "setup_classes": list(p.setup_classes),
     }
     solution = f"{p.setup}\n{code}" if p.setup else code
-    sol_plan = {**common, "mode": "serve", "cpu_s": math.ceil(config.case_time_s)}
+    sol_plan = {
+      **common,
+      "mode": "serve",
+      "cpu_s": math.ceil(config.case_time_s),
+      "isolated": runner.isolation_error(config.sandbox) is None,
+    }
     sol_files = {
       "main.py": _SOLUTION_DRIVER,
       "_wire.py": _WIRE,
@@ -654,7 +669,7 @@ def _run_module(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[t
       test_files.update({"plan.json": json.dumps(test_plan), "test_solution.py": p.test})
       test_binds = (*binds, *((q, q, True) for q in paths))
     n = len(p.cases) + 2
-    sol_cfg = _sandbox_for(config, n, sum(map(len, sol_files.values())), processes=2, binds=binds)
+    sol_cfg = _sandbox_for(config, n, sum(map(len, sol_files.values())), processes=_SOLUTION_PROCESSES, binds=binds)
     test_cfg = _sandbox_for(config, n, sum(map(len, test_files.values())), processes=1, binds=test_binds)
     held: list[int] = []
     try:

@@ -499,3 +499,46 @@ def test_kodcode_pytest_file_runs_in_the_tests_own_sandbox():
   ):
     g = verify(hack, KODCODE_ROW, cfg)
     assert g.reward == 0.0 and g.info["total"] == 5, (hack, g.reason)
+
+
+@needs_isolation
+def test_nothing_a_case_starts_outlives_it():
+  # Case 0 leaves a process in its own session that would write a file later; case 1 looks for it.
+  program = """
+import os, sys, time
+n = int(input())
+if n == 0:
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            time.sleep(0.5)
+            open("flag", "w").write("x")
+        os._exit(0)
+    print("started")
+else:
+    time.sleep(1.0)
+    print("alive" if os.path.exists("flag") else "gone")
+"""
+  row = {"input_output": {"inputs": ["0\n", "1\n"], "outputs": ["started\n", "gone\n"]}}
+  g = verify(program, row, CodeRewardConfig(case_time_s=3.0))
+  assert g.reward == 1.0, g.info["outcomes"]
+
+
+@needs_isolation
+def test_competitive_and_leetcode_idioms_run():
+  threaded = """
+import sys, threading
+def main():
+    sys.setrecursionlimit(100000)
+    def depth(k):
+        return 0 if k == 0 else 1 + depth(k - 1)
+    print(depth(int(input())))
+threading.stack_size(1 << 26)
+t = threading.Thread(target=main)
+t.start()
+t.join()
+"""
+  row = {"input_output": {"inputs": ["20000\n"], "outputs": ["20000\n"]}}
+  assert verify(threaded, row, CodeRewardConfig(case_time_s=5.0)).reward == 1.0
+  annotated = TWO_SUM_SOLUTION.replace("(self, nums, target)", "(self, nums: List[int], target: int) -> List[int]")
+  assert verify(annotated, LCB_FUNCTIONAL, CFG).reward == 1.0  # List without an import, as on LeetCode
