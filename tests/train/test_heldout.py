@@ -239,3 +239,27 @@ def test_eval_identical_on_one_and_two_processes(tmp_path):
   assert one["step"] == 2
   assert EVAL_KEYS(one) == EVAL_KEYS(two)
   assert two["eval/batches"] == 3 and two["eval/tokens"] > 1000
+
+
+def test_sft_heldout_counts_assistant_tokens_and_bytes(tmp_path):
+  from k2jax.data.sft import render_chat
+
+  chats = []
+  for i, t in enumerate(_texts(12, 2)):
+    chats.append({"messages": [{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": t}]})
+  path = tmp_path / "chats.jsonl"
+  with open(path, "w") as f:
+    f.writelines(json.dumps(c) + "\n" for c in chats)
+  tc, c = _core(tmp_path, **{"data.kind": "sft", "data.seq_len": 128, "eval.path": str(path)})
+  ev = loop.make_evaluator(tc, c)
+  rec = ev.evaluate(c.state.params, c.state.bias)
+  tok = load_tokenizer(BUNDLED_TOKENIZER)
+  masks = [render_chat(ch["messages"], None, tokenizer=tok)[1] for ch in chats]
+  assert rec["eval/tokens"] == sum(sum(m) for m in masks)  # assistant tokens only (never a row's first)
+  # The assistant content's bytes; the template's closing <|im_end|> is a special token (no bytes).
+  assert rec["eval/bytes"] == sum(len(ch["messages"][1]["content"].encode()) for ch in chats)
+  loss_sum = sum(
+    float(np.sum(ev.ce(c.state.params, c.state.bias, b), dtype=np.float64)) for b in ev.batches(ev.sources[0])
+  )
+  assert rec["eval/loss"] == pytest.approx(loss_sum / rec["eval/tokens"], rel=1e-12)
+  assert rec["eval/bpb"] == pytest.approx(loss_sum / (rec["eval/bytes"] * math.log(2)), rel=1e-12)
