@@ -192,6 +192,10 @@ class EvalSpec:
     return bool(self.path) or self.fraction > 0
 
   def validate(self):
+    for key, v in (("every_steps", self.every_steps), ("at_start", self.at_start)):
+      configlib.need(
+        self.enabled or not v, key, f"{v!r} without a held-out set: set eval.path (files) or eval.fraction (a split)"
+      )
     configlib.need(
       not (self.path and self.fraction > 0),
       "fraction",

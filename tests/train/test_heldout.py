@@ -60,6 +60,7 @@ def _core(tmp_path, **overrides):
   return tc, c
 
 
+@pytest.mark.slow
 def test_loss_equals_numpy_over_plain_forward_and_bpb_by_hand(tmp_path):
   a = _write(tmp_path / "a.jsonl", _texts(40, 0))
   b = _write(tmp_path / "b.jsonl", _texts(9, 1))
@@ -241,6 +242,7 @@ def test_eval_identical_on_one_and_two_processes(tmp_path):
   assert two["eval/batches"] == 3 and two["eval/tokens"] > 1000
 
 
+@pytest.mark.slow
 def test_sft_heldout_counts_assistant_tokens_and_bytes(tmp_path):
   from k2jax.data.sft import render_chat
 
@@ -263,3 +265,30 @@ def test_sft_heldout_counts_assistant_tokens_and_bytes(tmp_path):
   )
   assert rec["eval/loss"] == pytest.approx(loss_sum / rec["eval/tokens"], rel=1e-12)
   assert rec["eval/bpb"] == pytest.approx(loss_sum / (rec["eval/bytes"] * math.log(2)), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+  "overrides, key",
+  [
+    ({"eval.path": "x.jsonl", "eval.fraction": 0.1}, "eval.fraction"),
+    ({"eval.fraction": 1.0}, "eval.fraction"),
+    ({"eval.every_steps": 10}, "eval.every_steps"),
+    ({"eval.at_start": True}, "eval.at_start"),
+    ({"eval.steps": -1, "eval.fraction": 0.1}, "eval.steps"),
+  ],
+)
+def test_bad_eval_config_names_the_key(overrides, key):
+  from k2jax.model.config import ConfigError
+
+  with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    from_config_dict(_util.tiny_config(**overrides))
+
+
+def test_missing_heldout_file_names_eval_path(tmp_path):
+  from k2jax.model.config import ConfigError
+  from k2jax.train.config import check_runtime
+
+  tc = from_config_dict(_util.tiny_config(**{"eval.path": f"a={tmp_path}/none.jsonl"}))
+  with pytest.raises(ConfigError, match=r"eval\.path.*none\.jsonl"):
+    check_runtime(tc, 8, 1)
+  assert not from_config_dict(_util.tiny_config()).eval.enabled  # presets: eval off
