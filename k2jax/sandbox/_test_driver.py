@@ -8,6 +8,7 @@ test's own `except Exception` cannot swallow), compiled with optimize=0 (asserts
 Modes (`plan.json`):
   module   exec the trusted `prompt` (HumanEval's helpers), `setup`, `test`; then each case's source
            (`check(candidate)`, or one MBPP assert) in a copy of that namespace
+  batch    module mode for many problems in turn (`verify_batch`), each against its own solution's sandbox
   pytest   KodCode: pytest on the trusted test file, `solution` a module of Remote proxies (plugins pytest ships
            only), one case per collected test item
   checker  exec the trusted checker source, then `check(input, output, expected)` per case (no solution
@@ -97,6 +98,13 @@ class Channel:
       except BlockingIOError:
         pass
 
+  def close(self):
+    for fd in (self.req, self.res):
+      try:
+        os.close(fd)
+      except OSError:
+        pass
+
   def _result(self, ans):
     if "ok" in ans:
       try:
@@ -150,30 +158,50 @@ def module_mode():
     emit({"no_peer": f"the solution's sandbox never connected: {e}"})
     return
   emit({"ready": len(plan["cases"])})
+  run_job(plan, channel, {})
+  channel.close()
+
+
+def batch_mode():
+  """Many problems' trusted tests, one after another in this process, each against its own solution's sandbox
+  (its own FIFO pair): records carry the job's index."""
+  emit({"ready": len(plan["jobs"])})
+  for k, job in enumerate(plan["jobs"]):
+    try:
+      channel = Channel(job["chan"], plan["startup_s"])
+    except OSError as e:
+      emit({"job": k, "no_peer": f"the solution's sandbox never connected: {e}"})
+      continue
+    run_job(job, channel, {"job": k})
+    channel.close()
+
+
+def run_job(job, channel, tag):
+  CLASSES.clear()
   ns = {"__name__": "__main__", "__builtins__": builtins}
   try:
     signal.setitimer(signal.ITIMER_REAL, plan["case_time_s"] * 2)
     for what in ("prompt", "setup"):
-      if plan.get(what):
-        exec_trusted(plan[what], ns, what)
-    for name in plan.get("setup_classes", ()):
+      if job.get(what):
+        exec_trusted(job[what], ns, what)
+    for name in job.get("setup_classes", ()):
       if isinstance(ns.get(name), type):
         CLASSES[name] = ns[name]
-    for name in plan["remote"]:  # the solution's functions, overriding the prompt's stubs
+    for name in job["remote"]:  # the solution's functions, overriding the prompt's stubs
       ns[name] = Remote(channel, name)
-    for alias, name in plan.get("bind", {}).items():
+    for alias, name in job.get("bind", {}).items():
       ns[alias] = Remote(channel, name)
-    if plan.get("test"):
-      exec_trusted(plan["test"], ns, "test")
+    if job.get("test"):
+      exec_trusted(job["test"], ns, "test")
     signal.setitimer(signal.ITIMER_REAL, 0)
   except BaseException as e:  # noqa: B036 - the trusted test itself is broken: every case fails, the row's fault
     signal.setitimer(signal.ITIMER_REAL, 0)
-    emit({"test_error": f"{type(e).__name__}: {e}"[:300] + "\n" + traceback.format_exc()[-1500:]})
+    emit({**tag, "test_error": f"{type(e).__name__}: {e}"[:300] + "\n" + traceback.format_exc()[-1500:]})
     return
-  for i, source in enumerate(plan["cases"]):
+  for i, source in enumerate(job["cases"]):
     channel.case = i
     ok, why = run(source, dict(ns), i)
-    emit({"case": i, "ok": ok, "why": why})
+    emit({**tag, "case": i, "ok": ok, "why": why})
     if plan["stop_at_first_failure"] and not ok:
       return
 
@@ -282,6 +310,8 @@ if plan["mode"] == "checker":
   checker_mode()
 elif plan["mode"] == "pytest":
   pytest_mode()
+elif plan["mode"] == "batch":
+  batch_mode()
 else:
   module_mode()
 report.close()

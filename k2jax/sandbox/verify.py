@@ -64,6 +64,7 @@ import pathlib
 import pickle
 import shutil
 import tempfile
+import threading
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -434,7 +435,15 @@ def verify(code: str, row: Mapping[str, Any] | Problem, config: CodeRewardConfig
     else:
       outcomes, info = _run_cases(code, problem, config)
   except _Infra as e:
-    return Graded(math.nan, f"infrastructure error (masked, not a verdict): {e}", {"infra_error": str(e)})
+    return _infra_graded(e)
+  return _graded(problem, outcomes, info, config)
+
+
+def _infra_graded(e: Exception) -> Graded:
+  return Graded(math.nan, f"infrastructure error (masked, not a verdict): {e}", {"infra_error": str(e)})
+
+
+def _graded(problem: Problem, outcomes: list[tuple[bool, str]], info: dict, config: CodeRewardConfig) -> Graded:
   passed = sum(ok for ok, _ in outcomes)
   total = len(outcomes)  # every case the row defines (pytest: every test collected, at least every def test_)
   failures = [(i, why) for i, (ok, why) in enumerate(outcomes) if not ok]
@@ -453,11 +462,23 @@ def verify_batch(
   config: CodeRewardConfig = CodeRewardConfig(),
   max_workers: int = 4,
 ) -> list[Graded]:
-  """`verify` over (code, row) pairs, `max_workers` at once (each is one or two sandbox launches), in order.
-  Every row is parsed first, so a malformed one raises before any program runs."""
+  """`verify` over (code, row) pairs, in order, `max_workers` solution sandboxes at once. Every row is parsed
+  first, so a malformed one raises before any program runs. HumanEval/MBPP-style rows share ONE test sandbox
+  (their trusted tests run one after another in it, each against its own solution's sandbox, which sees only
+  its own FIFO pair): one launch per sample instead of two. Solutions never share a sandbox."""
+  if config.compare not in COMPARE_MODES:
+    raise ValueError(f"CodeRewardConfig.compare: {config.compare!r} is not one of {COMPARE_MODES}")
   parsed = [(code, row if isinstance(row, Problem) else parse_row(row)) for code, row in jobs]
+  out: list[Graded | None] = [None] * len(parsed)
+  module = [i for i, (_, p) in enumerate(parsed) if p.kind == "module"]
+  rest = [i for i in range(len(parsed)) if i not in set(module)] if len(module) > 1 else list(range(len(parsed)))
   with concurrent.futures.ThreadPoolExecutor(max(1, max_workers)) as pool:
-    return list(pool.map(lambda job: verify(job[0], job[1], config), parsed))
+    if len(module) > 1:
+      for i, g in zip(module, _run_module_batch([parsed[i] for i in module], config, pool), strict=True):
+        out[i] = g
+    for i, g in zip(rest, pool.map(lambda i: verify(parsed[i][0], parsed[i][1], config), rest), strict=True):
+      out[i] = g
+  return out  # type: ignore[return-value]
 
 
 class _Infra(Exception):
@@ -604,8 +625,12 @@ def _run_checker(checker: str, cases: list[dict], config: CodeRewardConfig) -> d
   }
 
 
-def _fifo_dir() -> str:
-  chan = tempfile.mkdtemp(prefix="k2jax-verify-chan-")
+def _fifo_dir(path: str | None = None) -> str:
+  if path is None:
+    chan = tempfile.mkdtemp(prefix="k2jax-verify-chan-")
+  else:
+    os.mkdir(path)
+    chan = path
   os.chmod(chan, 0o755)
   for name in ("calls", "results"):
     path = os.path.join(chan, name)
@@ -629,37 +654,8 @@ def _unblock(chan: str) -> list[int]:
 def _run_module(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[tuple[bool, str]], dict]:
   chan = _fifo_dir()
   try:
-    common = {
-      "chan": _CHAN_MOUNT,
-      "case_time_s": config.case_time_s,
-      "max_case_output": config.max_case_output_bytes,
-      "stop_at_first_failure": config.stop_at_first_failure,
-      "setup_classes": list(p.setup_classes),
-    }
-    solution = f"{p.setup}\n{code}" if p.setup else code
-    sol_plan = {
-      **common,
-      "mode": "serve",
-      "cpu_s": math.ceil(config.case_time_s),
-      "isolated": runner.isolation_error(config.sandbox) is None,
-    }
-    sol_files = {
-      "main.py": _SOLUTION_DRIVER,
-      "_wire.py": _WIRE,
-      "solution.py": solution,
-      "plan.json": json.dumps(sol_plan),
-    }
-    test_plan = {
-      **common,
-      "mode": "module",
-      "startup_s": _STARTUP_S,
-      "prompt": p.prompt,
-      "setup": p.setup,
-      "test": p.test,
-      "cases": list(p.cases),
-      "remote": list(p.remote),
-      "bind": dict(p.bind),
-    }
+    sol_files = _serve_files(code, p, config)
+    test_plan = {**_common_plan(config), "mode": "module", **_job_plan(p, _CHAN_MOUNT)}
     test_files = {"main.py": _TEST_DRIVER, "_wire.py": _WIRE, "plan.json": json.dumps(test_plan)}
     binds = ((chan, _CHAN_MOUNT, True),)
     test_binds = binds
@@ -701,6 +697,129 @@ def _run_module(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[t
     "layers": results["test"].layers,
     "elapsed_s": max(r.elapsed_s for r in results.values()),
   }
+  return _module_outcomes(p, recs, info, config)
+
+
+def _common_plan(config: CodeRewardConfig) -> dict:
+  return {
+    "case_time_s": config.case_time_s,
+    "max_case_output": config.max_case_output_bytes,
+    "stop_at_first_failure": config.stop_at_first_failure,
+    "startup_s": _STARTUP_S,
+  }
+
+
+def _job_plan(p: Problem, chan: str) -> dict:
+  return {
+    "chan": chan,
+    "prompt": p.prompt,
+    "setup": p.setup,
+    "test": p.test,
+    "cases": list(p.cases),
+    "remote": list(p.remote),
+    "bind": dict(p.bind),
+    "setup_classes": list(p.setup_classes),
+  }
+
+
+def _serve_files(code: str, p: Problem, config: CodeRewardConfig) -> dict[str, str]:
+  plan = {
+    **_common_plan(config),
+    "chan": _CHAN_MOUNT,
+    "mode": "serve",
+    "cpu_s": math.ceil(config.case_time_s),
+    "isolated": runner.isolation_error(config.sandbox) is None,
+    "setup_classes": list(p.setup_classes),
+  }
+  solution = f"{p.setup}\n{code}" if p.setup else code
+  return {"main.py": _SOLUTION_DRIVER, "_wire.py": _WIRE, "solution.py": solution, "plan.json": json.dumps(plan)}
+
+
+def _run_module_batch(
+  jobs: list[tuple[str, Problem]], config: CodeRewardConfig, pool: concurrent.futures.Executor
+) -> list[Graded]:
+  root = tempfile.mkdtemp(prefix="k2jax-verify-chans-")
+  os.chmod(root, 0o755)
+  held: list[int] = []
+  try:
+    chans = []
+    for k in range(len(jobs)):
+      chan = _fifo_dir(os.path.join(root, str(k)))
+      chans.append(chan)
+    plan = {**_common_plan(config), "mode": "batch"}
+    plan["jobs"] = [_job_plan(p, f"{_CHAN_MOUNT}/{k}") for k, (_, p) in enumerate(jobs)]
+    test_files = {"main.py": _TEST_DRIVER, "_wire.py": _WIRE, "plan.json": json.dumps(plan)}
+    n = sum(len(p.cases) + 2 for _, p in jobs)
+    test_cfg = _sandbox_for(config, n, sum(map(len, test_files.values())), 1, ((root, _CHAN_MOUNT, True),))
+    # The test's sandbox has no worker slot of the pool's: it waits for the solutions, which wait for it.
+    test_thread = concurrent.futures.ThreadPoolExecutor(1)
+    test_future = test_thread.submit(_run, test_files, test_cfg)
+    lock = threading.Lock()
+
+    def release_all(_future) -> None:  # the test's sandbox ended (or never started): no solution waits for it
+      with lock:
+        for chan in chans:
+          held.extend(_unblock(chan))
+
+    test_future.add_done_callback(release_all)
+
+    def solution(k: int) -> SandboxResult | _Infra:
+      code, p = jobs[k]
+      files = _serve_files(code, p, config)
+      cfg = _sandbox_for(
+        config, len(p.cases) + 2, sum(map(len, files.values())), _SOLUTION_PROCESSES, ((chans[k], _CHAN_MOUNT, True),)
+      )
+      if test_future.done() and test_future.exception() is not None:
+        return _Infra(str(test_future.exception()))
+      try:
+        return _run(files, cfg)
+      except _Infra as e:
+        with lock:
+          held.extend(_unblock(chans[k]))  # the test's sandbox would wait for this solution
+        return e
+
+    sol_results = list(pool.map(solution, range(len(jobs))))
+    try:
+      test_result = test_future.result()
+      test_error: _Infra | None = None
+    except _Infra as e:
+      test_result, test_error = None, e
+    test_thread.shutdown()
+  finally:
+    for fd in held:
+      os.close(fd)
+    shutil.rmtree(root, ignore_errors=True)
+  out = []
+  try:
+    recs = _started(test_result, "test's") if test_result is not None else None
+  except _Infra as e:
+    recs, test_error = None, e
+  for k, ((_, p), sol) in enumerate(zip(jobs, sol_results, strict=True)):
+    if recs is None or isinstance(sol, _Infra):
+      out.append(_infra_graded(test_error if recs is None else sol))
+      continue
+    try:
+      _started(sol, "solution's")
+    except _Infra as e:
+      out.append(_infra_graded(e))
+      continue
+    mine = [r for r in recs if r.get("job") == k]
+    peer = next((r["no_peer"] for r in mine if "no_peer" in r), None)
+    if peer is not None:
+      out.append(_infra_graded(_Infra(peer)))
+      continue
+    info = {
+      "sandbox_reason": sol.reason,
+      "test_sandbox_reason": test_result.reason,
+      "layers": sol.layers,
+      "elapsed_s": sol.elapsed_s,
+    }
+    outcomes, info = _module_outcomes(p, mine, info, config)
+    out.append(_graded(p, outcomes, info, config))
+  return out
+
+
+def _module_outcomes(p: Problem, recs: list[dict], info: dict, config: CodeRewardConfig):
   err = next((r["test_error"] for r in recs if "test_error" in r), None)
   if err is not None:
     return [(False, f"the test module failed before any case: {err.splitlines()[0]}")] * len(p.cases), {

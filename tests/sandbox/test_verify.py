@@ -413,23 +413,27 @@ def test_many_cases_share_one_sandbox_launch(monkeypatch):
 
 
 @needs_isolation
+@pytest.mark.slow  # a fresh interpreter importing k2jax (jax): ~10 s of CPU
 def test_python_O_strips_no_check():
   script = (
     "import json, sys\nfrom k2jax.sandbox.verify import verify\nfrom k2jax.sandbox.code import CodeRewardConfig\n"
-    "row, cfg = json.loads(sys.argv[1]), CodeRewardConfig(case_time_s=2.0)\n"
-    "print(json.dumps([verify(c, row, cfg).reward for c in json.loads(sys.argv[2])]))\n"
+    "cfg = CodeRewardConfig(case_time_s=2.0)\n"
+    "print(sys.flags.optimize, json.dumps([verify(c, row, cfg).reward for row, c in json.loads(sys.argv[1])]))\n"
   )
   mbpp = {"test_list": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]}
-  codes = ["def add(a, b):\n    return a + b\n", "def add(a, b):\n    return 0\n"]
-  for row in (mbpp, APPS_STDIN):
-    sols = codes if row is mbpp else [ADD_STDIN, MUL_STDIN]
-    out = subprocess.run(
-      [sys.executable, "-O", "-c", script, json.dumps(row), json.dumps(sols)],
-      capture_output=True,
-      text=True,
-      check=True,
-    )
-    assert json.loads(out.stdout) == [1.0, 0.0], out
+  jobs = [
+    (mbpp, "def add(a, b):\n    return a + b\n"),
+    (mbpp, "def add(a, b):\n    return 0\n"),
+    (HUMANEVAL_ROW, HUMANEVAL_ROW["prompt"] + FIND_ZERO),
+    (HUMANEVAL_ROW, HUMANEVAL_ROW["prompt"] + "    return None\n"),
+    (APPS_STDIN, ADD_STDIN),
+    (APPS_STDIN, MUL_STDIN),
+  ]
+  out = subprocess.run(
+    [sys.executable, "-O", "-c", script, json.dumps(jobs)], capture_output=True, text=True, check=True
+  )
+  flag, rewards = out.stdout.split(" ", 1)
+  assert flag == "1" and json.loads(rewards) == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0], out
 
 
 @needs_isolation
@@ -542,3 +546,52 @@ t.join()
   assert verify(threaded, row, CodeRewardConfig(case_time_s=5.0)).reward == 1.0
   annotated = TWO_SUM_SOLUTION.replace("(self, nums, target)", "(self, nums: List[int], target: int) -> List[int]")
   assert verify(annotated, LCB_FUNCTIONAL, CFG).reward == 1.0  # List without an import, as on LeetCode
+
+
+@needs_isolation
+def test_verify_batch_shares_one_test_sandbox_and_keeps_each_verdict(monkeypatch):
+  from k2jax.sandbox.verify import verify_batch
+
+  launches = []
+  real = verify_mod.run_python
+  monkeypatch.setattr(
+    verify_mod,
+    "run_python",
+    lambda f, e, c, s="": launches.append(json.loads(f["plan.json"])["mode"]) or real(f, e, c, s),
+  )
+  jobs = [
+    (HUMANEVAL_ROW["prompt"] + FIND_ZERO, HUMANEVAL_ROW),
+    (HUMANEVAL_ROW["prompt"] + "    return None\n", HUMANEVAL_ROW),
+    (MBPP_SOLUTION, MBPP_ROW),
+    ("import os\nos._exit(0)\n", MBPP_ROW),
+    (ADD_STDIN, APPS_STDIN),
+    (HUMANEVAL_ROW["prompt"] + "import os\nos.kill(1, 9)\n", HUMANEVAL_ROW),
+  ]
+  graded = verify_batch(jobs, CFG, max_workers=3)
+  assert [g.reward for g in graded] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0], [g.reason for g in graded]
+  assert sorted(launches) == ["batch", "serve", "serve", "serve", "serve", "serve", "stdin"]
+
+
+@needs_isolation
+@pytest.mark.parametrize("refused", ["serve", "batch"], ids=["one-solution", "test-side"])
+def test_verify_batch_masks_what_could_not_start_and_never_hangs(monkeypatch, refused):
+  from k2jax.sandbox.verify import verify_batch
+
+  real, ran = verify_mod.run_python, []
+
+  def refuse(files, entry, config=None, stdin=""):
+    plan = json.loads(files["plan.json"])
+    if plan["mode"] == refused and (refused == "batch" or "return None" in files["solution.py"]):
+      raise runner.SandboxUnavailable(f"{refused} refused")
+    ran.append(real(files, entry, config, stdin))
+    return ran[-1]
+
+  monkeypatch.setattr(verify_mod, "run_python", refuse)
+  jobs = [(HUMANEVAL_ROW["prompt"] + b, HUMANEVAL_ROW) for b in (FIND_ZERO, "    return None\n", FIND_ZERO)]
+  graded = verify_batch(jobs, CFG, max_workers=2)
+  if refused == "serve":
+    assert graded[0].reward == 1.0 and graded[2].reward == 1.0, [g.reason for g in graded]
+    assert graded[1].reward != graded[1].reward and "refused" in graded[1].info["infra_error"]
+  else:
+    assert all(g.reward != g.reward and "refused" in g.info["infra_error"] for g in graded)
+  assert all(not r.timed_out for r in ran), ran  # every sandbox that ran ended on its own
