@@ -4,12 +4,14 @@
   python launch/train.py --config=configs/k2.py:tiny --workdir=/tmp/k2tiny
   python launch/train.py --config=configs/k2.py:tiny --workdir=W --config.steps=50 --config.optim.peak_lr=3e-3
   python launch/train.py --config=configs/k2.py:1t --dry_run            # counts + memory plan, no allocation
+  python launch/train.py --config=configs/k2.py:tiny --workdir=W --config.eval.fraction=0.02 --config.eval.every_steps=50
   python launch/sweep.py --config=configs/k2.py:tiny --sweep=lr --workdir=/tmp/sweeps
 
 Every knob is declared once, in `k2jax.train.config` (default, type, one-line doc, check): `_base()` is
 those defaults as a ConfigDict and each preset below only changes fields; `from_config_dict` turns the
 ConfigDict into the frozen dataclasses at the `run()` boundary. `model.*` fields left at None take the
-preset's value.
+preset's value. `eval.*` (off in every preset) adds held-out loss, perplexity and bits-per-byte, overall and
+per source (k2jax.train.heldout), on its own files or a hash-of-record-id split of data.path.
 """
 
 from ml_collections import config_dict

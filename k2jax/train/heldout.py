@@ -134,10 +134,18 @@ class Evaluator:
     totals = {}
     for src in self.sources:
       t = totals[src.name] = Totals()
+      pending = None  # batch k's result is read after batch k+1 is dispatched: the host packs while it runs
       for batch in self.batches(src):
-        ce_BT = self.ce(params, bias, batch)
-        t.add(ce_BT, batch["loss_mask"], self.token_bytes[batch["targets"]])
+        out = self._dispatch(params, bias, batch)
+        if pending is not None:
+          self._add(t, *pending)
+        pending = (out, batch)
+      if pending is not None:
+        self._add(t, *pending)
     return summarize(totals)
+
+  def _add(self, t: Totals, out: jax.Array, batch: dict) -> None:
+    t.add(np.asarray(out.addressable_data(0)), batch["loss_mask"], self.token_bytes[batch["targets"]])
 
   def batches(self, src: data_heldout.HeldoutSource):
     """`src`'s global held-out batches (numpy, every row)."""
@@ -152,7 +160,9 @@ class Evaluator:
 
   def ce(self, params: dict, bias: dict, batch: dict) -> np.ndarray:
     """Masked per-token cross entropy of one global batch (float32 [rows, T], on every process)."""
+    return np.asarray(self._dispatch(params, bias, batch).addressable_data(0))
+
+  def _dispatch(self, params: dict, bias: dict, batch: dict) -> jax.Array:
     local = {k: v[self.local_rows] for k, v in batch.items()}
     with self.layout.use():
-      out = self.fn(params, bias, inputs.to_global(local, self.sharding, self.rows))
-    return np.asarray(out.addressable_data(0))
+      return self.fn(params, bias, inputs.to_global(local, self.sharding, self.rows))
