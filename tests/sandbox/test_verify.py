@@ -308,8 +308,10 @@ def test_expected_outputs_never_enter_the_solution_sandbox(monkeypatch):
   leak = (
     "import os\nfor d, _, names in os.walk('/'):\n"
     "    for n in names:\n        p = os.path.join(d, n)\n"
-    "        try:\n            t = open(p, errors='ignore').read(1 << 20)\n        except Exception:\n            continue\n"
-    "        if 'EXPECTED_' in t and 'leak' not in t:\n            print(t[t.index('EXPECTED_'):][:15]); raise SystemExit\n"
+    "        try:\n            t = open(p, errors='ignore').read(1 << 20)\n"
+    "        except Exception:\n            continue\n"
+    "        if 'EXPECTED_' in t and 'leak' not in t:  # not this very source\n"
+    "            print(t[t.index('EXPECTED_'):][:15]); raise SystemExit\n"
   )
   g = verify(leak, row, CodeRewardConfig(case_time_s=5.0))
   assert g.reward == 0.0, g.reason
