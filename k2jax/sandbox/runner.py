@@ -147,8 +147,8 @@ def _probe(uid: int | None, python: str) -> str | None:
 def _execute(files: dict[str, str], entry: str, config: SandboxConfig, stdin: str, isolate: bool) -> SandboxResult:
   uid = config.uid if os.geteuid() == 0 else None
   python = config.python or _python_for(uid)
-  work = tempfile.mkdtemp(prefix="k2jax-sandbox-")
-  io_dir = tempfile.mkdtemp(prefix="k2jax-sandbox-io-")
+  work = tempfile.mkdtemp(prefix="k2jax-sandbox-")  # root stages it: it may sit where the uid cannot go
+  io_dir = tempfile.mkdtemp(prefix="k2jax-sandbox-io-", dir=_io_parent(uid))
   try:
     for name, text in files.items():
       path = pathlib.Path(work, name)
@@ -170,6 +170,21 @@ def _execute(files: dict[str, str], entry: str, config: SandboxConfig, stdin: st
   finally:
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(io_dir, ignore_errors=True)
+
+
+def _io_parent(uid: int | None) -> str | None:
+  """Where the launcher's own dir goes: after dropping to `uid` it mounts the new root there, so every
+  directory above it must let others through (the caller's TMPDIR may be a 0700 dir of root's)."""
+  if uid is None:
+    return None
+  for cand in (tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"):
+    path, ok = os.path.realpath(cand), os.path.isdir(cand)
+    while ok and path not in ("/", ""):
+      ok = bool(os.stat(path).st_mode & 0o001)
+      path = os.path.dirname(path)
+    if ok:
+      return cand
+  raise SandboxUnavailable(f"sandbox: no temp dir that uid {uid} can traverse (tried TMPDIR, /tmp, /var/tmp, /dev/shm)")
 
 
 def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) -> SandboxResult:

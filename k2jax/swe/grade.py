@@ -81,7 +81,8 @@ def grade(instance: Instance, patch: str | None, task_root: str, config: GradeCo
     tests_before = _test_hashes(work)
     prepare_workspace(work)
     try:
-      run = run_tests(work, (*instance.FAIL_TO_PASS, *instance.PASS_TO_PASS), config.run)
+      changed = sorted(hackcheck.added_lines(patch))
+      run = run_tests(work, (*instance.FAIL_TO_PASS, *instance.PASS_TO_PASS), config.run, changed)
     except InfraError as e:
       return report.done(applied=True, infra=True, reason=str(e)[:500], t0=t0)
     now = _test_hashes(work)

@@ -85,9 +85,14 @@ class InfraError(RuntimeError):
 
 
 def run_tests(
-  workspace: str, test_ids: Sequence[str] = (), config: WorkspaceRunConfig = WorkspaceRunConfig()
+  workspace: str,
+  test_ids: Sequence[str] = (),
+  config: WorkspaceRunConfig = WorkspaceRunConfig(),
+  touched: Sequence[str] = (),
 ) -> TestRun:
-  """Runs `test_ids` (all of the repository's tests when empty) of the tree at `workspace`."""
+  """Runs `test_ids` (all of the repository's tests when empty) of the tree at `workspace`. `touched`: the
+  files (relative paths) a patch under grading changed; pytest plugins may come from the repository's
+  other files and its tests, never from these."""
   nonce = secrets.token_hex(16)
   args = ["-p", "no:cacheprovider", "-q", "--continue-on-collection-errors", "-o", "addopts=", "--rootdir=/testbed"]
   try:
@@ -96,7 +101,7 @@ def run_tests(
     args += ["-p", "pytest_timeout", f"--timeout={max(1, int(config.timeout_s))}"]
   except ImportError:
     pass
-  spec = json.dumps({"nonce": nonce, "args": args + list(test_ids)})
+  spec = json.dumps({"nonce": nonce, "args": args + list(test_ids), "touched": list(touched)})
   try:
     r = run_entry({"harness.py": _HARNESS}, "harness.py", workspace, config, stdin=spec)
   except SandboxUnavailable as e:
@@ -196,7 +201,7 @@ def _harness():
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: /proc/self/mem is closed to this process
     os.unlink(__file__)
     # The harness's own tools, bound now: later rebinding of os, json or a builtin does not reach them.
-    write, dumps, realpath, walk, join, lstat = os.write, json.dumps, os.path.realpath, os.walk, os.path.join, os.lstat
+    write, dumps, realpath, walk, join, _exit = os.write, json.dumps, os.path.realpath, os.walk, os.path.join, os._exit
     _id, _type, _vars, _callable, _isinstance, _getattr, _list, _sorted = (
         id, type, vars, callable, isinstance, getattr, list, sorted)
     gettrace, getprofile, modules = sys.gettrace, sys.getprofile, sys.modules
@@ -227,8 +232,9 @@ def _harness():
     for d, dirs, names in walk(testbed):
         dirs[:] = [x for x in dirs if not x.startswith(".") and x not in ("__pycache__", "node_modules")]
         for n in names:
-            if n.endswith(".py") and (n.startswith("test") or n.endswith("_test.py") or n == "conftest.py"
-                                      or "test" in d[len(testbed):]):
+            parts = d[len(testbed):].split(os.sep)  # snapshot.is_test_path's rule: these are restored
+            if n.endswith(".py") and (n.startswith("test_") or n.endswith("_test.py") or n == "conftest.py"
+                                      or any(x in ("tests", "test", "testing") for x in parts)):
                 p = realpath(join(d, n))
                 if size < 64 << 20:
                     with open(p, "rb") as f:
@@ -297,22 +303,37 @@ def _harness():
             breaches.append(why)
             emit({"t": "tamper", "why": why})
 
+    touched = frozenset(realpath(join(testbed, t)) for t in spec.get("touched", ()))
+
+    def repo_file(f):
+        """A test file read before the run, or a file of the repository the patch left alone."""
+        if not _isinstance(f, str):
+            return False
+        p = realpath(f)
+        return p in sources or (p.startswith(testbed_dir) and p not in touched)
+
+    def home_of(plugin):
+        """The file a plugin's code must come from: a module's own, or its class's module's."""
+        if _isinstance(plugin, ModuleType):
+            return _getattr(plugin, "__file__", None)
+        return _getattr(modules.get(_getattr(_type(plugin), "__module__", "")), "__file__", None)
+
     def verdict_on(plugin, name):
-        """None when `plugin` may take part in the run, else what it is."""
+        """None when `plugin` may take part in the run, else what it is. Its hook functions are checked
+        against its file at the end."""
         if plugin is None or plugin is reporter:
             return None
+        f = home_of(plugin)
         if _isinstance(plugin, ModuleType):
-            f = _getattr(plugin, "__file__", None)
-            if tool_file(f):
+            if tool_file(f) or repo_file(f):
                 return None
-            if _isinstance(f, str) and f.endswith("conftest.py") and realpath(f) in sources:
-                return None  # its hook functions are checked against the file at the end
             return f"module {_getattr(plugin, '__name__', '?')!r} from {f!r}"
         cls = _type(plugin)
-        mod = modules.get(_getattr(cls, "__module__", ""))
-        if mod is not None and tool_file(_getattr(mod, "__file__", None)) and _getattr(mod, cls.__name__, None) is cls:
+        if tool_file(f) and _getattr(modules.get(cls.__module__), cls.__name__, None) is cls:
             return None
-        return f"an object of class {cls.__qualname__} from {cls.__module__}"
+        if repo_file(f):
+            return None
+        return f"an object of class {cls.__qualname__} from {cls.__module__} ({f})"
 
     def impls_of(pm):
         out = set()
@@ -346,6 +367,7 @@ def _harness():
                 breach(f"a plugin was registered during the run: {why}")
                 return
             state["accepted"][_id(plugin)] = plugin
+            state.setdefault("classes", {})[_id(plugin)] = _type(plugin)
             for hname, caller in _list(_vars(manager.hook).items()):
                 for impl in caller.get_hookimpls():
                     if impl.plugin is plugin:
@@ -364,8 +386,11 @@ def _harness():
                 where = realpath(code.co_filename)
                 if not where.startswith(testbed_dir):
                     continue  # a decorator's wrapper from a library: the test's own code is not in view
-                path = realpath(str(item.path))
-                if where != path or code not in pristine_code(path, session.config).get(code.co_qualname, ()):
+                if where == realpath(str(item.path)) or where in sources:  # the test's file, or a test helper's
+                    ok = code in pristine_code(where, session.config).get(code.co_qualname, ())
+                else:  # a wrapper from the repository's own code: only from a file the patch left alone
+                    ok = where not in touched
+                if not ok:
                     breach(f"the code of test {item.nodeid} is not its file's as read before the run")
 
         @pytest.hookimpl(tryfirst=True)
@@ -418,17 +443,24 @@ def _harness():
         for hname, plugin_id, fn_id in _sorted(state["impls"] - impls_of(pm)):
             if state["accepted"].get(plugin_id) is reporter or pm.is_registered(state["accepted"].get(plugin_id)):
                 breach(f"a hook implementation was removed: {hname}")
-        for plugin in _list(state["accepted"].values()):  # conftest hooks: the code of the file read before
-            f = _getattr(plugin, "__file__", None) if _isinstance(plugin, ModuleType) else None
-            if f is None or tool_file(f):
+        for key, plugin in _list(state["accepted"].items()):
+            if _type(plugin) is not state["classes"][key]:
+                breach(f"plugin {pm.get_name(plugin)} changed class during the run (to {_type(plugin).__qualname__})")
+        for plugin in _list(state["accepted"].values()):  # the repository's plugins: their own file's code
+            f = home_of(plugin)
+            if plugin is None or plugin is reporter or f is None or tool_file(f):
                 continue
-            codes = pristine_code(realpath(f), session.config)
             for hname, caller in _list(_vars(pm.hook).items()):
                 for impl in caller.get_hookimpls():
-                    if impl.plugin is plugin:
-                        co = _getattr(impl.function, "__code__", None)
-                        if co is None or co not in codes.get(co.co_qualname, ()):
-                            breach(f"conftest hook {hname} of {f} is not that file's code")
+                    if impl.plugin is not plugin:
+                        continue
+                    fn = _getattr(impl.function, "__func__", impl.function)
+                    co = _getattr(fn, "__code__", None)
+                    ok = co is not None and realpath(co.co_filename) == realpath(f)
+                    if ok and realpath(f) in sources:
+                        ok = co in pristine_code(realpath(f), session.config).get(co.co_qualname, ())
+                    if not ok:
+                        breach(f"hook {hname} of plugin {pm.get_name(plugin)} is not the code of {f}")
         for node, (item, obj_id, fn, code) in _list(state["items"].items()):
             now_fn, now_code = code_of(item)
             if _id(_getattr(item, "obj", None)) != obj_id or now_fn is not fn or now_code is not code:
@@ -443,7 +475,7 @@ def _harness():
     emit({"t": "end", "code": code})
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    _exit(code)
 
 
 globals().pop("_harness")()

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -99,6 +100,17 @@ def test_pytest_from_a_venv_in_a_0700_home_runs_a_workspace_in_a_0700_dir(tmp_pa
   out = run_command(["bash", "-c", "python -c 'import pytest; print(pytest.__file__)' && touch made_here"], ws, cfg)
   assert out.returncode == 0 and out.output.strip() == os.path.join(site, "pytest", "__init__.py"), out.output
   assert os.path.exists(os.path.join(ws, "made_here"))  # the workspace is writable through its bind
+
+
+@needs_isolation
+def test_a_temp_dir_the_sandbox_uid_cannot_enter_still_runs(tmp_path, monkeypatch):
+  """TMPDIR in a 0700 dir (bench/swe_env.py's own temp dir): the run's files are staged, its launcher's dir
+  goes where the uid can reach it, and nothing is left behind."""
+  home = _locked_home(tmp_path)
+  monkeypatch.setattr(tempfile, "tempdir", home)
+  r = run_python({"main.py": "import os; print(sorted(os.listdir('.')))"}, "main.py")
+  assert r.reason == "ok" and r.stdout.strip() == "['main.py']", r.stderr
+  assert os.listdir(home) == [] and os.stat(home).st_mode & 0o777 == 0o700
 
 
 @needs_isolation
