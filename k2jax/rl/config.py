@@ -240,6 +240,23 @@ class EvalSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class CriticSpec:
+  """Closed-loop critic refinement (K2 §3.2.2; k2jax/rl/critic.py): verifiable-reward pairs in the rubric
+  reward's pairwise format, their verifier-consistent verdicts trained as an auxiliary NLL term."""
+
+  coef: float = knob(0.0, "weight of the critic verdict NLL in the RL update (0 = off)", **_NON_NEGATIVE)
+  batch_size: int = knob(16, "critic rows per update (a multiple of the mesh's batch shards)", **_POSITIVE)
+  seq_len: int = knob(512, "tokens per critic row (judge prompt + verdict; longer examples dropped)", **_POSITIVE)
+  heldout_fraction: float = knob(
+    0.2,
+    "content-hash share of pairs never trained on (critic_agreement is measured on them)",
+    check=lambda v: 0.0 < v < 1.0,
+    rule="must be in (0, 1)",
+  )
+  eval_pairs: int = knob(8, "held-out pairs scored per iteration (both orders, 4 rows each)", **_POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
   """configs/rl.py, typed (K2 §3.2.3: the K2 objective with MuonClip, rollouts, PTX, weight sync)."""
 
@@ -264,6 +281,7 @@ class RLConfig:
   train: RLTrainSpec = section(RLTrainSpec, "trainer rows")
   sync: SyncSpec = section(SyncSpec, "weight pushes to a remote engine")
   checkpoint: RLCheckpointSpec = section(RLCheckpointSpec, "orbax checkpoints")
+  critic: CriticSpec = section(CriticSpec, "closed-loop critic refinement on verifiable rollouts")
   log: RLLogSpec = section(RLLogSpec, "extra logs")
   eval: EvalSpec = section(EvalSpec, "greedy evaluation")
 

@@ -39,6 +39,7 @@ from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 from k2jax.model import presets
 from k2jax.model.config import ConfigError, K2Config
 from k2jax.rl import batching, rl_step
+from k2jax.rl import critic as critic_lib
 from k2jax.rl.config import RLConfig, RLModelSpec
 from k2jax.rl.algo import K2LossConfig, rollout_metrics, select_old_logprobs
 from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
@@ -108,6 +109,7 @@ class LearnerConfig:
   rollout_engine: str = "embedded"  # in-process engine without engine_url: embedded | sglang_jax_colocated
   sglang_jax: SglangJaxConfig = SglangJaxConfig()
   colocate: ColocateConfig = ColocateConfig()  # phases of an engine on a serving mesh (phases.py)
+  critic: critic_lib.CriticConfig | None = None  # closed-loop critic refinement (critic.py); None = off
   spec: RLConfig | None = None  # the typed configs/rl.py tree this was derived from (new knobs: read them here)
 
   @property
@@ -199,6 +201,7 @@ def from_config_dict(c, workdir: str, stop_ids: tuple[int, ...], *, check_files:
     rollout_engine=r.engine,
     sglang_jax=SglangJaxConfig(**{**dataclasses.asdict(s), **paddings}),
     colocate=ColocateConfig(**dataclasses.asdict(rc.colocate)),
+    critic=critic_lib.CriticConfig(**dataclasses.asdict(rc.critic), seed=rc.seed) if rc.critic.coef > 0 else None,
     spec=rc,
   )
   mixed = len(rc.tasks) > 0  # tasks.* sections (validated by tasks.task_specs) replace the single task.*
@@ -340,13 +343,15 @@ class Learner:
     self.logprobs_fn = logprobs_fn
     self.ptx = PTXSet(lc.ptx, load_tokenizer(lc.tokenizer_path)) if lc.ptx else None
     self.manager = self.runtime = None
+    rubric = lc.task_runtime.reward.rubric  # the critic learns the rubric reward's own pairwise judgment
+    self.critic = critic_lib.make_refiner(lc.critic, lc.tokenizer_path, rubric, task.reward_kinds)
     if self.primary:
       self.runtime = TaskRuntime(task, lc.task_runtime, self.engine, load_tokenizer(lc.tokenizer_path))
       self.manager = RolloutManager(
         lc.rollout,
         self.engine,
         self._prompts(self.meta["prompts_drawn"]),
-        self.runtime.reward_fn,
+        self.critic.recording(self.runtime.reward_fn) if self.critic else self.runtime.reward_fn,
         decode=decode,
         episodes=self.runtime.episodes,
         start_iteration=self.meta["iteration"],
@@ -440,11 +445,17 @@ class Learner:
       dev["engine_logprobs_BT"],
       lambda: self.logprobs_fn(s.params, s.bias, dev["tokens_BT"], dev["segment_ids_BT"]),
     )
+    critic = None  # this batch's verifiable pairs: rows for the update, agreement on held-out pairs
+    if self.critic is not None:
+      score = lambda tokens_BT, seg_BT: self.logprobs_fn(s.params, s.bias, tokens_BT, seg_BT)  # noqa: E731
+      share = lambda a: self._on_mesh(self._share(a))  # noqa: E731
+      it = self.meta["iteration"]
+      critic, crec = critic_lib.critic_step(self.critic, collected[0] if self.primary else None, it, share, score)
     ptx = None
     for _ in range(lc.updates_per_batch):
       if self.ptx is not None:
         ptx = self._on_mesh(self.ptx.batch(int(self.state.step)))
-      self.state, metrics = self.rl_step(self.state, dev, old_BT, ptx)
+      self.state, metrics = self.rl_step(self.state, dev, old_BT, ptx, critic)
     metrics = jax.device_get(metrics)
     t2 = time.perf_counter()
     new_version = self._push()
@@ -461,6 +472,8 @@ class Learner:
       if gap is not None:
         rec["engine_logprob_max_abs_diff"] = gap
     rec.update({f"rollout_{k}": v for k, v in rstats.items()})
+    if critic is not None:
+      rec.update(crec)
     rec.update({f"dropped_{k}": int(dropped.get(k, 0)) for k in ("samples",) + batching.CHECKS})
     tokens = float(np.sum(host["segment_ids_BT"] > 0)) * lc.updates_per_batch
     wall = time.perf_counter() - t0

@@ -43,6 +43,7 @@ def make_update(lc, mdef, optimizer, schedule):
     num_groups=lc.rollout.target_groups,
     bias_update_rate=lc.bias_update_rate,
     qk_clip_tau=lc.qk_clip_tau,
+    critic_coef=lc.critic.coef if lc.critic else 0.0,
   )
 
 
@@ -51,6 +52,9 @@ def trainer_mesh_shape(lc, num_devices: int) -> dict[str, int]:
   shape = mesh_shape(lc.mesh, lc.model, num_devices, rows=lc.rows, what="rollout.target_groups")
   if lc.ptx:
     mesh_shape(lc.mesh, lc.model, num_devices, rows=lc.ptx.batch_size, what="ptx.batch_size")
+  if lc.critic:
+    mesh_shape(lc.mesh, lc.model, num_devices, rows=lc.critic.batch_size, what="critic.batch_size")
+    mesh_shape(lc.mesh, lc.model, num_devices, rows=lc.critic.eval_rows, what="critic.eval_pairs (4 rows each)")
   if lc.warm_start_steps:
     mesh_shape(lc.mesh, lc.model, num_devices, rows=lc.warm_start_batch_size, what="warm_start.batch_size")
   return shape

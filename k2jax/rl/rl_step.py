@@ -1,8 +1,9 @@
 """Pure RL train-step functions over `k2jax.train.step.TrainState`; the learner jits them.
 
   logprobs_fn(params, bias, tokens_BT, segment_ids_BT) -> logprobs_BT   pi_old recomputed by the trainer
-  rl_grads(params, bias, batch, old_logprobs_BT, ptx) -> (loss, aux, grads)   the K2 objective (+ PTX)
-  rl_step(state, batch, old_logprobs_BT, ptx) -> (state, m)   rl_grads, then `k2jax.train.apply_update`
+  rl_grads(params, bias, batch, old_logprobs_BT, ptx, critic) -> (loss, aux, grads)   the K2 objective
+      (+ PTX, + critic_coef * the verdict NLL of the critic rows, k2jax/rl/critic.py)
+  rl_step(state, batch, old_logprobs_BT, ptx, critic) -> (state, m)   rl_grads, then `k2jax.train.apply_update`
   sft_step(state, tokens_BT, segment_ids_BT, mask_BT) -> (state, m)   NLL (warm start)
 
 The learner jits them through the training core (`k2jax.train.core`), sharded as pretraining. Each
@@ -47,19 +48,28 @@ def make_rl_step(
   num_groups: int,
   bias_update_rate: float,
   qk_clip_tau: float | None,
+  critic_coef: float = 0.0,
 ) -> Callable:
-  """rl_step(state, batch, old_logprobs_BT, ptx) with `ptx` None iff loss_config.ptx_coef == 0."""
-  rl_grads = make_rl_grads(mdef, loss_config, num_groups=num_groups)
+  """rl_step(state, batch, old_logprobs_BT, ptx, critic) with `ptx` None iff loss_config.ptx_coef == 0 and
+  `critic` (rows: tokens_BT, segment_ids_BT, loss_mask_BT) None iff critic_coef == 0."""
+  rl_grads = make_rl_grads(mdef, loss_config, num_groups=num_groups, critic_coef=critic_coef)
 
-  def rl_step(state: TrainState, batch: dict, old_logprobs_BT, ptx: dict | None):
-    loss, aux, grads = rl_grads(state.params, state.bias, batch, old_logprobs_BT, ptx)
+  def rl_step(state: TrainState, batch: dict, old_logprobs_BT, ptx: dict | None, critic: dict | None = None):
+    loss, aux, grads = rl_grads(state.params, state.bias, batch, old_logprobs_BT, ptx, critic)
     state, metrics = apply_update(
       state, grads, loss, aux, optimizer, schedule, bias_update_rate=bias_update_rate, qk_clip_tau=qk_clip_tau
     )
     metrics.update(
       {
         k: aux[k]
-        for k in ("rl_loss", "log_ratio_mean", "log_ratio_abs_max", "centred_reward_abs_mean", "ptx_loss")
+        for k in (
+          "rl_loss",
+          "log_ratio_mean",
+          "log_ratio_abs_max",
+          "centred_reward_abs_mean",
+          "ptx_loss",
+          "critic_loss",
+        )
         if k in aux
       }
     )
@@ -69,10 +79,11 @@ def make_rl_step(
   return rl_step
 
 
-def make_rl_grads(mdef: ModelDef, loss_config: K2LossConfig, *, num_groups: int) -> Callable:
-  """rl_grads(params, bias, batch, old_logprobs_BT, ptx) -> (loss, aux, grads) of the K2 objective (+ PTX)."""
+def make_rl_grads(mdef: ModelDef, loss_config: K2LossConfig, *, num_groups: int, critic_coef: float = 0.0) -> Callable:
+  """rl_grads(params, bias, batch, old_logprobs_BT, ptx, critic) -> (loss, aux, grads) of the K2 objective
+  (+ PTX, + critic_coef * the token-mean NLL of the critic rows' verdicts)."""
 
-  def loss_fn(params, bias, batch, old_BT, ptx):
+  def loss_fn(params, bias, batch, old_BT, ptx, critic):
     lp_BT, out = forward_logprobs(mdef, params, bias, batch["tokens_BT"], batch["segment_ids_BT"])
     max_logits, counts = out.max_logits, out.expert_counts
     ptx_lp_BT = ptx_mask_BT = None
@@ -93,6 +104,15 @@ def make_rl_grads(mdef: ModelDef, loss_config: K2LossConfig, *, num_groups: int)
       ptx_logprobs_BT=ptx_lp_BT,
       ptx_mask_BT=ptx_mask_BT,
     )
+    if (critic is None) != (critic_coef == 0):
+      raise ValueError(f"rl_step: critic rows are required iff critic_coef > 0 (critic_coef={critic_coef})")
+    if critic is not None:  # closed-loop critic refinement: one more forward, an SFT term like PTX
+      critic_lp_BT, critic_out = forward_logprobs(mdef, params, bias, critic["tokens_BT"], critic["segment_ids_BT"])
+      max_logits = jnp.maximum(max_logits, critic_out.max_logits)
+      counts = counts + critic_out.expert_counts
+      aux["critic_loss"] = ptx_loss(critic_lp_BT, critic["loss_mask_BT"])
+      loss = loss + critic_coef * aux["critic_loss"]
+      aux["loss"] = loss
     aux.update(
       max_logits=max_logits,
       expert_counts=counts,
@@ -100,8 +120,8 @@ def make_rl_grads(mdef: ModelDef, loss_config: K2LossConfig, *, num_groups: int)
     )
     return loss, aux
 
-  def rl_grads(params, bias, batch, old_BT, ptx):
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, bias, batch, old_BT, ptx)
+  def rl_grads(params, bias, batch, old_BT, ptx, critic=None):
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, bias, batch, old_BT, ptx, critic)
     return loss, aux, grads
 
   return rl_grads

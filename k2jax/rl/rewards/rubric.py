@@ -56,30 +56,40 @@ def rubric_group_reward(judge: ChatClient, config: RubricRewardConfig = RubricRe
 
   def reward(prompt: Prompt, completions: Sequence[Completion]) -> list[RewardResult]:
     rubrics = format_rubrics(config, tuple(prompt.data.get("rubrics", ())))
-    question = prompt.text or str(prompt.data.get("question", ""))
+    question = judged_question(prompt)
     K = len(completions)
     jobs = [(i, j) for i, j in itertools.permutations(range(K), 2) if config.both_orders or i < j]
 
     def judge_pair(ij):
       i, j = ij
-      reply = judge.text(
-        [
-          {
-            "role": "user",
-            "content": PAIRWISE_TEMPLATE.format(
-              prompt=question, rubrics=rubrics, a=completions[i].text, b=completions[j].text
-            ),
-          }
-        ]
+      return (
+        i,
+        j,
+        parse_verdict(judge.text(pairwise_messages(question, rubrics, completions[i].text, completions[j].text))),
       )
-      found = _VERDICT.findall(reply)
-      return i, j, found[-1] if found else None
 
     with ThreadPoolExecutor(max(1, min(config.max_parallel, len(jobs)))) as pool:
       verdicts = list(pool.map(judge_pair, jobs))
     return _score(K, verdicts)
 
   return reward
+
+
+def judged_question(prompt: Prompt) -> str:
+  """The prompt text the judge sees."""
+  return prompt.text or str(prompt.data.get("question", ""))
+
+
+def pairwise_messages(question: str, rubrics: str, a: str, b: str) -> list[dict]:
+  """The chat the judge answers for one ordered pair (answer `a` shown as A, `b` as B); `rubrics` from
+  `format_rubrics`. The closed-loop critic (k2jax/rl/critic.py) trains the policy on exactly these."""
+  return [{"role": "user", "content": PAIRWISE_TEMPLATE.format(prompt=question, rubrics=rubrics, a=a, b=b)}]
+
+
+def parse_verdict(reply: str) -> str | None:
+  """The judge's last verdict in `reply`: "A", "B", "TIE", or None when it gave none."""
+  found = _VERDICT.findall(reply)
+  return found[-1] if found else None
 
 
 def format_rubrics(config: RubricRewardConfig, human: tuple[str, ...]) -> str:

@@ -1,0 +1,292 @@
+"""Closed-loop critic refinement (k2jax/rl/critic.py): pairs, the rubric reward's format, the held-out split,
+the agreement metric, the critic term of the RL update, the config; and (slow) a tiny RL run whose policy's
+agreement with the verifier on held-out pairs rises above chance."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from k2jax.data.chat import render_chat
+from k2jax.data.tokenizer import load_tokenizer
+from k2jax.model.config import ConfigError
+from k2jax.rl import critic as C
+from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
+from k2jax.rl.rewards.contract import EngineJudge
+from k2jax.rl.rewards.rubric import RubricRewardConfig, format_rubrics, parse_verdict, rubric_group_reward
+from k2jax.rl.rollout_batch import RolloutBatch, pad_token_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOK = load_tokenizer()
+RUBRIC = RubricRewardConfig()
+RUBRICS = format_rubrics(RUBRIC, ())
+
+
+def _prompt(b: int) -> Prompt:
+  text = f"1+{b}"
+  return Prompt(f"arith/{b}", "arith", tuple(TOK.encode(text)), text, {"answer": str(b + 1)})
+
+
+def _completion(text: str) -> Completion:
+  return Completion(tuple(TOK.encode(text)) + (TOK.eos_id,), text, "stop", False)
+
+
+def _exact(prompt, completions):
+  return [RewardResult(float(c.text == prompt.data["answer"]), "") for c in completions]
+
+
+def _batch(groups) -> RolloutBatch:
+  """The RolloutBatch the rollout manager builds from (prompt, completions) groups."""
+  rows, gids = [], []
+  for g, (p, cs) in enumerate(groups):
+    for c in cs:
+      P, R = len(p.input_ids), len(c.output_ids)
+      rows.append((list(p.input_ids) + list(c.output_ids), [0.0] * P + [1.0] * R, [0.0] * (P + R), [-1] * P + [0] * R))
+      gids.append(g)
+  arrays = pad_token_rows(rows, pad_id=0)
+  lengths = [(len(p.input_ids), len(c.output_ids)) for p, cs in groups for c in cs]
+  return RolloutBatch(
+    **arrays,
+    rewards_B=np.zeros(len(rows), np.float32),
+    group_ids_B=np.array(gids, np.int32),
+    prompt_lengths_B=np.array([p for p, _ in lengths], np.int32),
+    response_lengths_B=np.array([r for _, r in lengths], np.int32),
+    truncated_B=np.zeros(len(rows), bool),
+    tasks=tuple("arith" for _ in rows),
+    iteration=0,
+    temperature=1.0,
+  )
+
+
+def _refiner(**kw):
+  config = C.CriticConfig(**{"coef": 1.0, "batch_size": 8, "seq_len": 400, "eval_pairs": 4, **kw})
+  return C.CriticRefiner(config, TOK, RUBRIC, {"arith": "exact", "chat": "rubric"})
+
+
+def _scored(refiner, groups):
+  reward = refiner.recording(_exact)
+  for p, cs in groups:
+    reward(p, cs)
+  return _batch(groups)
+
+
+def test_pairs_only_from_different_rewards():
+  texts = ["5", "3", "5", "7", "2"]
+  pairs = C.group_pairs(_prompt(4), texts, [1.0, 0.0, 1.0, 0.0, 0.5], RUBRICS)
+  # 1.0 vs 0.0: 2 x 2; 1.0 vs 0.5: 2; 0.5 vs 0.0: 2. The two "5" (equal rewards) and equal rewards never pair.
+  assert len(pairs) == 8
+  assert all(p.better_reward > p.worse_reward and p.better != p.worse for p in pairs)
+  assert sorted((p.better, p.worse) for p in pairs) == sorted(
+    [("5", "3"), ("5", "7"), ("5", "3"), ("5", "7"), ("5", "2"), ("5", "2"), ("2", "3"), ("2", "7")]
+  )
+  # Same text, different rewards (e.g. one was cut by the budget): the judge cannot tell them apart.
+  assert C.group_pairs(_prompt(4), ["5", "5"], [1.0, 0.0], RUBRICS) == []
+  assert C.group_pairs(_prompt(4), ["3", "7"], [0.0, 0.0], RUBRICS) == []
+
+
+def test_format_equals_the_rubric_rewards():
+  """The judge chat of a critic example is exactly what the rubric reward sends its judge; the trained tokens
+  are the verdict the rubric reward parses (and the judge's stop token), after EngineJudge's rendered prompt."""
+  seen = []
+
+  class Judge:
+    def text(self, messages):
+      seen.append(messages)
+      return "[[A]]"
+
+  prompt, cs = _prompt(4), [_completion("5"), _completion("3")]
+  rubric_group_reward(Judge(), RubricRewardConfig(both_orders=True, max_parallel=1))(prompt, cs)
+  pair = C.group_pairs(prompt, [c.text for c in cs], [1.0, 0.0], RUBRICS)[0]
+  assert (pair.better, pair.worse) == ("5", "3")
+  first = C.verdict_messages(pair, better_first=True)
+  second = C.verdict_messages(pair, better_first=False)
+  assert sorted([first[:-1], second[:-1]], key=str) == sorted(seen, key=str)  # (5, 3) and (3, 5): both orders
+  assert first[:-1] == seen[0] and parse_verdict(first[-1]["content"]) == "A"
+  assert parse_verdict(second[-1]["content"]) == "B"  # the better answer shown second
+  assert parse_verdict(C.verdict_messages(pair, True, verdict_correct=False)[-1]["content"]) == "B"
+  rows = C.render_rows(TOK, [first], 1, 400)
+  judge_ids, _ = render_chat(seen[0], tokenizer=TOK, add_generation_prompt=True)  # what EngineJudge sends
+  n = int(rows["segment_ids_BT"][0].sum())
+  assert rows["tokens_BT"][0, : len(judge_ids)].tolist() == judge_ids
+  trained = rows["tokens_BT"][0][rows["loss_mask_BT"][0] > 0].tolist()
+  assert len(judge_ids) + len(trained) == n and rows["loss_mask_BT"][0, : len(judge_ids)].sum() == 0
+  stop = EngineJudge(None, TOK)._stop
+  assert trained[-1] in stop and TOK.decode(trained[:-1]) == "[[A]]"
+  with pytest.raises(ValueError, match="critic.seq_len=50"):
+    C.render_rows(TOK, [first], 1, 50)
+
+
+def test_heldout_pairs_are_never_trained_on():
+  refiner = _refiner(heldout_fraction=0.3)
+  all_wrong = [str(d) for d in range(10)]
+  heldout_keys, train_keys, evaluated = set(), set(), 0
+  for it in range(6):
+    groups = [(_prompt(b), [_completion(t) for t in [str(b + 1)] + all_wrong[it : it + 4]]) for b in range(9)]
+    train, evals, info = refiner.prepare(_scored(refiner, groups), it)
+    assert info["critic_pairs"] > 0 and 0 < info["critic_pairs_heldout"] < info["critic_pairs"]
+    # Decode every train row back to its pair: no train row is a held-out pair (in either order).
+    for r in range(info["critic_train_rows"]):
+      text = TOK.decode(train["tokens_BT"][r][train["segment_ids_BT"][r] > 0].tolist())
+      train_keys.add(_key_of(text))
+    for r in range(0, 4 * info["eval_pairs"], 4):
+      text = TOK.decode(evals["tokens_BT"][r][evals["segment_ids_BT"][r] > 0].tolist())
+      heldout_keys.add(_key_of(text))
+    evaluated += info["eval_pairs"]
+    assert info["critic_train_rows"] == 8 and train["loss_mask_BT"].sum() > 0
+  assert evaluated > 0 and heldout_keys and train_keys and not (heldout_keys & train_keys)
+  # The split is a function of the content alone: the same pairs are held out in every order and call.
+  pairs = C.group_pairs(_prompt(2), ["3", "1", "4", "8", "0", "9"], [1, 0, 0, 0, 0, 0], RUBRICS)
+  frac = np.mean([C.is_heldout(p, 0.3) for p in pairs])
+  swapped = [C.Pair(p.task, p.question, p.rubrics, p.worse, p.better, 0.0, 1.0) for p in pairs]
+  assert [C.is_heldout(p, 0.3) for p in pairs] == [C.is_heldout(p, 0.3) for p in swapped]
+  many = [C.Pair("t", f"q{i}", "", "a", "b", 1.0, 0.0) for i in range(4000)]
+  assert abs(np.mean([C.is_heldout(p, 0.3) for p in many]) - 0.3) < 0.03, frac
+
+
+def _key_of(rendered: str) -> tuple:
+  """(question, {answer A, answer B}) of a rendered judge chat."""
+  question = rendered.split("[Prompt]\n")[1].split("\n[Rubrics]")[0]
+  a = rendered.split("[Answer A]\n")[1].split("\n[Answer B]")[0]
+  b = rendered.split("[Answer B]\n")[1].split("\nReason briefly")[0]
+  return question, frozenset((a, b))
+
+
+def test_only_batch_groups_of_verifiable_tasks():
+  refiner = _refiner()
+  groups = [(_prompt(4), [_completion("5"), _completion("3")])]
+  chat = Prompt("chat/0", "chat", (7, 8), "hi", {})
+  refiner.recording(lambda p, cs: [RewardResult(float(i), "") for i in range(len(cs))])(
+    chat, [_completion("a"), _completion("b")]
+  )
+  refiner.recording(_exact)(_prompt(6), [_completion("7"), _completion("1")])  # scored, not in this batch
+  assert [(p.better, p.worse) for p in refiner.take(_scored(refiner, groups))] == [("5", "3")]
+  assert refiner.take(_batch(groups)) == []  # taken once
+  with pytest.raises(ValueError, match="no task of .* has a verifiable reward"):
+    C.CriticRefiner(C.CriticConfig(coef=1.0), TOK, RUBRIC, {"chat": "rubric"})
+
+
+def test_agreement_by_hand():
+  assert C.agreement([-1.0, -2.0, -3.0, -4.0], [-2.0, -1.0, -3.0, -9.0]) == pytest.approx((1 + 0 + 0.5 + 1) / 4)
+  assert np.isnan(C.agreement([], []))
+  # Through `metrics`: 2 held-out pairs, rows [better-first: correct, wrong, worse-first: correct, wrong].
+  refiner = _refiner()
+  evals = {"loss_mask_BT": np.zeros((16, 5), np.float32)}
+  evals["loss_mask_BT"][:8, 2:4] = 1.0  # the verdict tokens of the 8 real rows
+  lp = np.full((16, 5), -9.0, np.float32)
+  lp[:8, 2:4] = np.array(
+    [[-0.1, -0.1], [-1.0, -1.0], [-2.0, -2.0], [-0.5, -0.5], [-0.2, -0.3], [-0.2, -0.3]] + [[-1, -1]] * 2
+  )
+  # sequence log-probs: pair 0: (-0.2 vs -2.0) agree, (-4.0 vs -1.0) disagree; pair 1: (-0.5 vs -0.5) tie, (-2 vs -2) tie
+  m = refiner.metrics(evals, {"critic_pairs": 5, "eval_pairs": 2}, lp)
+  assert m["critic_agreement"] == pytest.approx((1 + 0 + 0.5 + 0.5) / 4)
+  assert m["critic_margin"] == pytest.approx(((-0.2 + 2.0) + (-4.0 + 1.0) + 0 + 0) / 4)
+  assert m["critic_pairs_scored"] == 2 and m["critic_pairs"] == 5
+  # A judge blind to content, or always naming one position, is at chance exactly: both orders are scored.
+  lp_a = np.zeros((16, 5), np.float32)
+  lp_a[0::4, 2], lp_a[1::4, 2], lp_a[2::4, 2], lp_a[3::4, 2] = -0.1, -2.0, -2.0, -0.1  # "[[A]]" always likelier
+  assert refiner.metrics(evals, {"eval_pairs": 2}, lp_a)["critic_agreement"] == 0.5
+
+
+def test_config_section():
+  from k2jax.rl.learner import from_config_dict
+
+  spec = importlib.util.spec_from_file_location("rl_config_file_critic", os.path.join(ROOT, "configs", "rl.py"))
+  rl_configs = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(rl_configs)
+  c = rl_configs.get_config("tiny")
+  assert from_config_dict(c, "/tmp/w", (TOK.eos_id,)).critic is None  # off by default
+  c.unlock()
+  c.critic.coef, c.critic.batch_size = 0.5, 8
+  lc = from_config_dict(c, "/tmp/w", (TOK.eos_id,))
+  assert lc.critic == C.CriticConfig(coef=0.5, batch_size=8, seq_len=512, heldout_fraction=0.2, eval_pairs=8, seed=0)
+  c.critic.heldout_fraction = 1.0
+  with pytest.raises(ConfigError, match="critic.heldout_fraction"):
+    from_config_dict(c, "/tmp/w", (TOK.eos_id,))
+
+
+def test_rl_step_adds_the_critic_term():
+  """loss = K2 objective + coef * token-mean NLL of the critic rows' verdict tokens; gradients flow from it."""
+  import jax
+  import optax
+  from flax import nnx
+
+  from k2jax.model import K2Model, presets
+  from k2jax.rl import rl_step
+  from k2jax.rl.algo import K2LossConfig, ptx_loss
+  from k2jax.train.step import ModelDef, init_state
+
+  cfg = presets.get("tiny", num_hidden_layers=1)
+  opt = optax.sgd(0.0)
+  make = lambda: K2Model(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+  state = init_state(make(), opt)
+  mdef = ModelDef.from_model(nnx.eval_shape(make))
+  rng = np.random.default_rng(0)
+  batch = {
+    "tokens_BT": rng.integers(1, 100, (4, 8)).astype(np.int32),
+    "segment_ids_BT": np.ones((4, 8), np.int32),
+    "loss_mask_BT": np.ones((4, 8), np.float32),
+    "rewards_B": np.array([1, 0, 1, 0], np.float32),
+    "group_ids_B": np.array([0, 0, 1, 1], np.int32),
+    "sample_mask_B": np.ones(4, np.float32),
+  }
+  critic = {
+    "tokens_BT": rng.integers(1, 100, (2, 12)).astype(np.int32),
+    "segment_ids_BT": np.ones((2, 12), np.int32),
+    "loss_mask_BT": (np.arange(12)[None] >= 9).repeat(2, 0).astype(np.float32),
+  }
+  lp = rl_step.make_logprobs_fn(mdef)
+  old = lp(state.params, state.bias, batch["tokens_BT"], batch["segment_ids_BT"])
+  base, _, _ = rl_step.make_rl_grads(mdef, K2LossConfig(), num_groups=2)(state.params, state.bias, batch, old, None)
+  grads = rl_step.make_rl_grads(mdef, K2LossConfig(), num_groups=2, critic_coef=0.25)
+  loss, aux, g = jax.jit(grads)(state.params, state.bias, batch, old, None, critic)
+  nll = ptx_loss(lp(state.params, state.bias, critic["tokens_BT"], critic["segment_ids_BT"]), critic["loss_mask_BT"])
+  assert float(aux["critic_loss"]) == pytest.approx(float(nll), rel=1e-5) and float(nll) > 1.0
+  assert float(loss) == pytest.approx(float(base) + 0.25 * float(nll), rel=1e-5)
+  assert float(np.abs(np.asarray(g["lm_head"]["w"])).max()) > 0
+  with pytest.raises(ValueError, match="critic rows are required iff critic_coef > 0"):
+    grads(state.params, state.bias, batch, old, None, None)
+
+
+ITERATIONS = 40
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_critic_agreement_rises_above_chance(tmp_path):
+  """configs/rl.py:tiny (1+b, exact-match reward) with the critic on: the policy's verdicts on held-out pairs
+  (never trained on) agree with the verifier well above chance (0.5) by the end of the run."""
+  from k2jax.rl.learner import Learner, from_config_dict
+  from k2jax.rl.tasks import ArithmeticTask, strip_stop
+
+  spec = importlib.util.spec_from_file_location("rl_config_file_critic2", os.path.join(ROOT, "configs", "rl.py"))
+  rl_configs = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(rl_configs)
+  c = rl_configs.get_config("tiny")
+  c.unlock()
+  c.iterations, c.checkpoint.every, c.eval.every = ITERATIONS, ITERATIONS, 0
+  c.critic.coef, c.critic.batch_size, c.critic.seq_len, c.critic.eval_pairs = 1.0, 16, 336, 8
+  c.lock()
+  lc = from_config_dict(c, str(tmp_path), (TOK.eos_id,))
+  learner = Learner(
+    lc, str(tmp_path), ArithmeticTask(lc.task, TOK.encode, TOK.eos_id), strip_stop(TOK.decode, (TOK.eos_id,))
+  )
+  try:
+    learner.train()
+  finally:
+    learner.close()
+  rl = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][1:]
+  assert [r["step"] for r in rl] == list(range(1, ITERATIONS + 1))
+  assert all("critic_agreement" in r and r["critic_pairs"] > 0 and r["critic_too_long"] == 0 for r in rl)
+  agree = np.array([r["critic_agreement"] for r in rl])
+  first, last = float(np.nanmean(agree[:5])), float(np.nanmean(agree[-10:]))
+  print(
+    f"critic_agreement first 5 {first:.3f} last 10 {last:.3f}; critic_loss {rl[0]['critic_loss']:.3f} -> {rl[-1]['critic_loss']:.3f}"
+  )
+  assert abs(first - 0.5) < 0.15, first  # the untrained judge is at chance
+  assert last > 0.5 + MARGIN, (first, last)
+  assert rl[-1]["critic_loss"] < rl[0]["critic_loss"]
+
+
+MARGIN = 0.15
