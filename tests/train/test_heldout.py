@@ -292,3 +292,30 @@ def test_missing_heldout_file_names_eval_path(tmp_path):
   with pytest.raises(ConfigError, match=r"eval\.path.*none\.jsonl"):
     check_runtime(tc, 8, 1)
   assert not from_config_dict(_util.tiny_config()).eval.enabled  # presets: eval off
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rules, axes", [("fsdp_ep", {"expert": 4}), ("fsdp_ep_tp", {"expert": 2, "tensor": 2})])
+def test_eval_on_expert_and_tensor_parallel_meshes_matches_fsdp(tmp_path, rules, axes):
+  """The eval step runs on the training mesh of any rules preset (EP all-to-all, TP-sharded weights)."""
+  over = {"data.seq_len": SEQ, "data.global_batch_size": ROWS, "eval.fraction": 0.02, "eval.steps": 2}
+  tc = from_config_dict(_util.tiny_config(**over))
+  optimizer, _ = loop.make_optimizer(tc)
+  got = {}
+  for name, extra in (("fsdp", {}), (rules, axes)):
+    c = core.build(
+      tc.model,
+      optimizer,
+      mesh_shape=sharding.resolve_mesh_shape({"data": 1, "fsdp": -1, "expert": 1, "tensor": 1, **extra}, 8),
+      preset=name,
+      seed=3,
+      init_from="",
+      read_budget_bytes=1 << 30,
+      workdir=str(tmp_path / name),
+      keep=1,
+      async_save=False,
+      on_unreadable="error",
+    )
+    got[name] = loop.make_evaluator(tc, c).evaluate(c.state.params, c.state.bias)
+  assert got["fsdp"]["eval/tokens"] == got[rules]["eval/tokens"] > 500
+  assert got[rules]["eval/loss"] == pytest.approx(got["fsdp"]["eval/loss"], rel=1e-6)
