@@ -212,11 +212,18 @@ def stage(plan):
   _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0755")
   dirs = [p for p, link in plan if link is None] + [cfg["workdir"]] + [src for src, _, _ in cfg["binds"]]
   for path in dict.fromkeys(dirs):
-    if not os.path.isdir(path):
-      raise SetupError(f"bind source {path!r} is not a directory")
-    at = os.path.join(top, str(len(STAGED)))
-    os.mkdir(at)
-    _mount(path, at, None, MS_BIND)
+    # Opened without following a last symlink (the run's dir belongs to the sandbox uid, which could swap it
+    # for a link to what only root may see), then bound through the descriptor: what was checked is bound.
+    try:
+      fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+      raise SetupError(f"bind source {path!r} is not a directory: {e}") from e
+    try:
+      at = os.path.join(top, str(len(STAGED)))
+      os.mkdir(at)
+      _mount(f"/proc/self/fd/{fd}", at, None, MS_BIND)
+    finally:
+      os.close(fd)
     STAGED[path] = at
 
 
