@@ -217,7 +217,8 @@ def _harness():
     sys.path[:0] = tools
     os.environ.update(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTHONDONTWRITEBYTECODE="1", HOME=os.environ["HOME"])
     os.environ.update(json.loads(os.environ.pop("K2JAX_ENV")))
-    import pytest, pluggy, _pytest.reports  # noqa: E401  (from the read-only tools, before the repository is on the path)
+    # From the read-only tools, before the repository is on the path.
+    import pytest, pluggy, _pytest.reports  # noqa: E401
     from _pytest.assertion.rewrite import rewrite_asserts
     TestReport, CollectReport = _pytest.reports.TestReport, _pytest.reports.CollectReport
     emit({"t": "start"})

@@ -168,4 +168,5 @@ def test_the_coding_environment_with_a_0700_venv_resolves_the_gold_fix(toy_tasks
 
 def _call(name, **args):
   fn = {"name": name, "arguments": json.dumps(args)}
-  return {"role": "assistant", "content": "", "tool_calls": [{"id": f"functions.{name}:0", "type": "function", "function": fn}]}  # fmt: skip
+  call = {"id": f"functions.{name}:0", "type": "function", "function": fn}
+  return {"role": "assistant", "content": "", "tool_calls": [call]}
