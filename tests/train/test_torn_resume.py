@@ -3,6 +3,7 @@ a resume with another `model.param_dtype` (the launcher in a subprocess: exit co
 
 import collections
 import os
+import shutil
 import signal
 import subprocess
 
@@ -49,21 +50,29 @@ def _tree(path):
   return out
 
 
-@pytest.mark.slow
-def test_torn_metrics_tail_then_resume_in_bfloat16(tmp_path, cache):
-  """A float32 run killed mid-line of metrics.jsonl resumes with model.param_dtype=bfloat16: the torn
-  line is dropped with a warning, the checkpoint is cast (params and optimizer state) and training goes on."""
-  w = str(tmp_path / "w")
+@pytest.fixture(scope="module")
+def torn_resumed(tmp_path_factory, cache):
+  """A float32 run SIGKILLed after step 4's checkpoint, step 5's metrics line torn, resumed in bfloat16 to step 6:
+  the first test checks that resume, the second copies its workdir (checkpoints 2, 4, 6) to corrupt instead of
+  training one more run (one launch fewer)."""
+  w = str(tmp_path_factory.mktemp("torn") / "w")
   env = dict(_util.env(devices=1, cache_dir=cache), K2JAX_KILL_AFTER_STEP="4")
   cmd = _util.train_cmd(w, *_util.flags(**BASE), script="tests/train/kill_after_save.py")
   p = subprocess.run(cmd, cwd=_util.ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
-  metrics = os.path.join(w, "metrics.jsonl")
-  assert [r["step"] for r in _util.metrics(w)] == [1, 2, 3, 4]
-  with open(metrics, "ab") as f:  # step 5's line, cut by the crash
+  steps_at_kill = [r["step"] for r in _util.metrics(w)]
+  with open(os.path.join(w, "metrics.jsonl"), "ab") as f:  # step 5's line, cut by the crash
     f.write(TORN)
+  return w, steps_at_kill, _train(w, cache, **{"model.param_dtype": "bfloat16"})
 
-  p = _train(w, cache, **{"model.param_dtype": "bfloat16"})
+
+@pytest.mark.slow
+def test_torn_metrics_tail_then_resume_in_bfloat16(torn_resumed):
+  """A float32 run killed mid-line of metrics.jsonl resumes with model.param_dtype=bfloat16: the torn
+  line is dropped with a warning, the checkpoint is cast (params and optimizer state) and training goes on."""
+  w, steps_at_kill, p = torn_resumed
+  metrics = os.path.join(w, "metrics.jsonl")
+  assert steps_at_kill == [1, 2, 3, 4]
   assert f"{metrics}:5: dropped a torn last line (a crash mid-write)" in p.stderr
   ckpt4 = os.path.join(w, "checkpoints", "4")
   assert f"resumed from {os.path.join(w, 'checkpoints')}/4" in p.stdout
@@ -102,10 +111,11 @@ def _restore(workdir, step, param_dtype):
 
 
 @pytest.mark.slow
-def test_unreadable_checkpoints_stop_the_run_unless_asked_to_start_fresh(tmp_path, cache):
+def test_unreadable_checkpoints_stop_the_run_unless_asked_to_start_fresh(tmp_path, cache, torn_resumed):
   w = str(tmp_path / "w")
-  _train(w, cache)
+  shutil.copytree(torn_resumed[0], w)  # a finished run: checkpoints 2, 4 (float32) and 6 (bfloat16)
   ckpts = os.path.join(w, "checkpoints")
+  assert sorted(os.listdir(ckpts), key=int) == ["2", "4", "6"]
   for step in ("2", "4", "6"):  # a truncated array file in each: what a full disk leaves
     for d, _, names in os.walk(os.path.join(ckpts, step, "model")):
       for n in names:
@@ -115,7 +125,8 @@ def test_unreadable_checkpoints_stop_the_run_unless_asked_to_start_fresh(tmp_pat
             f.truncate(os.path.getsize(p) // 2)
   before, metrics_before = _tree(w), open(os.path.join(w, "metrics.jsonl")).read()
 
-  p = _train(w, cache, check=False)
+  bf16 = {"model.param_dtype": "bfloat16"}  # the copied run's last config (and its compiled step)
+  p = _train(w, cache, check=False, **bf16)
   assert p.returncode != 0, p.stdout[-2000:]
   assert f"UnreadableCheckpoints: no checkpoint in {ckpts} restores; nothing was moved or overwritten" in p.stderr
   for step in ("2", "4", "6"):
@@ -127,7 +138,7 @@ def test_unreadable_checkpoints_stop_the_run_unless_asked_to_start_fresh(tmp_pat
   assert not os.path.exists(os.path.join(w, "checkpoints_corrupt"))
   assert open(os.path.join(w, "metrics.jsonl")).read() == metrics_before
 
-  p = _train(w, cache, **{"checkpoint.on_unreadable": "fresh"})
+  p = _train(w, cache, **bf16, **{"checkpoint.on_unreadable": "fresh"})
   assert "no checkpoint restores (checkpoint.on_unreadable='fresh'): starting from step 0" in p.stdout
   assert sorted(os.listdir(os.path.join(w, "checkpoints_corrupt"))) == ["2", "4", "6"]  # moved aside, kept
   assert sorted(os.listdir(ckpts), key=int) == ["2", "4", "6"]  # the new run's
