@@ -10,18 +10,26 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # The heaviest files first, heaviest at the top (seconds on CI's 2 cores, from `--durations`: colocated RL
-# 326, RL processes 362, RL mesh ~220, the RL learner's shared run ~150, torn resume ~110, then the other
-# launcher / multi-process / SIGKILL files). scripts/test.sh runs `-n 2 --dist loadfile --no-loadscope-reorder`:
-# xdist hands out whole files in this order as workers free up. Its default order (most tests per file first)
-# (3.5+) put these one- and two-test files last, so one worker ran them alone while the other sat idle.
+# 326, RL processes 362 before it lost a run, RL mesh ~220, the RL learners' shared runs ~150 each (learner,
+# critic), torn resume ~110 before it lost a run, then the other launcher / multi-process / SIGKILL files; the
+# held-out files (five trainer launches, one of two processes), HumanEval (164 problems, each in two sandboxes
+# and the official harness) and lm-eval (a server, transformers and the harness) are ranked by what they run).
+# scripts/test.sh runs `-n 2 --dist loadfile --no-loadscope-reorder`: xdist hands out whole files in this
+# order as workers free up. Its default order (most tests per file first) (3.5+) put these one- and two-test
+# files last, so one worker ran them alone while the other sat idle.
 HEAVY_FIRST = (
   "tests/rl/test_rl_processes.py",
   "tests/rl/test_rl_colocated.py",
   "tests/rl/test_rl_mesh.py",
+  "tests/train/test_heldout.py",
   "tests/rl/test_learner.py",
+  "tests/rl/test_critic.py",
+  "tests/rl/test_rl_eval.py",
   "tests/train/test_torn_resume.py",
   "tests/rl/test_swe_launch.py",
   "tests/rl/test_agentic_launch.py",
+  "tests/sandbox/test_humaneval.py",
+  "tests/serve/test_lmeval.py",
   "tests/convert/test_reader_processes.py",
   "tests/convert/test_writer.py",
   "tests/train/test_resume.py",
@@ -31,6 +39,7 @@ HEAVY_FIRST = (
   "tests/serve/test_likelihood.py",  # ~80-170 s here: shared tiny server, a scored prefill program
   "tests/eval/test_embedded.py",  # ~90-115 s here: export + engine + forward scorer
   "tests/eval/test_http.py",
+  "tests/test_distributed.py",  # two small processes ending 8 s apart, twice
 )
 
 
