@@ -418,7 +418,9 @@ class InferenceEngine(Engine):
           live = self._waiting[0]
           tokens = live.request.input_ids
           scored = live.request.logprob_start_len >= 0
-          if scored and batch:  # a request that scores its prompt prefills alone (`_prefill_scored`)
+          # Prompts that score themselves run the scored program (`_prefill_scored`), batched together;
+          # never with plain ones, whose program stays the cheaper one.
+          if batch and scored != (batch[0][1].request.logprob_start_len >= 0):
             break
           common, entry = self._prefix.lookup(tokens)
           # At least one token must run to produce logits; a scored prompt runs whole: every position's
@@ -430,35 +432,42 @@ class InferenceEngine(Engine):
           self._waiting.popleft()
           self._slots[free[len(batch)]] = live
           batch.append((free[len(batch)], live, entry if reuse > 0 else -1, reuse))
-          if scored:
-            break
       if not batch:
         return
       if batch[0][1].request.logprob_start_len >= 0:
-        self._prefill_scored(*batch[0][:2])
+        self._prefill_scored(batch)
       else:
         self._prefill(batch)
 
-  def _prefill_scored(self, slot: int, live: Live) -> None:
-    """Prefills one request whose prompt logprobs were asked for; they come from this same forward pass."""
-    req = live.request
-    live.cached, live.fed = 0, list(req.input_ids)
+  def _prefill_scored(self, batch: list[tuple[int, Live, int, int]]) -> None:
+    """Prefills requests whose prompt logprobs were asked for, in one program; the logprobs come from this
+    same forward pass (whole prompts: no prefix reuse, `_admit`)."""
+    for _, live, _, _ in batch:
+      live.cached, live.fed = 0, list(live.request.input_ids)
     try:
-      out, (token_lp, top_ids, top_lp) = self._runner.prefill_scored(slot, live.fed, sampling_of([live]))
+      out, scores = self._runner.prefill_scored(
+        [slot for slot, _, _, _ in batch], [live.fed for _, live, _, _ in batch], sampling_of([b[1] for b in batch])
+      )
     except Exception as e:
-      log.exception("prefill of %s failed", req.rid)
-      with self._cv:
-        self._fail(live, slot, f"engine error: {type(e).__name__}: {e}")
+      if len(batch) == 1:
+        log.exception("prefill of %s failed", batch[0][1].request.rid)
+        with self._cv:
+          self._fail(batch[0][1], batch[0][0], f"engine error: {type(e).__name__}: {e}")
+        return
+      log.warning("scored prefill of %d requests failed (%s: %s); one by one", len(batch), type(e).__name__, e)
+      for item in batch:
+        self._prefill_scored([item])
       return
-    start, k = req.logprob_start_len, top_ids.shape[1]
-    lps = [None] + [float(x) for x in token_lp]  # position 0 has no context
-    # Position p's top logprobs are the distribution p was drawn from: row p - 1 (none for position 0).
-    tops = [()] + [tuple((int(top_ids[p][j]), float(top_lp[p][j])) for j in range(k)) for p in range(len(lps) - 1)]
-    live.input_logprobs, live.input_tops = tuple(lps[start:]), tuple(tops[start:])
-    if req.sampling.max_new_tokens == 0:  # scoring only: no token is sampled
-      self._release(slot, live, "length")
-    else:
-      self._emit(slot, live, out, 0)
+    for i, ((slot, live, _, _), (token_lp, top_ids, top_lp)) in enumerate(zip(batch, scores)):
+      start = live.request.logprob_start_len
+      lps = [None] + token_lp.tolist()  # position 0 has no context
+      # Position p's top logprobs are the distribution p was drawn from: row p - 1 (none for position 0).
+      tops = [()] + [tuple(zip(ids, lp)) for ids, lp in zip(top_ids[:-1].tolist(), top_lp[:-1].tolist())]
+      live.input_logprobs, live.input_tops = tuple(lps[start:]), tuple(tops[start:])
+      if live.request.sampling.max_new_tokens == 0:  # scoring only: no token is sampled
+        self._release(slot, live, "length")
+      else:
+        self._emit(slot, live, out, i)
 
   def _prefill(self, batch: list[tuple[int, Live, int, int]]) -> None:
     for _, live, _, reuse in batch:

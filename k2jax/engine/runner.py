@@ -70,7 +70,8 @@ class ModelRunner:
     steps = jit_steps(graphdef, self._num_top, self.placement, self._shardings)
     self._decode, self._prefill, self._prefill_batch = steps.decode, steps.prefill, steps.prefill_batch
     self._read_row, self._write_row, self._init_cache = steps.read_row, steps.write_row, steps.init_cache
-    # One-row prefill that also scores the prompt (prompt logprobs); single device only (`scores_prompts`).
+    # A prefill that also scores the prompts (prompt logprobs), rows batched as `prefill` batches them;
+    # single device only (`scores_prompts`). One jit: each (rows, T) bucket compiles on first use.
     scored = functools.partial(_prefill, functools.partial(_scored_step, graphdef, self._num_top))
     self._prefill_scored = jax.jit(scored, donate_argnums=(1,)) if self.placement.mesh is None else None
 
@@ -79,26 +80,32 @@ class ModelRunner:
     """Whether `prefill_scored` can run here (one device; a serving mesh has no scored program)."""
     return self._prefill_scored is not None
 
-  def prefill_scored(self, slot: int, tokens: list[int], sampling: SamplingArrays):
-    """`prefill` of one whole prompt (from position 0) that also returns, from the same forward pass,
-    each prompt token's logprob given the tokens before it ([n - 1] float32, for tokens 1..n-1) and every
-    position's top logprobs (ids, logprobs [n, num_top]; row t: the distribution over token t + 1)."""
-    n = len(tokens)
-    if n < 1 or self._prefill_scored is None:
-      raise ValueError(f"prefill_scored: {n} tokens on a {'mesh' if self.placement.mesh else 'device'}")
-    _, T = self.prefill_shape(1, n)
-    tokens_1T = np.zeros((1, T), np.int32)
-    tokens_1T[0, :n] = tokens
-    positions_1T = np.full((1, T), self.max_len, np.int32)
-    positions_1T[0, :n] = np.arange(n)
-    last = np.asarray([n - 1], np.int32)
-    slots = np.asarray([slot], np.int32)
+  def prefill_scored(self, slots: list[int], prompts: list[list[int]], sampling: SamplingArrays):
+    """`prefill` of whole prompts (each from position 0 of its slot; several rows in one [R, T] bucket, as
+    `prefill` batches them, `prefill_fits` deciding how many) that also returns, from the same forward pass,
+    per row: each prompt token's logprob given the tokens before it ([n - 1] float32, for tokens 1..n-1)
+    and every position's top logprobs (ids, logprobs [n, num_top]; row t: the distribution over token
+    t + 1). Returns (the sampled rows [A], [(token_lp, top_ids, top_lp)] per row)."""
+    A, n_A = len(prompts), [len(p) for p in prompts]
+    if self._prefill_scored is None or A < 1 or len(slots) != A or min(n_A) < 1:
+      where = "mesh" if self.placement.mesh is not None else "device"
+      raise ValueError(f"prefill_scored: {len(slots)} slots, prompt lengths {n_A} on a {where}")
+    R, T = self.prefill_shape(A, max(n_A))
+    tokens_RT = np.zeros((R, T), np.int32)
+    positions_RT = np.full((R, T), self.max_len, np.int32)  # padding: out of range, write dropped
+    for i, (prompt, n) in enumerate(zip(prompts, n_A)):
+      tokens_RT[i, :n], positions_RT[i, :n] = prompt, np.arange(n)
+    slots_R = np.full(R, slots[0], np.int32)  # padding rows read slot 0's row and write it back first
+    slots_R[:A] = slots
+    last_R = np.zeros(R, np.int32)
+    last_R[:A] = np.asarray(n_A) - 1
     with self.placement.use():
       (out, scores), self.cache = self._prefill_scored(
-        self._state, self.cache, slots, tokens_1T, positions_1T, last, sampling
+        self._state, self.cache, slots_R, tokens_RT, positions_RT, last_R, _pad_rows(sampling, R)
       )
-    token_lp, top_ids, top_lp = (np.asarray(a)[0] for a in scores)
-    return jax.tree.map(np.asarray, out), (token_lp[: n - 1], top_ids[:n], top_lp[:n])
+    token_lp, top_ids, top_lp = (np.asarray(a) for a in scores)
+    rows = [(token_lp[i, : n - 1], top_ids[i, :n], top_lp[i, :n]) for i, n in enumerate(n_A)]
+    return jax.tree.map(lambda a: np.asarray(a)[:A], out), rows
 
   # ---- memory between phases (colocated RL) ---------------------------------------------------------
   def allocate_cache(self) -> None:
@@ -302,15 +309,18 @@ def _step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_index_B
 
 def _scored_step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_index_B, sampling):
   """`_step` that also scores the new tokens from the same pass: logits at every position (the sampled
-  row is the one at last_index_B, exactly `_step`'s), log-softmaxed; each position's logprob of the next
-  new token [B, T - 1] and its top logprobs [B, T, num_top]."""
+  row is the one at last_index_B, exactly `_step`'s); each position's logprob of the next new token
+  [B, T - 1] and its top logprobs [B, T, num_top]. Log-softmax is logits - logsumexp: the gathered and
+  the top logits are shifted by each position's logsumexp, and the [B, T, S] log-softmax is never written
+  out (top_k runs on the logits: the same order)."""
   model = nnx.merge(graphdef, state)
   x_BTD, cache = decode.hidden_cached(model, cache, tokens_BT, positions_BT)
   logits_BTS = decode.lm_logits(model, x_BTD)
   logits_BS = jnp.take_along_axis(logits_BTS, last_index_B[:, None, None], axis=1)[:, 0]
-  logp_BTS = jax.nn.log_softmax(logits_BTS, axis=-1)
-  next_BT = jnp.take_along_axis(logp_BTS[:, :-1], tokens_BT[:, 1:, None], axis=-1)[..., 0]
-  top_lp, top_ids = jax.lax.top_k(logp_BTS, max(num_top, 1))
+  lse_BT = jax.nn.logsumexp(logits_BTS, axis=-1)
+  next_BT = jnp.take_along_axis(logits_BTS[:, :-1], tokens_BT[:, 1:, None], axis=-1)[..., 0] - lse_BT[:, :-1]
+  top_logits, top_ids = jax.lax.top_k(logits_BTS, max(num_top, 1))
+  top_lp = top_logits - lse_BT[..., None]
   return (sample(logits_BS, sampling, num_top), (next_BT, top_ids[..., :num_top], top_lp[..., :num_top])), cache
 
 
