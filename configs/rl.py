@@ -24,6 +24,17 @@ instead); its `--dry_run` prints parameter counts and the per-device memory plan
 a format-only warm start (random answers: teaches "digit then [EOS]", nothing about which digit) leaves it
 at chance (~1/9), then RL with the exact-match reward alone raises the reward (BUILD.md has the figures).
 
+Held-out evaluation (k2jax/rl/evaluation.py): every `eval.every` iterations (and after the warm start and at
+the end) the rollout engine, serving the newly pushed weights, runs the task's own prompts greedily
+(`eval/<task>/pass@1`; `eval_accuracy` their mean) and each held-out task of `eval.tasks.<name>` or of a JSON
+list in `eval.tasks_file` through launch/eval.py's runner (formats gsm8k, math, humaneval, mbpp, mc,
+answer.KIND; n, ks, temperature per task), logged as `eval/<name>/pass@k`, `mean@n`, `maj@k` beside the reward:
+
+  echo '[{"name": "gsm8k", "format": "gsm8k", "path": "/data/gsm8k/test.jsonl", "limit": 200},
+         {"name": "aime", "format": "math", "path": "/data/aime.jsonl", "n": 8, "ks": [1, 8], "temperature": 1.0}]' \
+      > /tmp/eval_tasks.json
+  python launch/rl.py --config=configs/rl.py:tiny --workdir=/tmp/rl_tiny --config.eval.tasks_file=/tmp/eval_tasks.json
+
 `agentic_tiny` mixes six task types in every batch, each with its own token budget and reward kind
 (data/rl/agentic_tiny/): math, code (unit tests in the sandbox), instruction following, an LLM judge,
 the K2 rubric reward (both judged by the embedded engine itself unless `reward.judge_url` is set) and a

@@ -117,6 +117,14 @@ def run(config: EvalConfig, model: Model | None = None) -> dict[str, Any]:
   return report
 
 
+def check_tasks(config: EvalConfig) -> None:
+  """Reads every task's file and few-shot file, as `run` does first: a bad record raises now (RL checks its
+  eval tasks at start, not at the first evaluation)."""
+  for spec in config.tasks:
+    get_format(spec.format)
+    _docs(spec, config)
+
+
 def _run_tasks(config: EvalConfig, model: Model, tasks) -> dict[str, Any]:
   """Makes what the samples file lacks, task by task, and returns each task's report section."""
   store = SampleStore(config.out)

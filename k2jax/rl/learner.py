@@ -12,7 +12,9 @@ Each iteration is synchronous (K2 §3.3: colocated generate -> train -> push):
   5. sync      the colocated engine gets the new device arrays; a remote one the changed tensors, written
                by each process for the shards it holds (weight_sync.py); the new version is stamped on
                every token sampled after it
-  6. log       `W/metrics.jsonl`; checkpoints `W/checkpoints/<it>/{model,opt,meta}` (`k2jax.train.Checkpointer`:
+  6. eval      every `eval.every` iterations and at the end, after the push: held-out `eval.tasks` and the
+               tasks' own prompts through k2jax.eval's runner on this engine (evaluation.py), `eval/<task>/*`
+  7. log       `W/metrics.jsonl`; checkpoints `W/checkpoints/<it>/{model,opt,meta}` (`k2jax.train.Checkpointer`:
                async, keep-K, corrupt-latest fallback; `k2jax.load(W)`)
 With several JAX processes (k2jax.distributed.initialize, as pretraining) the engine is remote, or the
 embedded engine on a serving mesh over the trainer's own devices (`engine.sharding` tp | ep | tp_ep): every
@@ -23,7 +25,6 @@ device after it; no file written). One process with `engine.sharding` set runs t
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 import time
@@ -38,11 +39,11 @@ from k2jax.api import model_from_state
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 from k2jax.model import presets
 from k2jax.model.config import ConfigError, K2Config
-from k2jax.rl import batching, rl_step
+from k2jax.rl import batching, evaluation, rl_step
 from k2jax.rl import critic as critic_lib
-from k2jax.rl.config import RLConfig, RLModelSpec
+from k2jax.rl.config import EvalSpec, RLConfig, RLModelSpec
 from k2jax.rl.algo import K2LossConfig, rollout_metrics, select_old_logprobs
-from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
+from k2jax.engine.base import Engine
 from k2jax.engine.http import HttpEngine, HttpEngineConfig
 from k2jax.engine.routed import RoutedEngine
 from k2jax.engine.sglang_jax import SglangJaxConfig
@@ -50,7 +51,6 @@ from k2jax.rl.phases import ColocateConfig, Phases
 from k2jax.rl.programs import make_optimizer, make_update, serving_config, trainer_mesh_shape
 from k2jax.rl.ptx import PTXConfig, PTXSet
 from k2jax.rl import tasks as tasks_lib
-from k2jax.rl.rewards.base import Completion
 from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
 from k2jax.rl.samples import append_rollouts
 from k2jax.rl.task_runtime import TaskRuntime, TaskRuntimeConfig, runtime_config
@@ -357,6 +357,12 @@ class Learner:
         start_iteration=self.meta["iteration"],
         start_uid=self.meta["prompts_drawn"],
       )
+    self.evaluator = None  # process 0: held-out tasks and the tasks' own prompts on the rollout engine
+    if self.primary and lc.eval_every:
+      tok = load_tokenizer(lc.tokenizer_path)
+      model = evaluation.engine_model(self.engine, tok, lc.rollout.stop_token_ids, lc.engine_url)
+      spec = lc.spec.eval if lc.spec is not None else EvalSpec(every=lc.eval_every)
+      self.evaluator = evaluation.Evaluator(spec, task, tok, model, self.workdir, lc.rollout.budget)
     self.log = MetricsLogger(
       self.workdir,
       total_steps=lc.iterations,
@@ -461,8 +467,9 @@ class Learner:
     new_version = self._push()
     t3 = time.perf_counter()
     self.meta.update(iteration=self.meta["iteration"] + 1, weight_version=new_version)
-    evaluate = lc.eval_every and self.meta["iteration"] % lc.eval_every == 0
-    accuracy = self._generate(self.evaluate, push_follows=False) if evaluate else None
+    it = self.meta["iteration"]
+    evaluate = lc.eval_every and (it % lc.eval_every == 0 or it == lc.iterations)
+    evals = self._generate(self.evaluate, push_follows=False) if evaluate else None
     if not self.primary:
       return {}
     rec = {k: v for k, v in metrics.items() if k not in ("finite", "max_attn_logit_per_layer")}
@@ -478,7 +485,7 @@ class Learner:
     tokens = float(np.sum(host["segment_ids_BT"] > 0)) * lc.updates_per_batch
     wall = time.perf_counter() - t0
     if evaluate:
-      rec["eval_accuracy"] = accuracy
+      rec.update(evals)
     if self.phases is not None:
       rec.update({f"{k}_time_s": v for k, v in self.phases.seconds.items()})
     rec.update(
@@ -528,26 +535,15 @@ class Learner:
       "weight_version": self.sync.version,
     }
     if lc.eval_every:
-      accuracy = self._generate(self.evaluate, push_follows=False)
+      evals = self._generate(self.evaluate, push_follows=False)
       if self.primary:
-        rec["eval_accuracy"] = accuracy
+        rec.update(evals)
     self.log.write(rec)
 
-  def evaluate(self) -> float:
-    """Greedy exact-match accuracy over every distinct prompt of the task, through the engine."""
-    prompts = self.task.all_prompts()
-
-    def one(i_p):
-      i, p = i_p
-      budget = self.lc.rollout.budget(p.task)
-      sampling = SamplingParams(max_new_tokens=budget, temperature=0.0, stop_token_ids=self.lc.rollout.stop_token_ids)
-      res = self.engine.generate(GenerateRequest(f"eval/{self.meta['iteration']}/{i}", p.input_ids, sampling))
-      text = self.decode(res.output_ids) if self.decode else (res.text or "")
-      done = Completion(res.output_ids, text, res.finish_reason, res.finish_reason == "length")
-      return self.task.reward(p, done).reward == 1.0
-
-    with concurrent.futures.ThreadPoolExecutor(min(len(prompts), 64)) as pool:
-      return float(np.mean(list(pool.map(one, enumerate(prompts)))))
+  def evaluate(self) -> dict:
+    """Every eval task on the policy the engine serves now (k2jax/rl/evaluation.py, through k2jax.eval's
+    runner): `eval/<task>/<metric>`, `eval_accuracy` (the tasks' own prompts), `eval_time_s`."""
+    return self.evaluator.run(self.meta["iteration"], self.sync.version)
 
   def _push(self, full: bool = False) -> int:
     return self.sync.push(self._model_state(), full=full)
