@@ -35,6 +35,14 @@ answer.KIND; n, ks, temperature per task), logged as `eval/<name>/pass@k`, `mean
       > /tmp/eval_tasks.json
   python launch/rl.py --config=configs/rl.py:tiny --workdir=/tmp/rl_tiny --config.eval.tasks_file=/tmp/eval_tasks.json
 
+`critic.coef > 0` turns on closed-loop critic refinement (K2 §3.2.2, k2jax/rl/critic.py; off by default): pairs of
+each batch's responses to verifiable prompts (exact, math, code rewards) whose rewards differ are shown to the
+policy in the rubric reward's pairwise judge format and the verifier-consistent verdict is trained as an
+auxiliary NLL term; `critic_agreement` on hash-held-out pairs is logged every iteration:
+
+  python launch/rl.py --config=configs/rl.py:tiny --workdir=/tmp/rl_critic \
+      --config.critic.coef=1.0 --config.critic.seq_len=336
+
 `agentic_tiny` mixes six task types in every batch, each with its own token budget and reward kind
 (data/rl/agentic_tiny/): math, code (unit tests in the sandbox), instruction following, an LLM judge,
 the K2 rubric reward (both judged by the embedded engine itself unless `reward.judge_url` is set) and a

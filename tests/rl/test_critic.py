@@ -1,9 +1,7 @@
 """Closed-loop critic refinement (k2jax/rl/critic.py): pairs, the rubric reward's format, the held-out split,
-the agreement metric, the critic term of the RL update, the config; and (slow) a tiny RL run whose policy's
-agreement with the verifier on held-out pairs rises above chance."""
+the agreement metric, the critic term of the RL update, the config."""
 
 import importlib.util
-import json
 import os
 
 import numpy as np
@@ -247,46 +245,3 @@ def test_rl_step_adds_the_critic_term():
   assert float(np.abs(np.asarray(g["lm_head"]["w"])).max()) > 0
   with pytest.raises(ValueError, match="critic rows are required iff critic_coef > 0"):
     grads(state.params, state.bias, batch, old, None, None)
-
-
-ITERATIONS = 40
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_critic_agreement_rises_above_chance(tmp_path):
-  """configs/rl.py:tiny (1+b, exact-match reward) with the critic on: the policy's verdicts on held-out pairs
-  (never trained on) agree with the verifier well above chance (0.5) by the end of the run."""
-  from k2jax.rl.learner import Learner, from_config_dict
-  from k2jax.rl.tasks import ArithmeticTask, strip_stop
-
-  spec = importlib.util.spec_from_file_location("rl_config_file_critic2", os.path.join(ROOT, "configs", "rl.py"))
-  rl_configs = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(rl_configs)
-  c = rl_configs.get_config("tiny")
-  c.unlock()
-  c.iterations, c.checkpoint.every, c.eval.every = ITERATIONS, ITERATIONS, 0
-  c.critic.coef, c.critic.batch_size, c.critic.seq_len, c.critic.eval_pairs = 1.0, 16, 336, 8
-  c.lock()
-  lc = from_config_dict(c, str(tmp_path), (TOK.eos_id,))
-  learner = Learner(
-    lc, str(tmp_path), ArithmeticTask(lc.task, TOK.encode, TOK.eos_id), strip_stop(TOK.decode, (TOK.eos_id,))
-  )
-  try:
-    learner.train()
-  finally:
-    learner.close()
-  rl = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][1:]
-  assert [r["step"] for r in rl] == list(range(1, ITERATIONS + 1))
-  assert all("critic_agreement" in r and r["critic_pairs"] > 0 and r["critic_too_long"] == 0 for r in rl)
-  agree = np.array([r["critic_agreement"] for r in rl])
-  first, last = float(np.nanmean(agree[:5])), float(np.nanmean(agree[-10:]))
-  print(
-    f"critic_agreement first 5 {first:.3f} last 10 {last:.3f}; critic_loss {rl[0]['critic_loss']:.3f} -> {rl[-1]['critic_loss']:.3f}"
-  )
-  assert abs(first - 0.5) < 0.15, first  # the untrained judge is at chance
-  assert last > 0.5 + MARGIN, (first, last)
-  assert rl[-1]["critic_loss"] < rl[0]["critic_loss"]
-
-
-MARGIN = 0.15
