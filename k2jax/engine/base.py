@@ -62,6 +62,10 @@ class GenerateRequest:
   # SGLang's `logprob_start_len`: -1 = no prompt logprobs; p >= 0 = the logprob of every prompt token from
   # position p on (given the tokens before it; position 0 has none), computed in the request's prefill.
   logprob_start_len: int = -1
+  # Top logprobs wanted at those prompt positions (-1: the engine's `num_top_logprobs`). The scored program
+  # computes one or all of them: lm-eval asks for 1 (is the continuation greedy), and top-k over the vocab
+  # at every prompt position costs as much as the forward itself.
+  input_top_logprobs_num: int = -1
 
   def __post_init__(self):
     if not self.rid:
@@ -70,6 +74,8 @@ class GenerateRequest:
       raise InvalidRequest("input_ids", f"request {self.rid}: the prompt is empty")
     if self.logprob_start_len < -1:
       raise InvalidRequest("logprob_start_len", f"must be -1 (none) or >= 0, got {self.logprob_start_len}")
+    if self.input_top_logprobs_num < -1:
+      raise InvalidRequest("input_top_logprobs_num", f"must be -1 (all) or >= 0, got {self.input_top_logprobs_num}")
     if self.logprob_start_len >= len(self.input_ids):
       raise InvalidRequest(
         "logprob_start_len",

@@ -445,8 +445,12 @@ class InferenceEngine(Engine):
     for _, live, _, _ in batch:
       live.cached, live.fed = 0, list(live.request.input_ids)
     try:
+      wanted = [live.request.input_top_logprobs_num for _, live, _, _ in batch]
       out, scores = self._runner.prefill_scored(
-        [slot for slot, _, _, _ in batch], [live.fed for _, live, _, _ in batch], sampling_of([b[1] for b in batch])
+        [slot for slot, _, _, _ in batch],
+        [live.fed for _, live, _, _ in batch],
+        sampling_of([b[1] for b in batch]),
+        prompt_top=None if min(wanted) < 0 else max(wanted),
       )
     except Exception as e:
       if len(batch) == 1:

@@ -72,20 +72,28 @@ class ModelRunner:
     self._read_row, self._write_row, self._init_cache = steps.read_row, steps.write_row, steps.init_cache
     # A prefill that also scores the prompts (prompt logprobs), rows batched as `prefill` batches them;
     # single device only (`scores_prompts`). One jit: each (rows, T) bucket compiles on first use.
-    scored = functools.partial(_prefill, functools.partial(_scored_step, graphdef, self._num_top))
-    self._prefill_scored = jax.jit(scored, donate_argnums=(1,)) if self.placement.mesh is None else None
+    # Two variants by the prompt positions' top logprobs: 1 (what likelihood scoring asks) or num_top.
+    self._prefill_scored = {} if self.placement.mesh is None else None
+    if self._prefill_scored is not None:
+      for k in sorted({1, max(self._num_top, 1)}):
+        scored = functools.partial(_prefill, functools.partial(_scored_step, graphdef, self._num_top, k))
+        self._prefill_scored[k] = jax.jit(scored, donate_argnums=(1,))
 
   @property
   def scores_prompts(self) -> bool:
     """Whether `prefill_scored` can run here (one device; a serving mesh has no scored program)."""
     return self._prefill_scored is not None
 
-  def prefill_scored(self, slots: list[int], prompts: list[list[int]], sampling: SamplingArrays):
+  def prefill_scored(
+    self, slots: list[int], prompts: list[list[int]], sampling: SamplingArrays, prompt_top: int | None = None
+  ):
     """`prefill` of whole prompts (each from position 0 of its slot; several rows in one [R, T] bucket, as
     `prefill` batches them, `prefill_fits` deciding how many) that also returns, from the same forward pass,
     per row: each prompt token's logprob given the tokens before it ([n - 1] float32, for tokens 1..n-1)
     and every position's top logprobs (ids, logprobs [n, num_top]; row t: the distribution over token
-    t + 1). Returns (the sampled rows [A], [(token_lp, top_ids, top_lp)] per row)."""
+    t + 1). `prompt_top` (default num_top): how many of those top logprobs are needed; at most 1 runs the
+    program that computes one (top_ids/top_lp [n, 1]), more the one with num_top.
+    Returns (the sampled rows [A], [(token_lp, top_ids, top_lp)] per row)."""
     A, n_A = len(prompts), [len(p) for p in prompts]
     if self._prefill_scored is None or A < 1 or len(slots) != A or min(n_A) < 1:
       where = "mesh" if self.placement.mesh is not None else "device"
@@ -100,7 +108,8 @@ class ModelRunner:
     last_R = np.zeros(R, np.int32)
     last_R[:A] = np.asarray(n_A) - 1
     with self.placement.use():
-      (out, scores), self.cache = self._prefill_scored(
+      k = 1 if prompt_top is not None and prompt_top <= 1 else max(self._num_top, 1)
+      (out, scores), self.cache = self._prefill_scored[k](
         self._state, self.cache, slots_R, tokens_RT, positions_RT, last_R, _pad_rows(sampling, R)
       )
     token_lp, top_ids, top_lp = (np.asarray(a) for a in scores)
@@ -307,10 +316,10 @@ def _step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_index_B
   return sample(logits_BS, sampling, num_top), cache
 
 
-def _scored_step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_index_B, sampling):
+def _scored_step(graphdef, num_top, prompt_top, state, cache, tokens_BT, positions_BT, last_index_B, sampling):
   """`_step` that also scores the new tokens from the same pass: logits at every position (the sampled
   row is the one at last_index_B, exactly `_step`'s); each position's logprob of the next new token
-  [B, T - 1] and its top logprobs [B, T, num_top]. Log-softmax is logits - logsumexp: the gathered and
+  [B, T - 1] and its top logprobs [B, T, prompt_top] (the sampled token's: num_top, as `_step`). Log-softmax is logits - logsumexp: the gathered and
   the top logits are shifted by each position's logsumexp, and the [B, T, S] log-softmax is never written
   out (top_k runs on the logits: the same order)."""
   model = nnx.merge(graphdef, state)
@@ -319,9 +328,9 @@ def _scored_step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_
   logits_BS = jnp.take_along_axis(logits_BTS, last_index_B[:, None, None], axis=1)[:, 0]
   lse_BT = jax.nn.logsumexp(logits_BTS, axis=-1)
   next_BT = jnp.take_along_axis(logits_BTS[:, :-1], tokens_BT[:, 1:, None], axis=-1)[..., 0] - lse_BT[:, :-1]
-  top_logits, top_ids = jax.lax.top_k(logits_BTS, max(num_top, 1))
+  top_logits, top_ids = jax.lax.top_k(logits_BTS, prompt_top)
   top_lp = top_logits - lse_BT[..., None]
-  return (sample(logits_BS, sampling, num_top), (next_BT, top_ids[..., :num_top], top_lp[..., :num_top])), cache
+  return (sample(logits_BS, sampling, num_top), (next_BT, top_ids, top_lp)), cache
 
 
 def _prefill(step, state, cache, slots_R, tokens_RT, positions_RT, last_index_R, sampling):

@@ -102,6 +102,7 @@ class EngineScorer(Scorer):
         tuple(ctx) + tuple(cont),
         SamplingParams(max_new_tokens=0, temperature=0.0),
         logprob_start_len=len(ctx),
+        input_top_logprobs_num=0,  # the tokens' own logprobs only: the cheaper scored program
       )
       lps = self.engine.generate(request).input_logprobs
       if len(lps) != len(cont) or any(lp is None for lp in lps):

@@ -230,7 +230,13 @@ def _requests(
     for j in range(n):
       seed = None if sampling.seed is None else sampling.seed + j
       rid = base if len(prompts) * n == 1 else f"{base}-{len(requests)}"
-      request = GenerateRequest(rid, tuple(ids), dataclasses.replace(sampling, seed=seed), logprob_start_len)
+      request = GenerateRequest(
+        rid,
+        tuple(ids),
+        dataclasses.replace(sampling, seed=seed),
+        logprob_start_len,
+        input_top_logprobs_num=b.logprobs or 0,
+      )
       try:
         engine.check(request)
       except InvalidRequest as e:  # engine fields are /generate's; name the OpenAI ones instead

@@ -140,7 +140,15 @@ def parse_generate(
   for ids, rid, sp, field in zip(prompts, rids, sps, fields):
     sampling, text_opts = parse_sampling(sp, field, tokenizer, caps)
     start = g.logprob_start_len if g.logprob_start_len is not None and g.return_logprob else -1
-    requests.append(GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=sampling, logprob_start_len=start))
+    requests.append(
+      GenerateRequest(
+        rid=rid,
+        input_ids=tuple(ids),
+        sampling=sampling,
+        logprob_start_len=start,
+        input_top_logprobs_num=g.top_logprobs_num,
+      )
+    )
     options.append(
       dataclasses.replace(
         text_opts,

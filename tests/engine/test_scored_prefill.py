@@ -3,8 +3,9 @@ step run as one scored prefill program, and get the logprobs, top logprobs and t
 time, equal to the full forward pass; plain requests admitted beside them run their own program."""
 
 import numpy as np
+import pytest
 
-from k2jax.engine import GenerateRequest, SamplingParams
+from k2jax.engine import GenerateRequest, InvalidRequest, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
 
@@ -28,9 +29,9 @@ def test_scored_prompts_admitted_together_prefill_in_one_program(local, monkeypa
   calls = []
   scored, plain = eng._runner.prefill_scored, eng._runner.prefill
 
-  def counting_scored(slots, prompts, sampling):
+  def counting_scored(slots, prompts, sampling, **kw):
     calls.append(("scored", len(slots)))
-    return scored(slots, prompts, sampling)
+    return scored(slots, prompts, sampling, **kw)
 
   def counting_plain(slot, tokens, start, sampling):
     calls.append(("plain", len(np.atleast_1d(slot))))
@@ -74,3 +75,26 @@ def test_scored_prompts_admitted_together_prefill_in_one_program(local, monkeypa
     assert [t for t, _ in b.input_top_logprobs[-1]] == [t for t, _ in a.input_top_logprobs[-1]]
     if req.sampling.max_new_tokens:  # the greedy token after the prompt is the forward's argmax there
       assert b.output_ids[0] == int(np.argmax(ref[-1]))
+
+
+def test_one_top_logprob_runs_the_cheaper_program(local):
+  """`input_top_logprobs_num` <= 1 (lm-eval's `logprobs: 1`): the scored program with top-1 at the prompt
+  positions; the same token logprobs, and the top entry is the forward's argmax. A batch where any request
+  wants all of them runs the full one."""
+  eng = local.engine
+  ids = list(_prompt(20, 95))
+  ref = np.asarray(local.forward_logprobs(ids), np.float64)
+  full = eng.generate(GenerateRequest("top-all", tuple(ids), SamplingParams(max_new_tokens=0), logprob_start_len=0))
+  one = eng.generate(
+    GenerateRequest(
+      "top-1", tuple(ids), SamplingParams(max_new_tokens=0), logprob_start_len=0, input_top_logprobs_num=1
+    )
+  )
+  assert one.input_logprobs == full.input_logprobs
+  assert [len(t) for t in one.input_top_logprobs] == [0] + [1] * (len(ids) - 1)
+  assert [len(t) for t in full.input_top_logprobs] == [0] + [eng.config.num_top_logprobs] * (len(ids) - 1)
+  for p, top in enumerate(one.input_top_logprobs[1:], 1):
+    assert top[0][0] == int(np.argmax(ref[p - 1])) == full.input_top_logprobs[p][0][0]
+    np.testing.assert_allclose(top[0][1], ref[p - 1].max(), atol=1e-5, rtol=0)
+  with pytest.raises(InvalidRequest, match="input_top_logprobs_num"):
+    GenerateRequest("bad", (1, 2), logprob_start_len=0, input_top_logprobs_num=-2)
