@@ -188,7 +188,7 @@ def test_rl_logs_held_out_tasks_through_the_eval_runner(tmp_path):
       "iterations": 3,
       "eval.every": 2,
       "checkpoint.every": 3,
-      "warm_start.steps": 2,
+      "warm_start.steps": 20,  # the format (a digit, then EOS): samples stop, so answers can be right
       "warm_start.batch_size": 8,
       "loss.ptx_coef": 0.0,
       "rollout.group_size": 4,
@@ -209,6 +209,9 @@ def test_rl_logs_held_out_tasks_through_the_eval_runner(tmp_path):
   assert sorted(evaluated) == [0, 2, 3]  # after the warm start, every 2 iterations, and at the end
   assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 2, 3]
   assert all("reward_mean" in r for s, r in evaluated.items() if s > 0)  # beside the training reward
+  # Non-trivial numbers: some samples stop and some are right, so the checks below compare real counts.
+  sampled_all = [x for step in evaluated for s in _samples(workdir, "held_sampled", step).values() for x in s]
+  assert any(x["finish_reason"] == "stop" for x in sampled_all) and 0 < sum(x["score"] for x in sampled_all)
   for step, rec in evaluated.items():
     assert rec["eval_weight_version"] == rec["weight_version"]
     # Held-out greedy task: pass@1 = mean@1 = the share of exact answers.
