@@ -1,5 +1,6 @@
 """Kimi K2 pretraining / SFT configs: `tiny` (CPU demo), `small` (one accelerator), `1t` (the K2 recipe),
-`sft_tiny` (chat fine-tuning of a tiny workdir).
+`sft_tiny` (chat fine-tuning of a tiny workdir), `recipe_pretrain` and `recipe_sft` (the first two stages of
+BUILD.md "Evidence that the pipeline learns", scripts/recipe.sh).
 
   python launch/train.py --config=configs/k2.py:tiny --workdir=/tmp/k2tiny
   python launch/train.py --config=configs/k2.py:tiny --workdir=W --config.steps=50 --config.optim.peak_lr=3e-3
@@ -14,11 +15,14 @@ preset's value. `eval.*` (off in every preset) adds held-out loss, perplexity an
 per source (k2jax.train.heldout), on its own files or a hash-of-record-id split of data.path.
 """
 
+import os
+
 from ml_collections import config_dict
 
 from k2jax.train import config as train_config
 
-VARIANTS = ("tiny", "small", "1t", "sft_tiny")
+VARIANTS = ("tiny", "small", "1t", "sft_tiny", "recipe_pretrain", "recipe_sft")
+RECIPE_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "recipe")
 
 # K2 (arXiv 2507.20534 §2.5): 2^26 = 67M tokens per step, 10T tokens constant LR then 5.5T cosine.
 _K2_BATCH_SEQS = 16384  # x 4096 tokens = 2^26
@@ -30,7 +34,9 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
   if arg not in VARIANTS:
     raise ValueError(f"configs/k2.py: unknown variant {arg!r}; choose one of {VARIANTS}")
   c = _base()
-  {"tiny": _tiny, "small": _small, "1t": _k2_1t, "sft_tiny": _sft_tiny}[arg](c)
+  presets = {"tiny": _tiny, "small": _small, "1t": _k2_1t, "sft_tiny": _sft_tiny}
+  presets.update(recipe_pretrain=_recipe_pretrain, recipe_sft=_recipe_sft)
+  presets[arg](c)
   c.lock()
   return c
 
@@ -99,6 +105,25 @@ def _sft_tiny(c):
   c.optim.warmup_steps = 10
   c.optim.bias_update_rate = 0.0  # routing frozen after pretraining (DeepSeek-V3 sets u = 0 late)
   c.checkpoint.every_steps = 50
+
+
+def _recipe_pretrain(c):
+  """Stage 1 of the learning recipe: the tiny model briefly on the bundled corpus (language, not the task)."""
+  _tiny(c)
+  c.steps = 150
+  c.checkpoint.every_steps = 150
+  c.log.tensorboard = False
+
+
+def _recipe_sft(c):
+  """Stage 2: SFT from stage 1 (`--config.checkpoint.init_from=PRETRAIN_WORKDIR`) on the recipe task's chats
+  (data/recipe/sft_train.jsonl, scripts/recipe_data.py; no held-out prompt in it). Short on purpose: the SFT
+  model is partly right, so what RL adds on the held-out split is measurable."""
+  _sft_tiny(c)
+  c.data.path = os.path.join(RECIPE_DATA, "sft_train.jsonl")
+  c.steps = 60
+  c.checkpoint.every_steps = 60
+  c.log.tensorboard = False
 
 
 def get_sweep(name: str) -> list[dict]:

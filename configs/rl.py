@@ -52,6 +52,13 @@ multi-turn tool-use task against a `sim_tools` environment service, which the le
   python launch/rl.py --config=configs/rl.py:agentic_tiny --workdir=/tmp/rl_agentic \
       --config.agentic.env_urls=sim_tools=http://127.0.0.1:8080   # python -m k2jax.agentic.envs --port=8080
 
+`recipe` is stage 3 of BUILD.md "Evidence that the pipeline learns" (scripts/recipe.sh): RL from the recipe's SFT
+workdir on "max of four digits" (data/recipe/rl_train.jsonl, exact reward), with the held-out split
+(data/recipe/heldout.jsonl, never trained on) evaluated greedily every `eval.every` iterations as eval/heldout/pass@1:
+
+  python launch/rl.py --config=configs/rl.py:recipe --workdir=/tmp/k2jax_recipe/rl \
+      --config.model.init_from=/tmp/k2jax_recipe/sft
+
 `swe_tiny` mixes software-engineering episodes (env "swe": fix a bug in a repository with bash and an editor,
 graded by the repository's tests in a fresh sandbox; the toy tasks in data/swe/toy_tasks, built by
 launch/swe_build.py) with arithmetic in every batch; the env service starts itself unless `agentic.env_urls`
@@ -69,7 +76,8 @@ from k2jax.rl import config as rl_config
 
 TASK_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "rl", "agentic_tiny")
 SWE_TASKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "swe", "toy_tasks")
-VARIANTS = ("tiny", "1t", "agentic_tiny", "swe_tiny")
+RECIPE_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "recipe")
+VARIANTS = ("tiny", "1t", "agentic_tiny", "swe_tiny", "recipe")
 
 
 def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
@@ -82,6 +90,8 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
     _agentic_tiny(c)
   if arg == "swe_tiny":
     _swe_tiny(c)
+  if arg == "recipe":
+    _recipe(c)
   c.lock()
   return c
 
@@ -192,3 +202,21 @@ def _swe_tiny(c: config_dict.ConfigDict) -> None:
   c.eval.every = 0
   c.checkpoint.every = 2
   c.log.rollouts = True
+
+
+def _recipe(c: config_dict.ConfigDict) -> None:
+  """RL from an SFT workdir (`model.init_from`, set on the command line) on the recipe's train split; the held-out
+  split is an eval task only. No warm start (the SFT model already answers in the chat format), no PTX."""
+  c.iterations = 30
+  c.tasks["maxdigit"] = rl_config.task_section(
+    kind="jsonl", reward="exact", budget=3, weight=1, path=os.path.join(RECIPE_DATA, "rl_train.jsonl")
+  )
+  c.warm_start.steps = 0
+  c.loss.ptx_coef = 0.0
+  c.train.seq_len = 32  # the chat-templated prompt (~20 tokens) + the 3-token budget
+  c.optim.lr = 1e-3
+  c.eval.every = 5
+  c.eval.tasks["heldout"] = rl_config.eval_task_section(
+    format="answer.exact", path=os.path.join(RECIPE_DATA, "heldout.jsonl"), chat=True
+  )
+  c.checkpoint.every = 30
