@@ -207,16 +207,20 @@ def _swe_tiny(c: config_dict.ConfigDict) -> None:
 def _recipe(c: config_dict.ConfigDict) -> None:
   """RL from an SFT workdir (`model.init_from`, set on the command line) on the recipe's train split; the held-out
   split is an eval task only. No warm start (the SFT model already answers in the chat format), no PTX."""
-  c.iterations = 30
+  c.iterations = 40
   c.tasks["maxdigit"] = rl_config.task_section(
     kind="jsonl", reward="exact", budget=3, weight=1, path=os.path.join(RECIPE_DATA, "rl_train.jsonl")
   )
   c.warm_start.steps = 0
   c.loss.ptx_coef = 0.0
   c.train.seq_len = 32  # the chat-templated prompt (~20 tokens) + the 3-token budget
-  c.optim.lr = 1e-3
-  c.eval.every = 5
-  c.eval.tasks["heldout"] = rl_config.eval_task_section(
-    format="answer.exact", path=os.path.join(RECIPE_DATA, "heldout.jsonl"), chat=True
+  # Muon's update has a fixed RMS whatever the gradient's size: at 3e-3 (the tiny preset's) the noisy RL steps
+  # undid the SFT (held-out greedy pass@1 0.90 -> 0.62 in 5 iterations, measured); 3e-4 keeps it and improves it.
+  c.optim.lr = 3e-4
+  c.eval.every = 10
+  heldout = os.path.join(RECIPE_DATA, "heldout.jsonl")
+  c.eval.tasks["heldout"] = rl_config.eval_task_section(format="answer.exact", path=heldout, chat=True)
+  c.eval.tasks["heldout_sampled"] = rl_config.eval_task_section(
+    format="answer.exact", path=heldout, chat=True, n=8, ks=(1, 8), temperature=1.0
   )
-  c.checkpoint.every = 30
+  c.checkpoint.every = 40
