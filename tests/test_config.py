@@ -1,4 +1,4 @@
-"""Every preset builds the typed config it built before (tests/golden/configs), and every `--config.` override
+"""Every preset builds the typed config it built before (tests/golden/config_dumps), and every `--config.` override
 the docs, launch scripts and tests use still parses through absl and builds."""
 
 import json
@@ -9,10 +9,10 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from tests.golden.configs import dump
+from tests.golden.config_dumps import dump
 
 ROOT = dump.REPO
-GOLDEN = os.path.join(ROOT, "tests", "golden", "configs")
+GOLDEN = os.path.join(ROOT, "tests", "golden", "config_dumps")
 
 
 def _leaves(x, path=""):
@@ -27,7 +27,7 @@ def _leaves(x, path=""):
 @pytest.mark.parametrize("file, preset", dump.presets())
 def test_preset_matches_golden(file, preset):
   """Every value the golden holds is built again, unchanged. A field added since (with its default) is not
-  in the golden and passes; rerun tests/golden/configs/dump.py to record it."""
+  in the golden and passes; rerun tests/golden/config_dumps/dump.py to record it."""
   with open(os.path.join(GOLDEN, f"{file}_{preset}.json")) as f:
     want = _leaves(json.load(f))
   got = _leaves(dump.typed(file, preset))

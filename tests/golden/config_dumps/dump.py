@@ -1,6 +1,6 @@
 """Dumps the typed config every preset of configs/k2.py, configs/rl.py and configs/synth.py builds, as sorted
 JSON (`dataclasses.asdict`, repository paths as `<repo>`). tests/test_config.py compares against these files;
-rerun only when a preset's values change on purpose: `python tests/golden/configs/dump.py`."""
+rerun only when a preset's values change on purpose: `python tests/golden/config_dumps/dump.py`."""
 
 import dataclasses
 import json
