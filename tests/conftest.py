@@ -18,6 +18,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # order as workers free up. Its default order (most tests per file first) (3.5+) put these one- and two-test
 # files last, so one worker ran them alone while the other sat idle.
 HEAVY_FIRST = (
+  "tests/test_recipe.py",  # the whole recipe (pretrain, SFT, RL, six evals): ~6-11 min here
   "tests/rl/test_rl_processes.py",
   "tests/rl/test_rl_colocated.py",
   "tests/rl/test_rl_mesh.py",
