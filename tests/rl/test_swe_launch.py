@@ -6,6 +6,7 @@ process behind. Checked from the files it leaves: per-task metrics, and tool res
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,20 +27,23 @@ pytestmark = [
 ]
 
 
-def _leftovers():
-  tmp = tempfile.gettempdir()
+def _leftovers(tmp):
   return set(glob.glob(os.path.join(tmp, "k2jax-envworker-*")) + glob.glob(os.path.join(tmp, "k2jax-swe-ws-*")))
 
 
-def _sandbox_processes():
+def _sandbox_processes(tmp):
+  """This run's sandbox launchers and env workers: their command line or environment names the run's TMPDIR
+  (the suite runs other launchers beside this one, in other workers)."""
   out = []
   for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
       with open(f"/proc/{pid}/cmdline", "rb") as f:
         cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+      with open(f"/proc/{pid}/environ", "rb") as f:
+        environ = f.read().decode(errors="replace")
     except OSError:
       continue
-    if "k2jax-sandbox-io-" in cmd or "k2jax.agentic.envs --env=swe" in cmd:
+    if ("k2jax-sandbox-io-" in cmd or "k2jax.agentic.envs --env=swe" in cmd) and (tmp in cmd or tmp in environ):
       out.append(cmd)
   return out
 
@@ -47,8 +51,12 @@ def _sandbox_processes():
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("swe_rl")
-  before = _leftovers()
+  # The run's own TMPDIR, so that what other tests running beside it leave in /tmp is not counted (CI once saw
+  # another worker's env worker dir here). 0755: the sandbox's uid must traverse it to reach its io dir.
+  tmp = tempfile.mkdtemp(prefix="k2jax-swe-launch-test-")
+  os.chmod(tmp, 0o755)
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
+  env["TMPDIR"] = tmp
   env["XLA_FLAGS"] = ""  # one CPU device, as on a user's machine (the suite fakes 8)
   proc = subprocess.run(
     [sys.executable, "launch/rl.py", "--config=configs/rl.py:swe_tiny", f"--workdir={workdir}"],
@@ -59,7 +67,8 @@ def run(tmp_path_factory):
     timeout=2300,
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
-  return workdir, proc, _leftovers() - before
+  yield workdir, proc, _leftovers(tmp), tmp
+  shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _read(path):
@@ -68,7 +77,7 @@ def _read(path):
 
 
 def test_iterations_complete_with_swe_and_arith_in_every_batch(run):
-  workdir, proc, _ = run
+  workdir, proc, _, _ = run
   records = [r for r in _read(os.path.join(workdir, "metrics.jsonl")) if r.get("phase") != "warm_start"]
   assert [r["step"] for r in records] == [1, 2]
   for r in records:
@@ -83,7 +92,7 @@ def test_iterations_complete_with_swe_and_arith_in_every_batch(run):
 
 
 def test_tool_results_are_masked_and_nothing_is_left_behind(run):
-  workdir, _, new_dirs = run
+  workdir, _, new_dirs, tmp = run
   tok = load_tokenizer()
   sp = tok.special_ids
   header = [sp["<|im_assistant|>"], *tok.encode("assistant"), sp["<|im_middle|>"]]
@@ -109,6 +118,6 @@ def test_tool_results_are_masked_and_nothing_is_left_behind(run):
   # Processes of a stopped worker die with it (the sandbox launcher's PDEATHSIG); one the worker was
   # forking at that moment still has to exec the launcher to learn it: a few ms, allowed 10 s here.
   deadline = time.monotonic() + 10
-  while (left := _sandbox_processes()) and time.monotonic() < deadline:
+  while (left := _sandbox_processes(tmp)) and time.monotonic() < deadline:
     time.sleep(0.1)
   assert left == []
