@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from k2jax import compile_cache  # noqa: E402
+
 _MODEL = flags.DEFINE_string("model", None, "k2jax workdir, HF dir, or http(s):// server URL.", required=True)
 _TASKS = flags.DEFINE_list("tasks", [], "[NAME=]FORMAT:PATH items.")
 _TASKS_FILE = flags.DEFINE_string("tasks_file", None, "JSON list of task specs (instead of --tasks).")
@@ -43,6 +45,7 @@ _SLOTS = flags.DEFINE_integer("max_running_requests", 8, "Embedded engine: reque
 _MAX_LEN = flags.DEFINE_integer("max_seq_len", 2048, "Embedded engine: prompt + generated tokens.")
 _API_KEY = flags.DEFINE_string("api_key", None, "URL: Bearer token.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars.")
+_COMPILE_CACHE = compile_cache.define_flag()
 
 
 def tasks_from_flags():
@@ -70,6 +73,9 @@ def tasks_from_flags():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  # The embedded engine's programs depend on the model's shapes only: a second evaluation of the same
+  # architecture (another checkpoint, another task) loads them instead of compiling (as launch/serve.py).
+  compile_cache.enable(_COMPILE_CACHE.value)
   from k2jax import eval as k2eval
 
   config = k2eval.EvalConfig(
