@@ -73,8 +73,8 @@ def enable(cache_dir: str, *, log_min_secs: float = 1.0, min_compile_secs: float
     jax.config.update("jax_compilation_cache_dir", cache_dir)
   else:
     jax.config.update("jax_compilation_cache_dir", None)
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-      jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_secs)
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_secs)
   _listen()
 
 

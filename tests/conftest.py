@@ -1,13 +1,52 @@
-"""Test setup: 8 fake CPU devices so every mesh test runs on CI, float32 matmuls everywhere."""
+"""Test setup: 8 fake CPU devices so every mesh test runs on CI, float32 matmuls everywhere, quick compiles
+(tests/xla_flags.py) kept in JAX's persistent cache."""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests.xla_flags import xla_flags  # noqa: E402
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import json  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
+from jax import monitoring  # noqa: E402
+
+from k2jax import compile_cache  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# JAX's persistent compilation cache for the suite's own compiles, in the directory the launchers it starts use
+# by default (k2jax/compile_cache.py): test files compile the same tiny programs again (the model, its train
+# step, the engine's buckets) in other processes. The summary line at the end says what it saved.
+# Programs that compile in 0.25 s or more are written (JAX's default: 1 s); the variable reaches the children too.
+# (Setting jax_compilation_cache_max_size here made every lookup miss in jax 0.10: left at its default.)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
+jax.config.update(
+  "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+)
+jax.config.update("jax_compilation_cache_dir", compile_cache.DEFAULT_DIR)
+_CACHE_STATS = {"compiles": 0, "compile_s": 0.0, "hits": 0, "saved_s": 0.0, "written": 0}
+
+
+def _on_duration(event, seconds, **kwargs):
+  if event == "/jax/core/compile/backend_compile_duration":
+    _CACHE_STATS["compiles"] += 1
+    _CACHE_STATS["compile_s"] += seconds
+  elif event == "/jax/compilation_cache/compile_time_saved_sec":
+    _CACHE_STATS["saved_s"] += seconds
+
+
+def _on_event(event, **kwargs):
+  if event == "/jax/compilation_cache/cache_hits":
+    _CACHE_STATS["hits"] += 1
+  elif event == "/jax/compilation_cache/cache_misses":
+    _CACHE_STATS["written"] += 1
+
+
+monitoring.register_event_duration_secs_listener(_on_duration)
+monitoring.register_event_listener(_on_event)
 
 # The heaviest files first, heaviest at the top (seconds on CI's 2 cores, from `--durations`: colocated RL
 # 326, RL processes 362 before it lost a run, RL mesh ~220, the RL learners' shared runs ~150 each (learner,
@@ -48,3 +87,33 @@ def pytest_collection_modifyitems(config, items):
   """HEAVY_FIRST files first; a stable sort, so every file keeps its own test order (module fixtures)."""
   rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
   items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+def pytest_configure(config):
+  """The controller makes the directory where every process leaves its compile counts (xdist workers start
+  later and inherit it)."""
+  if not hasattr(config, "workerinput"):
+    os.environ["K2JAX_SUITE_STATS"] = tempfile.mkdtemp(prefix="k2jax-suite-stats-")
+
+
+def pytest_sessionfinish(session):
+  stats_dir = os.environ.get("K2JAX_SUITE_STATS")
+  if stats_dir and os.path.isdir(stats_dir):
+    with open(os.path.join(stats_dir, f"{os.getpid()}.json"), "w") as f:
+      json.dump(_CACHE_STATS, f)
+
+
+def pytest_terminal_summary(terminalreporter):
+  stats_dir = os.environ.get("K2JAX_SUITE_STATS")
+  if not stats_dir or not os.path.isdir(stats_dir):
+    return
+  total = dict.fromkeys(_CACHE_STATS, 0)
+  for name in os.listdir(stats_dir):
+    with open(os.path.join(stats_dir, name)) as f:
+      for k, v in json.load(f).items():
+        total[k] += v
+  terminalreporter.write_line(
+    f"suite_compiles={total['compiles']} compile_s={total['compile_s']:.0f} (pytest processes; the launchers they "
+    f"start log their own) persistent_cache_hits={total['hits']} saved_s={total['saved_s']:.0f} "
+    f"written={total['written']}"
+  )

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.xla_flags import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = """
@@ -43,7 +45,7 @@ def _port() -> int:
 def _run_pair(tmp_path, mode):
   script = tmp_path / "worker.py"
   script.write_text(WORKER.format(root=ROOT))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
   port = str(_port())
   procs = [
     subprocess.Popen(

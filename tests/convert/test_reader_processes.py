@@ -15,6 +15,7 @@ import pytest
 from k2jax.convert import hf as hf_io
 from k2jax.convert import workdir as wd
 from tests.convert import kimi_dir
+from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -24,7 +25,7 @@ def _env(devices):
   return dict(
     os.environ,
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    XLA_FLAGS=xla_flags(devices),
     PYTHONPATH=ROOT,
   )
 

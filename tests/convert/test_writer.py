@@ -27,6 +27,7 @@ from k2jax.convert.errors import CheckpointError  # noqa: E402
 from k2jax.convert.hf import abstract_state  # noqa: E402
 from k2jax.convert.hf_dir import get_path  # noqa: E402
 from k2jax.model import K2Model, presets  # noqa: E402
+from tests.xla_flags import xla_flags
 
 CFG = presets.get("tiny", **fp8_export_golden.CONFIG)
 ZERO_BLOCK = ("moe_layers", "attn", "w_kv_a")  # HF kv_a_proj_with_mqa [192, 192]: block (1, 0) zeroed
@@ -201,7 +202,7 @@ def test_convert_cli_exports_a_sharded_workdir_as_fp8(tmp_path):
   root = os.path.dirname(os.path.dirname(HERE))
   w, hf = str(tmp_path / "w"), str(tmp_path / "hf")
   wd.save_model_only(CFG, _host(), w)
-  env = {**os.environ, "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  env = {**os.environ, "PYTHONPATH": root, "XLA_FLAGS": xla_flags(2)}
   cmd = [sys.executable, "launch/convert.py", f"--src={w}", f"--dst={hf}", "--dtype=fp8", "--mesh=fsdp=2"]
   p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-3000:]

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from k2jax.data.tokenizer import load_tokenizer
+from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TASKS = {"math": 12, "code": 16, "instruction": 12, "judge": 8, "rubric": 8, "sim_tools": 128}  # name -> budget
@@ -29,7 +30,7 @@ def _read(path):
 def run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("agentic_rl")
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
-  env["XLA_FLAGS"] = ""  # one CPU device, as on a user's machine (the suite fakes 8)
+  env["XLA_FLAGS"] = xla_flags()  # one CPU device, as on a user's machine (the suite fakes 8)
   proc = subprocess.run(
     [sys.executable, "launch/rl.py", "--config=configs/rl.py:agentic_tiny", f"--workdir={workdir}"],
     cwd=ROOT,

@@ -27,6 +27,7 @@ from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.rl.weight_sync import INDEX_NAME
 
 from tests.engine.fake_sglang_server import FakeSglangServer
+from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # RL runs in subprocesses (compile-bound)
@@ -56,7 +57,7 @@ def _env(cache, devices=8):
     os.environ,
     JAX_PLATFORMS="cpu",
     JAX_DEFAULT_MATMUL_PRECISION="highest",
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    XLA_FLAGS=xla_flags(devices),
     PYTHONPATH=ROOT,
     JAX_COMPILATION_CACHE_DIR=cache,
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

@@ -16,6 +16,7 @@ import pytest
 
 from k2jax.data.tokenizer import load_tokenizer
 from k2jax.sandbox.runner import isolation_error
+from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOT_ISOLATED = isolation_error()
@@ -57,7 +58,7 @@ def run(tmp_path_factory):
   os.chmod(tmp, 0o755)
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
   env["TMPDIR"] = tmp
-  env["XLA_FLAGS"] = ""  # one CPU device, as on a user's machine (the suite fakes 8)
+  env["XLA_FLAGS"] = xla_flags()  # one CPU device, as on a user's machine (the suite fakes 8)
   proc = subprocess.run(
     [sys.executable, "launch/rl.py", "--config=configs/rl.py:swe_tiny", f"--workdir={workdir}"],
     cwd=ROOT,

@@ -8,7 +8,9 @@ The tiny model, filled from numpy with seed 0 on every process, is sharded over 
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+from tests.xla_flags import xla_flags  # noqa: E402  (repo root on PYTHONPATH)
+
+os.environ["XLA_FLAGS"] = xla_flags(4)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 from k2jax import distributed  # noqa: E402  (must run before any device is touched)

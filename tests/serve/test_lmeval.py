@@ -22,6 +22,7 @@ from flax import nnx
 
 import k2jax
 from k2jax.model import K2Model, presets
+from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # a server process, lm-eval's runs and torch's
@@ -126,7 +127,7 @@ def server_url(export, tmp_path_factory):
   """`launch/serve.py` on the export, as a user starts it (its own process, the export's tokenizer)."""
   port = _free_port()
   log_path = tmp_path_factory.mktemp("serve_log") / "serve.log"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=ROOT)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1), PYTHONPATH=ROOT)
   cmd = [sys.executable, os.path.join(ROOT, "launch/serve.py"), f"--model={export}", f"--port={port}"]
   cmd += ["--max_running_requests=4", "--max_seq_len=128", "--noprecompile"]
   with open(log_path, "w") as log:

@@ -16,6 +16,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # three JAX processes, each compiling its steps
@@ -32,7 +33,7 @@ def _start(model: str, port: int, devices: int, log, *extra) -> subprocess.Popen
   env = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    XLA_FLAGS=xla_flags(devices),
     PYTHONPATH=ROOT,
   )
   cmd = [sys.executable, os.path.join(ROOT, "launch/serve.py"), f"--model={model}", f"--port={port}"]

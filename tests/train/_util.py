@@ -9,6 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 
 import k2  # noqa: E402  configs/k2.py
+from tests.xla_flags import xla_flags
 
 
 def tiny_config(**overrides):
@@ -37,7 +38,7 @@ def env(devices: int = 8, cache_dir: str | None = None) -> dict:
     os.environ,
     JAX_PLATFORMS="cpu",
     JAX_DEFAULT_MATMUL_PRECISION="highest",
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    XLA_FLAGS=xla_flags(devices),
     PYTHONPATH=ROOT,
   )
   if cache_dir:
