@@ -32,12 +32,17 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from k2jax.data.eval_tasks import FORMATS, GENERIC_FORMATS, REWARD_KINDS  # noqa: F401  (re-exported)
 from k2jax.rl.rewards.math import extract_boxed
 from k2jax.sandbox.verify import parse_row
 
+# The format names are declared in the data layer (every loop's `eval.tasks.<name>.format` checks against
+# them); each parses here. answer.KIND: the field reward KIND reads.
 REWARD_FIELDS = {"exact": "answer", "math": "answer", "code": "tests", "instruction": "constraints"}
-GENERIC_FORMATS = tuple(f"answer.{kind}" for kind in REWARD_FIELDS)
-FORMATS = ("gsm8k", "math", "humaneval", "mbpp", "mc") + GENERIC_FORMATS
+if tuple(REWARD_FIELDS) != REWARD_KINDS:
+  raise ImportError(
+    f"k2jax.data.eval_tasks.REWARD_KINDS {REWARD_KINDS} and REWARD_FIELDS {tuple(REWARD_FIELDS)} disagree"
+  )
 _LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 

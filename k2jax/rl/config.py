@@ -15,7 +15,7 @@ from ml_collections import config_dict as mlc
 
 from k2jax import configlib
 from k2jax.configlib import knob, section, sections
-from k2jax.eval.tasks import FORMATS as EVAL_FORMATS
+from k2jax.data.eval_tasks import EvalTaskEntry, eval_task_section  # noqa: F401  (configs/rl.py's presets)
 from k2jax.train.config import ON_UNREADABLE, MeshSpec
 
 ROLLOUT_ENGINES = ("embedded", "sglang_jax_colocated")
@@ -236,35 +236,6 @@ class RLLogSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalTaskEntry:
-  """One `eval.tasks.<name>` section: a held-out benchmark file run by k2jax.eval's runner (launch/eval.py's)."""
-
-  format: str = knob("answer.exact", "task format (k2jax/eval/tasks.py)", choices=EVAL_FORMATS)
-  path: str = knob("", "the task's JSONL (or .jsonl.gz) file in its published field names, never trained on")
-  n: int = knob(1, "samples per doc", **_POSITIVE)
-  ks: tuple[int, ...] = knob((1,), "pass@k and maj@k for each k <= n (mean@n always)")
-  temperature: float = knob(0.0, "sampling temperature (0 = greedy, then n must be 1)", **_NON_NEGATIVE)
-  top_p: float = knob(1.0, "nucleus sampling (1 = off)")
-  max_tokens: int = knob(0, "response tokens per sample (0 = the run's largest task budget)", **_NON_NEGATIVE)
-  limit: int = knob(0, "the file's first docs only (0 = all)", **_NON_NEGATIVE)
-  chat: bool = knob(False, "prompts in the K2 chat template (as jsonl RL tasks') instead of plain text")
-  system: str = knob("", "chat: a system message first ('' = none)")
-  num_fewshot: int = knob(
-    0, "few-shot examples before each prompt (the first records of fewshot_file)", **_NON_NEGATIVE
-  )
-  fewshot_file: str = knob("", "num_fewshot > 0: the examples' file (never the task's own)")
-  seed: int = knob(0, "sample i of a doc is seeded by hash(seed, task, doc, i)")
-
-  def validate(self):
-    configlib.need(bool(self.path), "path", "required: the task's held-out file")
-    configlib.need(bool(self.ks) and all(k >= 1 for k in self.ks), "ks", f"each k must be >= 1, got {self.ks}")
-    configlib.need(
-      self.temperature > 0 or self.n == 1, "n", f"{self.n} greedy samples are all the same: temperature > 0"
-    )
-    configlib.need(self.num_fewshot == 0 or bool(self.fewshot_file), "fewshot_file", "needed with num_fewshot > 0")
-
-
-@dataclasses.dataclass(frozen=True)
 class EvalSpec:
   """Evaluation through k2jax.eval's runner on the rollout engine, after the update's push (k2jax/rl/evaluation.py)."""
 
@@ -327,11 +298,6 @@ class RLConfig:
 def config_dict() -> mlc.ConfigDict:
   """The ConfigDict of RLConfig's defaults (what configs/rl.py's presets change)."""
   return configlib.config_dict(RLConfig)
-
-
-def eval_task_section(**values) -> mlc.ConfigDict:
-  """An `eval.tasks.<name>` section for a preset: EvalTaskEntry's defaults with `values` set."""
-  return configlib.item_config_dict(EvalTaskEntry, **values)
 
 
 def task_section(**values) -> mlc.ConfigDict:

@@ -29,37 +29,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import time
 from typing import Any
 
-from k2jax import configlib
 from k2jax.data.chat import render_chat
+from k2jax.data.eval_tasks import GENERIC_FORMATS, task_entries
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.engine.base import Engine
-from k2jax.engine.inference import InferenceEngine
-from k2jax.eval import runner
-from k2jax.eval.scoring import EngineScorer, HttpScorer
-from k2jax.eval.store import SAMPLES, write_atomic
-from k2jax.eval.tasks import GENERIC_FORMATS, get_format
+from k2jax.eval import inloop, runner
+from k2jax.eval.store import write_atomic
 from k2jax.model.config import ConfigError
-from k2jax.rl.config import EvalSpec, EvalTaskEntry
+from k2jax.rl.config import EvalSpec
 
 TRAIN_PROMPTS_DIR = "data"  # W/eval/data/<task>.jsonl: the tasks' own prompts as answer.KIND files
 
 
 def engine_model(engine: Engine, tokenizer: Tokenizer, stop_ids: tuple[int, ...], url: str = "") -> runner.Model:
-  """The rollout engine as the eval runner's `Model` (the same object: no second copy of the weights).
-
-  `url`: the engine's server (or router), when it is one. Log-likelihoods (multiple choice) come from the
-  engine's own prompt logprobs: the embedded engine's prefill, or the server's /generate
-  `input_token_logprobs`; sglang-jax's colocated engine gives none."""
-  if url:
-    return runner.Model(engine, tokenizer, tuple(stop_ids), HttpScorer(url), url)
-  if isinstance(engine, InferenceEngine):
-    where = "the embedded rollout engine"
-    return runner.Model(engine, tokenizer, tuple(stop_ids), EngineScorer(engine), where, engine.config.max_seq_len)
-  return runner.Model(engine, tokenizer, tuple(stop_ids), None, f"the rollout engine ({type(engine).__name__})")
+  """The rollout engine as the eval runner's `Model` (k2jax.eval.inloop.engine_model)."""
+  return inloop.engine_model(engine, tokenizer, stop_ids, url, what="rollout engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,41 +54,6 @@ class _Task:
   name: str
   config: runner.EvalConfig  # `out` and `model` are set per evaluation
   own: bool  # a task's own prompts (counted in eval_accuracy)
-
-
-def eval_tasks(spec: EvalSpec) -> list[tuple[str, str, EvalTaskEntry]]:
-  """(config key, name, entry) of every held-out task: `eval.tasks.<name>`, then `eval.tasks_file`'s items
-  (a JSON list of objects: `name` and the keys of an `eval.tasks.<name>` section, checked the same way)."""
-  out = [(f"eval.tasks.{name}", name, e) for name, e in spec.tasks.items()]
-  for name in spec.tasks:
-    if not _NAME.fullmatch(name):
-      raise ConfigError(f"eval.tasks.{name}: a task name is letters, digits, '_', '-' or '.' (it names metrics)")
-  if not spec.tasks_file:
-    return out
-  try:
-    with open(spec.tasks_file, encoding="utf-8") as f:
-      items = json.load(f)
-  except (OSError, ValueError) as e:
-    raise ConfigError(f"eval.tasks_file: cannot read {spec.tasks_file!r}: {e}") from None
-  if not isinstance(items, list):
-    raise ConfigError(f"eval.tasks_file: {spec.tasks_file} must hold a JSON list of task objects")
-  for i, item in enumerate(items):
-    key = f"eval.tasks_file[{i}]"
-    name = item.get("name") if isinstance(item, dict) else None
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-      raise ConfigError(f"{key}: each task needs a 'name' of letters, digits, '_', '-' or '.' ({spec.tasks_file})")
-    try:
-      entry = configlib.build(EvalTaskEntry, {k: v for k, v in item.items() if k != "name"}, key=key)
-    except ValueError as e:
-      raise ConfigError(f"{e} ({spec.tasks_file})") from None
-    out.append((f"{key} ({name!r})", name, entry))
-  names = [name for _, name, _ in out]
-  if len(set(names)) != len(names):
-    raise ConfigError(f"eval.tasks_file: task names repeat across eval.tasks and {spec.tasks_file}: {names}")
-  return out
-
-
-_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class Evaluator:
@@ -126,32 +78,18 @@ class Evaluator:
             **base,
           )
           self.tasks.append(_Task(t.name, cfg, own=True))
-    for key, name, e in eval_tasks(spec):
+    for key, name, e in task_entries(spec.tasks, spec.tasks_file):
       if name in names and spec.train_prompts:
         raise ConfigError(f"{key}: the name is an RL task's, whose own prompts eval.train_prompts logs: rename it")
-      for field, path in (("path", e.path), ("fewshot_file", e.fewshot_file)):
-        if path and not os.path.isfile(path):
-          raise ConfigError(f"{key}.{field}: no such file {path!r}")
-      if get_format(e.format).kind == "choice" and model.scorer is None:
-        raise ConfigError(f"{key}.format: {e.format!r} is scored by log-likelihood, which {model.where} cannot give")
-      cfg = runner.EvalConfig(
-        tasks=(runner.TaskSpec(name, e.path, e.format, fewshot_file=e.fewshot_file or None),),
-        n=e.n,
-        ks=tuple(e.ks),
-        temperature=e.temperature,
-        top_p=e.top_p,
-        max_tokens=e.max_tokens or largest,
-        seed=e.seed,
-        num_fewshot=e.num_fewshot,
-        limit=e.limit or None,
-        chat=e.chat,
-        system=e.system or None,
-        **base,
+      cfg = inloop.entry_config(
+        key,
+        name,
+        e,
+        scorer=model.scorer is not None,
+        where=model.where,
+        max_tokens=largest,
+        concurrency=spec.concurrency,
       )
-      try:
-        runner.check_tasks(cfg)  # a bad record or few-shot file fails the run now, not at the first eval
-      except (ValueError, OSError) as err:
-        raise ConfigError(f"{key}: {err}") from None
       self.tasks.append(_Task(name, cfg, own=False))
     if not self.tasks:
       raise ConfigError(
@@ -188,11 +126,8 @@ class Evaluator:
     t0, out, own = time.perf_counter(), {}, []
     for task in self.tasks:
       where = os.path.join(self.root, task.name, str(iteration))
-      if os.path.exists(os.path.join(where, SAMPLES)):
-        os.remove(os.path.join(where, SAMPLES))  # another run's policy at this iteration: evaluate afresh
-      cfg = dataclasses.replace(task.config, out=where, model=f"{self.model.where} (RL iteration {iteration})")
-      section = runner.run(cfg, self.model)["tasks"][task.name]
-      out.update({f"eval/{task.name}/{k}": float(v) for k, v in section["metrics"].items()})
+      section = inloop.run_task(task.config, self.model, where, f"{self.model.where} (RL iteration {iteration})")
+      out.update(inloop.metrics(task.name, section))
       if task.own:
         own.append((section["metrics"]["pass@1"], section["num_docs"]))
     if own:
