@@ -3,7 +3,8 @@
 Resumes from W's latest checkpoint. `--dry_run` prints parameter counts (and the memory plan for
 `config.topology`) from shapes alone, allocating nothing. `--aot=v5p-1024` compiles the real step for that
 TPU slice on this host (needs libtpu, see BUILD.md) and prints XLA's per-device memory, FLOPs and
-collective bytes; it exits 1 when the step does not fit the chips' HBM. Multi-host: set the coordinator flags (or
+collective bytes; it exits 1 when the step does not fit the chips' HBM. `eval.tasks.<name>` / `eval.tasks_file`
+run benchmarks (k2jax.eval's runner, an embedded engine over the current weights) at the held-out loss's steps. Multi-host: set the coordinator flags (or
 let the cluster's environment do it, see BUILD.md) and run the same command on every host.
 """
 
@@ -29,6 +30,13 @@ _COMPILE_CACHE = compile_cache.define_flag()
 FLAGS = flags.FLAGS
 
 
+def _task_eval(tc, workdir):
+  """`eval.tasks`' evaluator (k2jax.eval sits above k2jax.train: the launcher brings it to the loop)."""
+  from k2jax.eval import inloop
+
+  return inloop.train_evaluator(tc, workdir)
+
+
 def main(argv):
   del argv
   compile_cache.enable(_COMPILE_CACHE.value)
@@ -52,7 +60,7 @@ def main(argv):
 
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; the loop prints status
-  final = loop.run(FLAGS.config, FLAGS.workdir)
+  final = loop.run(FLAGS.config, FLAGS.workdir, task_eval=_task_eval)
   print(" ".join(f"{k}={final[k]}" for k in ("step", "loss") if k in final))
   distributed.shutdown("train")  # the processes leave together (jax's own exit barrier gives up after 300 s)
 

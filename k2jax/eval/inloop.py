@@ -27,8 +27,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import SingleDeviceSharding
 
 from k2jax.api import model_from_state
-from k2jax.data.eval_tasks import EvalTaskEntry
-from k2jax.data.tokenizer import Tokenizer
+from k2jax.data.eval_tasks import EvalTaskEntry, task_entries
+from k2jax.data.tokenizer import BUNDLED_TOKENIZER, Tokenizer, load_tokenizer
 from k2jax.engine.base import Engine
 from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.eval import runner
@@ -37,6 +37,7 @@ from k2jax.eval.store import SAMPLES
 from k2jax.eval.tasks import get_format
 from k2jax.model.config import ConfigError, K2Config
 from k2jax.serve.server import eos_ids
+from k2jax.train.config import TrainConfig
 
 
 def engine_model(
@@ -180,3 +181,22 @@ class TrainEvaluator:
     if self.engine is not None:
       self.engine.close()
       self.engine = None
+
+
+def train_evaluator(tc: TrainConfig, workdir: str) -> TrainEvaluator:
+  """`eval.tasks` / `eval.tasks_file` of a pretraining / SFT config as its `TrainEvaluator` (what
+  launch/train.py hands `k2jax.train.loop.run`): training's tokenizer, `eval.max_tokens` for tasks that give
+  none, an engine of `eval.engine_max_slots` x `eval.engine_max_seq_len`."""
+  e = tc.eval
+  engine = EngineConfig(
+    max_slots=e.engine_max_slots, max_seq_len=e.engine_max_seq_len or tc.model.max_position_embeddings
+  )
+  return TrainEvaluator(
+    task_entries(e.tasks, e.tasks_file),
+    tc.model,
+    load_tokenizer(tc.data.tokenizer_path or BUNDLED_TOKENIZER),
+    workdir,
+    max_tokens=e.max_tokens,
+    concurrency=e.concurrency,
+    engine=engine,
+  )

@@ -18,7 +18,8 @@ import os
 from ml_collections import config_dict as mlc
 
 from k2jax import configlib, sharding
-from k2jax.configlib import knob, section
+from k2jax.configlib import knob, section, sections
+from k2jax.data.eval_tasks import EvalTaskEntry
 from k2jax.model import presets
 from k2jax.model.config import ConfigError, K2Config
 
@@ -169,10 +170,12 @@ _NONNEG = {"check": lambda v: v >= 0, "rule": "must be >= 0"}
 
 @dataclasses.dataclass(frozen=True)
 class EvalSpec:
-  """`eval.*`: held-out loss, perplexity and bits-per-byte (k2jax.train.heldout); off unless `path` or
-  `fraction` names a held-out set. Record i of a training source is held out iff the splitmix64 hash of
-  (i, seed) is below `fraction` (k2jax.data.sources.HoldoutSplit): the same split on every host, process
-  count and resume, and training never reads those records."""
+  """`eval.*`: held-out loss, perplexity and bits-per-byte (k2jax.train.heldout), on when `path` or
+  `fraction` names a held-out set, and benchmark tasks (`tasks.<name>` / `tasks_file`, k2jax.eval's runner on
+  an embedded engine over the current weights: `eval/<task>/pass@1`, ...). Both run at the same steps: every
+  `every_steps` and at the end (one knob, one metrics line per evaluation). Record i of a training source is
+  held out iff the splitmix64 hash of (i, seed) is below `fraction` (k2jax.data.sources.HoldoutSplit): the
+  same split on every host, process count and resume, and training never reads those records."""
 
   path: str = knob("", "held-out files, '[name=]file_or_glob,...' (all their records); '' = none")
   fraction: float = knob(
@@ -182,19 +185,36 @@ class EvalSpec:
     rule="must be in [0, 1)",
   )
   seed: int = knob(0, "salt of the held-out split's record-id hash")
-  every_steps: int = knob(0, "evaluate every N steps (0 = only at the end of training)", **_NONNEG)
+  every_steps: int = knob(0, "held-out loss and eval.tasks every N steps (0 = only at the end of training)", **_NONNEG)
   steps: int = knob(0, "batches per held-out source per evaluation (0 = all of it)", **_NONNEG)
   batch_size: int = knob(0, "global rows per eval batch (0 = a training microbatch)", **_NONNEG)
   at_start: bool = knob(False, "also evaluate the starting weights (step 0, or the step resumed from)")
+  tasks: dict[str, EvalTaskEntry] = sections(
+    EvalTaskEntry, "benchmark tasks (as RL's eval.tasks.<name>), logged as eval/<name>/<metric>"
+  )
+  tasks_file: str = knob("", "JSON list of more eval tasks, each {name, ...the keys of eval.tasks.<name>}")
+  max_tokens: int = knob(64, "eval.tasks: response tokens per sample when a task gives max_tokens=0", **_POSITIVE)
+  concurrency: int = knob(16, "eval.tasks: requests in flight", **_POSITIVE)
+  engine_max_slots: int = knob(8, "eval.tasks' embedded engine: requests decoded together", **_POSITIVE)
+  engine_max_seq_len: int = knob(
+    0, "eval.tasks' embedded engine: prompt + response tokens (0 = model max_position_embeddings)", **_NONNEG
+  )
 
   @property
   def enabled(self) -> bool:
+    """Held-out loss is on."""
     return bool(self.path) or self.fraction > 0
+
+  @property
+  def has_tasks(self) -> bool:
+    return bool(self.tasks) or bool(self.tasks_file)
 
   def validate(self):
     for key, v in (("every_steps", self.every_steps), ("at_start", self.at_start)):
       configlib.need(
-        self.enabled or not v, key, f"{v!r} without a held-out set: set eval.path (files) or eval.fraction (a split)"
+        self.enabled or self.has_tasks or not v,
+        key,
+        f"{v!r} with nothing to evaluate: set eval.path (files) or eval.fraction (a split), or eval.tasks",
       )
     configlib.need(
       not (self.path and self.fraction > 0),
@@ -235,7 +255,7 @@ class TrainConfig:
   mesh: MeshSpec = section(MeshSpec, "device mesh; -1 = all remaining devices")
   checkpoint: CheckpointSpec = section(CheckpointSpec, "orbax checkpoints and init_from")
   log: LogSpec = section(LogSpec, "metrics, progress and spike logging")
-  eval: EvalSpec = section(EvalSpec, "held-out loss / perplexity / bits-per-byte (off unless path or fraction)")
+  eval: EvalSpec = section(EvalSpec, "held-out loss (off unless path or fraction) and benchmark tasks (eval.tasks)")
 
   def validate(self):
     configlib.need(

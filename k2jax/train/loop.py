@@ -26,7 +26,8 @@ from k2jax.optim import QKClipSpec, muonclip, wsd_schedule
 from k2jax.data.corpus import BUNDLED_CORPUS
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER
 from k2jax.train import core, heldout, inputs
-from k2jax.train.checkpoint import Checkpointer
+from k2jax.model.config import ConfigError
+from k2jax.train.checkpoint import Checkpointer, merge_dicts
 from k2jax.train.config import TrainConfig, check_runtime, eval_rows, from_config_dict
 from k2jax.train.counting import flops_per_token
 from k2jax.train.init_from import model_config_for_run
@@ -34,12 +35,27 @@ from k2jax.train.metrics import MetricsLogger, SpikeDetector, measure_peak_flops
 from k2jax.train.step import TrainState, make_train_step
 
 
-def run(config: config_dict.ConfigDict, workdir: str) -> dict:
-  """Train per `config` in `workdir` (resuming from its latest checkpoint). Returns final metrics."""
+# `eval.tasks`' evaluator: `evaluate(step, state) -> {"eval/<task>/<metric>": value}`, called on every
+# process at each evaluation with the model's pure state dict (params and router bias, sharded as trained).
+TaskEval = Callable[[int, dict], dict]
+
+
+def run(
+  config: config_dict.ConfigDict, workdir: str, task_eval: Callable[[TrainConfig, str], TaskEval] | None = None
+) -> dict:
+  """Train per `config` in `workdir` (resuming from its latest checkpoint). Returns final metrics.
+
+  `task_eval(tc, workdir)`: builds `eval.tasks`' evaluator (launch/train.py passes
+  `k2jax.eval.inloop.train_evaluator`; this package sits below k2jax.eval and cannot build it). Called once
+  before anything compiles (so a bad task fails the run at start); the evaluator then runs at the held-out
+  loss's steps (every `eval.every_steps` and at the end) and its metrics join that step's eval line."""
   # Config: the one ConfigDict -> dataclass boundary, then checks against devices and files.
   tc = from_config_dict(config)
   tc = dataclasses.replace(tc, model=model_config_for_run(tc, workdir))
   mesh_shape = check_runtime(tc, jax.device_count(), jax.process_count())
+  if tc.eval.has_tasks and task_eval is None:
+    raise ConfigError("eval.tasks: benchmark tasks need an evaluator: run launch/train.py (it builds one)")
+  tasks = task_eval(tc, workdir) if tc.eval.has_tasks else None
   peak = _peak(tc)  # Before the mesh is active: measured on one device.
   # Optimizer and data.
   optimizer, schedule = make_optimizer(tc)
@@ -68,7 +84,15 @@ def run(config: config_dict.ConfigDict, workdir: str) -> dict:
   # Step and loop.
   step_fn = c.jit(make_step(tc, c.mdef, optimizer, schedule))
   evaluator = make_evaluator(tc, c) if tc.eval.enabled else None
-  return _Loop(tc, workdir, step_fn, c.ckpt, c.batch_sharding, c.meta, peak, evaluator).run(c.state, it)
+  if evaluator is not None and tasks is not None:
+    same = set(getattr(tasks, "names", ())) & {s.name for s in evaluator.sources}
+    if same:
+      raise ConfigError(f"eval.tasks: {sorted(same)} also name held-out sources (eval/<name>/...): rename them")
+  try:
+    return _Loop(tc, workdir, step_fn, c.ckpt, c.batch_sharding, c.meta, peak, evaluator, tasks).run(c.state, it)
+  finally:
+    if hasattr(tasks, "close"):
+      tasks.close()
 
 
 def make_evaluator(tc: TrainConfig, layout: core.Layout) -> heldout.Evaluator:
@@ -152,6 +176,7 @@ class _Loop:
     meta: dict,
     peak: tuple[float, str],
     evaluator: heldout.Evaluator | None = None,
+    tasks: TaskEval | None = None,
   ):
     self.tc, self.workdir, self.step_fn, self.ckpt = tc, workdir, step_fn, ckpt
     self.batch_sharding = batch_sharding
@@ -162,7 +187,7 @@ class _Loop:
     self._sigterm = threading.Event()
     self.last: dict = {}
     self.peak, self.peak_source = peak
-    self.evaluator = evaluator
+    self.evaluator, self.tasks = evaluator, tasks
 
   def run(self, state: TrainState, it) -> dict:
     tc = self.tc
@@ -183,7 +208,7 @@ class _Loop:
     self._t, self._t_step = 0.0, None
     step, pending, saved = start, None, start
     try:
-      if self.evaluator is not None and tc.eval.at_start:
+      if (self.evaluator is not None or self.tasks is not None) and tc.eval.at_start:
         self._evaluate(step, state)
       while step < tc.steps:
         if self._sigterm.is_set() or self.ckpt.reached_preemption(step):
@@ -220,14 +245,16 @@ class _Loop:
     return dict(self.last, step=step)
 
   def _eval_due(self, step: int) -> bool:
-    if self.evaluator is None:
+    if self.evaluator is None and self.tasks is None:
       return False
     every = self.tc.eval.every_steps
     return step == self.tc.steps or (every > 0 and step % every == 0)
 
   def _evaluate(self, step: int, state: TrainState) -> None:
     t = time.perf_counter()
-    record = self.evaluator.evaluate(state.params, state.bias)
+    record = self.evaluator.evaluate(state.params, state.bias) if self.evaluator is not None else {}
+    if self.tasks is not None:
+      record.update(self.tasks(step, merge_dicts(state.params, state.bias)))
     seconds = time.perf_counter() - t
     self.log.write_eval({"step": step, **record, "eval/seconds": seconds})
     self._t += seconds  # Eval time is not training time: tokens/s and MFU leave it out.

@@ -126,8 +126,8 @@ class MetricsLogger:
       say(f"step {step}/{self._total} {info}")
 
   def write_eval(self, record: dict) -> None:
-    """One held-out evaluation (`k2jax.train.heldout`: `step` and `eval/...` keys) as its own metrics line,
-    TensorBoard scalars and a console line."""
+    """One evaluation (`step` and `eval/...` keys: held-out loss, `k2jax.train.heldout`, and/or `eval.tasks`'
+    `eval/<task>/<metric>`) as its own metrics line, TensorBoard scalars and a console line."""
     if not self.enabled:
       return
     self._file.write(json.dumps(record, sort_keys=True) + "\n")
@@ -138,10 +138,16 @@ class MetricsLogger:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
           self._tb.add_scalar(k, v, step)
       self._tb.flush()
-    per_source = sorted({k.split("/")[1] for k in record if k.count("/") == 2})
-    line = f"eval step {step}/{self._total} " + _eval_summary(record, "eval")
+    groups = sorted({k.split("/")[1] for k in record if k.count("/") == 2})
+    per_source = [g for g in groups if f"eval/{g}/loss" in record]
+    tasks = [g for g in groups if g not in per_source]  # eval.tasks: eval/<task>/<metric>
+    parts = [_eval_summary(record, "eval")] if "eval/loss" in record else []
     if len(per_source) > 1:
-      line += "; " + ", ".join(f"{s}: " + _eval_summary(record, f"eval/{s}") for s in per_source)
+      parts[-1] += "; " + ", ".join(f"{s}: " + _eval_summary(record, f"eval/{s}") for s in per_source)
+    for t in tasks:
+      values = sorted((k.split("/")[2], v) for k, v in record.items() if k.startswith(f"eval/{t}/"))
+      parts.append(f"{t}: " + " ".join(f"{m} {v:.4f}" for m, v in values))
+    line = f"eval step {step}/{self._total} " + "; ".join(parts)
     if self._progress is not None:
       self._progress.console.print(line)
     else:
