@@ -1,6 +1,7 @@
 """Stages (b) agents and (c) tasks (K2 §3.1.1): agents = a synthesised system prompt plus a tool subset
 drawn from the repository; per agent, tasks from simple to complex, each with a rubric (success
-criteria, expected tool use, evaluation checkpoints) and a user persona for the simulated user.
+criteria, expected tool use, evaluation checkpoints), a user persona for the simulated user, and for a
+task whose answer is a program, optionally code `tests` (`verifiable.py`).
 
 The tool subset is drawn deterministically from (seed, agent index): mostly one domain (so the tools
 make sense together) plus a few from elsewhere. LLM outputs must be JSON with the fields checked
@@ -11,9 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 
+from k2jax.synth import verifiable
 from k2jax.synth.llm import LLM
+
+log = logging.getLogger(__name__)
 
 AGENT_PROMPT = """ROLE: agent_designer
 You write the system prompt of an AI agent that uses the tools listed below. Give it a role,
@@ -24,7 +29,8 @@ TASK_PROMPT = """ROLE: task_generator
 You write tasks a user would bring to the agent below, from simple to complex, that need its tools.
 Answer with a JSON array of {n} objects {{"instruction": what the user wants, "difficulty": "simple" |
 "medium" | "complex", "user_persona": who the user is and how they talk, "rubric": {{"success_criteria":
-[...], "expected_tools": [tool names], "checkpoints": [...]}}}}."""
+[...], "expected_tools": [tool names], "checkpoints": [...]}}}}. Only for a task whose answer is a Python
+program, add "tests": {{"test_list": [assert statements calling the program's function]}}."""
 
 
 def pick_tools(tools: list[dict], index: int, seed: int, k: int, cross_domain: int) -> list[dict]:
@@ -67,15 +73,25 @@ def make_tasks(llm: LLM, agent: dict, n: int) -> list[dict]:
   )
   if not isinstance(value, list):
     raise llm.invalid("task_generator", "expected a JSON array of tasks")
-  tasks = []
-  for raw in value[:n]:
+  tasks, why_not = [], ""
+  for i, raw in enumerate(value[:n]):
     task = _check_task(raw, names)
     if task is None:
-      llm.invalid("task_generator", "task without instruction/rubric or with unknown tools")
-    else:
-      tasks.append(task)
+      why_not = f"{agent['id']}: proposed task {i}: no instruction/rubric, or unknown tools"
+      llm.invalid("task_generator", why_not)
+      continue
+    try:
+      verifiable.check_tests(raw, f"{agent['id']}: proposed task {i}")
+    except ValueError as e:  # a task that claims code tests the verifier cannot read is dropped, not kept untested
+      why_not = str(e)
+      log.warning("dropped: %s", why_not)
+      llm.invalid("task_generator", why_not)
+      continue
+    if raw.get("tests") is not None:
+      task["tests"] = raw["tests"]
+    tasks.append(task)
   if not tasks:
-    raise llm.invalid("task_generator", f"none of {len(value)} proposed tasks is valid")
+    raise llm.invalid("task_generator", f"none of {len(value)} proposed tasks is valid (last: {why_not})")
   return tasks
 
 

@@ -4,7 +4,8 @@
   agents       system prompts with tool subsets
   tasks        per agent, tasks with rubrics and user personas
   trajectories simulated user x agent x tool simulator (world state, injected failures/edge cases)
-  sft          LLM judge against the rubric; passing trajectories become SFT records (`sft.jsonl`)
+  sft          LLM judge against the rubric (and, for a task with code `tests`, the code verifier on the
+               final answer's program: `verifiable.py`); passing trajectories become SFT records (`sft.jsonl`)
 
 Each stage writes `<stage>.jsonl` and `<stage>.rejected.jsonl` in the output directory and skips units
 already in either, so a rerun resumes where the last one stopped and every decision can be inspected.
@@ -21,6 +22,7 @@ import os
 
 from k2jax.synth import agents as agents_lib
 from k2jax.synth import tools as tools_lib
+from k2jax.synth import verifiable
 from k2jax.synth.judge import judge
 from k2jax.synth.llm import LLM
 from k2jax.synth.store import StageStore, run_units
@@ -56,6 +58,7 @@ class SynthConfig:
   p_edge_case: float = 0.15  # injected edge cases
   agent_max_tokens: int = 512
   judge_min_score: float = 7.0
+  code_min_score: float = 1.0  # tasks with code tests: the verifier's least pass rate of the final answer
   default_persona: str = "a busy professional who writes short, direct messages"
   stages: tuple[str, ...] = STAGES  # run a prefix/subset to stop early; later stages read earlier files
   workers: int = 8  # units processed at once (LLM concurrency is ChatConfig.concurrency)
@@ -105,6 +108,12 @@ class SynthSpec:
   default_persona: str = knob("a busy professional who writes short, direct messages", "simulated user persona")
   # (e) judge.
   judge_min_score: float = knob(7.0, "trajectories scoring below this are rejected")
+  code_min_score: float = knob(
+    1.0,
+    "tasks with code tests: trajectories whose final program passes a smaller share of them are rejected",
+    check=lambda v: 0 <= v <= 1,
+    rule="must be in [0, 1]",
+  )
   stages: tuple[str, ...] = knob(
     STAGES,
     "stages to run (a prefix/subset stops early; later stages read earlier files)",
@@ -200,10 +209,12 @@ def _tasks(cfg, llm, out, pool, st) -> None:
 
 def _trajectories(cfg, llm, out, pool, st) -> None:
   agents = {a["id"]: a for a in StageStore(out, "agents").records()}
+  tasks = StageStore(out, "tasks")
   work = []
-  for rec in StageStore(out, "tasks").records():
+  for rec in tasks.records():
     for j, task in enumerate(rec["tasks"]):
       tid = f"{rec['agent_id']}/task{j}"
+      verifiable.check_tests(task, f"{tasks.path}: task {tid}")
       work.append(
         (
           tid,
@@ -224,8 +235,15 @@ def _trajectories(cfg, llm, out, pool, st) -> None:
 
 
 def _sft(cfg, llm, out, pool, st) -> None:
-  work = [(t["id"], lambda t=t: judge(llm, t, cfg.judge_min_score)) for t in StageStore(out, "trajectories").records()]
+  work = [(t["id"], lambda t=t: _graded(cfg, llm, t)) for t in StageStore(out, "trajectories").records()]
   run_units(work, StageStore(out, "sft"), pool, st)
+
+
+def _graded(cfg, llm, trajectory) -> dict:
+  """The SFT record: the code verifier first (no judge call for a wrong program), then the judge."""
+  tests = trajectory["task"].get("tests") is not None
+  code = verifiable.grade(trajectory, cfg.code_min_score) if tests else {}
+  return {**judge(llm, trajectory, cfg.judge_min_score), **code}
 
 
 def _rewrite(path: str, records: list[dict]) -> None:

@@ -98,7 +98,9 @@ def reply(body: dict) -> dict:
 
 
 class ScriptedLLM:
-  def __init__(self):
+  """`answer(body) -> message` plays the roles (`reply` unless given)."""
+
+  def __init__(self, answer=reply):
     self.calls = collections.Counter()
     self._n, lock, outer = 0, threading.Lock(), self
 
@@ -116,7 +118,7 @@ class ScriptedLLM:
         if fail:  # the client retries, after the delay the server asks for
           self._send(503, {"error": "overloaded"}, headers={"retry-after-ms": "5"})
           return
-        message = reply(body)
+        message = answer(body)
         role = "agent" if body.get("tools") else body["messages"][0]["content"].split("\n", 1)[0]
         with lock:
           outer.calls[role] += 1
