@@ -118,23 +118,32 @@ def _layer(layer: Block, x_BTD, latent_BSR, rope_BSK, cos_BTk, sin_BTk, position
   h_BTD, latent_BSR, rope_BSK = mla_cached(
     layer.attn, layer.attn_norm(x_BTD), latent_BSR, rope_BSK, cos_BTk, sin_BTk, positions_BT, valid_BTS
   )
-  x_BTD = x_BTD + h_BTD
+  return _mlp(layer, x_BTD + h_BTD, token_valid_BT), latent_BSR, rope_BSK
+
+
+def _mlp(layer: Block, x_BTD, token_valid_BT):
+  """The block's second half: the MoE (or dense MLP) on the normed residual, added to it."""
   if hasattr(layer, "moe"):
     h_BTD, _ = layer.moe(layer.mlp_norm(x_BTD), token_valid_BT)
   else:
     h_BTD = layer.mlp(layer.mlp_norm(x_BTD))
-  return x_BTD + h_BTD, latent_BSR, rope_BSK
+  return x_BTD + h_BTD
 
 
 def mla_cached(attn: MLA, x_BTD, latent_BSR, rope_BSK, cos_BTk, sin_BTk, positions_BT, valid_BTS):
   """MLA for new tokens x against a cache row per batch entry; returns (out, latent, rope)."""
-  cfg, dt = attn.cfg, x_BTD.dtype
-  B, T, _ = x_BTD.shape
-  H, Kn, V, Rkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
   q_nope_BTHK, q_rope_BTHK = attn.queries(x_BTD, cos_BTk, sin_BTk)
   latent_new_BTR, rope_new_BTK = attn.latent_and_rope_key(x_BTD, cos_BTk, sin_BTk)
   latent_BSR = _write_rows(latent_BSR, latent_new_BTR.astype(latent_BSR.dtype), positions_BT)
   rope_BSK = _write_rows(rope_BSK, rope_new_BTK.astype(rope_BSK.dtype), positions_BT)
+  return _attend(attn, q_nope_BTHK, q_rope_BTHK, latent_BSR, rope_BSK, valid_BTS), latent_BSR, rope_BSK
+
+
+def _attend(attn: MLA, q_nope_BTHK, q_rope_BTHK, latent_BSR, rope_BSK, valid_BTS):
+  """Absorbed MLA attention of the queries over keys (latent, rope) [B, S, ...] where valid_BTS."""
+  cfg, dt = attn.cfg, q_nope_BTHK.dtype
+  B, T = q_nope_BTHK.shape[:2]
+  H, Kn, V, Rkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
   # Absorb W_kv_b: per head h, columns h*(Kn+V)+[0,Kn) make k_nope and the rest v (mla.py layout).
   w_kv_b_RHK = attn.w_kv_b[...].astype(dt).reshape(Rkv, H, Kn + V)
   w_uk_RHK, w_uv_RHV = w_kv_b_RHK[..., :Kn], w_kv_b_RHK[..., Kn:]
@@ -146,7 +155,39 @@ def mla_cached(attn: MLA, x_BTD, latent_BSR, rope_BSK, cos_BTk, sin_BTk, positio
   probs_BHTS = jax.nn.softmax(jnp.where(valid_BTS[:, None], logits_BHTS, _NEG), axis=-1)
   o_lat_BTHR = jnp.einsum("bhts,bsr->bthr", probs_BHTS.astype(dt), latent_BSR.astype(dt))
   out_BTHV = jnp.einsum("bthr,rhv->bthv", o_lat_BTHR, w_uv_RHV)
-  return out_BTHV.reshape(B, T, H * V) @ attn.w_o[...].astype(dt), latent_BSR, rope_BSK
+  return out_BTHV.reshape(B, T, H * V) @ attn.w_o[...].astype(dt)
+
+
+def hidden_fresh(model: K2Model, tokens_BT, positions_BT, max_len: int, cache_dtype):
+  """`hidden_cached` for rows that start at position 0 (whole prompts, nothing cached before them): each
+  token attends only to the new tokens at positions <= its own, so attention spans the T new tokens, not
+  the cache's max_len, and no cache row is read. Returns (final hidden states [B, T, D] before the norm,
+  {stack: {"latent": [L, B, T, Rkv], "rope": [L, B, T, Kr]}}: the new tokens' cache entries, in
+  `cache_dtype`, to be written at positions 0..T-1 of their rows, `write_fresh`).
+  Padding tokens (position >= max_len) are no token's key."""
+  cfg = model.cfg
+  cdt = jnp.dtype(cfg.compute_dtype)
+  x_BTD = jnp.take(model.embed.embedding[...], tokens_BT, axis=0).astype(cdt)
+  cos_BTk, sin_BTk = rope_lib.rope_cos_sin(cfg, positions_BT)
+  valid_BTS = positions_BT[:, None, :] <= positions_BT[:, :, None]
+  token_valid_BT = positions_BT < max_len
+  entries = {}
+  for name in STACKS:
+    if not getattr(cfg, "num_dense_layers" if name == "dense_layers" else "num_moe_layers"):
+      continue
+    graphdef, state = nnx.split(getattr(model, name))
+
+    def body(x, layer_state, graphdef=graphdef):
+      layer = nnx.merge(graphdef, layer_state)
+      h = layer.attn_norm(x)
+      q_nope, q_rope = layer.attn.queries(h, cos_BTk, sin_BTk)
+      latent, rope = (a.astype(cache_dtype) for a in layer.attn.latent_and_rope_key(h, cos_BTk, sin_BTk))
+      x = x + _attend(layer.attn, q_nope, q_rope, latent, rope, valid_BTS)
+      return _mlp(layer, x, token_valid_BT), (latent, rope)
+
+    x_BTD, (latent, rope) = jax.lax.scan(body, x_BTD, state)
+    entries[name] = {"latent": latent, "rope": rope}
+  return x_BTD, entries
 
 
 def _write_rows(cache_BSX, new_BTX, positions_BT):

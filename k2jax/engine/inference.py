@@ -6,8 +6,8 @@ threads) `submit` requests and wait on them (`generate` does both). Each schedul
 two decode steps:
   1. runs queued control operations (weight swap, cache flush),
   2. finishes requests whose abort was asked for (they return their partial output),
-  3. admits waiting requests into free slots: copy the longest cached prefix, prefill the rest (all the
-     requests admitted in this step in one program), sample the first token,
+  3. admits waiting requests into free slots (`admission.py`): copy the longest cached prefix, prefill the
+     rest (all the requests admitted in this step in one program), sample the first token,
   4. runs one decode step over all slots and appends one token to each running request.
 Requests therefore join and leave between decode steps, while the decode step keeps one shape.
 
@@ -38,6 +38,7 @@ import numpy as np
 from k2jax import api
 from k2jax.convert import overlay
 from k2jax.convert.export_dir import recover
+from k2jax.engine.admission import Admission
 from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, InvalidRequest
 from k2jax.engine.lockstep import CLOSE, Executor
 from k2jax.engine.placement import make_placement
@@ -64,13 +65,16 @@ class EngineConfig:
   # serving, as SGLang's servers do: a request
   # never waits behind a compile, and an abort never waits for one (a compile cannot be interrupted).
   precompile: bool = False
+  # Also compile the scored prefill's buckets (prompt logprobs with one top logprob: likelihood scoring,
+  # lm-eval's `echo` + `logprobs: 1`), so scoring requests never wait behind a compile either.
+  precompile_scored: bool = False
   # Serving layout: '' = this process's first device; 'tp' | 'ep' | 'tp_ep' = k2jax.sharding's serving
   # presets over `mesh` ("tensor:4,data:2"; '' = the preset's default over every device of every process).
   sharding: str = ""
   mesh: str = ""
 
 
-class InferenceEngine(Engine):
+class InferenceEngine(Admission, Engine):
   """Serves one K2 model. Thread-safe: `submit`/`generate`/`abort`/`update_weights` from any thread."""
 
   def __init__(
@@ -111,10 +115,10 @@ class InferenceEngine(Engine):
     )
     self._exec.on_update = self._update_everywhere
     self._next_entry = 0
-    if config.precompile:
+    if config.precompile or config.precompile_scored:
       t0 = time.monotonic()
-      self._runner.precompile()
-      log.info("precompiled prefill buckets and decode in %.1f s", time.monotonic() - t0)
+      self._runner.precompile(plain=config.precompile, scored=config.precompile_scored)
+      log.info("precompiled prefill buckets (scored: %s) in %.1f s", config.precompile_scored, time.monotonic() - t0)
     self._update_lock = threading.Lock()  # one weight update at a time (the overlay reads the served params)
     self._prefix = PrefixCache(config.prefix_cache_entries)
     self._cv = threading.Condition()
@@ -152,6 +156,21 @@ class InferenceEngine(Engine):
         self._waiting.append(live)
         self._cv.notify_all()
     return live
+
+  def submit_many(
+    self, requests: Sequence[GenerateRequest], on_updates: Sequence[Callable[[], None] | None] | None = None
+  ) -> list[Live | Exception]:
+    """`submit` of each request, all queued before the scheduler looks (one lock held), so the ones that fit
+    are admitted in one step and prefilled in one program, not the first alone while the rest are still
+    being submitted. Per request: its handle, or the InvalidRequest/RuntimeError `submit` raised for it."""
+    out: list[Live | Exception] = []
+    with self._cv:  # an RLock: `submit` takes it again
+      for i, request in enumerate(requests):
+        try:
+          out.append(self.submit(request, on_updates[i] if on_updates is not None else None))
+        except (InvalidRequest, RuntimeError) as e:
+          out.append(e)
+    return out
 
   def wait(self, live: Live, timeout: float | None = None) -> GenerateResult:
     """The finished request's result; raises RuntimeError when the engine failed while running it."""
@@ -405,97 +424,6 @@ class InferenceEngine(Engine):
         self._cv.notify_all()
         if kind == CLOSE:
           return
-
-  def _admit(self) -> None:
-    """Fills free slots from the queue, a batch at a time: the requests admitted together are prefilled
-    in one program (SGLang's and vLLM's prefill batch), as many as `ModelRunner.prefill_fits` allows."""
-    while True:
-      batch = []  # (slot, live, prefix entry, tokens reused)
-      with self._cv:
-        free = [i for i, s in enumerate(self._slots) if s is None]
-        longest = 0
-        while len(batch) < len(free) and self._waiting:
-          live = self._waiting[0]
-          tokens = live.request.input_ids
-          scored = live.request.logprob_start_len >= 0
-          # Prompts that score themselves run the scored program (`_prefill_scored`), batched together;
-          # never with plain ones, whose program stays the cheaper one.
-          if batch and scored != (batch[0][1].request.logprob_start_len >= 0):
-            break
-          common, entry = self._prefix.lookup(tokens)
-          # At least one token must run to produce logits; a scored prompt runs whole: every position's
-          # logits come from this pass (no prefix reuse), so none is taken from another request's row.
-          reuse = 0 if scored else min(common, len(tokens) - 1)
-          if batch and not self._runner.prefill_fits(len(batch) + 1, max(longest, len(tokens) - reuse)):
-            break
-          longest = max(longest, len(tokens) - reuse)
-          self._waiting.popleft()
-          self._slots[free[len(batch)]] = live
-          batch.append((free[len(batch)], live, entry if reuse > 0 else -1, reuse))
-      if not batch:
-        return
-      if batch[0][1].request.logprob_start_len >= 0:
-        self._prefill_scored(batch)
-      else:
-        self._prefill(batch)
-
-  def _prefill_scored(self, batch: list[tuple[int, Live, int, int]]) -> None:
-    """Prefills requests whose prompt logprobs were asked for, in one program; the logprobs come from this
-    same forward pass (whole prompts: no prefix reuse, `_admit`)."""
-    for _, live, _, _ in batch:
-      live.cached, live.fed = 0, list(live.request.input_ids)
-    try:
-      wanted = [live.request.input_top_logprobs_num for _, live, _, _ in batch]
-      out, scores = self._runner.prefill_scored(
-        [slot for slot, _, _, _ in batch],
-        [live.fed for _, live, _, _ in batch],
-        sampling_of([b[1] for b in batch]),
-        prompt_top=None if min(wanted) < 0 else max(wanted),
-      )
-    except Exception as e:
-      if len(batch) == 1:
-        log.exception("prefill of %s failed", batch[0][1].request.rid)
-        with self._cv:
-          self._fail(batch[0][1], batch[0][0], f"engine error: {type(e).__name__}: {e}")
-        return
-      log.warning("scored prefill of %d requests failed (%s: %s); one by one", len(batch), type(e).__name__, e)
-      for item in batch:
-        self._prefill_scored([item])
-      return
-    for i, ((slot, live, _, _), (token_lp, top_ids, top_lp)) in enumerate(zip(batch, scores)):
-      start = live.request.logprob_start_len
-      lps = [None] + token_lp.tolist()  # position 0 has no context
-      # Position p's top logprobs are the distribution p was drawn from: row p - 1 (none for position 0).
-      tops = [()] + [tuple(zip(ids, lp)) for ids, lp in zip(top_ids[:-1].tolist(), top_lp[:-1].tolist())]
-      live.input_logprobs, live.input_tops = tuple(lps[start:]), tuple(tops[start:])
-      if live.request.sampling.max_new_tokens == 0:  # scoring only: no token is sampled
-        self._release(slot, live, "length")
-      else:
-        self._emit(slot, live, out, i)
-
-  def _prefill(self, batch: list[tuple[int, Live, int, int]]) -> None:
-    for _, live, _, reuse in batch:
-      live.cached, live.fed = reuse, list(live.request.input_ids)
-    rows = [(slot, entry, reuse, live.fed[reuse:]) for slot, live, entry, reuse in batch]
-    try:
-      out = self._exec.prefill(rows, sampling_of([live for _, live, _, _ in batch]))
-    except Exception as e:
-      if len(batch) == 1:  # one request's prefill failed: fail it alone, the others keep running
-        log.exception("prefill of %s failed", batch[0][1].request.rid)
-        with self._cv:
-          self._fail(batch[0][1], batch[0][0], f"engine error: {type(e).__name__}: {e}")
-        return
-      # Which request made the batch fail is unknown: prefill each alone, so only that one fails.
-      log.warning(
-        "batched prefill of %d requests failed (%s: %s); prefilling them one by one", len(batch), type(e).__name__, e
-      )
-      for slot, live, entry, reuse in batch:
-        if entry >= 0 and entry not in self._exec.rows:  # evicted by a request of this batch that finished
-          entry, reuse = -1, 0
-        self._prefill([(slot, live, entry, reuse)])
-      return
-    for i, (slot, live, _, _) in enumerate(batch):
-      self._emit(slot, live, out, i)
 
   def _decode_step(self) -> None:
     n = self.config.max_slots

@@ -26,7 +26,11 @@ from k2jax import distributed
 from k2jax.engine import decode
 from k2jax.engine.placement import Placement, place
 from k2jax.engine.sampling import Sampled, SamplingArrays, sample
+from k2jax.engine.scored import jit_scored
 from k2jax.model.transformer import K2Model
+
+
+DEFAULT_PREFILL_TOKENS = 8192
 
 
 def bucket_length(n: int, min_bucket: int, max_len: int) -> int:
@@ -35,6 +39,12 @@ def bucket_length(n: int, min_bucket: int, max_len: int) -> int:
   while b < n:
     b *= 2
   return min(b, max_len)
+
+
+def default_prefill_tokens(num_slots: int, max_len: int, min_bucket: int) -> int:
+  """`max_prefill_tokens` 0: every slot at the smallest bucket, and as many full rows as fit in
+  DEFAULT_PREFILL_TOKENS (vLLM's and SGLang's default batch budget), at least one."""
+  return max(num_slots * min_bucket, max_len, min(num_slots * max_len, DEFAULT_PREFILL_TOKENS))
 
 
 class ModelRunner:
@@ -55,7 +65,7 @@ class ModelRunner:
     request always fits); 0 = enough for every slot at the smallest bucket, and at least max_len."""
     self.cfg = model.cfg
     self.num_slots, self.max_len, self.min_bucket = num_slots, max_len, min_bucket
-    self.max_prefill_tokens = max(max_prefill_tokens or num_slots * min_bucket, max_len)
+    self.max_prefill_tokens = max(max_prefill_tokens or default_prefill_tokens(num_slots, max_len, min_bucket), max_len)
     self.placement = placement
     self._graphdef, state = nnx.split(model)
     self._shardings = None if placement.mesh is None else placement.state_shardings(state)
@@ -70,14 +80,11 @@ class ModelRunner:
     steps = jit_steps(graphdef, self._num_top, self.placement, self._shardings)
     self._decode, self._prefill, self._prefill_batch = steps.decode, steps.prefill, steps.prefill_batch
     self._read_row, self._write_row, self._init_cache = steps.read_row, steps.write_row, steps.init_cache
-    # A prefill that also scores the prompts (prompt logprobs), rows batched as `prefill` batches them;
-    # single device only (`scores_prompts`). One jit: each (rows, T) bucket compiles on first use.
-    # Two variants by the prompt positions' top logprobs: 1 (what likelihood scoring asks) or num_top.
-    self._prefill_scored = {} if self.placement.mesh is None else None
-    if self._prefill_scored is not None:
-      for k in sorted({1, max(self._num_top, 1)}):
-        scored = functools.partial(_prefill, functools.partial(_scored_step, graphdef, self._num_top, k))
-        self._prefill_scored[k] = jax.jit(scored, donate_argnums=(1,))
+    # A prefill that also scores the prompts (prompt logprobs, `scored.py`), rows batched as `prefill` batches
+    # them; single device only (`scores_prompts`). Each (rows, T) bucket compiles on first use, or in
+    # `precompile(scored=True)`. Two variants by the prompt positions' top logprobs: 1 (what likelihood
+    # scoring asks) or num_top.
+    self._prefill_scored = jit_scored(graphdef, self._num_top) if self.placement.mesh is None else None
 
   @property
   def scores_prompts(self) -> bool:
@@ -214,15 +221,25 @@ class ModelRunner:
       )
     return jax.tree.map(np.asarray, out)
 
-  def precompile(self) -> None:
+  def precompile(self, *, plain: bool = True, scored: bool = False) -> None:
     """Compiles every prefill bucket (rows x length) `prefill` can run, the decode step and the row copies
-    now, so that no request waits behind a compile later (a compile cannot be aborted). Every write lands
-    at position max_len: dropped."""
-    for R, T in self.prefill_buckets():
-      self._prefill_padding(R, T)
-    n = self.num_slots
-    self.decode(np.zeros(n, np.int32), np.full(n, self.max_len, np.int32), _greedy(n))
-    self.write_row(0, self.read_row(0))
+    now (`plain`), and with `scored` the same buckets of `prefill_scored`'s one-top-logprob program (what
+    likelihood scoring runs), so that no request waits behind a compile later (a compile cannot be
+    aborted). Every write lands at position max_len: dropped."""
+    if plain:
+      for R, T in self.prefill_buckets():
+        self._prefill_padding(R, T)
+      n = self.num_slots
+      self.decode(np.zeros(n, np.int32), np.full(n, self.max_len, np.int32), _greedy(n))
+      self.write_row(0, self.read_row(0))
+    if scored and self._prefill_scored is not None:
+      for R, T in self.prefill_buckets():
+        tokens_RT, positions_RT = np.zeros((R, T), np.int32), np.full((R, T), self.max_len, np.int32)
+        zeros = np.zeros(R, np.int32)
+        with self.placement.use():
+          _, self.cache = self._prefill_scored[1](
+            self._state, self.cache, zeros, tokens_RT, positions_RT, zeros, _greedy(R)
+          )
 
   def prefill_buckets(self) -> list[tuple[int, int]]:
     """Every (rows, T) shape `prefill` can compile: one row at every length bucket, several rows at the
@@ -314,23 +331,6 @@ def _step(graphdef, num_top, state, cache, tokens_BT, positions_BT, last_index_B
   model = nnx.merge(graphdef, state)
   logits_BS, cache = decode.forward_cached(model, cache, tokens_BT, positions_BT, last_index_B)
   return sample(logits_BS, sampling, num_top), cache
-
-
-def _scored_step(graphdef, num_top, prompt_top, state, cache, tokens_BT, positions_BT, last_index_B, sampling):
-  """`_step` that also scores the new tokens from the same pass: logits at every position (the sampled
-  row is the one at last_index_B, exactly `_step`'s); each position's logprob of the next new token
-  [B, T - 1] and its top logprobs [B, T, prompt_top] (the sampled token's: num_top, as `_step`). Log-softmax is logits - logsumexp: the gathered and
-  the top logits are shifted by each position's logsumexp, and the [B, T, S] log-softmax is never written
-  out (top_k runs on the logits: the same order)."""
-  model = nnx.merge(graphdef, state)
-  x_BTD, cache = decode.hidden_cached(model, cache, tokens_BT, positions_BT)
-  logits_BTS = decode.lm_logits(model, x_BTD)
-  logits_BS = jnp.take_along_axis(logits_BTS, last_index_B[:, None, None], axis=1)[:, 0]
-  lse_BT = jax.nn.logsumexp(logits_BTS, axis=-1)
-  next_BT = jnp.take_along_axis(logits_BTS[:, :-1], tokens_BT[:, 1:, None], axis=-1)[..., 0] - lse_BT[:, :-1]
-  top_logits, top_ids = jax.lax.top_k(logits_BTS, prompt_top)
-  top_lp = top_logits - lse_BT[..., None]
-  return (sample(logits_BS, sampling, num_top), (next_BT, top_ids, top_lp)), cache
 
 
 def _prefill(step, state, cache, slots_R, tokens_RT, positions_RT, last_index_R, sampling):

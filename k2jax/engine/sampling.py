@@ -44,18 +44,25 @@ def sample(logits_BS: jnp.ndarray, params: SamplingArrays, num_top: int) -> Samp
   temp_B = jnp.where(greedy_B, 1.0, params.temperature)
   scaled_BS = logits_BS / temp_B[:, None]
   logp_BS = jax.nn.log_softmax(scaled_BS, axis=-1)
-  # top-k/top-p on the sorted distribution; one sort serves both filters.
-  order_BS = jnp.argsort(-scaled_BS, axis=-1)
-  sorted_BS = jnp.take_along_axis(scaled_BS, order_BS, axis=-1)
-  probs_BS = jax.nn.softmax(sorted_BS, axis=-1)
-  mass_before_BS = jnp.cumsum(probs_BS, axis=-1) - probs_BS
-  k_B = jnp.where(params.top_k > 0, params.top_k, S)
-  keep_BS = (jnp.arange(S)[None] < k_B[:, None]) & (mass_before_BS < params.top_p[:, None])
-  masked_BS = jnp.where(keep_BS, sorted_BS, -jnp.inf)
-  keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seed, params.position)
-  pick_B = jax.vmap(jax.random.categorical)(keys, masked_BS)
-  sampled_B = jnp.take_along_axis(order_BS, pick_B[:, None], axis=-1)[:, 0]
-  tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BS, axis=-1), sampled_B).astype(jnp.int32)
+  argmax_B = jnp.argmax(logits_BS, axis=-1)
+
+  def drawn():
+    # top-k/top-p on the sorted distribution; one sort serves both filters.
+    order_BS = jnp.argsort(-scaled_BS, axis=-1)
+    sorted_BS = jnp.take_along_axis(scaled_BS, order_BS, axis=-1)
+    probs_BS = jax.nn.softmax(sorted_BS, axis=-1)
+    mass_before_BS = jnp.cumsum(probs_BS, axis=-1) - probs_BS
+    k_B = jnp.where(params.top_k > 0, params.top_k, S)
+    keep_BS = (jnp.arange(S)[None] < k_B[:, None]) & (mass_before_BS < params.top_p[:, None])
+    masked_BS = jnp.where(keep_BS, sorted_BS, -jnp.inf)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seed, params.position)
+    pick_B = jax.vmap(jax.random.categorical)(keys, masked_BS)
+    return jnp.take_along_axis(order_BS, pick_B[:, None], axis=-1)[:, 0].astype(argmax_B.dtype)
+
+  # An all-greedy step (greedy decoding, prompt scoring) skips the sort over the vocabulary: it is most of
+  # a step's sampling cost, and every row takes the argmax anyway.
+  sampled_B = jax.lax.cond(jnp.all(greedy_B), lambda: argmax_B, drawn)
+  tokens_B = jnp.where(greedy_B, argmax_B, sampled_B).astype(jnp.int32)
   logprobs_B = jnp.take_along_axis(logp_BS, tokens_B[:, None], axis=-1)[:, 0]
   top_lp_BN, top_ids_BN = jax.lax.top_k(logp_BS, num_top)
   return Sampled(tokens_B, logprobs_B, top_ids_BN.astype(jnp.int32), top_lp_BN)

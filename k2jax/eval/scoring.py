@@ -14,6 +14,7 @@ The embedded engine computes the same prompt logprobs (`GenerateRequest.logprob_
 from __future__ import annotations
 
 import abc
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -88,23 +89,46 @@ class ForwardScorer(Scorer):
 
 
 class EngineScorer(Scorer):
-  """Scores with an engine's prompt logprobs (`logprob_start_len`), computed in the request's prefill."""
+  """Scores with an engine's prompt logprobs (`logprob_start_len`), computed in the request's prefill.
+
+  An engine that queues requests (`InferenceEngine.submit_many`, then `wait`) gets every pair at once, so
+  it admits them a batch of slots at a time and prefills each batch in one scored program; any other
+  `Engine` is asked one `generate` at a time."""
 
   def __init__(self, engine: Engine):
     self.engine = engine
+    self._calls = itertools.count()  # request ids stay distinct across calls (and threads)
 
   def score_many(self, pairs: Sequence[Pair]) -> list[float]:
-    out = []
+    call = next(self._calls)
+    requests = []
     for i, (ctx, cont) in enumerate(pairs):
       check_pair(ctx, cont)
-      request = GenerateRequest(
-        f"score/{id(self)}/{i}",
-        tuple(ctx) + tuple(cont),
-        SamplingParams(max_new_tokens=0, temperature=0.0),
-        logprob_start_len=len(ctx),
-        input_top_logprobs_num=0,  # the tokens' own logprobs only: the cheaper scored program
+      requests.append(
+        GenerateRequest(
+          f"score/{id(self)}/{call}/{i}",
+          tuple(ctx) + tuple(cont),
+          SamplingParams(max_new_tokens=0, temperature=0.0),
+          logprob_start_len=len(ctx),
+          input_top_logprobs_num=0,  # the tokens' own logprobs only: the cheaper scored program
+        )
       )
-      lps = self.engine.generate(request).input_logprobs
+    submit_many = getattr(self.engine, "submit_many", None)
+    if submit_many is None:
+      results = [self.engine.generate(r) for r in requests]
+    else:
+      handles = submit_many(requests)
+      try:
+        for h in handles:
+          if isinstance(h, Exception):
+            raise h
+        results = [self.engine.wait(h) for h in handles]
+      except BaseException:  # nothing keeps running for a caller that is gone
+        self.engine.abort([r.rid for r, h in zip(requests, handles) if not isinstance(h, Exception)])
+        raise
+    out = []
+    for (_, cont), result in zip(pairs, results):
+      lps = result.input_logprobs
       if len(lps) != len(cont) or any(lp is None for lp in lps):
         raise ValueError(f"score: the engine gave {len(lps)} prompt logprobs for {len(cont)} continuation tokens")
       out.append(float(sum(lps)))

@@ -132,7 +132,9 @@ class FairQueue:
 
   def _pump(self) -> None:
     """Round-robin: one prompt from each call with prompts left (and under `per_call` in the engine),
-    until the engine holds `window`."""
+    until the engine holds `window`. The prompts picked go to the engine together (`submit_many` where
+    the engine has it), so it can admit them in one step: one prefill program, not one per prompt."""
+    picked: list[tuple[Call, int]] = []
     skipped = 0  # calls passed over in a row because they are at per_call: all of them -> stop
     while self._in_engine < self.window and self._calls and skipped < len(self._calls):
       call = self._calls.popleft()
@@ -144,16 +146,33 @@ class FairQueue:
         continue
       skipped = 0
       i = call.pending.popleft()
-      try:
-        call.lives[i] = self.engine.submit(call.requests[i], lambda c=call: self._notify(c))
-      except (InvalidRequest, RuntimeError) as e:  # a rid in flight outside HTTP, or the engine closed
-        call.errors[i] = e
-        self._loop.call_soon(self._update, call)
-      else:
-        call.in_engine.add(i)
-        self._in_engine += 1
+      call.in_engine.add(i)  # counted now; taken back below if the engine refuses it
+      self._in_engine += 1
+      picked.append((call, i))
       if call.pending:
         self._calls.append(call)
+    if not picked:
+      return
+    requests = [call.requests[i] for call, i in picked]
+    callbacks = [lambda c=call: self._notify(c) for call, _ in picked]
+    submit_many = getattr(self.engine, "submit_many", None)
+    if submit_many is not None:
+      lives = submit_many(requests, callbacks)
+    else:
+      lives = []
+      for request, callback in zip(requests, callbacks):
+        try:
+          lives.append(self.engine.submit(request, callback))
+        except (InvalidRequest, RuntimeError) as e:
+          lives.append(e)
+    for (call, i), live in zip(picked, lives):
+      if isinstance(live, Exception):  # a rid in flight outside HTTP, or the engine closed
+        call.in_engine.discard(i)
+        self._in_engine -= 1
+        call.errors[i] = live
+        self._loop.call_soon(self._update, call)
+      else:
+        call.lives[i] = live
 
 
 class LoopShare:

@@ -182,3 +182,25 @@ def test_hostile_echo_requests_are_400s(served):
   assert _post(served, "v1/completions", stream, status=400)["error"]["param"] == "echo"
   err = _post(served, "v1/completions", {"model": "m", "prompt": [1, 2], "echo": "yes"}, status=400)["error"]
   assert err["param"] == "echo"
+
+
+def test_a_batch_of_echo_prompts_is_scored_in_one_program(served, monkeypatch):
+  """The prompts of one `/v1/completions` request reach the engine together (`FairQueue` submits them
+  with `submit_many`): one scored prefill holds them all, not the first alone and the rest after it."""
+  runner = served.server.engine._runner
+  calls = []
+  scored = runner.prefill_scored
+
+  def counting(slots, prompts, sampling, **kw):
+    calls.append(len(slots))
+    return scored(slots, prompts, sampling, **kw)
+
+  monkeypatch.setattr(runner, "prefill_scored", counting)
+  prompts = [PROMPT, PROMPT[:7], [9, 8, 7, 6, 5]]  # 3: the per-request share of the server's 4 slots
+  body = {"model": "m", "prompt": prompts, "max_tokens": 0, "logprobs": 1, "echo": True}
+  out = _post(served, "v1/completions", body)
+  assert calls == [3]
+  for ids, choice in zip(prompts, sorted(out["choices"], key=lambda c: c["index"])):
+    ref = np.asarray(served.forward_logprobs(ids))
+    want = [ref[p - 1, ids[p]] for p in range(1, len(ids))]
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"][1:], want, atol=1e-5)

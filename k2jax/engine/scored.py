@@ -1,0 +1,94 @@
+"""Prompt scoring in the prefill: the program that prefills whole prompts and returns, from the same forward
+pass, each prompt token's logprob and every position's top logprobs (what `/v1/completions` echo, `/generate`
+`logprob_start_len` and `k2jax.eval.scoring.EngineScorer` read), and what the engine does with its output.
+
+A scored row always starts at position 0 of its slot (no prefix reuse: every position's logits come from
+this pass), so the program reads no cache row: each token attends to the new tokens before it only
+(`decode.hidden_fresh`, attention over the bucket's T tokens rather than the row's max_len), and the new
+tokens' cache entries are then written at positions 0..n-1 of their slots, so decoding continues from the
+prompt exactly as after a plain prefill. Log-softmax is never written out as [R, T, S]: the logits are shifted
+by each position's logsumexp only where they are read (the next token's logit, the top logits); with one top
+logprob asked for (lm-eval's `logprobs: 1`) the top is the max the logsumexp computes anyway and its argmax,
+not a top_k. Single device only (`ModelRunner.scores_prompts`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k2jax.engine import decode
+from k2jax.engine.sampling import sample
+
+if TYPE_CHECKING:  # requests.py imports runner.py, which imports this module
+  from k2jax.engine.requests import Live
+
+
+def jit_scored(graphdef, num_top: int) -> dict[int, Callable]:
+  """The scored prefill jitted per count of prompt top logprobs: 1 (likelihood scoring) and num_top.
+  Each: (state, cache, slots_R, tokens_RT, positions_RT, last_index_R, sampling) ->
+  ((Sampled, (token_lp [R, T-1], top_ids [R, T, k], top_lp [R, T, k])), cache), the cache donated."""
+  return {
+    k: jax.jit(functools.partial(scored_prefill, graphdef, num_top, k), donate_argnums=(1,))
+    for k in sorted({1, max(num_top, 1)})
+  }
+
+
+def scored_prefill(
+  graphdef, num_top, prompt_top, state, cache, slots_R, tokens_RT, positions_RT, last_index_R, sampling
+):
+  """Prefills R whole prompts (positions 0..n-1, padding at max_len) into slots_R and scores them.
+
+  The sampled row is the one at last_index_R (what the plain prefill samples there, from the same logits
+  up to rounding); next_RT[r, t] is the logprob of token t + 1 given tokens 0..t; the top logprobs of
+  position t are the distribution over token t + 1 (prompt_top of them, most likely first)."""
+  model = nnx.merge(graphdef, state)
+  max_len = jax.tree.leaves(cache)[0].shape[2]
+  dtype = jax.tree.leaves(cache)[0].dtype
+  x_RTD, entries = decode.hidden_fresh(model, tokens_RT, positions_RT, max_len, dtype)
+  cache = write_fresh(cache, entries, slots_R, positions_RT < max_len)
+  logits_RTS = decode.lm_logits(model, x_RTD)
+  logits_RS = jnp.take_along_axis(logits_RTS, last_index_R[:, None, None], axis=1)[:, 0]
+  max_RT = jnp.max(logits_RTS, axis=-1)
+  lse_RT = max_RT + jnp.log(jnp.sum(jnp.exp(logits_RTS - max_RT[..., None]), axis=-1))
+  next_RT = jnp.take_along_axis(logits_RTS[:, :-1], tokens_RT[:, 1:, None], axis=-1)[..., 0] - lse_RT[:, :-1]
+  if prompt_top == 1:
+    top_ids = jnp.argmax(logits_RTS, axis=-1).astype(jnp.int32)[..., None]
+    top_lp = (max_RT - lse_RT)[..., None]
+  else:
+    top_logits, top_ids = jax.lax.top_k(logits_RTS, prompt_top)
+    top_lp = top_logits - lse_RT[..., None]
+  return (sample(logits_RS, sampling, num_top), (next_RT, top_ids, top_lp)), cache
+
+
+def write_fresh(cache: dict, entries: dict, slots_R, valid_RT) -> dict:
+  """Writes each row's new cache entries ([L, R, T, X]) at positions 0..T-1 of slot slots_R[r], keeping the
+  row's old values where valid_RT is False (padding tokens: the plain prefill drops their writes too).
+  Padding rows (all invalid) repeat a real row's slot and write its old values back, before the real rows."""
+  R, T = valid_RT.shape
+
+  def put(a, new):
+    for r in reversed(range(R)):
+      start = (0, slots_R[r], 0, 0)
+      old = jax.lax.dynamic_slice(a, start, (a.shape[0], 1, T, a.shape[3]))
+      row = jnp.where(valid_RT[r][None, None, :, None], new[:, r : r + 1].astype(a.dtype), old)
+      a = jax.lax.dynamic_update_slice(a, row, start)
+    return a
+
+  return {name: jax.tree.map(put, cache[name], entries[name]) for name in cache}
+
+
+def apply_scores(lives: "list[Live]", scores) -> None:
+  """Sets each live's prompt logprobs (from its logprob_start_len on; position 0's is None, it has no
+  context) and top logprobs (position p's: row p - 1 of the program's, () for position 0) from the
+  per-row (token_lp [n - 1], top_ids [n, k], top_lp [n, k]) that `ModelRunner.prefill_scored` returns."""
+  for live, (token_lp, top_ids, top_lp) in zip(lives, scores):
+    start = live.request.logprob_start_len
+    lps = [None] + token_lp.tolist()
+    ids, lp = top_ids[:-1].tolist(), top_lp[:-1].tolist()
+    tops = [()] + [tuple(zip(i, v)) for i, v in zip(ids, lp)]
+    live.input_logprobs, live.input_tops = tuple(lps[start:]), tuple(tops[start:])
