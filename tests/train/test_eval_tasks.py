@@ -109,35 +109,75 @@ def _samples(out: str) -> dict:
   return {(r["task"], r["doc_id"], r["sample"]): r for r in rows}
 
 
-@pytest.mark.slow
-def test_eval_tasks_in_training_equal_launch_eval_on_each_checkpoint(tmp_path):
+def _tasks_file(tmp_path) -> tuple[str, str, str]:
   gen = _write_jsonl(tmp_path / "gen.jsonl", GEN)
   mc = _write_jsonl(tmp_path / "mc.jsonl", MC)
   items = tmp_path / "tasks.json"
-  items.write_text(
-    json.dumps(
-      [
-        {"name": "gen", "format": "answer.exact", "path": gen, "max_tokens": 6},
-        {"name": "choice", "format": "mc", "path": mc},
-      ]
-    )
-  )
+  tasks = [
+    {"name": "gen", "format": "answer.exact", "path": gen, "max_tokens": 6},
+    {"name": "choice", "format": "mc", "path": mc},
+  ]
+  items.write_text(json.dumps(tasks))
+  return str(items), gen, mc
+
+
+def _check_against_launch_eval(model: str, out: str, workdir: str, step: int, record: dict, gen: str, mc: str, cache):
+  """launch/eval.py on `model` (a workdir whose newest checkpoint is `step`) into `out`: the same metrics as
+  the training run's eval line `record`, the same greedy texts, log-likelihoods within 1e-5."""
+  cmd = [
+    sys.executable,
+    os.path.join(_util.ROOT, "launch/eval.py"),
+    f"--model={model}",
+    f"--tasks=gen=answer.exact:{gen},choice=mc:{mc}",
+    f"--out={out}",
+    "--max_tokens=6",
+    "--max_running_requests=8",
+    "--max_seq_len=128",
+    "--noprogress",
+  ]
+  e = subprocess.run(cmd, cwd=_util.ROOT, env=_util.env(cache_dir=cache), capture_output=True, text=True, timeout=600)
+  assert e.returncode == 0, e.stdout[-3000:] + e.stderr[-5000:]
+  with open(os.path.join(out, "report.json")) as f:
+    report = json.load(f)
+  for task in ("gen", "choice"):
+    for metric, value in report["tasks"][task]["metrics"].items():
+      assert record[f"eval/{task}/{metric}"] == pytest.approx(value, abs=1e-12), (step, task, metric)
+  theirs = _samples(out)
+  ours = {
+    **_samples(os.path.join(workdir, "eval", "gen", str(step))),
+    **_samples(os.path.join(workdir, "eval", "choice", str(step))),
+  }
+  assert ours.keys() == theirs.keys() and len(ours) == len(GEN) + len(MC)
+  for k, row in ours.items():
+    if k[0] == "gen":
+      assert row["text"] == theirs[k]["text"] and row["completion_tokens"] == theirs[k]["completion_tokens"] > 0
+    else:
+      assert row["loglikelihoods"] == pytest.approx(theirs[k]["loglikelihoods"], abs=1e-5)
+      assert (row["acc"], row["acc_norm"]) == (theirs[k]["acc"], theirs[k]["acc_norm"])
+
+
+def _evals(workdir: str) -> list[dict]:
+  return [r for r in _util.metrics(workdir) if any(k.startswith("eval/") for k in r)]
+
+
+COMMON = {
+  "checkpoint.async_save": False,
+  "log.every_steps": 1,
+  "optim.peak_lr": 3e-3,
+  "eval.engine_max_seq_len": 128,
+}
+
+
+@pytest.mark.slow
+def test_eval_tasks_in_training_equal_launch_eval_on_each_checkpoint(tmp_path):
+  items, gen, mc = _tasks_file(tmp_path)
   workdir, cache = str(tmp_path / "w"), str(tmp_path / "jax_cache")
   args = _util.flags(
-    **{
-      "steps": 4,
-      "checkpoint.every_steps": 2,
-      "checkpoint.keep": 3,
-      "checkpoint.async_save": False,
-      "log.every_steps": 1,
-      "optim.peak_lr": 3e-3,
-      "eval.every_steps": 2,
-      "eval.tasks_file": str(items),
-      "eval.engine_max_seq_len": 128,
-    }
+    **COMMON,
+    **{"steps": 4, "checkpoint.every_steps": 2, "checkpoint.keep": 3, "eval.every_steps": 2, "eval.tasks_file": items},
   )
   p = _util.run_train(workdir, *args, cache_dir=cache)
-  evals = [r for r in _util.metrics(workdir) if any(k.startswith("eval/") for k in r)]
+  evals = _evals(workdir)
   assert [r["step"] for r in evals] == [2, 4]
   for r in evals:
     assert "eval/loss" not in r  # no held-out set: the tasks alone
@@ -145,7 +185,7 @@ def test_eval_tasks_in_training_equal_launch_eval_on_each_checkpoint(tmp_path):
     assert 0.0 <= r["eval/choice/acc"] <= 1.0 and r["eval/seconds"] >= r["eval/tasks_seconds"] > 0
   assert "eval step 4/4 choice: acc " in p.stdout and "; gen: maj@1 " in p.stdout  # the console line
   # The weights changed between the two evaluations, and the log-likelihoods with them.
-  s2, s4 = (_samples(os.path.join(workdir, "eval", t, str(s))) for t, s in (("choice", 2), ("choice", 4)))
+  s2, s4 = (_samples(os.path.join(workdir, "eval", "choice", str(s))) for s in (2, 4))
   assert s2.keys() == s4.keys() and len(s2) == len(MC)
   assert any(s2[k]["loglikelihoods"] != s4[k]["loglikelihoods"] for k in s2)
 
@@ -155,34 +195,45 @@ def test_eval_tasks_in_training_equal_launch_eval_on_each_checkpoint(tmp_path):
       model = str(tmp_path / "w_at_2")
       shutil.copytree(workdir, model, ignore=shutil.ignore_patterns("4", "eval", "tb"))
       assert sorted(os.listdir(os.path.join(model, "checkpoints"))) == ["2"]
-    out = str(tmp_path / f"launch_eval_{step}")
-    cmd = [
-      sys.executable,
-      os.path.join(_util.ROOT, "launch/eval.py"),
-      f"--model={model}",
-      f"--tasks=gen=answer.exact:{gen},choice=mc:{mc}",
-      f"--out={out}",
-      "--max_tokens=6",
-      "--max_running_requests=8",
-      "--max_seq_len=128",
-      "--noprogress",
-    ]
-    e = subprocess.run(cmd, cwd=_util.ROOT, env=_util.env(cache_dir=cache), capture_output=True, text=True, timeout=600)
-    assert e.returncode == 0, e.stdout[-3000:] + e.stderr[-5000:]
-    with open(os.path.join(out, "report.json")) as f:
-      report = json.load(f)
-    for task in ("gen", "choice"):
-      for metric, value in report["tasks"][task]["metrics"].items():
-        assert record[f"eval/{task}/{metric}"] == pytest.approx(value, abs=1e-12), (step, task, metric)
-    theirs = _samples(out)
-    ours = {
-      **_samples(os.path.join(workdir, "eval", "gen", str(step))),
-      **_samples(os.path.join(workdir, "eval", "choice", str(step))),
-    }
-    assert ours.keys() == theirs.keys() and len(ours) == len(GEN) + len(MC)
-    for k, row in ours.items():
-      if k[0] == "gen":
-        assert row["text"] == theirs[k]["text"] and row["completion_tokens"] == theirs[k]["completion_tokens"] > 0
-      else:
-        assert row["loglikelihoods"] == pytest.approx(theirs[k]["loglikelihoods"], abs=1e-5)
-        assert (row["acc"], row["acc_norm"]) == (theirs[k]["acc"], theirs[k]["acc_norm"])
+    _check_against_launch_eval(model, str(tmp_path / f"launch_eval_{step}"), workdir, step, record, gen, mc, cache)
+
+
+@pytest.mark.slow
+def test_eval_tasks_on_two_processes(tmp_path):
+  """Two processes (4 devices each) train 2 steps with held-out loss and eval.tasks: process 0 alone runs the
+  tasks (on the weights both gathered) and writes one eval line with both; launch/eval.py on the final
+  checkpoint, in one process, gives the same numbers and texts."""
+  from tests.train.test_multihost import FAKE_SCONTROL, FAKE_SRUN, _free_port, _tool
+
+  items, gen, mc = _tasks_file(tmp_path)
+  bin_dir, workdir, cache = str(tmp_path / "bin"), str(tmp_path / "w"), str(tmp_path / "jax_cache")
+  os.makedirs(bin_dir)
+  _tool(bin_dir, "srun", FAKE_SRUN)
+  _tool(bin_dir, "scontrol", FAKE_SCONTROL)
+  env = _util.env(devices=4, cache_dir=cache)
+  env.update(
+    PATH=bin_dir + os.pathsep + env["PATH"],
+    SLURM_NTASKS="2",
+    SLURM_JOB_NODELIST="n[1-2]",
+    CONFIG=os.path.join(_util.ROOT, "configs/k2.py:tiny"),
+    WORKDIR=workdir,
+    REPO=_util.ROOT,
+    PORT=str(_free_port()),
+    PYTHON=sys.executable,
+  )
+  args = _util.flags(
+    **COMMON, **{"steps": 2, "checkpoint.every_steps": 2, "eval.fraction": 0.05, "eval.tasks_file": items}
+  ) + ["--config.eval.steps=1"]
+  p = subprocess.run(
+    ["bash", os.path.join(_util.ROOT, "launch/slurm_gpu.sh"), *args],
+    cwd=_util.ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+  (record,) = _evals(workdir)
+  assert record["step"] == 2 and record["eval/loss"] > 0 and "eval/choice/acc" in record
+  assert sorted(os.listdir(os.path.join(workdir, "eval"))) == ["choice", "gen"]
+  _check_against_launch_eval(workdir, str(tmp_path / "launch_eval"), workdir, 2, record, gen, mc, cache)
