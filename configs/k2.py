@@ -12,7 +12,8 @@ Every knob is declared once, in `k2jax.train.config` (default, type, one-line do
 those defaults as a ConfigDict and each preset below only changes fields; `from_config_dict` turns the
 ConfigDict into the frozen dataclasses at the `run()` boundary. `model.*` fields left at None take the
 preset's value. `eval.*` (off in every preset) adds held-out loss, perplexity and bits-per-byte, overall and
-per source (k2jax.train.heldout), on its own files or a hash-of-record-id split of data.path.
+per source (k2jax.train.heldout), on its own files or a hash-of-record-id split of data.path; `eval.tasks`
+(or `eval.tasks_file`) adds benchmark tasks run at the same steps through the eval runner (BUILD.md).
 """
 
 import os
