@@ -7,7 +7,8 @@
   python launch/eval.py --model=/models/k2 --tasks_file=tasks.json --out=/tmp/ev
 
 --model: a k2jax workdir or HF dir (the embedded engine; multiple choice scored by its forward pass) or the
-URL of an SGLang-compatible server (SGLang, sglang-jax, launch/serve.py; needs --tokenizer).
+URL of an SGLang-compatible server (SGLang, sglang-jax, launch/serve.py; --tokenizer=auto reads the server's
+/get_model_info tokenizer_path, which must be readable here; else pass --tokenizer).
 --tasks: comma-separated `[NAME=]FORMAT:PATH` (NAME defaults to FORMAT); formats: gsm8k, math, humaneval,
 mbpp, mc, answer.{exact,math,code,instruction} (k2jax/eval/tasks.py lists their fields). --tasks_file: a JSON
 list of {"name", "format", "path", "fewshot_file"?, "num_fewshot"?} instead.
@@ -40,7 +41,9 @@ _LIMIT = flags.DEFINE_integer("limit", None, "First docs of each task only.")
 _CHAT = flags.DEFINE_bool("chat", False, "K2 chat template (few-shot examples as turns).")
 _SYSTEM = flags.DEFINE_string("system", None, "Chat: a system message.")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", 16, "Requests in flight.")
-_TOKENIZER = flags.DEFINE_string("tokenizer", "auto", "tiktoken file or model dir ('bundled': the repo's BPE).")
+_TOKENIZER = flags.DEFINE_string(
+  "tokenizer", "auto", "tiktoken file or model dir ('bundled': the repo's BPE; 'auto': the model's, or a URL server's)."
+)
 _SLOTS = flags.DEFINE_integer("max_running_requests", 8, "Embedded engine: requests decoded together.")
 _MAX_LEN = flags.DEFINE_integer("max_seq_len", 2048, "Embedded engine: prompt + generated tokens.")
 _API_KEY = flags.DEFINE_string("api_key", None, "URL: Bearer token.")

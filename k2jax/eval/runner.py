@@ -67,7 +67,7 @@ class EvalConfig:
   chat: bool = False  # K2 chat template (few-shot examples as turns) instead of plain text
   system: str | None = None  # chat: a system message first
   concurrency: int = 16  # requests in flight
-  tokenizer: str = "auto"  # tiktoken file or model dir; auto: the model dir's, or the bundled BPE if it fits
+  tokenizer: str = "auto"  # tiktoken file or model dir; auto: the model dir's (a URL: the server's tokenizer_path), or the bundled BPE if it fits
   max_slots: int = 8  # embedded engine: requests decoded together
   max_seq_len: int = 2048  # embedded engine: prompt + generated tokens
   api_key: str | None = None  # URL: Bearer token
@@ -172,13 +172,29 @@ def _open_url(config: EvalConfig) -> Model:
     call_json(f"{url}/health", None, timeout_s=10.0, retry=RetryPolicy(1, 0.2), headers=headers, parse_json=False)
   except ServiceError as e:
     raise EngineFailed(f"engine at {url} is unreachable: {e}") from None
-  if config.tokenizer == "auto":
-    raise ValueError(f"{url}: a URL model needs --tokenizer (its tiktoken file or model dir, or 'bundled')")
-  path = BUNDLED_TOKENIZER if config.tokenizer == "bundled" else config.tokenizer
+  path = {"auto": None, "bundled": BUNDLED_TOKENIZER}.get(config.tokenizer, config.tokenizer)
+  path = path or _served_tokenizer(url, headers)
   tok = load_tokenizer(os.path.join(path, "tiktoken.model") if os.path.isdir(path) else path)
   engine = HttpEngine(HttpEngineConfig(url=url, api_key=config.api_key))
   stops = (tok.eos_id, tok.special_ids["<|im_end|>"])
   return Model(engine, tok, stops, HttpScorer(url, headers), url)
+
+
+def _served_tokenizer(url: str, headers: dict) -> str:
+  """`--tokenizer=auto` for a URL: the tokenizer the server says it loaded (`/get_model_info`'s
+  `tokenizer_path`, as SGLang and launch/serve.py answer), when that path is readable here (the same
+  machine, or a disk both see)."""
+  hint = "pass --tokenizer (its tiktoken file or model dir, or 'bundled')"
+  try:
+    info = call_json(f"{url}/get_model_info", None, timeout_s=10.0, retry=RetryPolicy(1, 0.2), headers=headers)
+  except ServiceError as e:
+    raise ValueError(f"{url}: --tokenizer=auto asks /get_model_info for the server's tokenizer: {e}; {hint}") from None
+  path = info.get("tokenizer_path") if isinstance(info, dict) else None
+  if not isinstance(path, str) or not path:
+    raise ValueError(f"{url}: /get_model_info names no tokenizer_path (got {str(info)[:200]}); {hint}")
+  if not os.path.exists(path):
+    raise ValueError(f"{url}: the server's tokenizer_path {path!r} is not readable on this machine; {hint}")
+  return path
 
 
 # ---- generation tasks ------------------------------------------------------------------------------
