@@ -102,6 +102,8 @@ OVERRIDES = [
     ],
   ),
   ("configs/rl.py:1t", ["--config.sync.dtype=fp8"]),
+  # scripts/recipe.sh (BUILD.md's learning recipe)
+  ("configs/k2.py:recipe_sft", ["--config.checkpoint.init_from=/tmp/recipe/pretrain"]),
   ("configs/rl.py:swe_tiny", ["--config.tasks.swe.path=/data/swe_tasks/rl_tasks.jsonl"]),
   ("configs/rl.py:swe_tiny", ["--config.agentic.env_urls=swe=http://env-swe.k2jax-envs.svc:8080"]),
   (
@@ -170,6 +172,18 @@ def test_documented_overrides_parse_and_build(spec, overrides):
     got = _get(c, key)
     assert str(got) == value or got == type(got)(value) or (isinstance(got, bool) and str(got) == value), (key, got)
   _build(spec, c)  # raises (naming the key) on anything it cannot build
+
+
+def test_recipe_rl_override_reads_the_sft_workdirs_architecture(tmp_path):
+  """scripts/recipe.sh's RL command: `--config.model.init_from=W/sft` builds with that workdir's architecture."""
+  from k2jax.convert.workdir import write_model_config
+  from k2jax.model import presets
+
+  cfg = presets.get("tiny", hidden_size=96, num_hidden_layers=3)
+  write_model_config(cfg, str(tmp_path / "sft"))
+  c = _parse("configs/rl.py:recipe", [f"--config.model.init_from={tmp_path / 'sft'}"])
+  model = _build("configs/rl.py:recipe", c).model
+  assert (model.hidden_size, model.num_hidden_layers) == (96, 3)
 
 
 @pytest.mark.parametrize(
