@@ -2,6 +2,8 @@
 
 import json
 import os
+import socket
+import stat
 import subprocess
 import sys
 
@@ -85,3 +87,57 @@ def run_train(
 def metrics(workdir: str) -> list[dict]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# Stand-in for srun on one machine: skip srun's options, run the command once per task.
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i "$@" & pids+=($!); done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+echo localhost
+echo otherhost
+"""
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def run_two_processes(tmp_path, workdir: str, args: list[str], cache_dir: str | None = None, timeout: int = 900):
+  """launch/slurm_gpu.sh on configs/k2.py:tiny with stand-ins for srun/scontrol (under tmp_path/bin): two
+  JAX processes of 4 fake devices each on this machine. Asserts it exits 0 (the logs' tails otherwise)."""
+  bin_dir = os.path.join(str(tmp_path), "bin")
+  os.makedirs(bin_dir, exist_ok=True)
+  for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    path = os.path.join(bin_dir, name)
+    with open(path, "w") as f:
+      f.write(text)
+    os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
+  e = env(devices=4, cache_dir=cache_dir)
+  e.update(
+    PATH=bin_dir + os.pathsep + e["PATH"],
+    SLURM_NTASKS="2",
+    SLURM_JOB_NODELIST="n[1-2]",
+    CONFIG=os.path.join(ROOT, "configs/k2.py:tiny"),
+    WORKDIR=workdir,
+    REPO=ROOT,
+    PORT=str(free_port()),
+    PYTHON=sys.executable,
+  )
+  p = subprocess.run(
+    ["bash", os.path.join(ROOT, "launch/slurm_gpu.sh"), *args],
+    cwd=ROOT,
+    env=e,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+  return p

@@ -203,36 +203,12 @@ def test_eval_tasks_on_two_processes(tmp_path):
   """Two processes (4 devices each) train 2 steps with held-out loss and eval.tasks: process 0 alone runs the
   tasks (on the weights both gathered) and writes one eval line with both; launch/eval.py on the final
   checkpoint, in one process, gives the same numbers and texts."""
-  from tests.train.test_multihost import FAKE_SCONTROL, FAKE_SRUN, _free_port, _tool
-
   items, gen, mc = _tasks_file(tmp_path)
-  bin_dir, workdir, cache = str(tmp_path / "bin"), str(tmp_path / "w"), str(tmp_path / "jax_cache")
-  os.makedirs(bin_dir)
-  _tool(bin_dir, "srun", FAKE_SRUN)
-  _tool(bin_dir, "scontrol", FAKE_SCONTROL)
-  env = _util.env(devices=4, cache_dir=cache)
-  env.update(
-    PATH=bin_dir + os.pathsep + env["PATH"],
-    SLURM_NTASKS="2",
-    SLURM_JOB_NODELIST="n[1-2]",
-    CONFIG=os.path.join(_util.ROOT, "configs/k2.py:tiny"),
-    WORKDIR=workdir,
-    REPO=_util.ROOT,
-    PORT=str(_free_port()),
-    PYTHON=sys.executable,
-  )
+  workdir, cache = str(tmp_path / "w"), str(tmp_path / "jax_cache")
   args = _util.flags(
     **COMMON, **{"steps": 2, "checkpoint.every_steps": 2, "eval.fraction": 0.05, "eval.tasks_file": items}
   ) + ["--config.eval.steps=1"]
-  p = subprocess.run(
-    ["bash", os.path.join(_util.ROOT, "launch/slurm_gpu.sh"), *args],
-    cwd=_util.ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+  _util.run_two_processes(tmp_path, workdir, args, cache_dir=cache)
   (record,) = _evals(workdir)
   assert record["step"] == 2 and record["eval/loss"] > 0 and "eval/choice/acc" in record
   assert sorted(os.listdir(os.path.join(workdir, "eval"))) == ["choice", "gen"]

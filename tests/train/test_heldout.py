@@ -4,11 +4,8 @@ resume and on 1 vs 2 processes."""
 
 import json
 import math
-import os
 import signal
-import socket
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -22,7 +19,6 @@ from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 from k2jax.train import core, heldout, inputs, loop
 from k2jax.train.config import from_config_dict
 from tests.train import _util
-from tests.train.test_multihost import FAKE_SCONTROL, FAKE_SRUN, _tool
 
 SEQ, ROWS = 64, 8
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
@@ -197,42 +193,14 @@ def test_eval_identical_after_sigkill_and_resume(tmp_path):
   assert a[1]["eval/loss"] < a[0]["eval/loss"] and a[0]["eval/batches"] == 2
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_eval_identical_on_one_and_two_processes(tmp_path):
   """Two processes (4 devices each) train and evaluate at the end; one process (8 devices, the same mesh)
   evaluates their final checkpoint at start: the same numbers."""
-  bin_dir, workdir = str(tmp_path / "bin"), str(tmp_path / "w")
-  os.makedirs(bin_dir)
-  _tool(bin_dir, "srun", FAKE_SRUN)
-  _tool(bin_dir, "scontrol", FAKE_SCONTROL)
-  env = _util.env(devices=4)
-  env.update(
-    PATH=bin_dir + os.pathsep + env["PATH"],
-    SLURM_NTASKS="2",
-    SLURM_JOB_NODELIST="n[1-2]",
-    CONFIG=os.path.join(_util.ROOT, "configs/k2.py:tiny"),
-    WORKDIR=workdir,
-    REPO=_util.ROOT,
-    PORT=str(_free_port()),
-    PYTHON=sys.executable,
-  )
+  workdir = str(tmp_path / "w")
   args = _util.flags(**{"steps": 2, "checkpoint.every_steps": 2, "log.every_steps": 1, "eval.fraction": 0.05})
   args.append("--config.eval.steps=3")
-  p = subprocess.run(
-    ["bash", os.path.join(_util.ROOT, "launch/slurm_gpu.sh"), *args],
-    cwd=_util.ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+  _util.run_two_processes(tmp_path, workdir, args)
   (two,) = _evals(workdir)
   assert two["step"] == 2
   _util.run_train(workdir, *args, "--config.eval.at_start=True")
