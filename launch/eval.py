@@ -5,13 +5,21 @@
   python launch/eval.py --model=http://127.0.0.1:30000 --tokenizer=/models/k2 --chat \
       --tasks=aime=answer.math:/data/aime.jsonl,he=humaneval:HumanEval.jsonl.gz --n=8 --k=1,4,8 --temperature=0.6
   python launch/eval.py --model=/models/k2 --tasks_file=tasks.json --out=/tmp/ev
+  python launch/eval.py --model=http://127.0.0.1:30000 --tasks=swe:/data/swe_tasks/rl_tasks.jsonl --out=/tmp/ev_swe \
+      --max_tokens=1024 --max_turns=30
 
 --model: a k2jax workdir or HF dir (the embedded engine; multiple choice scored by its forward pass) or the
 URL of an SGLang-compatible server (SGLang, sglang-jax, launch/serve.py; --tokenizer=auto reads the server's
 /get_model_info tokenizer_path, which must be readable here; else pass --tokenizer).
 --tasks: comma-separated `[NAME=]FORMAT:PATH` (NAME defaults to FORMAT); formats: gsm8k, math, humaneval,
-mbpp, mc, answer.{exact,math,code,instruction} (k2jax/eval/tasks.py lists their fields). --tasks_file: a JSON
-list of {"name", "format", "path", "fewshot_file"?, "num_fewshot"?} instead.
+mbpp, mc, answer.{exact,math,code,instruction}, swe (k2jax/eval/tasks.py lists their fields). --tasks_file: a
+JSON list of {"name", "format", "path", "fewshot_file"?, "num_fewshot"?} instead.
+swe: the rl_tasks.jsonl that launch/swe_build.py writes (RL's agentic SWE tasks); each sample is one episode of
+the RL tool loop with the SWE environment in-process (bash in the sandbox, the editor, finish), --max_tokens per
+turn, --max_turns turns (a record's own max_turns wins) and --max_episode_tokens in all; the workspace's final
+diff is graded by k2jax.swe.grade: score 1 iff resolved (pass@1 = SWE-bench's resolved rate), the verdict, its
+reason and the patch in each sample. A grading infrastructure failure is never a 0: the run stops naming those
+samples (the others are kept; a rerun grades only those). Needs the sandbox (k2jax.sandbox).
 Writes DIR/samples.jsonl (a rerun resumes from it), DIR/report.json and DIR/report.md, and prints the table.
 """
 
@@ -48,6 +56,10 @@ _SLOTS = flags.DEFINE_integer("max_running_requests", 8, "Embedded engine: reque
 _MAX_LEN = flags.DEFINE_integer("max_seq_len", 2048, "Embedded engine: prompt + generated tokens.")
 _API_KEY = flags.DEFINE_string("api_key", None, "URL: Bearer token.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars.")
+_MAX_TURNS = flags.DEFINE_integer("max_turns", 30, "swe: assistant turns per episode (a record's max_turns wins).")
+_EPISODE_TOKENS = flags.DEFINE_integer(
+  "max_episode_tokens", 32768, "swe: prompt + every turn of an episode (capped by the embedded engine's max_seq_len)."
+)
 _COMPILE_CACHE = compile_cache.define_flag()
 
 
@@ -101,10 +113,12 @@ def main(argv):
     max_seq_len=_MAX_LEN.value,
     api_key=_API_KEY.value,
     progress=_PROGRESS.value,
+    max_turns=_MAX_TURNS.value,
+    max_episode_tokens=_EPISODE_TOKENS.value,
   )
   try:
     k2eval.run(config)
-  except (k2eval.EngineFailed, k2eval.TaskFormatError) as e:
+  except (k2eval.EngineFailed, k2eval.TaskFormatError, k2eval.InfraFailure) as e:
     sys.exit(f"eval failed: {e}")
   with open(os.path.join(config.out, "report.md"), encoding="utf-8") as f:
     print(f.read(), end="")

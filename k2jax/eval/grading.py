@@ -1,7 +1,8 @@
 """Grading one generated sample of a task: a score in [0, 1] (1 = correct), the answer maj@k votes on, a reason.
 
 Graders reuse the RL rewards: `\\boxed{}` extraction and equivalence of `rl/rewards/math.py`, the code verifier
-`k2jax.sandbox.verify` (HumanEval, MBPP) and `make_reward` for `answer.KIND` tasks. HumanEval's `check(candidate)`
+`k2jax.sandbox.verify` (HumanEval, MBPP) and `make_reward` for `answer.KIND` tasks; swe episodes are graded
+by `k2jax.swe.grade` in `swe.py` (a `Verdict` too). HumanEval's `check(candidate)`
 and MBPP's asserts (after `test_setup_code`) run as trusted code in a sandbox of their own, calling the program,
 which runs in another, through plain data: the program's exit status decides nothing (`os._exit(0)` fails), and
 neither can it reach the test's process. A sandbox that cannot start raises (an eval score with holes in it is
@@ -42,6 +43,8 @@ def grade(fmt: str, task: str, doc: Doc, text: str, finish_reason: str, code: Co
     return _mbpp(doc, text, code)
   if fmt.startswith("answer."):
     return _reward(fmt.split(".", 1)[1], task, doc, text, finish_reason, code)
+  if fmt == "swe":  # a patch left in a workspace, not a text: k2jax.eval.swe grades the episode
+    raise ValueError("task format 'swe' is graded by its episode (k2jax.eval.swe.sample), not from a text")
   raise ValueError(f"no grader for task format {fmt!r}")
 
 

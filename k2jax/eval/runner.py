@@ -5,7 +5,8 @@ Phases: read every task file (a bad record fails the run before any work), open 
 answer), open the output dir's samples file (`store.py`), then per task: render each doc's prompt (few-shot
 examples first; plain text, or the K2 chat template), send the samples the file lacks to the engine from
 `concurrency` threads (the engine batches what is in flight), grade each as it returns and append it; score
-multiple-choice docs by log-likelihood (`scoring.py`); last, the report from the samples file.
+multiple-choice docs by log-likelihood (`scoring.py`); run each sample of a swe task as one agentic episode
+graded by the repository's tests (`swe.py`); last, the report from the samples file.
 
 Sample i of a doc is sampled with seed hash(seed, task, doc, i), so a resumed run draws what the first
 would have, on an engine with seeded sampling.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -23,10 +25,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from k2jax.agentic.envs.swe import SweEnvConfig
 from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, Tokenizer, load_tokenizer
 from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
 from k2jax.eval import report as report_lib
+from k2jax.eval import swe as swe_lib
 from k2jax.eval.grading import grade
 from k2jax.eval.metrics import choice_metrics
 from k2jax.eval.scoring import ForwardScorer, HttpScorer, Scorer
@@ -73,6 +77,9 @@ class EvalConfig:
   api_key: str | None = None  # URL: Bearer token
   progress: bool = True
   code: CodeRewardConfig = CodeRewardConfig()  # sandbox limits of code graders
+  max_turns: int = 30  # swe: assistant turns per episode (a task record's own max_turns wins, as in RL)
+  max_episode_tokens: int = 32768  # swe: prompt + every turn (capped by an embedded engine's max_seq_len)
+  swe: SweEnvConfig = SweEnvConfig()  # swe: the environment's tool, time and grading limits
 
   def __post_init__(self):
     if not self.tasks:
@@ -85,6 +92,8 @@ class EvalConfig:
       raise ValueError(f"EvalConfig: n={self.n} greedy samples would all be the same: set a temperature > 0")
     if self.concurrency < 1 or self.max_tokens < 1:
       raise ValueError(f"EvalConfig: concurrency={self.concurrency} and max_tokens={self.max_tokens} must be >= 1")
+    if self.max_turns < 1 or self.max_episode_tokens < 2:
+      raise ValueError(f"EvalConfig: max_turns={self.max_turns} must be >= 1, max_episode_tokens >= 2")
 
 
 @dataclasses.dataclass
@@ -202,23 +211,55 @@ def _generate(config, model: Model, store, spec, fmt: TaskFormat, docs, shots, f
   todo = [(d, i) for d in docs for i in range(config.n) if store.get((spec.name, d.doc_id, i), fingerprint) is None]
   if not todo:
     return
-  prompts = {
-    d.doc_id: _prompt_ids(config, model.tokenizer, fmt, d, shots) for d in {d.doc_id: d for d, _ in todo}.values()
-  }
-  nonce = secrets.token_hex(4)  # rids unique across runs sharing a server
+  if fmt.kind == "agentic":
+    make = functools.partial(_episode, config, model, spec, fingerprint)
+  else:
+    prompts = {
+      d.doc_id: _prompt_ids(config, model.tokenizer, fmt, d, shots) for d in {d.doc_id: d for d, _ in todo}.values()
+    }
+    nonce = secrets.token_hex(4)  # rids unique across runs sharing a server
+
+    def make(d, i):
+      return _sample(config, model, spec, fmt, d, i, prompts[d.doc_id], fingerprint, nonce)
+
+  infra = []  # swe samples whose grading could not happen: never stored as a score
   with _Progress(config, f"{spec.name} ({len(todo)} samples)", len(todo)) as advance:
     with cf.ThreadPoolExecutor(config.concurrency, thread_name_prefix="k2jax-eval") as pool:
-      futures = [
-        pool.submit(_sample, config, model, spec, fmt, d, i, prompts[d.doc_id], fingerprint, nonce) for d, i in todo
-      ]
+      futures = [pool.submit(make, d, i) for d, i in todo]
       try:
         for fut in cf.as_completed(futures):
-          store.add(fut.result())
+          rec = fut.result()
+          if rec.get("infra_failure"):
+            infra.append(rec)
+          else:
+            store.add(rec)
           advance()
       except BaseException:
         for f in futures:
           f.cancel()
         raise
+  if infra:
+    raise swe_lib.InfraFailure(spec.name, sorted(infra, key=lambda r: (r["doc_id"], r["sample"])))
+
+
+def _episode(config, model: Model, spec, fingerprint, doc: Doc, i: int) -> dict:
+  """Sample i of a swe doc: one episode through the tool loop (k2jax.eval.swe), graded by its tests."""
+  total = config.max_episode_tokens if model.max_seq_len is None else min(config.max_episode_tokens, model.max_seq_len)
+  settings = swe_lib.EpisodeSettings(
+    config.max_turns, config.max_tokens, total, config.temperature, config.top_p, config.swe
+  )
+  seed = _seed(config.seed, spec.name, doc.doc_id, i)
+  # TokenAgent seeds each turn from the rid: the same rid on a resume (the same output dir) draws the same
+  # samples; another output dir gives other rids, so runs sharing a server do not collide.
+  where = hashlib.sha256(os.path.abspath(config.out).encode()).hexdigest()[:8]
+  rid = f"eval/{where}/{spec.name}/{doc.doc_id}/{i}"
+  try:
+    rec = swe_lib.sample(model.engine, model.tokenizer, doc, i, rid, seed, settings)
+  except swe_lib.EngineStopped as e:
+    raise EngineFailed(f"engine at {model.where} failed on {spec.name} doc {doc.doc_id} sample {i}: {e}") from None
+  except ValueError as e:
+    raise ValueError(f"{spec.name}: {e}") from None
+  return {"task": spec.name, "doc_id": doc.doc_id, "sample": i, "fingerprint": fingerprint, **rec}
 
 
 def _sample(config, model: Model, spec, fmt: TaskFormat, doc: Doc, i: int, ids, fingerprint, nonce) -> dict:
@@ -303,7 +344,7 @@ def _docs(spec: TaskSpec, config: EvalConfig) -> tuple[list[Doc], list[Doc]]:
   """The task's docs and its few-shot examples (read now: a bad file fails the run before any work)."""
   k = config.num_fewshot if spec.num_fewshot is None else spec.num_fewshot
   docs = load_docs(spec.path, spec.format, config.limit)
-  if k == 0:
+  if k == 0 or get_format(spec.format).kind == "agentic":  # an episode's prompt is the environment's
     return docs, []
   if not spec.fewshot_file:
     raise ValueError(f"task {spec.name}: {k}-shot needs a fewshot_file (examples never taken from the test set)")
@@ -343,8 +384,10 @@ def _fingerprint(config: EvalConfig, spec: TaskSpec, fmt: TaskFormat) -> str:
     "chat": config.chat,
     "system": config.system,
   }
-  if fmt.kind == "generate":
+  if fmt.kind in ("generate", "agentic"):
     keys.update(temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens, seed=config.seed)
+  if fmt.kind == "agentic":  # what bounds an episode (a record's own max_turns is in the file)
+    keys.update(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens)
   return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 

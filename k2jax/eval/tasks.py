@@ -13,6 +13,8 @@ reads, and for multiple choice the continuations scored by log-likelihood.
               (task_id optional)                     template; the asserts of test_list in the sandbox
   mc          question, choices, answer (index or    "Question: {question}\\nAnswer:" + " {choice}": acc and
               letter A, B, ...)                      acc_norm by log-likelihood
+  swe         instruction, instance_id, task_set     an agentic episode (k2jax.eval.swe): the agent fixes the
+              (RL's rl_tasks.jsonl, launch/swe_build) repository with tools; 1.0 iff k2jax.swe.grade resolves it
   answer.KIND prompt, plus what reward KIND reads:   the prompt as is; graded by the RL reward of that kind
               exact|math: answer; code: tests (a     (k2jax.rl.rewards.contract)
               list of asserts, or an object: a row in
@@ -65,7 +67,7 @@ class Doc:
 @dataclasses.dataclass(frozen=True)
 class TaskFormat:
   name: str
-  kind: str  # "generate" | "choice"
+  kind: str  # "generate" | "choice" | "agentic" (one tool-loop episode per sample, k2jax.eval.swe)
   parse: Callable[[Mapping[str, Any], int], Doc]  # (record, record index) -> Doc; KeyError/TypeError/ValueError
   stop: tuple[str, ...] = ()  # stop strings of a completion (plain-text) prompt
   separator: str = "\n\n"  # between few-shot examples and the question
@@ -91,9 +93,10 @@ def load_docs(path: str, fmt: str, limit: int | None = None) -> list[Doc]:
 
 
 def get_format(fmt: str) -> TaskFormat:
-  if fmt not in _FORMATS:
-    raise TaskFormatError(f"unknown task format {fmt!r}; known: {', '.join(FORMATS)}")
-  return _FORMATS[fmt]
+  task_format = _FORMATS.get(fmt) or _RUNNER_FORMATS.get(fmt)
+  if task_format is None:
+    raise TaskFormatError(f"unknown task format {fmt!r}; known: {', '.join((*FORMATS, *_RUNNER_FORMATS))}")
+  return task_format
 
 
 def read_records(path: str, limit: int | None = None):
@@ -258,6 +261,17 @@ _FORMATS: dict[str, TaskFormat] = {
   "mc": TaskFormat("mc", "choice", _mc),
   **{f"answer.{k}": TaskFormat(f"answer.{k}", "generate", _generic(k)) for k in REWARD_FIELDS},
 }
+
+
+def _swe(r: Mapping[str, Any], i: int) -> Doc:
+  from k2jax.eval.swe import parse_record  # the agentic environment and the grader: loaded for swe tasks only
+
+  return parse_record(r, i)
+
+
+# Formats launch/eval.py runs that the loops' `eval.tasks` do not offer (k2jax.data.eval_tasks.FORMATS):
+# a swe sample is an episode with a sandboxed workspace and a graded test run, not a held-out check.
+_RUNNER_FORMATS: dict[str, TaskFormat] = {"swe": TaskFormat("swe", "agentic", _swe)}
 
 
 def few_shot_prefix(examples: Sequence[Doc], separator: str) -> str:
