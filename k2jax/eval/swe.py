@@ -32,6 +32,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+# The environment's own task-set resolution and (cached) instance reader, so a record checked here is one its
+# reset accepts: not a second copy of either.
 from k2jax.agentic.envs.swe import SweEnv, SweEnvConfig, _instances, _task_set_dir
 from k2jax.agentic.loop import run_tool_loop
 from k2jax.agentic.rollout import TokenAgent
@@ -39,7 +41,6 @@ from k2jax.eval.grading import Verdict
 from k2jax.eval.tasks import Doc
 from k2jax.swe import snapshot
 
-FORMAT = "swe"
 ENGINE_ENDS = ("engine_error", "abort")  # the engine failed: the run fails (EngineFailed), as for other tasks
 
 
