@@ -7,6 +7,7 @@ fails the run naming the samples, never a 0."""
 
 import json
 import os
+import pathlib
 import shutil
 import threading
 
@@ -93,7 +94,7 @@ def _model(engine):
 
 
 def _rows(path, ids):
-  rows = {json.loads(line)["instance_id"]: json.loads(line) for line in open(path)}
+  rows = {r["instance_id"]: r for r in map(json.loads, pathlib.Path(path).read_text().splitlines())}
   return [rows[i] for i in ids]
 
 
@@ -109,7 +110,7 @@ def _config(path, out, **kw):
 
 def test_the_rl_task_file_parses_as_swe_docs():
   docs = load_docs(RL_TASKS, "swe")
-  assert [d.doc_id for d in docs] == [json.loads(line)["id"] for line in open(RL_TASKS)]
+  assert [d.doc_id for d in docs] == [json.loads(x)["id"] for x in pathlib.Path(RL_TASKS).read_text().splitlines()]
   assert docs[0].prompt.startswith("Bug report:") and "demo" not in docs[0].data
   assert docs[0].data["instance_id"] == GOLD and docs[0].data["max_turns"] == 3
 
@@ -172,8 +173,7 @@ def test_gold_fix_resolves_nothing_and_wrong_fix_do_not_and_a_rerun_regrades_not
   assert (wrong["score"], wrong["verdict"], wrong["pass_rate"]) == (0.0, "unresolved", 0.0)
   assert wrong["reason"].startswith("unresolved: 1 tests failed") and "test_median_even" in wrong["reason"]
   assert "toycalc/notes.py" in wrong["patch"]
-  with open(out / "samples.jsonl") as f:
-    assert len(f.readlines()) == 3  # one line per sample, none written twice
+  assert len((out / "samples.jsonl").read_text().splitlines()) == 3  # one line per sample, none written twice
 
   engine.rids.clear()
   again = run(_config(path, out), _model(engine))
@@ -221,14 +221,14 @@ def test_a_grading_infrastructure_failure_fails_the_run_and_is_retried_by_the_re
     r["task_set"] = str(task_set)
   path = _task_file(tmp_path, rows)
   snapshot_file = os.path.join(INSTANCES[WRONG].snapshot_dir(str(task_set)), "CHANGELOG.md")
-  pristine = open(snapshot_file).read()
+  pristine = pathlib.Path(snapshot_file).read_text()
   with open(snapshot_file, "a") as f:  # the snapshot no longer hashes to base_commit: grading cannot be trusted
     f.write("\nchanged after the build\n")
   out = tmp_path / "out"
   engine = ScriptedAgentEngine(SCRIPTS)
   with pytest.raises(InfraFailure, match=rf"task swe: 1 samples hit SWE grading infrastructure failures.*doc {WRONG}"):
     run(_config(path, out), _model(engine))
-  stored = [json.loads(line) for line in open(out / "samples.jsonl")]
+  stored = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
   assert [(r["doc_id"], r["score"]) for r in stored] == [(GOLD, 1.0)]  # the failure is not a stored 0
   assert not (out / "report.json").exists()
 
