@@ -1,7 +1,7 @@
 """Evaluation overheads: the benchmark runner over the engine it drives, and prompt scoring through the server
 over the model's own forward pass.
 
-    python bench/eval.py [--docs=32] [--max_tokens=16] [--score_seqs=32] [--score_len=64] [--reps=5]
+    python bench/eval.py [--docs=32] [--max_tokens=16] [--score_seqs=32] [--score_len=64] [--reps=5] [--parts=eval,score]
 
 Tiny preset (random weights), exported to an HF dir in a temp dir; every number comes from this process,
 each pair of conditions interleaved (A B A B ...) over --reps repetitions. Prints key=value lines, medians
@@ -55,6 +55,7 @@ _SCORE_LEN = flags.DEFINE_integer("score_len", 64, "tokens per scored prompt")
 _SCORE_BATCH = flags.DEFINE_integer("score_batch", 8, "prompts per /v1/completions request (lm-eval batch_size)")
 _SCORE_CONCURRENT = flags.DEFINE_integer("score_concurrent", 2, "requests in flight (lm-eval num_concurrent)")
 _REPS = flags.DEFINE_integer("reps", 5, "interleaved repetitions")
+_PARTS = flags.DEFINE_list("parts", ["eval", "score"], "which halves to run (eval, score): e.g. one under a profiler")
 
 QUESTIONS = [
   "Tom has {a} apples and buys {b} more. How many apples does he have?",
@@ -216,10 +217,13 @@ def main(argv):
   with tempfile.TemporaryDirectory() as tmp:
     hf_dir = os.path.join(tmp, "tiny_hf")
     k2jax.save_hf(K2Model(presets.get("tiny", max_position_embeddings=256), rngs=nnx.Rngs(0)), hf_dir)
-    ev = eval_vs_generate(hf_dir, tmp)
-    print(f"eval_samples_per_sec={spread(ev['eval'])}")
-    print(f"generate_samples_per_sec={spread(ev['generate'])}")
-    print(f"eval_over_generate={spread(ev['ratio'])}")
+    if "eval" in _PARTS.value:
+      ev = eval_vs_generate(hf_dir, tmp)
+      print(f"eval_samples_per_sec={spread(ev['eval'])}")
+      print(f"generate_samples_per_sec={spread(ev['generate'])}")
+      print(f"eval_over_generate={spread(ev['ratio'])}")
+    if "score" not in _PARTS.value:
+      return
     sc = score_vs_forward(hf_dir)
     print(f"score_tokens_per_sec={spread(sc['score'])}")
     print(f"forward_tokens_per_sec={spread(sc['forward'])}")
