@@ -106,6 +106,9 @@ def apply_scores(lives: "list[Live]", scores) -> None:
   for live, (token_lp, top_ids, top_lp) in zip(lives, scores):
     start = live.request.logprob_start_len
     lps = [None] + token_lp.tolist()
-    ids, lp = top_ids[:-1].tolist(), top_lp[:-1].tolist()
-    tops = [()] + [tuple(zip(i, v)) for i, v in zip(ids, lp)]
+    if top_ids.shape[1] == 1:  # likelihood scoring's one top logprob: no per-position zip
+      tops = [()] + [((i, v),) for i, v in zip(top_ids[:-1, 0].tolist(), top_lp[:-1, 0].tolist())]
+    else:
+      ids, lp = top_ids[:-1].tolist(), top_lp[:-1].tolist()
+      tops = [()] + [tuple(zip(i, v)) for i, v in zip(ids, lp)]
     live.input_logprobs, live.input_tops = tuple(lps[start:]), tuple(tops[start:])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+import weakref
 from typing import Annotated, Any, Callable, Literal
 
 from pydantic import Field
@@ -294,8 +295,30 @@ def _chat_logprobs(c: GenerateResult, n: int, tok: Tokenizer) -> list[dict]:
   ]
 
 
+class _Names(dict):
+  """A tokenizer's token names as they are asked for (`Tokenizer.token_name`, a tiktoken decode per call:
+  most of the time of an echoed batch's response before; a name is looked up again for every occurrence and
+  every top logprob). At most the vocab's names, kept as long as the tokenizer (`_NAMES`)."""
+
+  def __init__(self, tok: Tokenizer):
+    super().__init__()
+    self.tok = tok
+
+  def __missing__(self, t: int) -> str:
+    name = self[t] = self.tok.token_name(t)
+    return name
+
+
+_NAMES: "weakref.WeakKeyDictionary[Tokenizer, _Names]" = weakref.WeakKeyDictionary()
+
+
 def _namer(tok: Tokenizer | None) -> Callable[[int], str]:
-  return tok.token_name if tok is not None else (lambda t: f"<|token_{t}|>")
+  if tok is None:
+    return lambda t: f"<|token_{t}|>"
+  names = _NAMES.get(tok)
+  if names is None:
+    names = _NAMES.setdefault(tok, _Names(tok))
+  return names.__getitem__
 
 
 def _envelope(
