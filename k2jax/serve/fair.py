@@ -48,15 +48,32 @@ class Call:
     return not self.pending and not self.in_engine  # what left the engine has finished
 
 
+def scored_only(request: GenerateRequest) -> bool:
+  """Whether `request` ends in its prefill and runs the engine's scored program: prompt logprobs asked for
+  (`logprob_start_len` >= 0) and at most one new token (lm-eval's loglikelihood: echo, max_tokens 1)."""
+  return request.logprob_start_len >= 0 and request.sampling.max_new_tokens <= 1
+
+
 class FairQueue:
   """`window`: prompts kept in the engine; `per_call`: of those, at most this many of one call (fewer than
-  the engine's slots, so a newcomer finds a free slot without waiting for a batch's lockstep wave)."""
+  the engine's slots, so a newcomer finds a free slot without waiting for a batch's lockstep wave).
 
-  def __init__(self, engine: Engine, window: int, per_call: int):
-    self.engine, self.window, self.per_call = engine, window, per_call
+  `scored_batch` (0: none): room for `scored_only` prompts, one prefill's worth (the engine's slots). Such
+  a prompt holds its slot for one prefill, never a decode wave, and the engine runs it in a program of
+  scored rows only, so a slot left free for a newcomer stays free until that prefill ends anyway. With the
+  plain limits a batch of max_slots scored prompts reached the engine as per_call rows, then the rest
+  (bench/eval.py, 8 slots, 2 requests of 8 in flight: programs of 7, 2 and 1 rows, 5.7 a run instead of
+  4). With it a call may hold max(per_call, scored_batch) scored prompts, scored prompts fill the engine
+  up to window + scored_batch - 1, and a plain prompt counts only the scored ones beyond scored_batch
+  against `window`: it always finds room behind at most two scored prefills, and is never starved by them.
+  """
+
+  def __init__(self, engine: Engine, window: int, per_call: int, scored_batch: int = 0):
+    self.engine, self.window, self.per_call, self.scored_batch = engine, window, per_call, scored_batch
     self._calls: collections.deque[Call] = collections.deque()  # calls with prompts not yet submitted
     self._rids: dict[str, Call] = {}
     self._in_engine = 0
+    self._scored_in_engine = 0  # of _in_engine, the scored_only prompts
     self._loop: asyncio.AbstractEventLoop | None = None
 
   def submit(self, requests: list[GenerateRequest]) -> Call:
@@ -118,8 +135,7 @@ class FairQueue:
   def _update(self, call: Call) -> None:
     freed = [i for i in call.in_engine if call.lives[i].done.is_set()]
     for i in freed:
-      call.in_engine.discard(i)
-      self._in_engine -= 1
+      self._leave(call, i)
     if call.done:
       for r in call.requests:
         if self._rids.get(r.rid) is call:
@@ -132,15 +148,17 @@ class FairQueue:
 
   def _pump(self) -> None:
     """Round-robin: one prompt from each call with prompts left (and under `per_call` in the engine),
-    until the engine holds `window`. The prompts picked go to the engine together (`submit_many` where
-    the engine has it), so it can admit them in one step: one prefill program, not one per prompt."""
+    until the engine holds `window` (`_has_room`: scored-only prompts have their own room). The prompts
+    picked go to the engine together (`submit_many` where the engine has it), so it can admit them in one
+    step: one prefill program, not one per prompt."""
     picked: list[tuple[Call, int]] = []
-    skipped = 0  # calls passed over in a row because they are at per_call: all of them -> stop
-    while self._in_engine < self.window and self._calls and skipped < len(self._calls):
+    skipped = 0  # calls passed over in a row because they are at their limits: all of them -> stop
+    most = self.window + self.scored_batch  # the most `_has_room` lets in (plain behind full scored room)
+    while self._in_engine < most and self._calls and skipped < len(self._calls):
       call = self._calls.popleft()
       if not call.pending:
         continue
-      if len(call.in_engine) >= self.per_call:
+      if not self._has_room(call, scored_only(call.requests[call.pending[0]])):
         self._calls.append(call)
         skipped += 1
         continue
@@ -148,6 +166,7 @@ class FairQueue:
       i = call.pending.popleft()
       call.in_engine.add(i)  # counted now; taken back below if the engine refuses it
       self._in_engine += 1
+      self._scored_in_engine += scored_only(call.requests[i])
       picked.append((call, i))
       if call.pending:
         self._calls.append(call)
@@ -167,12 +186,26 @@ class FairQueue:
           lives.append(e)
     for (call, i), live in zip(picked, lives):
       if isinstance(live, Exception):  # a rid in flight outside HTTP, or the engine closed
-        call.in_engine.discard(i)
-        self._in_engine -= 1
+        self._leave(call, i)
         call.errors[i] = live
         self._loop.call_soon(self._update, call)
       else:
         call.lives[i] = live
+
+  def _has_room(self, call: Call, scored: bool) -> bool:
+    """Whether `call`'s next prompt (a scored_only one or not) may go to the engine now."""
+    if not self.scored_batch:
+      return len(call.in_engine) < self.per_call and self._in_engine < self.window
+    if scored:
+      per_call = max(self.per_call, self.scored_batch)
+      return len(call.in_engine) < per_call and self._in_engine < self.window + self.scored_batch - 1
+    counted = self._in_engine - self._scored_in_engine + max(0, self._scored_in_engine - self.scored_batch)
+    return len(call.in_engine) < self.per_call and counted < self.window
+
+  def _leave(self, call: Call, i: int) -> None:
+    call.in_engine.discard(i)
+    self._in_engine -= 1
+    self._scored_in_engine -= scored_only(call.requests[i])
 
 
 class LoopShare:

@@ -107,7 +107,10 @@ class Server:
       self.engine = InferenceEngine(model, engine_config, eos_token_ids=eos, detokenize=detokenize)
     del model  # the engine holds what it serves
     slots = self.engine.config.max_slots
-    self.fair = FairQueue(self.engine, window=slots + max(1, slots // 8), per_call=caps.slots_per_request(slots))
+    # Scored-only prompts (lm-eval's loglikelihood) may fill every slot and a second batch behind it: each
+    # leaves after one prefill, so a newcomer waits about two prefills at most (`FairQueue.scored_batch`).
+    window = slots + max(1, slots // 8)
+    self.fair = FairQueue(self.engine, window, caps.slots_per_request(slots), scored_batch=slots)
     self.loop_share = LoopShare()
     self.app = self._routes(httpservice.make_app("k2jax", limits, field_errors=(InvalidRequest,)))
     self._http = httpservice.Service(self.app, host=host, port=port, limits=limits, name="k2jax-http")
