@@ -458,7 +458,10 @@ class InferenceEngine(Admission, Engine):
         self._release(i, live, "abort")
 
   def _release(self, slot: int, live: Live, reason: str, matched: int | str | None = None) -> None:
-    if self._prefix.capacity and live.fed:  # the row goes to a prefix entry (on every process)
+    # The row goes to a prefix entry (on every process); not a row that scored its prompt: scored prompts run
+    # whole (no scored request reuses a prefix), and likelihood evaluation sends them by the thousand, which
+    # would evict the prefixes generation requests share (and cost a row copy each).
+    if self._prefix.capacity and live.fed and live.request.logprob_start_len < 0:
       entry, self._next_entry = self._next_entry, self._next_entry + 1
       self._exec.save(slot, entry)
       self._prefix.insert(live.fed, entry)
