@@ -34,7 +34,7 @@ from typing import Any
 
 # The environment's own task-set resolution and (cached) instance reader, so a record checked here is one its
 # reset accepts: not a second copy of either.
-from k2jax.agentic.envs.swe import SweEnv, SweEnvConfig, _instances, _task_set_dir
+from k2jax.agentic.envs.swe import SweEnv, SweEnvConfig, resolve_task
 from k2jax.agentic.loop import run_tool_loop
 from k2jax.agentic.rollout import TokenAgent
 from k2jax.eval.grading import Verdict
@@ -63,20 +63,16 @@ class EngineStopped(RuntimeError):
 
 def parse_record(r: Mapping[str, Any], i: int) -> Doc:
   """A `swe` doc from one task-file record; KeyError / TypeError / ValueError name the field."""
-  for key in ("instruction", "instance_id", "task_set"):
-    if not isinstance(r[key], str) or not r[key]:
-      raise TypeError(f"field '{key}' must be a non-empty string, got {r[key]!r:.80}")
+  if not isinstance(r["instruction"], str) or not r["instruction"]:
+    raise TypeError(f"field 'instruction' must be a non-empty string, got {r['instruction']!r:.80}")
   if "max_turns" in r and (
     isinstance(r["max_turns"], bool) or not isinstance(r["max_turns"], int) or r["max_turns"] < 1
   ):
     raise ValueError(f"field 'max_turns' must be an integer >= 1, got {r['max_turns']!r}")
-  root = _task_set_dir(r["task_set"])
-  instances_path = os.path.join(root, "instances.jsonl")
-  if not os.path.isfile(instances_path):
-    raise ValueError(f"field 'task_set': {root} has no instances.jsonl")
-  instance = _instances(instances_path).get(r["instance_id"])
-  if instance is None:
-    raise ValueError(f"field 'instance_id': no instance {r['instance_id']!r} in {instances_path}")
+  for key in ("instance_id", "task_set"):
+    if key not in r:
+      raise KeyError(key)  # the reader names it: "missing field"
+  root, instance = resolve_task(r)
   if not os.path.isdir(instance.snapshot_dir(root)):
     raise ValueError(f"field 'instance_id': the snapshot {instance.snapshot_dir(root)} is missing")
   doc_id = (

@@ -86,7 +86,7 @@ class ScriptedAgentEngine(Engine):
     pass
 
   def update_weights(self, model_path, weight_version):
-    raise NotImplementedError
+    raise AssertionError("evaluation never updates weights")
 
 
 def _model(engine):

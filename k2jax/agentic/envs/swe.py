@@ -100,14 +100,11 @@ class SweEnv(ToolEnvironment):
     super().__init__(ToolRegistry(TOOLS), impls, guard or Guard(GuardConfig()), config.max_turns)
 
   def reset(self, task: Mapping[str, Any]) -> dict:
-    for key in ("instance_id", "task_set"):
-      if not isinstance(task.get(key), str):
-        raise ValueError(f"SweEnv: task {task.get('id')!r} needs a string {key!r}")
+    try:
+      root, instance = resolve_task(task)
+    except ValueError as e:
+      raise ValueError(f"SweEnv: task {task.get('id')!r}: {e}") from None
     self.close()
-    root = _task_set_dir(task["task_set"])
-    instance = _instances(os.path.join(root, "instances.jsonl")).get(task["instance_id"])
-    if instance is None:
-      raise ValueError(f"SweEnv: no instance {task['instance_id']!r} in {root}/instances.jsonl")
     t0 = time.monotonic()
     self.ws = self.pool.acquire(instance.snapshot_dir(root))
     obs = super().reset(task)
@@ -218,6 +215,22 @@ def shared_pool(config: PoolConfig = PoolConfig()) -> WorkspacePool:
       _POOLS[config] = WorkspacePool(config)
       atexit.register(_POOLS[config].close)
     return _POOLS[config]
+
+
+def resolve_task(task: Mapping[str, Any]) -> tuple[str, Instance]:
+  """A task record's task-set dir and instance (what `SweEnv.reset` runs and `k2jax.eval.swe` checks
+  up front); ValueError naming the field when either cannot be found."""
+  for key in ("instance_id", "task_set"):
+    if not isinstance(task.get(key), str) or not task[key]:
+      raise ValueError(f"field '{key}' must be a non-empty string, got {task.get(key)!r:.80}")
+  root = _task_set_dir(task["task_set"])
+  path = os.path.join(root, "instances.jsonl")
+  if not os.path.isfile(path):
+    raise ValueError(f"field 'task_set': {root} has no instances.jsonl")
+  instance = _instances(path).get(task["instance_id"])
+  if instance is None:
+    raise ValueError(f"field 'instance_id': no instance {task['instance_id']!r} in {path}")
+  return root, instance
 
 
 def _task_set_dir(given: str) -> str:
