@@ -150,7 +150,11 @@ class RolloutManager:
         with self._lock:
           self.engine.abort(sorted(self._active))
         raise
+    # The first M groups to complete make the batch, in launch order (uid): which groups finish first in a
+    # step, and the order their threads report it, depend on scheduling, and the batch must not (a
+    # multi-process run, a resumed run and a 1-process run train on the same rows in the same order).
     batch_groups, extra = done[: self.config.target_groups], done[self.config.target_groups :]
+    batch_groups.sort(key=lambda g: g.uid)
     unfinished = [g for g in groups if not g.complete]
     stats.update(self._carry_over(extra, unfinished))
     rewards = [g.rewards.result() for g in batch_groups]
@@ -199,10 +203,11 @@ class RolloutManager:
     return groups
 
   def _run_until_enough(self, futures: dict[Future, Group], done: list[Group], pending_ids: set[int]) -> None:
+    order = {f: i for i, f in enumerate(futures)}  # calls that return together are taken in launch order
     remaining = set(futures)
     while remaining and len(done) < self.config.target_groups:
       finished, remaining = wait(remaining, return_when=FIRST_COMPLETED)
-      for f in finished:
+      for f in sorted(finished, key=order.__getitem__):
         f.result()  # re-raise engine errors
         g = futures[f]
         if id(g) in pending_ids and g.complete:
@@ -216,7 +221,7 @@ class RolloutManager:
       if rids:
         self.engine.abort(rids)
       finished, remaining = wait(remaining, timeout=self.config.abort_poll_s)
-      for f in finished:
+      for f in sorted(finished, key=order.__getitem__):
         f.result()
         g = futures[f]
         if id(g) in pending_ids and g.complete:  # finished naturally while we were aborting

@@ -108,6 +108,9 @@ def test_synchronous_mode_waits_for_all_and_drops_nothing():
   assert batch.tokens_BT.shape[0] == 12 and stats["samples_aborted"] == 0
   np.testing.assert_array_equal(batch.group_ids_B, np.repeat(np.arange(4), 3))
   np.testing.assert_array_equal(batch.rewards_B, batch.response_lengths_B)
+  # Groups 0 and 2 finish first, yet the batch holds the groups in launch order (a run's rows must not
+  # depend on which thread reports first).
+  np.testing.assert_array_equal(batch.tokens_BT[:, 0], np.repeat([2, 3, 4, 5], 3))
 
 
 def test_no_partial_rollout_discards_aborted_tokens():
