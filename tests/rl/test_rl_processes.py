@@ -1,14 +1,14 @@
-"""RL runs as processes get the pretraining guarantees: exact resume after SIGKILL, and 2 JAX processes that
-train, checkpoint and push weights together (each writing only its own tensors) and a 1-process run that resumes
-from their checkpoints, falling back past a truncated latest one.
+"""RL runs as processes get the pretraining guarantees: 2 JAX processes that train against an engine URL,
+checkpoint and push weights together (each writing only its own tensors) and a 1-process run that resumes
+from their checkpoints, falling back past a truncated latest one. (The exact resume after SIGKILL is
+tests/rl/test_rl_colocated.py's, on 2 processes, warm start and PTX included.)
 
-Each run is as short as its assertions allow (compiles dominate: the later runs load them from the module's
+Each run is as short as its assertions allow (compiles dominate: the later run loads them from the module's
 cache): two iterations with a checkpoint after each, so a resume from the first has one more to redo."""
 
 import glob
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -94,38 +94,9 @@ def _params(workdir):
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-  """One persistent compilation cache for the module: the second test's 1-process resume runs the first
-  test's 8-device RL step and logprob programs (same config and shapes) and loads them instead of compiling."""
+  """One persistent compilation cache for the module's runs (a resume loads the programs an earlier run of
+  the same config and shapes compiled)."""
   return str(tmp_path_factory.mktemp("jax_cache"))
-
-
-def test_sigkill_resume_is_exact(tmp_path, cache):
-  env = _env(cache)
-  straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-  _run(straight, *_flags(), env=env)
-  _run(
-    killed,
-    *_flags(),
-    env={**env, "K2JAX_KILL_AFTER_STEP": "1", "K2JAX_KILL_LAUNCHER": "rl.py"},
-    expect=-signal.SIGKILL,
-    script="tests/train/kill_after_save.py",
-  )
-  assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["1"]
-  out = _run(killed, *_flags(), env=env)
-  assert f"resumed RL from {os.path.join(killed, 'checkpoints')}/1" in out.stdout
-
-  a, b = _metrics(straight), _metrics(killed)
-  rl_a, rl_b = [r for r in a if "phase" not in r], [r for r in b if "phase" not in r]
-  assert [r["step"] for r in rl_a] == [1, 2] and [r["step"] for r in rl_b] == [1, 2]
-  # weight_version is a counter, not numerics: a resumed run pushes its restored weights once more at start.
-  for ra, rb in zip(rl_a, rl_b):
-    for key in EXACT_KEYS + ("samples_trained", "staleness_mean"):
-      assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
-  step_a, pa = _params(straight)
-  step_b, pb = _params(killed)
-  assert step_a == step_b == 2
-  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _free_port():
