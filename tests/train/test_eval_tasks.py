@@ -3,9 +3,9 @@ same runner as launch/eval.py on an embedded engine over the trainer's current w
 loss's steps (every `eval.every_steps` and at the end), logged as `eval/<task>/<metric>` in metrics.jsonl.
 
 Fast tests check the config boundary (a malformed entry fails naming its key, before anything compiles). The
-slow one trains the tiny model 4 steps through launch/train.py with a generation task and a multiple-choice
-task evaluated every 2 steps, then runs launch/eval.py on the checkpoints of steps 2 and 4: the same
-numbers, the same greedy texts and the same log-likelihoods.
+slow one trains the tiny model 4 steps through launch/slurm_gpu.sh with a generation task and a multiple-choice
+task evaluated every 2 steps, on 2 processes, then runs launch/eval.py on the checkpoints of steps 2 and 4:
+the same numbers, the same greedy texts and the same log-likelihoods.
 """
 
 import json
@@ -169,21 +169,34 @@ COMMON = {
 
 
 @pytest.mark.slow
-def test_eval_tasks_in_training_equal_launch_eval_on_each_checkpoint(tmp_path):
+def test_eval_tasks_on_two_processes_equal_launch_eval_on_each_checkpoint(tmp_path):
+  """Two processes (4 devices each) train 4 steps with held-out loss and eval.tasks every 2 steps: process 0
+  alone runs the tasks (on the weights both gathered) and writes one eval line per evaluation with both;
+  launch/eval.py (one process) on the checkpoints of steps 2 and 4 gives the same numbers, greedy texts and
+  log-likelihoods."""
   items, gen, mc = _tasks_file(tmp_path)
   workdir, cache = str(tmp_path / "w"), str(tmp_path / "jax_cache")
   args = _util.flags(
     **COMMON,
-    **{"steps": 4, "checkpoint.every_steps": 2, "checkpoint.keep": 3, "eval.every_steps": 2, "eval.tasks_file": items},
+    **{
+      "steps": 4,
+      "checkpoint.every_steps": 2,
+      "checkpoint.keep": 3,
+      "eval.every_steps": 2,
+      "eval.fraction": 0.05,
+      "eval.steps": 1,
+      "eval.tasks_file": items,
+    },
   )
-  p = _util.run_train(workdir, *args, cache_dir=cache)
+  p = _util.run_two_processes(tmp_path, workdir, args, cache_dir=cache)
   evals = _evals(workdir)
   assert [r["step"] for r in evals] == [2, 4]
   for r in evals:
-    assert "eval/loss" not in r  # no held-out set: the tasks alone
+    assert r["eval/loss"] > 0 and r["eval/batches"] == 1
     assert set(r) >= {"eval/gen/pass@1", "eval/gen/mean@1", "eval/choice/acc", "eval/choice/acc_norm"}
     assert 0.0 <= r["eval/choice/acc"] <= 1.0 and r["eval/seconds"] >= r["eval/tasks_seconds"] > 0
-  assert "eval step 4/4 choice: acc " in p.stdout and "; gen: maj@1 " in p.stdout  # the console line
+  assert "eval step 4/4 " in p.stdout + p.stderr and "choice: acc " in p.stdout + p.stderr  # the console line
+  assert sorted(os.listdir(os.path.join(workdir, "eval"))) == ["choice", "gen"]
   # The weights changed between the two evaluations, and the log-likelihoods with them.
   s2, s4 = (_samples(os.path.join(workdir, "eval", "choice", str(s))) for s in (2, 4))
   assert s2.keys() == s4.keys() and len(s2) == len(MC)
@@ -196,20 +209,3 @@ def test_eval_tasks_in_training_equal_launch_eval_on_each_checkpoint(tmp_path):
       shutil.copytree(workdir, model, ignore=shutil.ignore_patterns("4", "eval", "tb"))
       assert sorted(os.listdir(os.path.join(model, "checkpoints"))) == ["2"]
     _check_against_launch_eval(model, str(tmp_path / f"launch_eval_{step}"), workdir, step, record, gen, mc, cache)
-
-
-@pytest.mark.slow
-def test_eval_tasks_on_two_processes(tmp_path):
-  """Two processes (4 devices each) train 2 steps with held-out loss and eval.tasks: process 0 alone runs the
-  tasks (on the weights both gathered) and writes one eval line with both; launch/eval.py on the final
-  checkpoint, in one process, gives the same numbers and texts."""
-  items, gen, mc = _tasks_file(tmp_path)
-  workdir, cache = str(tmp_path / "w"), str(tmp_path / "jax_cache")
-  args = _util.flags(
-    **COMMON, **{"steps": 2, "checkpoint.every_steps": 2, "eval.fraction": 0.05, "eval.tasks_file": items}
-  ) + ["--config.eval.steps=1"]
-  _util.run_two_processes(tmp_path, workdir, args, cache_dir=cache)
-  (record,) = _evals(workdir)
-  assert record["step"] == 2 and record["eval/loss"] > 0 and "eval/choice/acc" in record
-  assert sorted(os.listdir(os.path.join(workdir, "eval"))) == ["choice", "gen"]
-  _check_against_launch_eval(workdir, str(tmp_path / "launch_eval"), workdir, 2, record, gen, mc, cache)

@@ -1,11 +1,9 @@
 """Held-out loss (`eval.*`, k2jax.train.heldout): equals a numpy computation over a plain forward's logits,
-bits-per-byte by hand, one compilation, a split training never reads, and identical numbers after a SIGKILL +
-resume and on 1 vs 2 processes."""
+bits-per-byte by hand, one compilation, a split training never reads. Identical numbers after a SIGKILL + resume
+are tests/train/test_resume.py's, on 1 vs 2 processes tests/train/test_multihost.py's (their runs evaluate too)."""
 
 import json
 import math
-import signal
-import subprocess
 
 import jax
 import numpy as np
@@ -164,50 +162,6 @@ EVAL_KEYS = lambda r: {k: v for k, v in r.items() if k.startswith("eval/") and k
 
 def _evals(workdir):
   return [r for r in _util.metrics(workdir) if "eval/loss" in r]
-
-
-@pytest.mark.slow
-def test_eval_identical_after_sigkill_and_resume(tmp_path):
-  cache = str(tmp_path / "jax_cache")
-  args = _util.flags(
-    **{"steps": 4, "checkpoint.every_steps": 2, "log.every_steps": 1, "eval.fraction": 0.05, "eval.every_steps": 2}
-  ) + ["--config.eval.steps=2"]
-  straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-  _util.run_train(straight, *args, cache_dir=cache)
-  env = _util.env(cache_dir=cache)
-  env["K2JAX_KILL_AFTER_STEP"] = "2"
-  p = subprocess.run(
-    _util.train_cmd(killed, *args, script="tests/train/kill_after_save.py"),
-    cwd=_util.ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
-  assert [r["step"] for r in _evals(killed)] == [2]
-  _util.run_train(killed, *args, cache_dir=cache)
-  a, b = _evals(straight), _evals(killed)
-  assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4]
-  assert [EVAL_KEYS(r) for r in a] == [EVAL_KEYS(r) for r in b]
-  assert a[1]["eval/loss"] < a[0]["eval/loss"] and a[0]["eval/batches"] == 2
-
-
-@pytest.mark.slow
-def test_eval_identical_on_one_and_two_processes(tmp_path):
-  """Two processes (4 devices each) train and evaluate at the end; one process (8 devices, the same mesh)
-  evaluates their final checkpoint at start: the same numbers."""
-  workdir = str(tmp_path / "w")
-  args = _util.flags(**{"steps": 2, "checkpoint.every_steps": 2, "log.every_steps": 1, "eval.fraction": 0.05})
-  args.append("--config.eval.steps=3")
-  _util.run_two_processes(tmp_path, workdir, args)
-  (two,) = _evals(workdir)
-  assert two["step"] == 2
-  _util.run_train(workdir, *args, "--config.eval.at_start=True")
-  one = _evals(workdir)[-1]
-  assert one["step"] == 2
-  assert EVAL_KEYS(one) == EVAL_KEYS(two)
-  assert two["eval/batches"] == 3 and two["eval/tokens"] > 1000
 
 
 @pytest.mark.slow

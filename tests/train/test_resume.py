@@ -1,4 +1,5 @@
-"""Exact resume: 2N steps straight == N steps, SIGKILL, resume to 2N (bitwise, on CPU)."""
+"""Exact resume: 2N steps straight == N steps, SIGKILL, resume to 2N (bitwise, on CPU), the held-out
+evaluation at N and 2N included (the same numbers after the resume)."""
 
 import os
 import signal
@@ -14,12 +15,26 @@ from k2jax.model.config import K2Config
 from tests.train import _util
 
 N = 4
+EVAL_KEYS = lambda r: {k: v for k, v in r.items() if k.startswith("eval/") and k != "eval/seconds"}  # noqa: E731
+
+
+def _evals(rows):
+  return [r for r in rows if "eval/loss" in r]
 
 
 @pytest.mark.slow
 def test_kill_and_resume_is_bitwise_exact(tmp_path):
   cache = str(tmp_path / "jax_cache")  # the three runs compile the same program once
-  args = _util.flags(**{"steps": 2 * N, "checkpoint.every_steps": N, "log.every_steps": 1, "data.num_microbatches": 2})
+  args = _util.flags(
+    **{
+      "steps": 2 * N,
+      "checkpoint.every_steps": N,
+      "log.every_steps": 1,
+      "data.num_microbatches": 2,
+      "eval.fraction": 0.05,
+      "eval.every_steps": N,
+    }
+  ) + ["--config.eval.steps=2"]
   straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
   _util.run_train(straight, *args, cache_dir=cache)
 
@@ -35,11 +50,16 @@ def test_kill_and_resume_is_bitwise_exact(tmp_path):
   )
   assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
   assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == [str(N)]
+  assert [r["step"] for r in _evals(_util.metrics(killed))] == [N]
 
   out = _util.run_train(killed, *args, cache_dir=cache)
   assert f"resumed from {os.path.join(killed, 'checkpoints')}/{N}" in out.stdout
 
-  a, b = _util.metrics(straight), _util.metrics(killed)
+  ea, eb = _evals(_util.metrics(straight)), _evals(_util.metrics(killed))
+  assert [r["step"] for r in ea] == [r["step"] for r in eb] == [N, 2 * N]
+  assert [EVAL_KEYS(r) for r in ea] == [EVAL_KEYS(r) for r in eb]
+  assert ea[1]["eval/loss"] < ea[0]["eval/loss"] and ea[0]["eval/batches"] == 2
+  a, b = ([r for r in _util.metrics(w) if "eval/loss" not in r] for w in (straight, killed))
   assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 2 * N + 1))
   for ra, rb in zip(a, b):
     for key in (
