@@ -38,10 +38,14 @@ answer.KIND; n, ks, temperature per task), logged as `eval/<name>/pass@k`, `mean
 `critic.coef > 0` turns on closed-loop critic refinement (K2 §3.2.2, k2jax/rl/critic.py; off by default): pairs of
 each batch's responses to verifiable prompts (exact, math, code rewards) whose rewards differ are shown to the
 policy in the rubric reward's pairwise judge format and the verifier-consistent verdict is trained as an
-auxiliary NLL term; `critic_agreement` on hash-held-out pairs is logged every iteration:
+auxiliary NLL term; `critic_agreement` on hash-held-out pairs is logged every iteration. `critic.rubrics`
+('|'-separated) shows task-specific rubrics instead of the rubric reward's generic ones (same layout; 139
+tokens instead of 316 here). The tiny model's judge has not been seen to leave chance (0.5) inside a run:
+BUILD.md "Closed-loop critic on the recipe" has what was measured (scripts/critic_probe.py: SFT on critic
+examples alone):
 
   python launch/rl.py --config=configs/rl.py:tiny --workdir=/tmp/rl_critic \
-      --config.critic.coef=1.0 --config.critic.seq_len=336
+      --config.critic.coef=1.0 --config.critic.seq_len=144 --config.critic.rubrics="The answer is correct."
 
 `agentic_tiny` mixes six task types in every batch, each with its own token budget and reward kind
 (data/rl/agentic_tiny/): math, code (unit tests in the sandbox), instruction following, an LLM judge,

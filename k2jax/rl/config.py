@@ -263,6 +263,9 @@ class CriticSpec:
     rule="must be in (0, 1)",
   )
   eval_pairs: int = knob(8, "held-out pairs scored per iteration (both orders, 4 rows each)", **_POSITIVE)
+  rubrics: str = knob(
+    "", "'|'-separated rubrics the critic's examples show ('' = the rubric reward's core + prescriptive ones)"
+  )
 
 
 @dataclasses.dataclass(frozen=True)

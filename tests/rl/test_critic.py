@@ -116,6 +116,28 @@ def test_format_equals_the_rubric_rewards():
     C.render_rows(TOK, [first], 1, 50)
 
 
+def test_task_rubrics_replace_the_rubric_rewards():
+  """`critic.rubrics` ('|'-separated) are the only rubrics the critic's examples show (none mandatory), the
+  prompt's own rubrics after them; the layout stays the rubric reward's, a few dozen tokens instead of ~300."""
+  refiner = _refiner(rubrics="The answer is the correct number. | No words, only the number.")
+  p4 = Prompt("arith/4", "arith", tuple(TOK.encode("1+4")), "1+4", {"answer": "5", "rubrics": ["Be exact."]})
+  groups = [(_prompt(2), [_completion("3"), _completion("7")]), (p4, [_completion("5"), _completion("9")])]
+  pairs = refiner.take(_scored(refiner, groups))
+  assert [p.rubrics for p in pairs] == [
+    "- The answer is the correct number.\n- No words, only the number.",
+    "- The answer is the correct number.\n- No words, only the number.\n- Be exact.",
+  ]
+  short = render_chat(C.verdict_messages(pairs[0], True), tokenizer=TOK)[0]
+  default = C.group_pairs(_prompt(2), ["3", "7"], [1.0, 0.0], RUBRICS)[0]
+  full = render_chat(C.verdict_messages(default, True), tokenizer=TOK)[0]
+  assert len(short) < 160 < 300 < len(full)
+  assert C.verdict_messages(pairs[0], True)[0]["content"] == C.verdict_messages(default, True)[0]["content"].replace(
+    RUBRICS, pairs[0].rubrics
+  )
+  with pytest.raises(ValueError, match="CriticConfig.rubrics"):
+    C.CriticConfig(coef=1.0, rubrics=" | ")
+
+
 def test_heldout_pairs_are_never_trained_on():
   refiner = _refiner(heldout_fraction=0.3)
   all_wrong = [str(d) for d in range(10)]
@@ -199,6 +221,11 @@ def test_config_section():
   c.critic.coef, c.critic.batch_size = 0.5, 8
   lc = from_config_dict(c, "/tmp/w", (TOK.eos_id,))
   assert lc.critic == C.CriticConfig(coef=0.5, batch_size=8, seq_len=512, heldout_fraction=0.2, eval_pairs=8, seed=0)
+  c.critic.rubrics = "The answer is correct.|Only the number."
+  assert from_config_dict(c, "/tmp/w", (TOK.eos_id,)).critic.rubric_list == (
+    "The answer is correct.",
+    "Only the number.",
+  )
   c.critic.heldout_fraction = 1.0
   with pytest.raises(ConfigError, match="critic.heldout_fraction"):
     from_config_dict(c, "/tmp/w", (TOK.eos_id,))
