@@ -48,38 +48,39 @@ def _on_event(event, **kwargs):
 monitoring.register_event_duration_secs_listener(_on_duration)
 monitoring.register_event_listener(_on_event)
 
-# The heaviest files first, heaviest at the top (seconds on CI's 2 cores, from `--durations`: colocated RL
-# 326, RL processes 362 before it lost a run, RL mesh ~220, the RL learners' shared runs ~150 each (learner,
-# critic), torn resume ~110 before it lost a run, then the other launcher / multi-process / SIGKILL files; the
-# held-out files (five trainer launches, one of two processes), HumanEval (164 problems, each in two sandboxes
-# and the official harness) and lm-eval (a server, transformers and the harness) are ranked by what they run).
-# scripts/test.sh runs `-n 2 --dist loadfile --no-loadscope-reorder`: xdist hands out whole files in this
-# order as workers free up. Its default order (most tests per file first) (3.5+) put these one- and two-test
-# files last, so one worker ran them alone while the other sat idle.
+# The heaviest files first, heaviest at the top: seconds of each file's tests in the stop-34 suite (`--durations=0`,
+# 2 workers on 2 cores, another job beside them for the first half; 1787 s in all). scripts/test.sh runs
+# `-n 2 --dist loadfile --no-loadscope-reorder`: xdist hands out whole files in this order as workers free up.
+# Its default order (most tests per file first) put these one- and two-test files last, so one worker ran them
+# alone while the other sat idle.
 HEAVY_FIRST = (
-  "tests/test_recipe.py",  # the whole recipe (pretrain, SFT, RL, six evals): ~6-11 min here
-  "tests/rl/test_rl_processes.py",
-  "tests/rl/test_rl_colocated.py",
-  "tests/rl/test_rl_mesh.py",
-  "tests/train/test_heldout.py",
-  "tests/rl/test_learner.py",
-  "tests/rl/test_critic.py",
+  "tests/test_recipe.py",  # 718: the whole recipe (pretrain, SFT, RL, six evals)
+  "tests/rl/test_rl_colocated.py",  # 432: four RL runs, three of them 2-process
+  "tests/rl/test_rl_processes.py",  # 237
+  "tests/sandbox/test_humaneval.py",  # 165: 164 problems, each in two sandboxes and the official harness
+  "tests/engine/test_engine_mesh.py",  # 135
+  "tests/train/test_loss.py",  # 123: the README demo's 300 steps
+  "tests/rl/test_learner.py",  # 120
+  "tests/train/test_eval_tasks.py",  # 110
+  "tests/serve/test_serve_processes.py",  # 83
+  "tests/train/test_resume.py",  # 77
+  "tests/train/test_multihost.py",  # 67
+  "tests/rl/test_rl_mesh.py",  # 64
+  "tests/rl/test_swe_launch.py",  # 59
+  "tests/eval/test_curves.py",  # 57
+  "tests/train/test_torn_resume.py",  # 57
+  "tests/rl/test_agentic_launch.py",  # 55
+  "tests/serve/test_lmeval.py",  # 37
+  "tests/convert/test_writer.py",  # 35
   "tests/rl/test_rl_eval.py",
-  "tests/train/test_torn_resume.py",
-  "tests/rl/test_swe_launch.py",
-  "tests/rl/test_agentic_launch.py",
-  "tests/sandbox/test_humaneval.py",
-  "tests/serve/test_lmeval.py",
-  "tests/convert/test_reader_processes.py",
-  "tests/convert/test_writer.py",
-  "tests/train/test_resume.py",
-  "tests/train/test_multihost.py",
   "tests/sharding/test_two_process.py",
-  "tests/serve/test_serve_processes.py",
-  "tests/serve/test_likelihood.py",  # ~80-170 s here: shared tiny server, a scored prefill program
-  "tests/eval/test_embedded.py",  # ~90-115 s here: export + engine + forward scorer
+  "tests/convert/test_reader_processes.py",
+  "tests/train/test_heldout.py",
+  "tests/serve/test_likelihood.py",
+  "tests/test_distributed.py",
+  "tests/eval/test_embedded.py",
+  "tests/rl/test_critic.py",
   "tests/eval/test_http.py",
-  "tests/test_distributed.py",  # two small processes ending 8 s apart, twice
 )
 
 
