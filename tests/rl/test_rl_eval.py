@@ -23,6 +23,7 @@ from k2jax.rl import config as rl_config
 from k2jax.rl.evaluation import Evaluator
 from k2jax.rl.learner import Learner, from_config_dict
 from k2jax.rl.tasks import ArithmeticTask, ArithmeticTaskConfig, JsonlTask, TaskSet, make_tasks, stop_ids, strip_stop
+from tests.eval_task_cases import MALFORMED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("rl_config_file", os.path.join(ROOT, "configs", "rl.py"))
@@ -64,17 +65,7 @@ def _evaluator(tmp_path, tasks, spec=None, task_set=None):
   return Evaluator(spec or lc.spec.eval, task_set, tok, _model(tok), str(tmp_path), lambda name: 4)
 
 
-@pytest.mark.parametrize(
-  "values, key",
-  [
-    ({"path": ""}, "eval.tasks.bad.path"),
-    ({"path": "x.jsonl", "format": "gsm9k"}, "eval.tasks.bad.format"),
-    ({"path": "x.jsonl", "n": 2}, "eval.tasks.bad.n"),  # greedy samples would all be the same
-    ({"path": "x.jsonl", "ks": (0,)}, "eval.tasks.bad.ks"),
-    ({"path": "x.jsonl", "num_fewshot": 2}, "eval.tasks.bad.fewshot_file"),
-    ({"path": "x.jsonl", "temperature": -1.0}, "eval.tasks.bad.temperature"),
-  ],
-)
+@pytest.mark.parametrize("values, key", MALFORMED)
 def test_a_malformed_eval_task_fails_naming_the_key(tmp_path, values, key):
   with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
     from_config_dict(_config({"bad": values}), str(tmp_path), (1,))

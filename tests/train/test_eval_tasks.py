@@ -21,6 +21,7 @@ from k2jax.eval import tasks as eval_tasks
 from k2jax.model.config import ConfigError
 from k2jax.train import loop
 from k2jax.train.config import from_config_dict
+from tests.eval_task_cases import MALFORMED
 from tests.train import _util
 
 
@@ -46,17 +47,7 @@ def test_the_format_names_are_the_runners():
     assert eval_tasks.get_format(fmt).name == fmt
 
 
-@pytest.mark.parametrize(
-  "values, key",
-  [
-    ({"path": ""}, "eval.tasks.bad.path"),
-    ({"path": "x.jsonl", "format": "gsm9k"}, "eval.tasks.bad.format"),
-    ({"path": "x.jsonl", "n": 2}, "eval.tasks.bad.n"),  # greedy samples would all be the same
-    ({"path": "x.jsonl", "ks": (0,)}, "eval.tasks.bad.ks"),
-    ({"path": "x.jsonl", "num_fewshot": 2}, "eval.tasks.bad.fewshot_file"),
-    ({"path": "x.jsonl", "max_tokens": -1}, "eval.tasks.bad.max_tokens"),
-  ],
-)
+@pytest.mark.parametrize("values, key", MALFORMED)
 def test_a_malformed_eval_task_fails_naming_the_key(values, key):
   with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
     from_config_dict(_with_tasks({"bad": values}))
