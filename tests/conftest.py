@@ -9,7 +9,10 @@ os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
+import resource  # noqa: E402
 import tempfile  # noqa: E402
+
+import pytest  # noqa: E402
 
 import jax  # noqa: E402
 from jax import monitoring  # noqa: E402
@@ -28,6 +31,10 @@ jax.config.update(
 )
 jax.config.update("jax_compilation_cache_dir", compile_cache.DEFAULT_DIR)
 _CACHE_STATS = {"compiles": 0, "compile_s": 0.0, "hits": 0, "saved_s": 0.0, "written": 0}
+# CPU seconds (user + sys) per test file, this process's and its waited-for children's (the launchers a test
+# starts): on 2 cores the suite's wall time is its CPU time over 2, so this, not --durations' wall seconds (which
+# count the other worker's load), says which files to make cheaper.
+_CPU_S: dict[str, float] = {}
 
 
 def _on_duration(event, seconds, **kwargs):
@@ -90,6 +97,19 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
+def _cpu_seconds() -> float:
+  own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  start = _cpu_seconds()
+  yield
+  path = item.nodeid.split("::", 1)[0]
+  _CPU_S[path] = _CPU_S.get(path, 0.0) + _cpu_seconds() - start
+
+
 def pytest_configure(config):
   """The controller makes the directory where every process leaves its compile counts (xdist workers start
   later and inherit it)."""
@@ -101,18 +121,26 @@ def pytest_sessionfinish(session):
   stats_dir = os.environ.get("K2JAX_SUITE_STATS")
   if stats_dir and os.path.isdir(stats_dir):
     with open(os.path.join(stats_dir, f"{os.getpid()}.json"), "w") as f:
-      json.dump(_CACHE_STATS, f)
+      json.dump({**_CACHE_STATS, "cpu_s": _CPU_S}, f)
 
 
 def pytest_terminal_summary(terminalreporter):
   stats_dir = os.environ.get("K2JAX_SUITE_STATS")
   if not stats_dir or not os.path.isdir(stats_dir):
     return
-  total = dict.fromkeys(_CACHE_STATS, 0)
+  total, cpu = dict.fromkeys(_CACHE_STATS, 0), {}
   for name in os.listdir(stats_dir):
     with open(os.path.join(stats_dir, name)) as f:
-      for k, v in json.load(f).items():
-        total[k] += v
+      stats = json.load(f)
+    for path, seconds in stats.pop("cpu_s", {}).items():
+      cpu[path] = cpu.get(path, 0.0) + seconds
+    for k, v in stats.items():
+      total[k] += v
+  top = sorted(cpu.items(), key=lambda kv: -kv[1])
+  terminalreporter.write_line(
+    f"suite_cpu_s={sum(cpu.values()):.0f} (user + sys of the pytest processes and the launchers they waited for); "
+    "heaviest files: " + ", ".join(f"{path}={seconds:.0f}" for path, seconds in top[:20])
+  )
   terminalreporter.write_line(
     f"suite_compiles={total['compiles']} compile_s={total['compile_s']:.0f} (pytest processes; the launchers they "
     f"start log their own) persistent_cache_hits={total['hits']} saved_s={total['saved_s']:.0f} "
