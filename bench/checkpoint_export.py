@@ -6,8 +6,9 @@ Run: python bench/checkpoint_export.py [--preset small] [--param_dtype bfloat16]
 One process, one CPU device. Four timings per rep, interleaved (A B C D A B C D ..., after one untimed round), on the same state:
   export_bf16  save_hf(dtype='bfloat16'): plan, per-tensor streamed safetensors, index, config.json, the
                atomic swap (its files fsynced, as an export is)
-  raw_bf16     one sequential write of the same number of bytes (a 64 MiB buffer over and over) + fsync
-  export_fp8   save_hf(dtype='fp8'): the same, block-FP8 (numpy `fp8.quantize` per 128-row slab, on the host)
+  raw_bf16     one sequential write of the same number of bytes (a 64 MiB buffer over and over) + fsync,
+               its writeback started every 32 MiB as the writer starts it (`st_stream.start_writeback`)
+  export_fp8   save_hf(dtype='fp8'): the same, block-FP8 (numpy `fp8.quantize` per job of whole 128-row slabs, on the host)
   raw_fp8      raw write + fsync of the FP8 export's bytes
 Prints key=value lines; the ratios are per-rep throughput ratios (raw seconds / export seconds, median
 with min-max spread):
@@ -40,7 +41,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench import interleave  # noqa: E402
-from k2jax.convert import fp8, writer  # noqa: E402
+from k2jax.convert import fp8, st_stream, writer  # noqa: E402
 from k2jax.model import K2Model, presets  # noqa: E402
 
 KIMI_FP8_BYTES = 958.51 * 2**30  # the release on disk (reference §1.4); an FP8 export has the same layout
@@ -64,12 +65,18 @@ def _tensor_bytes(path: str) -> int:
 
 
 def _raw_write(path: str, nbytes: int, chunk: np.ndarray) -> None:
+  """`nbytes` written and fsynced, starting the disk's writeback as the writer does (every
+  `st_stream.WRITEBACK_BYTES`), so the baseline is the disk's rate with the same overlap."""
   with open(path, "wb") as f:
-    left = nbytes
+    left, done, flushed = nbytes, 0, 0
     while left:
       n = min(left, chunk.nbytes)
       f.write(chunk.data[:n])
-      left -= n
+      left, done = left - n, done + n
+      if done - flushed >= st_stream.WRITEBACK_BYTES:
+        f.flush()
+        st_stream.start_writeback(f.fileno(), flushed, done - flushed)
+        flushed = done
     f.flush()
     os.fsync(f.fileno())
   os.remove(path)
