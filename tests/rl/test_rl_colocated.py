@@ -4,7 +4,10 @@ the 1-process 8-device run: rollout tokens, engine logprobs (<= 1e-5) and update
 second generation samples with the weights pushed after the first update (every token stamped with that
 version, and the engine's logprobs equal the trainer's recomputed ones); no weight file is written; a run
 SIGKILLed after its first checkpoint resumes to the uninterrupted run's result, every logged number and
-parameter bitwise (warm start and PTX included: the one SIGKILL test of RL, colocated as RL runs by default)."""
+parameter bitwise (warm start and PTX included: the one SIGKILL test of RL, colocated as RL runs by default).
+The SIGKILL runs are the 1-process ones: resuming is the same code on any process count, the 2-process
+checkpoint and resume are tests/rl/test_rl_processes.py's, and two 2-process launches cost 2 more process
+start-ups and process 1's compiles (jax's persistent cache is written by process 0 only)."""
 
 import glob
 import json
@@ -40,9 +43,18 @@ FLAGS = {
 ARGS = [f"--config.{k}={v}" for k, v in FLAGS.items()]
 
 
-def _one(workdir, cache):
-  p = subprocess.run(_cmd(workdir, *ARGS), cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=1500)
-  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+def _one(workdir, cache, expect=0, env=None):
+  script = "launch/rl.py" if env is None else "tests/train/kill_after_save.py"
+  p = subprocess.run(
+    _cmd(workdir, *ARGS, script=script),
+    cwd=ROOT,
+    env={**_env(cache), **(env or {})},
+    capture_output=True,
+    text=True,
+    timeout=1500,
+  )
+  assert p.returncode == expect, p.stdout[-3000:] + p.stderr[-6000:]
+  return p.stdout + p.stderr
 
 
 def _two(workdir, cache, expect=0, env=None):
@@ -78,7 +90,7 @@ def _max_diff(a, b):
   return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in zip(a, b))
 
 
-def test_two_process_colocated_rl_equals_one_process_and_resumes_after_sigkill(tmp_path):
+def test_two_process_colocated_rl_equals_one_process_and_one_resumes_after_sigkill(tmp_path):
   cache = str(tmp_path / "jax_cache")
   one, two, killed = (str(tmp_path / n) for n in ("one", "two", "killed"))
   _two(two, cache)
@@ -102,14 +114,16 @@ def test_two_process_colocated_rl_equals_one_process_and_resumes_after_sigkill(t
     assert not os.path.exists(os.path.join(w, "weights")) and not glob.glob(f"{w}/**/*.safetensors", recursive=True)
 
   kill = {"K2JAX_KILL_AFTER_STEP": "1", "K2JAX_KILL_LAUNCHER": "rl.py"}
-  _two(killed, cache, expect=-signal.SIGKILL, env=kill)
+  _one(killed, cache, expect=-signal.SIGKILL, env=kill)
   assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["1"]
-  outs = _two(killed, cache)
-  assert f"resumed RL from {os.path.join(killed, 'checkpoints')}/1" in outs[0]
-  for x, y in zip([r for r in _metrics(two) if "phase" not in r], [r for r in _metrics(killed) if "phase" not in r]):
+  out = _one(killed, cache)
+  assert f"resumed RL from {os.path.join(killed, 'checkpoints')}/1" in out
+  ma_all, mk_all = ([r for r in _metrics(w) if "phase" not in r] for w in (one, killed))
+  assert len(ma_all) == len(mk_all) == 2
+  for x, y in zip(ma_all, mk_all):
     for key in EXACT_KEYS + ("samples_trained", "staleness_mean"):
       assert x[key] == y[key], (x["step"], key, x[key], y[key])
   step_k, pk = _params(killed)
   assert step_k == 2
-  for x, y in zip(jax.tree.leaves(pb), jax.tree.leaves(pk)):
+  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pk)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -1,7 +1,7 @@
 """RL runs as processes get the pretraining guarantees: 2 JAX processes that train against an engine URL,
 checkpoint and push weights together (each writing only its own tensors) and a 1-process run that resumes
 from their checkpoints, falling back past a truncated latest one. (The exact resume after SIGKILL is
-tests/rl/test_rl_colocated.py's, on 2 processes, warm start and PTX included.)
+tests/rl/test_rl_colocated.py's, colocated, warm start and PTX included.)
 
 Each run is as short as its assertions allow (compiles dominate: the later run loads them from the module's
 cache): two iterations with a checkpoint after each, so a resume from the first has one more to redo."""
