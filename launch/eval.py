@@ -35,7 +35,12 @@ from k2jax import compile_cache  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "k2jax workdir, HF dir, or http(s):// server URL.", required=True)
 _TASKS = flags.DEFINE_list("tasks", [], "[NAME=]FORMAT:PATH items.")
-_TASKS_FILE = flags.DEFINE_string("tasks_file", None, "JSON list of task specs (instead of --tasks).")
+_TASKS_FILE = flags.DEFINE_string(
+  "tasks_file",
+  None,
+  "JSON list of task objects (instead of --tasks): name, path, format, and optionally fewshot_file, num_fewshot "
+  "and the task's own sampling (n, ks, temperature, top_p, max_tokens; the flags' values otherwise).",
+)
 _OUT = flags.DEFINE_string("out", None, "Output dir (samples.jsonl, report.json, report.md).", required=True)
 _N = flags.DEFINE_integer("n", 1, "Samples per problem.")
 _K = flags.DEFINE_list("k", ["1"], "k of pass@k and maj@k (each <= n).")

@@ -6,7 +6,7 @@
 #
 # Extra config flags per stage (the test shortens the run with them): RECIPE_PRETRAIN_ARGS, RECIPE_SFT_ARGS,
 # RECIPE_RL_ARGS. Writes WORKDIR/{pretrain,sft,rl} (workdirs), WORKDIR/eval_{pretrain,sft,rl} (launch/eval.py
-# reports on data/recipe/heldout.jsonl), WORKDIR/{sft,rl}/curves.png and WORKDIR/summary.json, and prints
+# reports on data/recipe/heldout.jsonl, greedy and sampled), WORKDIR/{sft,rl}/curves.png and WORKDIR/summary.json, and prints
 # `heldout_pass@1_{greedy,sampled}_<stage>=` and `wall_s_<stage>=` lines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,12 +26,15 @@ timed() { # NAME CMD...: runs CMD, appends "NAME START END" (epoch seconds) to t
 }
 
 evaluate() { # STAGE MODEL_DIR: the held-out split in the K2 chat template (as SFT and RL render it), greedy
-  # (eval_STAGE) and 8 samples per prompt at temperature 1, RL's sampling (eval_STAGE_sampled: pass@1 = mean@8)
-  "$PY" launch/eval.py --model="$2" --tasks="heldout=answer.exact:$HELD" --chat --max_tokens=3 \
+  # (task heldout) and 8 samples per prompt at temperature 1, RL's sampling (task heldout_sampled: pass@1 =
+  # mean@8), in one launch/eval.py run (one model load); the same two tasks as RL's in-loop evaluation
+  "$PY" launch/eval.py --model="$2" --tasks_file="$W/eval_tasks.json" --chat --max_tokens=3 \
     --out="$W/eval_$1" --progress=false --max_running_requests=32
-  "$PY" launch/eval.py --model="$2" --tasks="heldout=answer.exact:$HELD" --chat --max_tokens=3 \
-    --out="$W/eval_$1_sampled" --progress=false --max_running_requests=32 --n=8 --k=1,8 --temperature=1.0
 }
+cat >"$W/eval_tasks.json" <<JSON
+[{"name": "heldout", "path": "$HELD", "format": "answer.exact"},
+ {"name": "heldout_sampled", "path": "$HELD", "format": "answer.exact", "n": 8, "ks": [1, 8], "temperature": 1.0}]
+JSON
 
 "$PY" scripts/recipe_data.py --check # the shipped splits are the generator's (disjoint by construction)
 # shellcheck disable=SC2086
@@ -56,9 +59,10 @@ import json, os, sys
 w = sys.argv[1]
 out = {}
 for stage in ("pretrain", "sft", "rl"):
-  for kind, suffix in (("greedy", ""), ("sampled", "_sampled")):
-    with open(os.path.join(w, f"eval_{stage}{suffix}", "report.json")) as f:
-      out[f"heldout_pass@1_{kind}_{stage}"] = json.load(f)["tasks"]["heldout"]["metrics"]["pass@1"]
+  with open(os.path.join(w, f"eval_{stage}", "report.json")) as f:
+    tasks = json.load(f)["tasks"]
+  for kind, task in (("greedy", "heldout"), ("sampled", "heldout_sampled")):
+    out[f"heldout_pass@1_{kind}_{stage}"] = tasks[task]["metrics"]["pass@1"]
 for line in open(os.path.join(w, "times.txt")):
   name, start, end = line.split()
   out[f"wall_s_{name}"] = round(float(end) - float(start), 1)

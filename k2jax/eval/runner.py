@@ -53,6 +53,28 @@ class TaskSpec:
   format: str
   fewshot_file: str | None = None  # few-shot examples: the first num_fewshot records of this file
   num_fewshot: int | None = None  # None: EvalConfig.num_fewshot
+  # This task's own sampling (None: EvalConfig's), as lm-evaluation-harness's per-task generation_kwargs and an
+  # RL `eval.tasks.<name>` section: one run can score a task greedily and another (or the same file) sampled.
+  n: int | None = None
+  ks: tuple[int, ...] | None = None
+  temperature: float | None = None
+  top_p: float | None = None
+  max_tokens: int | None = None
+
+  def run_config(self, config: "EvalConfig") -> "EvalConfig":
+    """`config` with this task's sampling in place of the run's (validated the same way, naming the task)."""
+    own = {k: getattr(self, k) for k in _TASK_SAMPLING if getattr(self, k) is not None}
+    if "ks" in own:
+      own["ks"] = tuple(own["ks"])
+    if not own:
+      return config
+    try:
+      return dataclasses.replace(config, **own)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"task {self.name!r}: {e}") from None
+
+
+_TASK_SAMPLING = ("n", "ks", "temperature", "top_p", "max_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +134,8 @@ def run(config: EvalConfig, model: Model | None = None) -> dict[str, Any]:
   """Runs every task of `config` (resuming from `config.out`'s samples) and returns the report it wrote.
 
   `model`: an already open engine (tests, RL); default: opened from `config.model` and closed at the end."""
+  for spec in config.tasks:  # a task's bad sampling fails before the model is opened
+    spec.run_config(config)
   tasks = [(spec, get_format(spec.format), *_docs(spec, config)) for spec in config.tasks]
   own = model is None
   model = model or open_model(config)
@@ -131,6 +155,7 @@ def check_tasks(config: EvalConfig) -> None:
   eval tasks at start, not at the first evaluation)."""
   for spec in config.tasks:
     get_format(spec.format)
+    spec.run_config(config)
     _docs(spec, config)
 
 
@@ -140,14 +165,15 @@ def _run_tasks(config: EvalConfig, model: Model, tasks) -> dict[str, Any]:
   try:
     sections = {}
     for spec, fmt, docs, shots in tasks:
-      fingerprint = _fingerprint(config, spec, fmt)
+      tc = spec.run_config(config)
+      fingerprint = _fingerprint(tc, spec, fmt)
       if fmt.kind == "choice":
-        _score_choices(config, model, store, spec, fmt, docs, shots, fingerprint)
+        _score_choices(tc, model, store, spec, fmt, docs, shots, fingerprint)
       else:
-        _generate(config, model, store, spec, fmt, docs, shots, fingerprint)
-      n = 1 if fmt.kind == "choice" else config.n
+        _generate(tc, model, store, spec, fmt, docs, shots, fingerprint)
+      n = 1 if fmt.kind == "choice" else tc.n
       records = [(d.doc_id, [store.get((spec.name, d.doc_id, i), fingerprint) for i in range(n)]) for d in docs]
-      sections[spec.name] = report_lib.task_report(spec.name, fmt.name, fmt.kind, spec.path, records, config.ks)
+      sections[spec.name] = report_lib.task_report(spec.name, fmt.name, fmt.kind, spec.path, records, tc.ks)
     store.sync()
     return sections
   finally:

@@ -153,3 +153,22 @@ def test_a_dead_url_fails_the_run_naming_it(tmp_path):
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0 and f"engine at {url} is unreachable" in proc.stderr, proc.stderr[-2000:]
   assert not os.path.exists(out)
+
+
+def test_a_task_samples_as_its_own_entry_says(tmp_path, tok):
+  """One run, one file: `greedy` decodes once at temperature 0 (its own n, ks, temperature, max_tokens),
+  `sampled` four times at the run's 0.7; each report section has its own n and metrics."""
+  base = _config(tmp_path).tasks[0]
+  greedy = TaskSpec("greedy", base.path, "gsm8k", base.fewshot_file, n=1, ks=[1], temperature=0.0, max_tokens=7)
+  config = _config(tmp_path, tasks=(greedy, TaskSpec("sampled", base.path, "gsm8k", base.fewshot_file)))
+  model, engine = scripted_model(tok, respond)
+  report = run(config, model)
+  calls = {t: [r for r in engine.calls if f"/{t}/" in f"/{r.rid}/"] for t in ("greedy", "sampled")}
+  assert len(calls["greedy"]) == 3 and len(calls["sampled"]) == 12
+  assert all(r.sampling.temperature == 0.0 and r.sampling.max_new_tokens == 7 for r in calls["greedy"])
+  assert all(r.sampling.temperature == 0.7 for r in calls["sampled"])
+  g, s = report["tasks"]["greedy"], report["tasks"]["sampled"]
+  assert g["n"] == 1 and set(g["metrics"]) == {"pass@1", "maj@1", "mean@1"} and s["n"] == 4
+  assert g["metrics"]["pass@1"] == pytest.approx(sum(d["samples"][0]["score"] for d in g["docs"]) / 3)
+  with pytest.raises(ValueError, match="task 'bad': .*greedy samples would all be the same"):
+    run(_config(tmp_path, tasks=(TaskSpec("bad", base.path, "gsm8k", base.fewshot_file, n=2, temperature=0.0),)), model)
