@@ -61,10 +61,10 @@ monitoring.register_event_listener(_on_event)
 # Its default order (most tests per file first) put these one- and two-test files last, so one worker ran them
 # alone while the other sat idle.
 HEAVY_FIRST = (
-  "tests/test_recipe.py",  # 718: the whole recipe (pretrain, SFT, RL, six evals)
-  "tests/rl/test_rl_colocated.py",  # 432: four RL runs, three of them 2-process
+  "tests/test_recipe.py",  # 718: the whole recipe (pretrain, SFT, RL, three evals)
+  "tests/rl/test_rl_colocated.py",  # 432: four RL runs, one of them 2-process
   "tests/rl/test_rl_processes.py",  # 237
-  "tests/sandbox/test_humaneval.py",  # 165: 164 problems, each in two sandboxes and the official harness
+  "tests/sandbox/test_humaneval.py",  # 165: 164 problems, each in two sandboxes and the official harness (40 since)
   "tests/engine/test_engine_mesh.py",  # 135
   "tests/train/test_loss.py",  # 123: the README demo's 300 steps
   "tests/rl/test_learner.py",  # 120
