@@ -61,10 +61,9 @@ monitoring.register_event_listener(_on_event)
 # Its default order (most tests per file first) put these one- and two-test files last, so one worker ran them
 # alone while the other sat idle.
 HEAVY_FIRST = (
-  "tests/test_recipe.py",  # 718: the whole recipe (pretrain, SFT, RL, three evals)
-  "tests/rl/test_rl_colocated.py",  # 432: four RL runs, one of them 2-process
+  "tests/test_recipe.py",  # 718 (690 at stop 36): the whole recipe (pretrain, SFT, RL, three evals)
+  "tests/rl/test_rl_colocated.py",  # 432 (385 at stop 36): four RL runs, one of them 2-process
   "tests/rl/test_rl_processes.py",  # 237
-  "tests/sandbox/test_humaneval.py",  # 165: 164 problems, each in two sandboxes and the official harness (40 since)
   "tests/engine/test_engine_mesh.py",  # 135
   "tests/train/test_loss.py",  # 123: the README demo's 300 steps
   "tests/rl/test_learner.py",  # 120
@@ -78,6 +77,7 @@ HEAVY_FIRST = (
   "tests/train/test_torn_resume.py",  # 57
   "tests/rl/test_agentic_launch.py",  # 55
   "tests/serve/test_lmeval.py",  # 37
+  "tests/sandbox/test_humaneval.py",  # 165 then; 50 CPU-s at stop 36 (the official harness in its own interpreter)
   "tests/convert/test_writer.py",  # 35
   "tests/rl/test_rl_eval.py",
   "tests/sharding/test_two_process.py",
