@@ -154,11 +154,12 @@ def quantize(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.nda
     b1 = min(g_r, b0 + per_group)
     r0, r1 = b0 * block[0], min(n_r, b1 * block[0])
     n = r1 - r0
+    whole = n == (b1 - b0) * block[0]  # False: the group ends with the ragged last block row
     rows, xs = to_float32(w[r0:r1], out=w32[:n]), x[:n]
     np.abs(rows, out=xs)
-    if n == (b1 - b0) * block[0]:
+    if whole:
       colmax = xs.reshape(b1 - b0, block[0], n_c).max(axis=1)
-    else:  # the ragged last block row
+    else:
       colmax = np.stack([xs[i : i + block[0]].max(axis=0) for i in range(0, n, block[0])])
     amax[b0:b1] = np.maximum.reduceat(colmax, col_starts, axis=1)
     if not np.all(np.isfinite(amax[b0:b1])):  # max propagates NaN, and |inf| is inf: the blocks' amax sees them
@@ -166,7 +167,7 @@ def quantize(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.nda
     scale = np.where(amax[b0:b1] > 0, amax[b0:b1] / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
     amax[b0:b1] = scale  # amax becomes the scale grid
     per_col = scale[:, col_blocks]  # [block rows, cols]: each column's scale
-    if n == (b1 - b0) * block[0]:
+    if whole:
       np.divide(rows.reshape(-1, block[0], n_c), per_col[:, None, :], out=xs.reshape(-1, block[0], n_c))
     else:
       for i, r in enumerate(range(0, n, block[0])):

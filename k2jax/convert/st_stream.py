@@ -8,7 +8,8 @@ over the bytes written. The transposes, casts and quantization run on the writer
 bytes for any thread count, while the `Pipe` thread does the I/O. Tensors are queued back to back (no
 wait between them). Host memory: the source tensors of the queued blocks (views of a CPU device's
 shards), at most the workers' in-flight budget of prepared blocks (the writer sets it to one tensor's
-bytes), each running thread's working copy of one block, and two blocks in the pipe.
+bytes), each running thread's working copy of one block, and at most PIPE_BYTES (16 MiB, or one larger block)
+handed to the pipe and not yet written.
 
 Written here rather than with `safetensors.numpy.save_file`: that needs every tensor of a file in memory
 at once, in its final dtype. The header is only known at the end (a caller may drop a tensor it finds
