@@ -19,6 +19,7 @@ sys.path.insert(0, ROOT)
 
 from configs import k2 as k2_configs
 from configs import rl as rl_configs
+from tests.xla_flags import xla_flags
 
 # Sampled pass@1 (8 samples per prompt at temperature 1, what RL optimises) on the 200 held-out prompts must rise by
 # at least this much from the SFT model to the RL model; measured on this 2-core CPU: BUILD.md has the numbers.
@@ -73,7 +74,9 @@ def test_recipe_presets_train_on_the_train_splits_and_evaluate_the_held_out_one(
 @pytest.mark.timeout(3000)  # pytest.ini's 900 s cut it at RL iteration 10 with 4 other jobs on the 2 cores
 def test_rl_lifts_held_out_pass_at_1(tmp_path):
   workdir = tmp_path / "recipe"
-  env = {**os.environ, "PYTHON": sys.executable}
+  # One CPU device at XLA's default optimisation level, as a user runs the script (the suite's 8 fake devices at
+  # level 0 made it ~1.7x the CPU time: its ~1000 steps are execution-bound; tests/xla_flags.py).
+  env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": xla_flags(optimize=True)}
   out = subprocess.run(
     ["bash", "scripts/recipe.sh", str(workdir)], cwd=ROOT, env=env, capture_output=True, text=True, check=False
   )

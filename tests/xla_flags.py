@@ -1,16 +1,22 @@
 """XLA_FLAGS for the suite's processes and the children they start (tests/conftest.py sets the suite's own).
 
-XLA:CPU compiles at LLVM optimisation level 0 in the suite, children included: the suite is compile-bound
-(tiny models, hundreds of programs, one per shape), and level 0 halves a compile (the tiny train step: 13.8 ->
-7.0 s here, the whole 3-step `launch/train.py` run 27.5 -> 17.6 s) while a step runs ~2x slower (recipe_pretrain:
-8.6k -> 4.0k tokens/s) and computes the same floats (LLVM does not reassociate them without fast-math: the tiny
-run's loss printed equal to the last digit, 8.28056812286377). Every child gets the same flags as the test that
-compares against it, so bitwise checks compare like with like.
+XLA:CPU compiles at LLVM optimisation level 0 in the children the suite starts by default: most of them are
+compile-bound (tiny models, hundreds of programs, one per shape, a few steps each), and level 0 halves a compile
+(the tiny train step: 13.8 -> 7.0 s here, the whole 3-step `launch/train.py` run 27.5 -> 17.6 s). A step runs ~2x
+slower at level 0, though, so the pytest processes (tests/conftest.py) and the children that run many steps take
+XLA's default (`optimize=True`): the recipe's pretrain stage (150 steps) took 67 s at level 0 against 28 s at the
+default, and its first four stages 252 s against 136 s, while tests/train/test_resume + test_torn_resume
+(compile-bound; cold caches both) took 188 CPU-s at level 0 against 280 at the default. Both levels compute the same floats (LLVM does not reassociate
+them without fast-math: the tiny run's loss printed equal to the last digit, 8.28056812286377), and every child
+gets the same flags as the test that compares against it, so bitwise checks compare like with like.
 """
 
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
-def xla_flags(devices: int = 0) -> str:
-  """`devices` fake CPU devices (0: the platform's own, one) at FAST_COMPILE."""
-  return (f"--xla_force_host_platform_device_count={devices} " if devices else "") + FAST_COMPILE
+def xla_flags(devices: int = 0, optimize: bool = False) -> str:
+  """`devices` fake CPU devices (0: the platform's own, one), at FAST_COMPILE unless `optimize` (XLA's default
+  level: for runs of many steps)."""
+  return " ".join(
+    ([f"--xla_force_host_platform_device_count={devices}"] if devices else []) + ([] if optimize else [FAST_COMPILE])
+  )

@@ -252,9 +252,22 @@ def _generate(config, model: Model, store, spec, fmt: TaskFormat, docs, shots, f
   with _Progress(config, f"{spec.name} ({len(todo)} samples)", len(todo)) as advance:
     with cf.ThreadPoolExecutor(config.concurrency, thread_name_prefix="k2jax-eval") as pool:
       futures = [pool.submit(make, d, i) for d, i in todo]
+      # A failed sample cancels the ones not yet started, but the ones already running still finish and are
+      # stored before the error is raised: a dying engine's last answers are not lost (the first to fail
+      # can come back before samples started earlier, which as_completed yields later).
+      error = None
       try:
         for fut in cf.as_completed(futures):
-          rec = fut.result()
+          if fut.cancelled():
+            continue
+          try:
+            rec = fut.result()
+          except Exception as e:
+            if error is None:
+              error = e
+              for f in futures:
+                f.cancel()
+            continue
           if rec.get("infra_failure"):
             infra.append(rec)
           else:
@@ -264,6 +277,8 @@ def _generate(config, model: Model, store, spec, fmt: TaskFormat, docs, shots, f
         for f in futures:
           f.cancel()
         raise
+      if error is not None:
+        raise error
   if infra:
     raise swe_lib.InfraFailure(spec.name, sorted(infra, key=lambda r: (r["doc_id"], r["sample"])))
 

@@ -86,13 +86,15 @@ def test_metrics_prompts_and_report_files(tmp_path, tok):
 
 def test_resume_scores_only_the_missing_samples(tmp_path, tok):
   config = _config(tmp_path)
-  dying, _ = scripted_model(tok, respond, fail_after=5, scorer=TextScorer(tok, TABLE))
+  dying, dying_engine = scripted_model(tok, respond, fail_after=5, scorer=TextScorer(tok, TABLE))
   with pytest.raises(EngineFailed, match="engine at scripted failed on gsm doc"):
     run(config, dying)
   samples = os.path.join(config.out, SAMPLES)
   assert not os.path.exists(os.path.join(config.out, "report.json"))  # nothing half-written
   kept = open(samples).read().splitlines()
-  assert 1 <= len(kept) <= 5 and all(json.loads(line)["task"] == "gsm" for line in kept)
+  # Every answer the engine gave before it died is kept, even when the failed call returned first (it
+  # fails at once, the 5 answered calls still decode: the runner once raised before storing any of them).
+  assert len(kept) == len(dying_engine.calls) == 5 and all(json.loads(line)["task"] == "gsm" for line in kept)
   with open(samples, "a") as f:
     f.write('{"task": "gsm", "doc_id": "2", "sam')  # a write the kill cut short
   model, engine = scripted_model(tok, respond, scorer=TextScorer(tok, TABLE))

@@ -34,13 +34,14 @@ def flags(**overrides) -> list[str]:
   return [f"--config.{k}={v}" for k, v in {**base, **overrides}.items()]
 
 
-def env(devices: int = 8, cache_dir: str | None = None) -> dict:
-  """The child's environment: fake CPU devices, highest matmul precision, shared compile cache."""
+def env(devices: int = 8, cache_dir: str | None = None, optimize: bool = False) -> dict:
+  """The child's environment: fake CPU devices, highest matmul precision, shared compile cache; `optimize`:
+  XLA's default optimisation level instead of the suite's quick compiles (tests/xla_flags.py)."""
   e = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
     JAX_DEFAULT_MATMUL_PRECISION="highest",
-    XLA_FLAGS=xla_flags(devices),
+    XLA_FLAGS=xla_flags(devices, optimize),
     PYTHONPATH=ROOT,
   )
   if cache_dir:
@@ -70,11 +71,12 @@ def run_train(
   script="launch/train.py",
   check: bool = True,
   timeout: int = 600,
+  optimize: bool = False,
 ) -> subprocess.CompletedProcess:
   p = subprocess.run(
     train_cmd(workdir, *extra, script=script),
     cwd=ROOT,
-    env=env(devices, cache_dir),
+    env=env(devices, cache_dir, optimize),
     capture_output=True,
     text=True,
     timeout=timeout,
