@@ -3,7 +3,7 @@ JAX's persistent cache (optimisation levels: tests/xla_flags.py)."""
 
 import os
 
-from tests.xla_flags import xla_flags  # noqa: E402
+from tests.xla_flags import SUITE_CACHE_ENV, launcher_cache, xla_flags  # noqa: E402
 
 # The pytest processes run their programs for real (engine decode loops, in-process RL runs) at XLA's default
 # optimisation level: measured from cold caches, tests/engine/test_engine_mesh.py[tp_ep] took 125 CPU-s against 180
@@ -14,6 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
 import resource  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
@@ -119,9 +120,13 @@ def pytest_configure(config):
   later and inherit it)."""
   if not hasattr(config, "workerinput"):
     os.environ["K2JAX_SUITE_STATS"] = tempfile.mkdtemp(prefix="k2jax-suite-stats-")
+    os.environ.pop(SUITE_CACHE_ENV, None)  # a fresh one per suite run (tests/xla_flags.py)
+    launcher_cache()
 
 
 def pytest_sessionfinish(session):
+  if not hasattr(session.config, "workerinput"):  # the controller, after every worker has finished
+    shutil.rmtree(os.environ.get(SUITE_CACHE_ENV, ""), ignore_errors=True)
   stats_dir = os.environ.get("K2JAX_SUITE_STATS")
   if stats_dir and os.path.isdir(stats_dir):
     with open(os.path.join(stats_dir, f"{os.getpid()}.json"), "w") as f:

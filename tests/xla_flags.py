@@ -11,7 +11,24 @@ them without fast-math: the tiny run's loss printed equal to the last digit, 8.2
 gets the same flags as the test that compares against it, so bitwise checks compare like with like.
 """
 
+import os
+import tempfile
+
 FAST_COMPILE = "--xla_backend_optimization_level=0"
+# One persistent compilation cache for the launchers the suite starts with an explicit cache (RL and resume
+# runs, which cache every program: min compile time and entry size 0), made once per suite run by the
+# controller (tests/conftest.py) and shared by every test file and xdist worker: the 8-device trainer programs
+# of tests/rl/test_rl_colocated.py and test_rl_processes.py, and the 1-device ones of the resume tests, are the
+# same programs. Per-test caches compiled each of them once per file. Fresh per run, so a local suite measures
+# the cold start CI has.
+SUITE_CACHE_ENV = "K2JAX_SUITE_LAUNCHER_CACHE"
+
+
+def launcher_cache() -> str:
+  """The suite's shared launcher compile cache (a fresh directory when run outside the suite's conftest)."""
+  if not os.environ.get(SUITE_CACHE_ENV):
+    os.environ[SUITE_CACHE_ENV] = tempfile.mkdtemp(prefix="k2jax-launcher-cache-")
+  return os.environ[SUITE_CACHE_ENV]
 
 
 def xla_flags(devices: int = 0, optimize: bool = False) -> str:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.rl.test_rl_processes import EXACT_KEYS, ROOT, _cmd, _env, _free_port, _metrics, _params
+from tests.xla_flags import launcher_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # four RL runs in subprocesses (compile-bound)
 
@@ -91,7 +92,7 @@ def _max_diff(a, b):
 
 
 def test_two_process_colocated_rl_equals_one_process_and_one_resumes_after_sigkill(tmp_path):
-  cache = str(tmp_path / "jax_cache")
+  cache = launcher_cache()  # shared with tests/rl/test_rl_processes.py's runs (tests/xla_flags.py)
   one, two, killed = (str(tmp_path / n) for n in ("one", "two", "killed"))
   _two(two, cache)
   _one(one, cache)

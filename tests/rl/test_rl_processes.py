@@ -27,7 +27,7 @@ from k2jax.engine.inference import EngineConfig, InferenceEngine
 from k2jax.rl.weight_sync import INDEX_NAME
 
 from tests.engine.fake_sglang_server import FakeSglangServer
-from tests.xla_flags import xla_flags
+from tests.xla_flags import launcher_cache, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # RL runs in subprocesses (compile-bound)
@@ -93,10 +93,10 @@ def _params(workdir):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  """One persistent compilation cache for the module's runs (a resume loads the programs an earlier run of
-  the same config and shapes compiled)."""
-  return str(tmp_path_factory.mktemp("jax_cache"))
+def cache():
+  """The suite's launcher compile cache (tests/xla_flags.py): a resume loads the programs an earlier run of
+  the same config and shapes compiled, here or in tests/rl/test_rl_colocated.py."""
+  return launcher_cache()
 
 
 def _free_port():

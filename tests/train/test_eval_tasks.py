@@ -23,6 +23,7 @@ from k2jax.train import loop
 from k2jax.train.config import from_config_dict
 from tests.eval_task_cases import MALFORMED
 from tests.train import _util
+from tests.xla_flags import launcher_cache
 
 
 def _write_jsonl(path, records):
@@ -166,7 +167,7 @@ def test_eval_tasks_on_two_processes_equal_launch_eval_on_each_checkpoint(tmp_pa
   launch/eval.py (one process) on the checkpoints of steps 2 and 4 gives the same numbers, greedy texts and
   log-likelihoods."""
   items, gen, mc = _tasks_file(tmp_path)
-  workdir, cache = str(tmp_path / "w"), str(tmp_path / "jax_cache")
+  workdir, cache = str(tmp_path / "w"), launcher_cache()  # tests/xla_flags.py
   args = _util.flags(
     **COMMON,
     **{

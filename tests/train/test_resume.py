@@ -13,6 +13,7 @@ from k2jax.convert import hf as hf_io
 from k2jax.convert import workdir as wd
 from k2jax.model.config import K2Config
 from tests.train import _util
+from tests.xla_flags import launcher_cache
 
 N = 4
 EVAL_KEYS = lambda r: {k: v for k, v in r.items() if k.startswith("eval/") and k != "eval/seconds"}  # noqa: E731
@@ -24,7 +25,7 @@ def _evals(rows):
 
 @pytest.mark.slow
 def test_kill_and_resume_is_bitwise_exact(tmp_path):
-  cache = str(tmp_path / "jax_cache")  # the three runs compile the same program once
+  cache = launcher_cache()  # the three runs compile the same program once (tests/xla_flags.py)
   args = _util.flags(
     **{
       "steps": 2 * N,

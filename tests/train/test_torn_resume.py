@@ -17,6 +17,7 @@ from k2jax.train import config as train_config
 from k2jax.train import core, loop
 from k2jax.train.checkpoint import Checkpointer, abstract_like
 from tests.train import _util
+from tests.xla_flags import launcher_cache
 
 TORN = b'{"expert_load_max": 1.1, "grad_norm": 0.5, "lo'  # the disk filled mid-line
 
@@ -33,8 +34,8 @@ BASE = {
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("jax_cache"))
+def cache():
+  return launcher_cache()  # tests/xla_flags.py
 
 
 def _train(workdir, cache, check=True, **overrides):
