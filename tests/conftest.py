@@ -72,10 +72,9 @@ HEAVY_FIRST = (
   "tests/engine/test_engine_mesh.py",  # 135
   "tests/train/test_loss.py",  # 123: the README demo's 300 steps
   "tests/rl/test_learner.py",  # 120
-  "tests/train/test_eval_tasks.py",  # 110
+  "tests/train/test_multihost.py",  # 92 alone at stop 37: its 2-process run carries the eval.tasks checks too
   "tests/serve/test_serve_processes.py",  # 83
   "tests/train/test_resume.py",  # 77
-  "tests/train/test_multihost.py",  # 67
   "tests/rl/test_rl_mesh.py",  # 64
   "tests/rl/test_swe_launch.py",  # 59
   "tests/eval/test_curves.py",  # 57

@@ -2,15 +2,14 @@
 same runner as launch/eval.py on an embedded engine over the trainer's current weights, at the held-out
 loss's steps (every `eval.every_steps` and at the end), logged as `eval/<task>/<metric>` in metrics.jsonl.
 
-Fast tests check the config boundary (a malformed entry fails naming its key, before anything compiles). The
-slow one trains the tiny model 4 steps through launch/slurm_gpu.sh with a generation task and a multiple-choice
-task evaluated every 2 steps, on 2 processes, then runs launch/eval.py on the checkpoints of steps 2 and 4:
-the same numbers, the same greedy texts and the same log-likelihoods.
+Tests here check the config boundary (a malformed entry fails naming its key, before anything compiles). The
+2-process run with tasks is tests/train/test_multihost.py's (one 2-process launch for both): a generation task
+and a multiple-choice task evaluated every 2 steps, then launch/eval.py on the checkpoints of steps 2 and 4 gives
+the same numbers, the same greedy texts and the same log-likelihoods (`check_against_launch_eval` below).
 """
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -23,7 +22,6 @@ from k2jax.train import loop
 from k2jax.train.config import from_config_dict
 from tests.eval_task_cases import MALFORMED
 from tests.train import _util
-from tests.xla_flags import launcher_cache
 
 
 def _write_jsonl(path, records):
@@ -95,13 +93,13 @@ MC = [
 ]
 
 
-def _samples(out: str) -> dict:
+def samples(out: str) -> dict:
   with open(os.path.join(out, "samples.jsonl")) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   return {(r["task"], r["doc_id"], r["sample"]): r for r in rows}
 
 
-def _tasks_file(tmp_path) -> tuple[str, str, str]:
+def tasks_file(tmp_path) -> tuple[str, str, str]:
   gen = _write_jsonl(tmp_path / "gen.jsonl", GEN)
   mc = _write_jsonl(tmp_path / "mc.jsonl", MC)
   items = tmp_path / "tasks.json"
@@ -113,7 +111,7 @@ def _tasks_file(tmp_path) -> tuple[str, str, str]:
   return str(items), gen, mc
 
 
-def _check_against_launch_eval(model: str, out: str, workdir: str, step: int, record: dict, gen: str, mc: str, cache):
+def check_against_launch_eval(model: str, out: str, workdir: str, step: int, record: dict, gen: str, mc: str, cache):
   """launch/eval.py on `model` (a workdir whose newest checkpoint is `step`) into `out`: the same metrics as
   the training run's eval line `record`, the same greedy texts, log-likelihoods within 1e-5."""
   cmd = [
@@ -134,10 +132,10 @@ def _check_against_launch_eval(model: str, out: str, workdir: str, step: int, re
   for task in ("gen", "choice"):
     for metric, value in report["tasks"][task]["metrics"].items():
       assert record[f"eval/{task}/{metric}"] == pytest.approx(value, abs=1e-12), (step, task, metric)
-  theirs = _samples(out)
+  theirs = samples(out)
   ours = {
-    **_samples(os.path.join(workdir, "eval", "gen", str(step))),
-    **_samples(os.path.join(workdir, "eval", "choice", str(step))),
+    **samples(os.path.join(workdir, "eval", "gen", str(step))),
+    **samples(os.path.join(workdir, "eval", "choice", str(step))),
   }
   assert ours.keys() == theirs.keys() and len(ours) == len(GEN) + len(MC)
   for k, row in ours.items():
@@ -148,56 +146,10 @@ def _check_against_launch_eval(model: str, out: str, workdir: str, step: int, re
       assert (row["acc"], row["acc_norm"]) == (theirs[k]["acc"], theirs[k]["acc_norm"])
 
 
-def _evals(workdir: str) -> list[dict]:
-  return [r for r in _util.metrics(workdir) if any(k.startswith("eval/") for k in r)]
-
-
+# The training flags of the 2-process run with tasks (tests/train/test_multihost.py).
 COMMON = {
   "checkpoint.async_save": False,
   "log.every_steps": 1,
   "optim.peak_lr": 3e-3,
   "eval.engine_max_seq_len": 128,
 }
-
-
-@pytest.mark.slow
-def test_eval_tasks_on_two_processes_equal_launch_eval_on_each_checkpoint(tmp_path):
-  """Two processes (4 devices each) train 4 steps with held-out loss and eval.tasks every 2 steps: process 0
-  alone runs the tasks (on the weights both gathered) and writes one eval line per evaluation with both;
-  launch/eval.py (one process) on the checkpoints of steps 2 and 4 gives the same numbers, greedy texts and
-  log-likelihoods."""
-  items, gen, mc = _tasks_file(tmp_path)
-  workdir, cache = str(tmp_path / "w"), launcher_cache()  # tests/xla_flags.py
-  args = _util.flags(
-    **COMMON,
-    **{
-      "steps": 4,
-      "checkpoint.every_steps": 2,
-      "checkpoint.keep": 3,
-      "eval.every_steps": 2,
-      "eval.fraction": 0.05,
-      "eval.steps": 1,
-      "eval.tasks_file": items,
-    },
-  )
-  p = _util.run_two_processes(tmp_path, workdir, args, cache_dir=cache)
-  evals = _evals(workdir)
-  assert [r["step"] for r in evals] == [2, 4]
-  for r in evals:
-    assert r["eval/loss"] > 0 and r["eval/batches"] == 1
-    assert set(r) >= {"eval/gen/pass@1", "eval/gen/mean@1", "eval/choice/acc", "eval/choice/acc_norm"}
-    assert 0.0 <= r["eval/choice/acc"] <= 1.0 and r["eval/seconds"] >= r["eval/tasks_seconds"] > 0
-  assert "eval step 4/4 " in p.stdout + p.stderr and "choice: acc " in p.stdout + p.stderr  # the console line
-  assert sorted(os.listdir(os.path.join(workdir, "eval"))) == ["choice", "gen"]
-  # The weights changed between the two evaluations, and the log-likelihoods with them.
-  s2, s4 = (_samples(os.path.join(workdir, "eval", "choice", str(s))) for s in (2, 4))
-  assert s2.keys() == s4.keys() and len(s2) == len(MC)
-  assert any(s2[k]["loglikelihoods"] != s4[k]["loglikelihoods"] for k in s2)
-
-  for step, record in zip((2, 4), evals):
-    model = workdir
-    if step == 2:  # launch/eval.py reads a workdir's newest checkpoint: a copy whose newest is step 2
-      model = str(tmp_path / "w_at_2")
-      shutil.copytree(workdir, model, ignore=shutil.ignore_patterns("4", "eval", "tb"))
-      assert sorted(os.listdir(os.path.join(model, "checkpoints"))) == ["2"]
-    _check_against_launch_eval(model, str(tmp_path / f"launch_eval_{step}"), workdir, step, record, gen, mc, cache)
