@@ -38,7 +38,7 @@ def test_causality_by_gradient():
   model = _model()
   T, t = 12, 5
   ids = jnp.arange(T)[None]
-  grads = nnx.grad(lambda m: m(ids).logits[0, t].sum())(model)
+  grads = nnx.jit(nnx.grad(lambda m: m(ids).logits[0, t].sum()))(model)
   g_norm = np.abs(np.asarray(grads.embed.embedding[...])).sum(-1)
   assert np.all(g_norm[t + 1 : T] == 0.0)
   assert np.all(g_norm[: t + 1] > 0.0)
@@ -71,7 +71,7 @@ def test_scan_equals_unrolled_and_remat():
     def loss(m):
       return jnp.mean(m(ids).logits ** 2)
 
-    l, g = nnx.value_and_grad(loss)(m)
+    l, g = nnx.jit(nnx.value_and_grad(loss))(m)  # one program per layout (op by op: ~1000 tiny compiles)
     outs[(scan, remat)] = (l, jax.tree.leaves(g))
   base_l, base_g = outs[(True, "none")]
   for key, (l, g) in outs.items():
