@@ -8,7 +8,8 @@ One process, one CPU device. Four timings per rep, interleaved (A B C D A B C D 
                atomic swap (its files fsynced, as an export is)
   raw_bf16     one sequential write of the same number of bytes (a 64 MiB buffer over and over) + fsync,
                its writeback started every 32 MiB as the writer starts it (`st_stream.start_writeback`)
-  export_fp8   save_hf(dtype='fp8'): the same, block-FP8 (numpy `fp8.quantize` per job of whole 128-row slabs, on the host)
+  export_fp8   save_hf(dtype='fp8'): the same, block-FP8 (per job of whole 128-row slabs, on the host: one XLA:CPU
+               call, `blockops.quantize_fp8`, from blockops.XLA_QUANT_MIN_ELEMS elements, numpy below)
   raw_fp8      raw write + fsync of the FP8 export's bytes
 Prints key=value lines; the ratios are per-rep throughput ratios (raw seconds / export seconds, median
 with min-max spread):
@@ -16,7 +17,8 @@ with min-max spread):
   export_over_raw_write_fp8=    (target >= 0.7)
 plus the bytes, the GB/s of each path, the export's GB per CPU-second of this process (what one free
 core sustains: the figure to scale from on a machine whose disk and cores are shared), fp8_over_bf16_bytes (what an FP8 weight push saves) and the FP8
-quantize rate alone (`quantize_Melem_per_s`, one [moe_intermediate, hidden] expert weight at a time),
+quantize rates alone (`quantize_Melem_per_s` numpy, `quantize_xla_Melem_per_s` XLA; one [moe_intermediate,
+hidden] expert weight at a time, one thread),
 the rates BUILD.md's pod estimates are computed from. An `os.sync()` before each timing (outside it)
 flushes what the previous one left dirty. The weights are a cheap deterministic fill (random init of
 the small preset takes minutes on a CPU host).
@@ -41,7 +43,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench import interleave  # noqa: E402
-from k2jax.convert import fp8, st_stream, writer  # noqa: E402
+from k2jax.convert import blockops, fp8, st_stream, writer  # noqa: E402
 from k2jax.model import K2Model, presets  # noqa: E402
 
 KIMI_FP8_BYTES = 958.51 * 2**30  # the release on disk (reference §1.4); an FP8 export has the same layout
@@ -140,13 +142,20 @@ def export_rows(cfg, reps: int, root: str, threads: int = 0, out: dict | None = 
 
 
 def _quantize_rate(cfg, reps: int) -> str:
-  """`fp8.quantize` alone on one expert weight [moe_intermediate, hidden] (HF layout), Melem/s."""
+  """The quantizers alone on one expert weight [moe_intermediate, hidden] (HF layout), Melem/s, one thread:
+  numpy's `fp8.quantize` and the writer's one XLA call (`blockops.quantize_fp8`), interleaved."""
   w = (np.sin(np.arange(cfg.moe_intermediate_size * cfg.hidden_size, dtype=np.float32)) * 0.02).reshape(
     cfg.moe_intermediate_size, cfg.hidden_size
   )
-  times = interleave.time_interleaved({"q": lambda: fp8.quantize(w)}, reps)["q"]
-  rates = sorted(w.size / t / 1e6 for t in times)
-  return f"quantize_Melem_per_s={statistics.median(rates):.1f} quantize_spread=[{rates[0]:.1f},{rates[-1]:.1f}]"
+  blockops.quantize_fp8(w, st_stream.FP8_BLOCK)  # compiled outside the timing
+  times = interleave.time_interleaved(
+    {"numpy": lambda: fp8.quantize(w), "xla": lambda: blockops.quantize_fp8(w, st_stream.FP8_BLOCK)}, reps
+  )
+  out = []
+  for name, key in (("numpy", "quantize"), ("xla", "quantize_xla")):
+    rates = sorted(w.size / t / 1e6 for t in times[name])
+    out.append(f"{key}_Melem_per_s={statistics.median(rates):.1f} {key}_spread=[{rates[0]:.1f},{rates[-1]:.1f}]")
+  return " ".join(out)
 
 
 def main():

@@ -1,8 +1,8 @@
 """One safetensors file written tensor by tensor, in row blocks, while a writer thread does the I/O.
 
 Used by `k2jax.convert.writer` (the one HF writer). A tensor arrives in the k2jax layout and leaves in
-the HF layout: transposed, cast (float32 / bfloat16) or block-FP8-quantized (`fp8.quantize`, a few
-128-row slabs at a time, plus its float32 `weight_scale_inv` grid) on the way, with its CRC-32 computed
+the HF layout: transposed, cast (float32 / bfloat16) or block-FP8-quantized (`blockops.quantize_fp8`, one
+XLA:CPU call per few 128-row slabs, bitwise `fp8.quantize`, plus its float32 `weight_scale_inv` grid) on the way, with its CRC-32 computed
 over the bytes written. The transposes, casts and quantization run on the writer's `pool.Workers`
 (its `threads`); this thread consumes their blocks in order (CRC, hand-off), so the file is the same
 bytes for any thread count, while the `Pipe` thread does the I/O. Tensors are queued back to back (no
@@ -24,6 +24,7 @@ import ctypes
 import dataclasses
 import functools
 import json
+import math
 import os
 import struct
 import threading
@@ -56,7 +57,7 @@ class Record:
 
 def records(name: str, hf_shape: tuple[int, ...], out: np.dtype) -> list[Record]:
   """What writing one HF tensor in dtype `out` stores: the tensor, and its scale grid when FP8."""
-  n = int(np.prod(hf_shape, dtype=np.int64))
+  n = math.prod(hf_shape)
   recs = [Record(name, ST_DTYPES[out.name], tuple(hf_shape), n * out.itemsize)]
   if out == fp8.E4M3:
     grid = fp8.scale_shape(hf_shape, FP8_BLOCK)
@@ -193,7 +194,11 @@ def _quantize_rows(
 ) -> tuple[np.ndarray, np.ndarray]:
   """(codes, scale rows) of HF rows i..end of `a`, whole FP8 blocks but the tensor's last (on a worker thread)."""
   try:
-    return fp8.quantize(hf_rows(a, transpose, i, end, a.dtype).reshape(end - i, -1), FP8_BLOCK)
+    rows = hf_rows(a, transpose, i, end, a.dtype).reshape(end - i, -1)
+    if rows.size < blockops.XLA_QUANT_MIN_ELEMS:  # tiny models: no compile per shape
+      return fp8.quantize(rows, FP8_BLOCK)
+    codes, scale = blockops.quantize_fp8(rows, FP8_BLOCK)
+    return codes.view(fp8.E4M3), scale
   except ValueError as e:  # NaN / inf: no FP8 code and no finite scale stands for them
     raise CheckpointError(
       f"tensor {name!r}: rows {i}..{end - 1} hold NaN or inf; block-FP8 cannot represent them ({e}); export refused"
@@ -221,7 +226,7 @@ def hf_rows(a: np.ndarray, transpose: bool, i: int, end: int, dtype) -> np.ndarr
   if not transpose:
     rows = a.reshape(a.shape[0], -1) if a.ndim > 1 else a.reshape(1, -1)
     return np.ascontiguousarray(rows[i:end], dtype=dtype)
-  out = np.empty((end - i, a.shape[0]), dtype)
+  out = blockops.aligned_empty((end - i, a.shape[0]), dtype)  # aligned: XLA:CPU takes it without a copy
   blockops.transpose_into(out, a[:, i:end])
   return out
 

@@ -84,11 +84,11 @@ class Tensor:
   hf_shape: tuple[int, ...]
   out: np.dtype
 
-  @property
+  @functools.cached_property  # read for every tensor on every write (a push): computed once per plan
   def records(self) -> list[Record]:
     return records(self.name, self.hf_shape, self.out)
 
-  @property
+  @functools.cached_property
   def nbytes(self) -> int:
     return sum(r.nbytes for r in self.records)
 

@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from k2jax.convert import fp8
+from k2jax.convert import blockops, fp8
 from k2jax.convert.errors import CheckpointError
 
 
@@ -102,3 +102,29 @@ def test_quantize_equals_the_plain_numpy_reading():
     full = np.repeat(np.repeat(s, 128, 0), 128, 1)[: shape[0], : shape[1]]
     want = np.clip(w32 / full, -448, 448).astype(fp8.E4M3)
     assert q.dtype == fp8.E4M3 and q.tobytes() == want.tobytes(), shape
+
+
+def test_xla_quantizer_is_bitwise_the_numpy_one():
+  """`blockops.quantize_fp8` (one XLA:CPU call, the writer's for large jobs) gives the bytes of
+  `fp8.quantize` on ragged bf16 and float32 weights, all-zero blocks and values that land exactly on every
+  e4m3 midpoint (a block whose amax is 448 has scale 1.0: its values are cast as they are), and refuses
+  NaN and inf like it."""
+  rng = np.random.default_rng(3)
+  vals = np.arange(256, dtype=np.uint8).view(fp8.E4M3).astype(np.float32)
+  vals = np.sort(vals[np.isfinite(vals)])
+  mid = ((vals[1:].astype(np.float64) + vals[:-1]) / 2).astype(np.float32)
+  edge = np.concatenate([vals, mid, np.nextafter(mid, np.inf), np.nextafter(mid, -np.inf)])
+  for shape, dtype in [((576, 700), ml_dtypes.bfloat16), ((300, 1000), np.float32), ((130, 129), np.float32)]:
+    w = (rng.standard_normal(shape) * rng.uniform(1e-4, 30, (shape[0], 1))).astype(dtype)
+    w[:128, 128:256] = 0
+    if dtype == np.float32 and shape[0] >= 256:
+      w[128:256, :128] = np.resize(edge, (128, 128))  # its amax is 448
+    q, s = fp8.quantize(w)
+    q2, s2 = blockops.quantize_fp8(w, (128, 128))
+    assert q2.dtype == np.uint8 and q2.tobytes() == q.view(np.uint8).tobytes(), shape
+    assert s2.dtype == np.float32 and s2.tobytes() == s.tobytes(), shape
+  for bad in (np.nan, np.inf, -np.inf):
+    w = np.ones((200, 300), np.float32)
+    w[150, 7] = bad
+    with pytest.raises(ValueError, match="NaN or inf"):
+      blockops.quantize_fp8(w, (128, 128))

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from k2jax import sharding
-from k2jax.convert import fp8, pool, reader, st_stream, writer
+from k2jax.convert import blockops, fp8, pool, reader, st_stream, writer
 from k2jax.convert import hf as hf_io
 from k2jax.convert.errors import CheckpointError
 from k2jax.model import K2Model
@@ -229,3 +229,21 @@ def test_fp8_weight_push_on_n_threads_pushes_the_same_files(cfg, host_state, tmp
     assert sync.push(host_state) == 1 and len(engine.updates) == 1
     shas.append(_sha256(engine.updates[0][0]))
   assert shas[0] == shas[1] and len(shas[0]) > 1
+
+
+def test_fp8_export_through_xla_writes_the_numpy_quantizers_files(cfg, host_state, tmp_path, monkeypatch):
+  """The writer quantizes jobs of `blockops.XLA_QUANT_MIN_ELEMS` and more in one XLA call: with every job
+  sent there, the files on N threads are the numpy quantizer's on 1."""
+  writer.save_hf(cfg, host_state, str(tmp_path / "numpy"), dtype="fp8", threads=1, max_shard_bytes=300_000)
+  monkeypatch.setattr(blockops, "XLA_QUANT_MIN_ELEMS", 0)
+  calls = {"n": 0}
+  real = blockops.quantize_fp8
+
+  def counted(*a, **k):
+    calls["n"] += 1
+    return real(*a, **k)
+
+  monkeypatch.setattr(blockops, "quantize_fp8", counted)
+  writer.save_hf(cfg, host_state, str(tmp_path / "xla"), dtype="fp8", threads=N, max_shard_bytes=300_000)
+  assert calls["n"] > 10
+  assert _sha256(str(tmp_path / "numpy")) == _sha256(str(tmp_path / "xla"))
