@@ -91,7 +91,7 @@ def quantize_fp8(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.
   splits it over its own threads) and holds no GIL while it runs. The writer uses it for jobs of
   XLA_QUANT_MIN_ELEMS and more (a compile per job shape); the transpose stays on the host (`transpose_into`:
   XLA's in the same program cost ~25% more CPU per export here)."""
-  with jax.default_device(jax.devices("cpu")[0]):  # numpy in, the C++ dispatch path (no Python device_put)
+  with jax.default_device(cpu_device()):  # numpy in, the C++ dispatch path (no Python device_put)
     q, scale, finite = _quantize(w, block=block)
   if not bool(finite):
     raise ValueError("quantize: the weight has NaN or inf entries; FP8 cannot represent them")
@@ -99,6 +99,16 @@ def quantize_fp8(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.
 
 
 XLA_QUANT_MIN_ELEMS = 1 << 16  # smaller jobs (tiny test models) keep the numpy quantizer: no compile per shape
+
+
+@functools.cache
+def cpu_device():
+  """This process's first CPU device, or None when JAX runs without its CPU backend (`JAX_PLATFORMS=tpu`):
+  the writer then quantizes with numpy."""
+  try:
+    return jax.devices("cpu")[0]
+  except RuntimeError:
+    return None
 
 
 @functools.partial(jax.jit, static_argnames=("block",))

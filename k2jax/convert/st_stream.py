@@ -195,7 +195,7 @@ def _quantize_rows(
   """(codes, scale rows) of HF rows i..end of `a`, whole FP8 blocks but the tensor's last (on a worker thread)."""
   try:
     rows = hf_rows(a, transpose, i, end, a.dtype).reshape(end - i, -1)
-    if rows.size < blockops.XLA_QUANT_MIN_ELEMS:  # tiny models: no compile per shape
+    if rows.size < blockops.XLA_QUANT_MIN_ELEMS or blockops.cpu_device() is None:  # tiny models: no compiles
       return fp8.quantize(rows, FP8_BLOCK)
     codes, scale = blockops.quantize_fp8(rows, FP8_BLOCK)
     return codes.view(fp8.E4M3), scale

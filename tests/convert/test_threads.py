@@ -247,3 +247,8 @@ def test_fp8_export_through_xla_writes_the_numpy_quantizers_files(cfg, host_stat
   writer.save_hf(cfg, host_state, str(tmp_path / "xla"), dtype="fp8", threads=N, max_shard_bytes=300_000)
   assert calls["n"] > 10
   assert _sha256(str(tmp_path / "numpy")) == _sha256(str(tmp_path / "xla"))
+  # A process without JAX's CPU backend (JAX_PLATFORMS=tpu) quantizes with numpy: the same files again.
+  monkeypatch.setattr(blockops, "cpu_device", lambda: None)
+  n = calls["n"]
+  writer.save_hf(cfg, host_state, str(tmp_path / "no_cpu"), dtype="fp8", threads=N, max_shard_bytes=300_000)
+  assert calls["n"] == n and _sha256(str(tmp_path / "numpy")) == _sha256(str(tmp_path / "no_cpu"))
