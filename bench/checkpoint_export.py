@@ -3,7 +3,9 @@
 The export half of `bench/checkpoint_io.py` (which prints these rows after its import rows; `--rows=export`
 runs only them); standalone:
 Run: python bench/checkpoint_export.py [--preset small] [--param_dtype bfloat16] [--reps 5] [--dir /tmp/...]
-One process, one CPU device. Four timings per rep, interleaved (A B C D A B C D ..., after one untimed round), on the same state:
+One process, one CPU device. Four timings per rep, interleaved (A B C D A B C D ..., after one untimed round), on the same state,
+each into a new path; before each, outside its timing: `os.sync()` (what the previous one left dirty) and
+the deletion of that timing's previous output (timed apart: `delete_previous_*`):
   export_bf16  save_hf(dtype='bfloat16'): plan, per-tensor streamed safetensors, index, config.json, the
                atomic swap (its files fsynced, as an export is)
   raw_bf16     one sequential write of the same number of bytes (a 64 MiB buffer over and over) + fsync,
@@ -19,8 +21,7 @@ plus the bytes, the GB/s of each path, the export's GB per CPU-second of this pr
 core sustains: the figure to scale from on a machine whose disk and cores are shared), fp8_over_bf16_bytes (what an FP8 weight push saves) and the FP8
 quantize rates alone (`quantize_Melem_per_s` numpy, `quantize_xla_Melem_per_s` XLA; one [moe_intermediate,
 hidden] expert weight at a time, one thread),
-the rates BUILD.md's pod estimates are computed from. An `os.sync()` before each timing (outside it)
-flushes what the previous one left dirty. The weights are a cheap deterministic fill (random init of
+the rates BUILD.md's pod estimates are computed from. The weights are a cheap deterministic fill (random init of
 the small preset takes minutes on a CPU host).
 """
 
@@ -81,39 +82,66 @@ def _raw_write(path: str, nbytes: int, chunk: np.ndarray) -> None:
         flushed = done
     f.flush()
     os.fsync(f.fileno())
-  os.remove(path)
+
+
+class _Fresh:
+  """A new output path per call (`next`) and, before it (`clear`, outside the timing), `os.sync()` and the
+  deletion of the previous call's output, timed apart (`deletes`). Exporting over the previous export
+  would make the export also delete it: 0.23 s of one core in the kernel freeing the old files' pages
+  for `small` FP8 (7% of the export, printed as `delete_previous_*_s`) that is not the pipeline's work and
+  that the RL weight push (`Writer.write` into a fresh directory) never does."""
+
+  def __init__(self, root: str, name: str):
+    self.root, self.name, self.n, self.deletes = root, name, 0, []
+    self.path = ""
+
+  def clear(self) -> None:
+    if self.path and os.path.lexists(self.path):
+      t = time.perf_counter()
+      shutil.rmtree(self.path) if os.path.isdir(self.path) else os.remove(self.path)
+      self.deletes.append(time.perf_counter() - t)
+    os.sync()  # what the previous timing left dirty is flushed here, not inside the next one
+    self.n += 1
+    self.path = os.path.join(self.root, f"{self.name}.{self.n}")
 
 
 def export_rows(cfg, reps: int, root: str, threads: int = 0, out: dict | None = None) -> list[str]:
   """Runs the export half for model config `cfg` (files under `root`) with the writer on `threads`
-  threads (0: one per core); returns (and prints) its lines. `out` receives the per-rep wall and CPU
+  threads (0: the writer's default); returns (and prints) its lines. `out` receives the per-rep wall and CPU
   seconds and the bytes (`bench/checkpoint_io.py` computes its bounds from them)."""
   state = filled_state(cfg)
-  dst = {d: os.path.join(root, f"export_{d}") for d in ("bfloat16", "fp8")}
+  dst = {d: _Fresh(root, f"export_{d}") for d in ("bfloat16", "fp8")}
+  raw = {d: _Fresh(root, f"raw_{d}.bin") for d in ("bfloat16", "fp8")}
   chunk = np.ones(64 << 20, np.uint8)
-  raw = os.path.join(root, "raw.bin")
+  size = {}  # bytes of each export's tensors (from its first, untimed call: before its raw twin runs)
 
-  def synced(fn):
-    def run():
-      os.sync()
-      fn()
-
-    return run
+  def export(d: str) -> None:
+    writer.save_hf(cfg, state, dst[d].path, dtype=d, threads=threads)
+    size.setdefault(d, _tensor_bytes(dst[d].path))
 
   fns = {
-    "export_bf16": synced(lambda: writer.save_hf(cfg, state, dst["bfloat16"], dtype="bfloat16", threads=threads)),
-    "raw_bf16": synced(lambda: _raw_write(raw, _tensor_bytes(dst["bfloat16"]), chunk)),
-    "export_fp8": synced(lambda: writer.save_hf(cfg, state, dst["fp8"], dtype="fp8", threads=threads)),
-    "raw_fp8": synced(lambda: _raw_write(raw, _tensor_bytes(dst["fp8"]), chunk)),
+    "export_bf16": lambda: export("bfloat16"),
+    "raw_bf16": lambda: _raw_write(raw["bfloat16"].path, size["bfloat16"], chunk),
+    "export_fp8": lambda: export("fp8"),
+    "raw_fp8": lambda: _raw_write(raw["fp8"].path, size["fp8"], chunk),
+  }
+  before = {
+    "export_bf16": dst["bfloat16"].clear,
+    "raw_bf16": raw["bfloat16"].clear,
+    "export_fp8": dst["fp8"].clear,
+    "raw_fp8": raw["fp8"].clear,
   }
   cpu: dict = {}
-  times = interleave.time_interleaved(fns, reps, cpu=cpu, min_rep_s=0.0)  # its untimed first round: the
-  nbytes = {d: _tensor_bytes(dst[d]) for d in dst}  # exports exist before their raw twins run
+  times = interleave.time_interleaved(fns, reps, cpu=cpu, min_rep_s=0.0, before=before)
+  nbytes = dict(size)
+  for f in (*dst.values(), *raw.values()):
+    f.clear()
   if out is not None:
     out.update(times=times, cpu=cpu, nbytes=nbytes)
   lines = [
     f"export: hidden={cfg.hidden_size} layers={cfg.num_hidden_layers} param_dtype={cfg.param_dtype} reps={reps} "
-    f"devices={jax.device_count()} {interleave.load_average()}",
+    f"devices={jax.device_count()} writer_threads={writer.Writer(cfg, threads=threads).threads} "
+    f"{interleave.load_average()}",
     f"export_bytes_bf16={nbytes['bfloat16']} export_bytes_fp8={nbytes['fp8']} "
     f"fp8_over_bf16_bytes={nbytes['fp8'] / nbytes['bfloat16']:.3f}",
   ]
@@ -125,6 +153,14 @@ def export_rows(cfg, reps: int, root: str, threads: int = 0, out: dict | None = 
       f"export_{d}_s={interleave.median_ms(times[e])}ms export_{d}_cpu_s={statistics.median(cpu[e]):.2f} "
       f"export_{d}_GB_per_cpu_s={b / statistics.median(cpu[e]) / 1e9:.3f}"
     )
+  lines.append(
+    " ".join(
+      f"delete_previous_export_{d}_s={interleave.median_ms(dst[full].deletes)}ms "
+      f"delete_previous_raw_{d}_s={interleave.median_ms(raw[full].deletes)}ms"
+      for d, full in (("bf16", "bfloat16"), ("fp8", "fp8"))
+    )
+    + " (outside the timings: what an export over the previous one adds, on one core)"
+  )
   lines.append(_quantize_rate(cfg, reps))
   per_host = KIMI_FP8_BYTES / V5P_1024_HOSTS  # each tensor is written once: 1/128 of the export per host
   fp8_wall, fp8_cpu = (

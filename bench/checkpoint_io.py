@@ -20,7 +20,7 @@ Prints key=value lines (medians with min-max spread):
                                  a bound that counts the job's reads/writes as free CPU (for comparison)
   kimi_k2_v5p1024_*              estimated bytes read per host and seconds at the measured FP8 rate, and
                                  at the per-core transform rate x a v5p host's 208 vCPUs
---threads (0: one per core) sets the reader's and writer's threads; `threads=` is printed first.
+--threads (0: two per core, the default) sets the reader's and writer's threads; `threads=` is printed first.
 The files are read from the page cache in both timings (each directory is read once before timing):
 this measures the reader's CPU cost over the bytes, not the disk.
 
@@ -276,7 +276,9 @@ def main():
   ap.add_argument("--read_budget_bytes", type=int, default=256 << 20)
   ap.add_argument("--rss_worker", nargs=5, default=None)
   ap.add_argument("--rows", default="import,export", help="which halves to run: import, export or both")
-  ap.add_argument("--threads", type=int, default=0, help="reader/writer threads (0: one per core of this host)")
+  ap.add_argument(
+    "--threads", type=int, default=0, help="reader/writer threads (0: two per core of this host, the default)"
+  )
   args = ap.parse_args()
   if args.rss_worker:
     path, budget, nproc, pid, port = args.rss_worker

@@ -14,7 +14,9 @@ import sys
 import time
 
 
-def time_interleaved(fns: dict, reps: int, cpu: dict | None = None, min_rep_s: float = 0.05) -> dict[str, list[float]]:
+def time_interleaved(
+  fns: dict, reps: int, cpu: dict | None = None, min_rep_s: float = 0.05, before: dict | None = None
+) -> dict[str, list[float]]:
   """Seconds per call of each blocking fn over `reps` rounds in dict order, a round timing each fn over
   enough back-to-back calls to last about `min_rep_s` (counted once, from one untimed call each, as
   `timeit`'s autorange does): a 2 ms call timed alone swings with the scheduler's tick and the other
@@ -22,9 +24,15 @@ def time_interleaved(fns: dict, reps: int, cpu: dict | None = None, min_rep_s: f
 
   If `cpu` is a dict, it receives the same for this process's CPU seconds (all threads, user + system):
   on a machine shared with other jobs, a call's CPU time barely moves with their load while its wall
-  time can double, so CPU-time ratios (`<name>_cpu=`) are the figures to compare under load."""
+  time can double, so CPU-time ratios (`<name>_cpu=`) are the figures to compare under load.
+
+  `before[name]()`, when given, runs before every call of fns[name], outside the timing (setup such as
+  syncing the disk or deleting the previous call's output)."""
   calls = {}
+  before = before or {}
   for name, fn in fns.items():
+    if name in before:
+      before[name]()
     t = time.perf_counter()
     fn()
     calls[name] = max(1, math.ceil(min_rep_s / max(time.perf_counter() - t, 1e-9)))
@@ -33,12 +41,17 @@ def time_interleaved(fns: dict, reps: int, cpu: dict | None = None, min_rep_s: f
     cpu.update({name: [] for name in fns})
   for _ in range(reps):
     for name, fn in fns.items():
-      t, c = time.perf_counter(), time.process_time()
-      for _ in range(calls[name]):
-        fn()
-      times[name].append((time.perf_counter() - t) / calls[name])
+      wall = cpu_s = 0.0
+      for chunk in [1] * calls[name] if name in before else [calls[name]]:  # with a setup: one timing per call
+        if name in before:
+          before[name]()
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(chunk):
+          fn()
+        wall, cpu_s = wall + time.perf_counter() - t, cpu_s + time.process_time() - c
+      times[name].append(wall / calls[name])
       if cpu is not None:
-        cpu[name].append((time.process_time() - c) / calls[name])
+        cpu[name].append(cpu_s / calls[name])
   return times
 
 

@@ -42,7 +42,7 @@ flags.DEFINE_integer("num_processes", None, "Total JAX processes (multi-host).")
 flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
 flags.DEFINE_integer("read_budget_bytes", 2 << 30, "HF -> WORKDIR: host bytes of HF blocks in flight per process.")
 flags.DEFINE_integer(
-  "threads", 0, "Host threads reading/converting (HF -> WORKDIR) or quantizing (-> HF) per process; 0: one per core."
+  "threads", 0, "Host threads reading/converting (HF -> WORKDIR) or quantizing (-> HF) per process; 0: two per core."
 )
 flags.DEFINE_string(
   "tokenizer_from", None, "WORKDIR -> HF: directory whose tiktoken.model the export carries (default: --src)."

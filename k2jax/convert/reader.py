@@ -68,7 +68,7 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # stored bytes 
 @dataclasses.dataclass(frozen=True)
 class ReadConfig:
   """How the reader uses the host: bytes of blocks in flight, and threads reading and converting them
-  (0: one per core this process may run on). Results are bitwise the same for any thread count."""
+  (0: two per core this process may run on, `pool.THREADS_PER_CORE`). Results are bitwise the same for any thread count."""
 
   read_budget_bytes: int = READ_BUDGET_BYTES
   threads: int = 0
@@ -292,7 +292,7 @@ def read_state(
 ) -> dict:
   """`abstract` (pure dict of ShapeDtypeStruct; leaves without a sharding go to this process's first
   device) as jax.Arrays read from the HF directory `path`; this process reads only its own slices, on
-  `threads` threads (0: one per core) with at most `read_budget_bytes` of blocks in flight."""
+  `threads` threads (0: two per core) with at most `read_budget_bytes` of blocks in flight."""
   rc = ReadConfig(read_budget_bytes, threads)
   ckpt = open_checkpoint(path, cfg)
   here = SingleDeviceSharding(jax.local_devices()[0])

@@ -23,6 +23,7 @@ import collections
 import ctypes
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -74,7 +75,7 @@ class SafetensorsStream:
     self._reserve += -self._reserve % 8  # the data starts 8-byte aligned
     self._pipe, self._workers = pipe, workers
     self._crc = crc  # False: every CRC is 0 (an export needs no checksums)
-    self._f = open(path, "wb")
+    self._f = open(path, "wb", buffering=0)  # unbuffered: the data goes out by `write_all` on its fd
     self._f.seek(8 + self._reserve)
     self._flushed = 8 + self._reserve  # file offset up to which writeback has been started
     self._pos = 8 + self._reserve  # file offset the pipe's thread has written up to
@@ -141,17 +142,16 @@ class SafetensorsStream:
       self._workers.submit((end - i) * shape2[1], job, functools.partial(done, i))
 
   def _submit(self, block: np.ndarray, crc: int) -> int:
-    self._pipe.submit(self._write, block, nbytes=block.nbytes)
+    self._pipe.submit(self._write, block, nbytes=block.nbytes, batch=self)
     self._end += block.nbytes
     return zlib.crc32(block, crc) if self._crc else 0
 
-  def _write(self, block: np.ndarray) -> None:
-    """(On the pipe's thread.) Writes `block`; every WRITEBACK_BYTES the disk starts on what came before,
-    so the final fsync waits for the last stretch only instead of the whole file."""
-    self._f.write(block)
-    self._pos += block.nbytes
+  def _write(self, *blocks: np.ndarray) -> None:
+    """(On the pipe's thread.) Writes `blocks` (the pipe hands over every consecutive block of this file it
+    holds) in one `writev`; every WRITEBACK_BYTES the disk starts on what came before, so the final fsync
+    waits for the last stretch only instead of the whole file."""
+    self._pos += write_all(self._f.fileno(), blocks)
     if self._pos - self._flushed >= WRITEBACK_BYTES:
-      self._f.flush()
       start_writeback(self._f.fileno(), self._flushed, self._pos - self._flushed)
       self._flushed = self._pos
 
@@ -178,8 +178,7 @@ class SafetensorsStream:
   def _finish(self, head: bytes | None) -> None:
     if head is not None:
       self._f.seek(0)
-      self._f.write(head)
-      self._f.flush()
+      write_all(self._f.fileno(), [head])
       os.fsync(self._f.fileno())  # on disk before the barrier that lets process 0 index and swap it
     self._f.close()
     if head is None:
@@ -265,7 +264,13 @@ class Pipe:
   consuming the workers' results instead of waiting for each write (1.5 s of a 12 s FP8 export blocked
   in a one-slot queue here; the I/O thread also needs the GIL back after each write). numpy copies,
   CRCs and file writes release the GIL, so preparing and writing overlap. The first failure is raised
-  by the next `submit` or by `close`."""
+  by the next `submit` or by `close`.
+
+  Calls submitted with the same `batch` key (a file's block writes) that wait in the pipe back to back run
+  as one call with all their arguments (at most WRITEV_BLOCKS, WRITEV_BYTES): one `writev` for a run of
+  blocks. Written one block per call, the writer thread had to win the GIL back from the workers after
+  every 256 KiB block: it spent 69% of a `small` FP8 export inside `write` and the consumer waited on
+  the full pipe 72% of the time (py-spy, 4 threads)."""
 
   def __init__(self, max_bytes: int = PIPE_BYTES):
     self._max = max_bytes
@@ -276,10 +281,10 @@ class Pipe:
     self._thread = threading.Thread(target=self._run, name="k2jax-safetensors-writer", daemon=True)
     self._thread.start()
 
-  def submit(self, fn, *args, nbytes: int = 0) -> None:
+  def submit(self, fn, *args, nbytes: int = 0, batch=None) -> None:
     if self._error is not None:
       raise self._error
-    self._put((fn, args, nbytes))
+    self._put((fn, args, nbytes, batch))
 
   def _put(self, item) -> None:
     with self._cv:
@@ -291,7 +296,7 @@ class Pipe:
 
   def close(self) -> None:
     """Waits for every submitted call; raises the first failure."""
-    self._put((None, (), 0))
+    self._put((None, (), 0, None))
     self._thread.join()
     if self._error is not None:
       raise self._error
@@ -301,7 +306,16 @@ class Pipe:
       with self._cv:
         while not self._items:
           self._cv.wait()
-        fn, args, nbytes = self._items[0]
+        fn, args, nbytes, key = self._items[0]
+        n = 1
+        if key is not None:  # the same file's writes queued right behind: one call
+          args = list(args)
+          for _, more, b, k in itertools.islice(self._items, 1, WRITEV_BLOCKS):
+            if k is not key or nbytes + b > WRITEV_BYTES:
+              break
+            args += more
+            nbytes += b
+            n += 1
       if fn is None:
         return
       if self._error is None:
@@ -310,9 +324,29 @@ class Pipe:
         except BaseException as e:  # handed to the submitting thread
           self._error = e
       with self._cv:
-        self._items.popleft()
+        for _ in range(n):
+          self._items.popleft()
         self._bytes -= nbytes
         self._cv.notify_all()
+
+
+WRITEV_BLOCKS = 512  # blocks per `writev` (Linux takes up to IOV_MAX = 1024)
+WRITEV_BYTES = 64 << 20  # bytes per `writev` (Linux writes at most ~2 GiB per call)
+
+
+def write_all(fd: int, blocks) -> int:
+  """Writes `blocks` (buffers) at `fd`'s offset with `os.writev`, resuming after a short write; returns
+  the bytes written. `os.write` per block where there is no writev."""
+  views = [memoryview(b).cast("B") for b in blocks]
+  total = sum(v.nbytes for v in views)
+  while views:
+    n = os.writev(fd, views) if hasattr(os, "writev") else os.write(fd, views[0])
+    while views and n >= views[0].nbytes:
+      n -= views[0].nbytes
+      views.pop(0)
+    if views and n:
+      views[0] = views[0][n:]
+  return total
 
 
 def header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:

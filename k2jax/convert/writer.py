@@ -129,7 +129,7 @@ class Writer:
     if in_flight_bytes <= 0:
       raise ConfigError(f"Writer: in_flight_bytes={in_flight_bytes} must be > 0")
     self.cfg, self.dtype, self.max_shard_bytes, self.naming = cfg, dtype, max_shard_bytes, naming
-    # threads transposing, casting and quantizing blocks (0: one per core; the file bytes do not depend on it)
+    # threads transposing, casting and quantizing blocks (0: two per core; the file bytes do not depend on it)
     self.threads, self.in_flight_bytes = resolve_threads(threads, "threads"), in_flight_bytes
     self._plan: list[Source] | None = None
     self._files: dict[int, list[tuple[str, list[Tensor]]]] = {}
@@ -245,7 +245,7 @@ def save_hf(
 
   Every process calls it (multi-process: each writes its own tensors, process 0 the rest and the swap).
   `write_extra(tmp)` (process 0) adds more files, e.g. the tokenizer, inside the same atomic export.
-  `threads` transpose, cast and quantize on this host (0: one per core); the files do not depend on it."""
+  `threads` transpose, cast and quantize on this host (0: two per core); the files do not depend on it."""
   writer = Writer(cfg, dtype, max_shard_bytes, threads=threads)
   if jax.process_index() != 0:
     tmp = broadcast_text("")

@@ -47,7 +47,7 @@ class WeightSyncConfig:
   max_shard_bytes: int = 4 * 2**30  # each process splits its tensors into files of at most this size
   keep_last: int = 2  # version directories kept on disk (older ones are deleted)
   dtype: str | None = None  # remote pushes: None (param dtype), 'bfloat16', 'float32' or 'fp8' (block-FP8)
-  threads: int = 0  # remote pushes: host threads casting / quantizing the tensors (0: one per core)
+  threads: int = 0  # remote pushes: host threads casting / quantizing the tensors (0: two per core)
 
   def __post_init__(self):
     bad_threads = isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0

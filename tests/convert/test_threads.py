@@ -6,6 +6,7 @@ import functools
 import hashlib
 import os
 import shutil
+import threading
 import time
 
 import jax
@@ -118,7 +119,7 @@ def test_threads_must_be_non_negative(fp8_dir, cfg):
     writer.Writer(cfg, "fp8", threads=-2)
   with pytest.raises(ValueError, match="WeightSyncConfig"):
     WeightSyncConfig(root="/tmp", threads=-1)
-  assert pool.resolve_threads(0) == len(os.sched_getaffinity(0))
+  assert pool.resolve_threads(0) == pool.THREADS_PER_CORE * len(os.sched_getaffinity(0))
 
 
 def test_a_failing_transform_fails_the_import_naming_tensor_and_file(fp8_dir, cfg, monkeypatch):
@@ -182,6 +183,61 @@ def test_export_on_n_threads_writes_the_same_files(cfg, host_state, tmp_path, dt
     a, b = _sha256(str(tmp_path / f"{name}1")), _sha256(str(tmp_path / f"{name}n"))
     assert a == b and sum(f.endswith(".safetensors") for f in a) > 2, name
     assert pool.WRITE.threads == N and pool.WRITE.bytes == 0
+
+
+def _short_writev(limit: int):
+  """os.writev that writes at most `limit` bytes per call (cutting inside a buffer), counting its calls."""
+  real, calls = os.writev, []
+
+  def writev(fd, bufs):
+    bufs, out, left = list(bufs), [], limit
+    calls.append(len(bufs))
+    for b in bufs:
+      if left == 0:
+        break
+      out.append(memoryview(b).cast("B")[:left])
+      left -= out[-1].nbytes
+    return real(fd, out)
+
+  return writev, calls
+
+
+def test_write_all_resumes_short_writes(tmp_path, monkeypatch):
+  writev, calls = _short_writev(777)
+  monkeypatch.setattr(os, "writev", writev)
+  blocks = [np.arange(n, dtype=np.uint16).view(np.uint8) for n in (5, 1000, 3, 2048)] + [b"tail"]
+  with open(tmp_path / "f", "wb", buffering=0) as f:
+    assert st_stream.write_all(f.fileno(), blocks) == 2 * (5 + 1000 + 3 + 2048) + 4
+  assert (tmp_path / "f").read_bytes() == b"".join(bytes(b) for b in blocks)
+  assert len(calls) == -(-(2 * 3056 + 4) // 777)
+
+
+def test_pipe_runs_a_files_queued_blocks_as_one_call_in_order():
+  """Blocks of one file waiting back to back become one call (one writev); another call between them
+  (a `drop_last` truncation) or another file's block ends the run, so the order is kept."""
+  pipe, gate, calls = st_stream.Pipe(max_bytes=1 << 20), threading.Event(), []
+
+  def write(*blocks):
+    calls.append([int(b[0]) for b in blocks])
+
+  pipe.submit(gate.wait)  # holds the pipe's thread while the rest queues up
+  for i in range(5):
+    pipe.submit(write, np.array([i]), nbytes=8, batch="a")
+  pipe.submit(calls.append, "cut")
+  pipe.submit(write, np.array([5]), nbytes=8, batch="a")
+  pipe.submit(write, np.array([6]), nbytes=8, batch="b")
+  pipe.submit(write, np.array([7]), nbytes=8, batch="a")
+  gate.set()
+  pipe.close()
+  assert calls == [[0, 1, 2, 3, 4], "cut", [5], [6], [7]]
+
+
+def test_export_with_short_writes_writes_the_same_files(cfg, host_state, tmp_path, monkeypatch):
+  writer.save_hf(cfg, host_state, str(tmp_path / "a"), dtype="fp8", threads=N, max_shard_bytes=300_000)
+  writev, calls = _short_writev(5000)
+  monkeypatch.setattr(os, "writev", writev)
+  writer.save_hf(cfg, host_state, str(tmp_path / "b"), dtype="fp8", threads=N, max_shard_bytes=300_000)
+  assert _sha256(str(tmp_path / "a")) == _sha256(str(tmp_path / "b")) and len(calls) > 10
 
 
 def test_export_holds_at_most_its_in_flight_budget(cfg, host_state, tmp_path):
