@@ -32,7 +32,12 @@ def aligned_empty(shape, dtype) -> np.ndarray:
   """An uninitialised C-contiguous array whose data starts on an ALIGN-byte boundary. From HUGE_BYTES up
   it is its own anonymous mapping with transparent huge pages requested (MADV_HUGEPAGE): a leaf's fresh
   pages are most of an import's CPU otherwise (the kernel's fault + zeroing per 4 KiB page; 1 GiB took
-  1.4-8.8 s of system time in 4 KiB pages and 0.6-0.7 s in huge pages on this VM)."""
+  1.4-8.8 s of system time in 4 KiB pages and 0.6-0.7 s in huge pages on this VM).
+  The mapping is Python's default MAP_SHARED, i.e. shmem, which gets huge pages only where
+  /sys/kernel/mm/transparent_hugepage/shmem_enabled allows (it is `never` on this VM: the advice is a no-op
+  there, 0.44-0.54 s of system time per GiB). A MAP_PRIVATE mapping does get them here (0.11-0.14 s/GiB once
+  warm) but their first touch in a process cost 1.2-2.3 s/GiB, and a first import got slower (2.1-3.8 s
+  against 1.4-1.7 s for `small` bf16, stop 39), so the mapping stays shared."""
   dtype = np.dtype(dtype)
   nbytes = math.prod(shape) * dtype.itemsize
   if nbytes >= HUGE_BYTES:
