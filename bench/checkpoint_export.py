@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench import interleave  # noqa: E402
-from k2jax.convert import blockops, fp8, st_stream, writer  # noqa: E402
+from k2jax.convert import blockops, fp8, pool, st_stream, writer  # noqa: E402
 from k2jax.model import K2Model, presets  # noqa: E402
 
 KIMI_FP8_BYTES = 958.51 * 2**30  # the release on disk (reference §1.4); an FP8 export has the same layout
@@ -85,11 +85,12 @@ def _raw_write(path: str, nbytes: int, chunk: np.ndarray) -> None:
 
 
 class _Fresh:
-  """A new output path per call (`next`) and, before it (`clear`, outside the timing), `os.sync()` and the
-  deletion of the previous call's output, timed apart (`deletes`). Exporting over the previous export
-  would make the export also delete it: 0.23 s of one core in the kernel freeing the old files' pages
-  for `small` FP8 (7% of the export, printed as `delete_previous_*_s`) that is not the pipeline's work and
-  that the RL weight push (`Writer.write` into a fresh directory) never does."""
+  """One timing's output path, a new one per call: `clear` (run before each call, outside the timing)
+  deletes the previous call's output, timing that apart (`deletes`), runs `os.sync()` and moves `path`
+  on. Exporting over the previous export would make the export also delete it: 0.23 s of one core in
+  the kernel freeing the old files' pages for `small` FP8 (7% of the export, printed as
+  `delete_previous_*_s`), which is not the pipeline's work and which the RL weight push
+  (`Writer.write` into a fresh directory) never does."""
 
   def __init__(self, root: str, name: str):
     self.root, self.name, self.n, self.deletes = root, name, 0, []
@@ -140,7 +141,7 @@ def export_rows(cfg, reps: int, root: str, threads: int = 0, out: dict | None = 
     out.update(times=times, cpu=cpu, nbytes=nbytes)
   lines = [
     f"export: hidden={cfg.hidden_size} layers={cfg.num_hidden_layers} param_dtype={cfg.param_dtype} reps={reps} "
-    f"devices={jax.device_count()} writer_threads={writer.Writer(cfg, threads=threads).threads} "
+    f"devices={jax.device_count()} writer_threads={pool.resolve_threads(threads)} "
     f"{interleave.load_average()}",
     f"export_bytes_bf16={nbytes['bfloat16']} export_bytes_fp8={nbytes['fp8']} "
     f"fp8_over_bf16_bytes={nbytes['fp8'] / nbytes['bfloat16']:.3f}",

@@ -68,7 +68,8 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # stored bytes 
 @dataclasses.dataclass(frozen=True)
 class ReadConfig:
   """How the reader uses the host: bytes of blocks in flight, and threads reading and converting them
-  (0: two per core this process may run on, `pool.THREADS_PER_CORE`). Results are bitwise the same for any thread count."""
+  (0: two per core this process may run on, `pool.THREADS_PER_CORE`). Results are bitwise the same for
+  any thread count."""
 
   read_budget_bytes: int = READ_BUDGET_BYTES
   threads: int = 0

@@ -338,14 +338,14 @@ def write_all(fd: int, blocks) -> int:
   """Writes `blocks` (buffers) at `fd`'s offset with `os.writev`, resuming after a short write; returns
   the bytes written. `os.write` per block where there is no writev."""
   views = [memoryview(b).cast("B") for b in blocks]
-  total = sum(v.nbytes for v in views)
-  while views:
-    n = os.writev(fd, views) if hasattr(os, "writev") else os.write(fd, views[0])
-    while views and n >= views[0].nbytes:
-      n -= views[0].nbytes
-      views.pop(0)
-    if views and n:
-      views[0] = views[0][n:]
+  total, i = sum(v.nbytes for v in views), 0  # i: the first view not yet written whole
+  while i < len(views):
+    n = os.writev(fd, views[i:]) if hasattr(os, "writev") else os.write(fd, views[i])
+    while i < len(views) and n >= views[i].nbytes:
+      n -= views[i].nbytes
+      i += 1
+    if n:
+      views[i] = views[i][n:]
   return total
 
 
