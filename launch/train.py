@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
-from k2jax import compile_cache, host_malloc  # noqa: E402
+from k2jax import accel, compile_cache, host_malloc  # noqa: E402
 
 config_flags.DEFINE_config_file("config", None, "configs/k2.py:<variant>", lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard events.")
@@ -39,6 +39,8 @@ def _task_eval(tc, workdir):
 
 def main(argv):
   del argv
+  # XLA's GPU flags (k2jax/accel.py) before anything starts a backend; printed with the run.
+  print(accel.describe(accel.configure(multi_gpu=True, moe_gemm=FLAGS.config.model.moe_gemm)), flush=True)
   compile_cache.enable(_COMPILE_CACHE.value)
   host_malloc.keep_freed_memory()  # freed XLA:CPU buffers stay in the heap (k2jax/host_malloc.py)
   from k2jax.train import dryrun, loop

@@ -18,6 +18,8 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # "auto": the Pallas flash kernel when compiling for TPU or GPU, the einsum path on CPU (model/mla.py).
 ATTENTION_KINDS = ("auto", "einsum", "flash")
 MOE_DISPATCHES = ("auto", "fixed", "ragged")
+# The routed experts' grouped GEMM per compile target (model/moe_gemm.py documents each).
+MOE_GEMMS = ("auto", "ragged_dot", "tiled", "tokamax", "tokamax_triton", "jax_triton")
 
 # Execution knobs: how to run the architecture, never written to config.json. A key of that name in a
 # config.json is not one of ours: it is kept verbatim in `extra` like any unknown HF key.
@@ -29,6 +31,7 @@ EXEC_FIELDS = (
   "attention",
   "moe_dispatch",
   "moe_chunk_tokens",
+  "moe_gemm",
 )
 _K2JAX_FIELDS = EXEC_FIELDS + ("extra",)
 # HF keys derived from others or meaningless here; accepted on input, not kept in `extra`.
@@ -116,6 +119,9 @@ class K2Config:
   # worst-case receive buffer (ep * n * min(k, E_loc) rows) shrinks with n. Outputs are the same; the
   # routed experts' weight gradients are summed over chunks in the compute dtype.
   moe_chunk_tokens: int = 0
+  # The grouped GEMM of the routed experts: auto = the CPU kernel on CPU, tokamax's kernels on GPU,
+  # XLA's native ragged_dot on TPU (MOE_GEMMS; model/moe_gemm.py).
+  moe_gemm: str = "auto"
   extra: tuple[tuple[str, str], ...] = ()  # unknown HF keys -> JSON-encoded values
 
   def __post_init__(self):
@@ -276,6 +282,7 @@ def validate(c: K2Config) -> None:
   _need(c.remat_policy in REMAT_POLICIES, "remat_policy", f"one of {REMAT_POLICIES}, got {c.remat_policy!r}")
   _need(c.attention in ATTENTION_KINDS, "attention", f"one of {ATTENTION_KINDS}, got {c.attention!r}")
   _need(c.moe_chunk_tokens >= 0, "moe_chunk_tokens", f">= 0 (0: one chunk), got {c.moe_chunk_tokens}")
+  _need(c.moe_gemm in MOE_GEMMS, "moe_gemm", f"one of {MOE_GEMMS}, got {c.moe_gemm!r}")
   _need(c.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", f"one of {MOE_DISPATCHES}, got {c.moe_dispatch!r}")
   for name in ("param_dtype", "compute_dtype"):
     _need(getattr(c, name) in ("float32", "bfloat16"), name, f"float32 or bfloat16, got {getattr(c, name)!r}")

@@ -40,21 +40,32 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k2jax import sharding as sharding_lib
-from k2jax.model import grouped_matmul, moe_cpu
+from k2jax.model import moe_cpu, moe_gemm
 
 RAGGED_PLATFORMS = ("tpu", "gpu")  # XLA backends with ragged-all-to-all
 FUSED_CPU = True  # one device's MoE on CPU through moe_cpu.moe_swiglu (tests compare it with False)
 
 
 def routed_experts(
-  x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, dispatch: str = "auto", chunk_tokens: int = 0
+  x_ND,
+  weights_Nk,
+  idx_Nk,
+  w_gate_EDF,
+  w_up_EDF,
+  w_down_EFD,
+  *,
+  dispatch: str = "auto",
+  chunk_tokens: int = 0,
+  gemm: str = "auto",
 ):
   """Σ_k weights[n,k] · Expert_{idx[n,k]}(x[n]): on one device, or by expert parallelism when a
   multi-device mesh is active (`sharding.use`). `dispatch`: 'auto' | 'fixed' | 'ragged';
-  `chunk_tokens`: expert parallelism takes each device's tokens in chunks of at most this many (0: all)."""
+  `chunk_tokens`: expert parallelism takes each device's tokens in chunks of at most this many (0: all);
+  `gemm`: the grouped GEMM (`moe_gemm.IMPLS`)."""
+  moe_gemm.resolve(gemm)  # a kernel the compile target lacks fails here, before any tracing
   ctx = sharding_lib.current()
   if ctx is None:
-    return dispatch_compute_combine(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return dispatch_compute_combine(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, gemm=gemm)
   return ep_experts(
     ctx,
     x_ND,
@@ -65,6 +76,7 @@ def routed_experts(
     w_down_EFD,
     ragged=use_ragged(dispatch),
     chunk_tokens=chunk_tokens,
+    gemm=gemm,
   )
 
 
@@ -76,14 +88,15 @@ def use_ragged(dispatch: str) -> bool:
 
 
 # ------------------------------------------------------------------------------ one device's experts
-def dispatch_compute_combine(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD):
+def dispatch_compute_combine(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, gemm: str = "auto"):
   """The whole dropless MoE on one device's tokens and experts: sort, grouped SwiGLU, combine.
-  On CPU the three steps are fused (`moe_cpu.moe_swiglu`: rows move once each way)."""
-  if FUSED_CPU and sharding_lib.platform() == "cpu":
+  With the CPU kernel (`gemm` resolving to 'tiled' on CPU) the three steps are fused
+  (`moe_cpu.moe_swiglu`: rows move once each way)."""
+  if FUSED_CPU and sharding_lib.platform() == "cpu" and moe_gemm.resolve(gemm) == "tiled":
     return moe_cpu.moe_swiglu(x_ND, weights_Nk, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD)
   N, k = idx_Nk.shape
   x_sorted_MD, order_M, group_sizes_E = sort_by_expert(x_ND, idx_Nk, w_gate_EDF.shape[0])
-  y_sorted_MD = expert_ffn(x_sorted_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
+  y_sorted_MD = expert_ffn(x_sorted_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, gemm=gemm)
   return combine(y_sorted_MD, order_M, weights_Nk, N, k)
 
 
@@ -96,22 +109,13 @@ def sort_by_expert(x_ND, idx_Nk, num_experts: int):
   return jnp.take(x_ND, order_M // k, axis=0), order_M, group_sizes_E
 
 
-def expert_ffn(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
-  """SwiGLU per contiguous expert group with grouped matmuls."""
+def expert_ffn(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, *, gemm: str = "auto"):
+  """SwiGLU per contiguous expert group with grouped matmuls (`moe_gemm.grouped_dot`)."""
   dt = x_MD.dtype
-  g_MF = grouped_dot(x_MD, w_gate_EDF.astype(dt), group_sizes_E)
-  u_MF = grouped_dot(x_MD, w_up_EDF.astype(dt), group_sizes_E)
-  return grouped_dot(jax.nn.silu(g_MF) * u_MF, w_down_EFD.astype(dt), group_sizes_E)
-
-
-def grouped_dot(x_MD, w_EDF, group_sizes_E):
-  """`jax.lax.ragged_dot`, except on CPU where it costs E dense matmuls: there the tiled kernel.
-  The platform is the compile target's (the active mesh's devices), not the host's."""
-  if sharding_lib.platform() == "cpu":
-    return grouped_matmul.grouped_matmul(
-      x_MD, w_EDF, group_sizes_E, grouped_matmul.default_tile(x_MD.shape[0], w_EDF.shape[0])
-    )
-  return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
+  dot = moe_gemm.grouped_dot
+  g_MF = dot(x_MD, w_gate_EDF.astype(dt), group_sizes_E, gemm)
+  u_MF = dot(x_MD, w_up_EDF.astype(dt), group_sizes_E, gemm)
+  return dot(jax.nn.silu(g_MF) * u_MF, w_down_EFD.astype(dt), group_sizes_E, gemm)
 
 
 def combine(y_sorted_MD, order_M, weights_Nk, N: int, k: int):
@@ -133,6 +137,7 @@ def ep_experts(
   *,
   ragged: bool = False,
   chunk_tokens: int = 0,
+  gemm: str = "auto",
 ):
   """Σ_k weights[n,k] · Expert_{idx[n,k]}(x[n]) with tokens sharded over the batch axes and experts
   over the `experts` rule's mesh axes. Same contract as `routed_experts` on the global arrays.
@@ -165,7 +170,9 @@ def ep_experts(
   fsdp = sharding_lib.logical_to_spec(("experts", "embed", "expert_mlp"), ctx.preset)[1]
   w_in, w_out = P(ep_name, fsdp, tp), P(ep_name, tp, fsdp)
   chunks = num_chunks(N // n_shards, chunk_tokens)
-  fn = functools.partial(_local_moe, ep_axis=ep_name, ep=ep, tp_axis=tp, ragged=ragged, chunks=chunks, fsdp_axis=fsdp)
+  fn = functools.partial(
+    _local_moe, ep_axis=ep_name, ep=ep, tp_axis=tp, ragged=ragged, chunks=chunks, fsdp_axis=fsdp, gemm=gemm
+  )
   # Cast to the compute dtype before the fsdp shards are gathered: the all-gather, the gathered copy and
   # the weight gradients' reduce-scatter are then bf16, not float32 (K2: 4.2 GB instead of 8.4 GB per
   # MoE layer and device at EP 8).
@@ -198,32 +205,45 @@ def padding_overhead(n_local: int, k: int, experts_per_device: int, ep: int) -> 
 
 
 def _local_moe(
-  x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, *, ep_axis, ep: int, tp_axis, ragged: bool, chunks=1, fsdp_axis=None
+  x_nD,
+  weights_nk,
+  idx_nk,
+  w_gate,
+  w_up,
+  w_down,
+  *,
+  ep_axis,
+  ep: int,
+  tp_axis,
+  ragged: bool,
+  chunks=1,
+  fsdp_axis=None,
+  gemm: str = "auto",
 ):
   if fsdp_axis is not None:  # [E_loc, D/f, F] shards -> [E_loc, D, F] (w_down: [E_loc, F, D])
     w_gate = jax.lax.all_gather(w_gate, fsdp_axis, axis=1, tiled=True)
     w_up = jax.lax.all_gather(w_up, fsdp_axis, axis=1, tiled=True)
     w_down = jax.lax.all_gather(w_down, fsdp_axis, axis=2, tiled=True)
   if chunks > 1:
-    one = functools.partial(_local_moe, ep_axis=ep_axis, ep=ep, tp_axis=tp_axis, ragged=ragged)
+    one = functools.partial(_local_moe, ep_axis=ep_axis, ep=ep, tp_axis=tp_axis, ragged=ragged, gemm=gemm)
     body = jax.checkpoint(lambda xs: one(*xs, w_gate, w_up, w_down), policy=jax.checkpoint_policies.nothing_saveable)
     split = lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:])  # noqa: E731
     y_cnD = jax.lax.map(body, (split(x_nD), split(weights_nk), split(idx_nk)))
     return y_cnD.reshape(x_nD.shape)
   n, k = idx_nk.shape
   if ep == 1:
-    y_nD = dispatch_compute_combine(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down)
+    y_nD = dispatch_compute_combine(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, gemm=gemm)
   elif ragged:
-    y_nD = _ragged_moe(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, ep_axis=ep_axis, ep=ep)
+    y_nD = _ragged_moe(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, ep_axis=ep_axis, ep=ep, gemm=gemm)
   else:
-    y_nD = _fixed_moe(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, ep_axis=ep_axis, ep=ep)
+    y_nD = _fixed_moe(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, ep_axis=ep_axis, ep=ep, gemm=gemm)
   if tp_axis is not None:
     # Each tensor rank summed over its F/tp slice of the down-projection: add the partial sums.
     y_nD = jax.lax.psum(y_nD, tp_axis)
   return y_nD
 
 
-def _fixed_moe(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, *, ep_axis, ep: int):
+def _fixed_moe(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, *, ep_axis, ep: int, gemm: str):
   n, k = idx_nk.shape
   D, El = x_nD.shape[1], w_gate.shape[0]
   C = send_capacity(n, k, El)
@@ -239,13 +259,13 @@ def _fixed_moe(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, *, ep_axis, ep: i
   eid_PC = jnp.full((ep, C), El, jnp.int32).at[dest_M, slot_M].set(e_M % El, unique_indices=True)
   recv_PCD = jax.lax.all_to_all(send_PCD, ep_axis, 0, 0, tiled=True)
   rid_PC = jax.lax.all_to_all(eid_PC, ep_axis, 0, 0, tiled=True)
-  y_rows_RD = _grouped_ffn(recv_PCD.reshape(ep * C, D), rid_PC.reshape(-1), El, w_gate, w_up, w_down)
+  y_rows_RD = _grouped_ffn(recv_PCD.reshape(ep * C, D), rid_PC.reshape(-1), El, w_gate, w_up, w_down, gemm)
   back_PCD = jax.lax.all_to_all(y_rows_RD.reshape(ep, C, D), ep_axis, 0, 0, tiled=True)
   y_sorted_MD = back_PCD[dest_M, slot_M]
   return combine(y_sorted_MD, order_M, weights_nk, n, k)
 
 
-def _ragged_moe(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, *, ep_axis, ep: int):
+def _ragged_moe(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, *, ep_axis, ep: int, gemm: str):
   n, k = idx_nk.shape
   D, El = x_nD.shape[1], w_gate.shape[0]
   R = ep * send_capacity(n, k, El)  # receive buffer: the dropless worst case
@@ -255,7 +275,7 @@ def _ragged_moe(x_nD, weights_nk, idx_nk, w_gate, w_up, w_down, *, ep_axis, ep: 
   go, back = ragged_plan(counts_PE, me, ep)
   recv_RD = jax.lax.ragged_all_to_all(x_sorted_MD, jnp.zeros((R, D), x_nD.dtype), *go, axis_name=ep_axis)
   eid_R = received_expert_ids(counts_PE, me, El, R)
-  y_RD = _grouped_ffn(recv_RD, eid_R, El, w_gate, w_up, w_down)
+  y_RD = _grouped_ffn(recv_RD, eid_R, El, w_gate, w_up, w_down, gemm)
   y_sorted_MD = jax.lax.ragged_all_to_all(y_RD, jnp.zeros((n * k, D), y_RD.dtype), *back, axis_name=ep_axis)
   return combine(y_sorted_MD, order_M, weights_nk, n, k)
 
@@ -293,12 +313,12 @@ def received_expert_ids(counts_PE, me, experts_per_rank: int, rows: int):
   return jnp.where(seg_R < ep * El, seg_R % El, El).astype(jnp.int32)
 
 
-def _grouped_ffn(rows_RD, eid_R, num_local: int, w_gate, w_up, w_down):
+def _grouped_ffn(rows_RD, eid_R, num_local: int, w_gate, w_up, w_down, gemm: str):
   """SwiGLU of each received row by its local expert; padding rows (id == num_local) sort last,
   fall outside every grouped-matmul group and are never read back."""
   order_R = jnp.argsort(eid_R, stable=True)
   sizes_E = jnp.bincount(eid_R, length=num_local).astype(jnp.int32)  # drops the padding id
-  y_sorted_RD = expert_ffn(jnp.take(rows_RD, order_R, axis=0), sizes_E, w_gate, w_up, w_down)
+  y_sorted_RD = expert_ffn(jnp.take(rows_RD, order_R, axis=0), sizes_E, w_gate, w_up, w_down, gemm=gemm)
   return jnp.zeros_like(y_sorted_RD).at[order_R].set(y_sorted_RD, unique_indices=True)
 
 

@@ -21,6 +21,7 @@ class Experts(nnx.Module):
     std, dt = cfg.initializer_range, jnp.dtype(cfg.param_dtype)
     self.dispatch = cfg.moe_dispatch
     self.chunk_tokens = cfg.moe_chunk_tokens
+    self.gemm = cfg.moe_gemm
     self.w_gate = make_param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), stack=stack, std=std, dtype=dt)
     self.w_up = make_param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), stack=stack, std=std, dtype=dt)
     self.w_down = make_param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), stack=stack, std=std, dtype=dt)
@@ -29,5 +30,5 @@ class Experts(nnx.Module):
     """Σ_k weights[n,k] · Expert_{idx[n,k]}(x[n]) for every token n. Returns [N, D] in x's dtype."""
     weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
     return expert_parallel.routed_experts(
-      x_ND, weights_Nk, idx_Nk, *weights, dispatch=self.dispatch, chunk_tokens=self.chunk_tokens
+      x_ND, weights_Nk, idx_Nk, *weights, dispatch=self.dispatch, chunk_tokens=self.chunk_tokens, gemm=self.gemm
     )

@@ -4,8 +4,8 @@ y[rows of group e] = x[rows of group e] @ w[e] for contiguous row groups of size
 rows past sum(group_sizes) give zeros. Same contract as `jax.lax.ragged_dot(x, w, group_sizes)`.
 
 Why hand-written: on XLA:CPU (jax 0.10) `ragged_dot` lowers to one dense matmul of the row-masked
-input against all E experts stacked, [M, E*D] @ [E*D, F]: E times the useful FLOPs. GPU/TPU keep
-`ragged_dot` (native grouped matmul); see `experts.expert_ffn`.
+input against all E experts stacked, [M, E*D] @ [E*D, F]: E times the useful FLOPs. GPU and TPU take
+their own kernels (`moe_gemm`: tokamax on GPU, XLA's native grouped matmul on TPU).
 
 Layout, chosen by measurement (one grouped matmul, interleaved reps; 16384 rows, E=64, D=1024, F=512, 2 cores):
 fwd+bwd of one batched `dot_general` over a padded [E, C, D] stack runs at ~90% of the dense matmul's

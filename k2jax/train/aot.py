@@ -265,3 +265,19 @@ def format_report(report: dict) -> str:
   """`key=value` lines; booleans lower case (fits=true|false); the HLO text and dict values left out."""
   fmt = lambda v: str(v).lower() if isinstance(v, bool) else f"{v:.6e}" if isinstance(v, float) and v > 1e6 else v  # noqa: E731
   return "\n".join(f"{k}={fmt(v)}" for k, v in report.items() if k != "hlo" and not isinstance(v, dict))
+
+
+def lower_step_for_gpu(config: config_dict.ConfigDict):
+  """`run()`'s train step of `config` lowered for CUDA on this host (any host: no GPU needed), on a
+  one-device mesh, with every kernel chosen for a GPU target (`sharding.target_platform`). Returns
+  jax's `Lowered`; `.as_text()` is the StableHLO a GPU would compile (tests check which kernels are in it)."""
+  from k2jax.train import core, loop  # noqa: PLC0415
+
+  tc = from_config_dict(config)
+  mesh = sharding.make_mesh(check_runtime(tc, 1, 1), devices=jax.devices()[:1])
+  optimizer, schedule = loop.make_optimizer(tc)
+  lay = core.layout(tc.model, optimizer, mesh=mesh, preset=tc.mesh.rules, seed=tc.seed, offload_opt_state=False)
+  with sharding.target_platform("gpu"), lay.use():
+    state = _abstract_with_shardings(lay.abstract_state, lay.shardings)
+    step_fn = lay.jitted(loop.make_step(tc, lay.mdef, optimizer, schedule))
+    return step_fn.trace(state, _abstract_batch(tc, lay.batch_sharding)).lower(lowering_platforms=("cuda",))

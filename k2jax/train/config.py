@@ -66,6 +66,11 @@ class ModelSpec:
   attention: str = knob("auto", "attention kernel: auto | einsum | flash")
   moe_dispatch: str = knob("auto", "EP all-to-all: auto (ragged on TPU/GPU, fixed on CPU) | fixed | ragged")
   moe_chunk_tokens: int = knob(0, "EP: tokens per device per dispatch chunk (0 = all at once; bounds EP buffers)")
+  moe_gemm: str = knob(
+    "auto",
+    "routed-expert grouped GEMM: auto (cpu: tiled, gpu: tokamax, tpu: ragged_dot) | ragged_dot | tiled | "
+    "tokamax | tokamax_triton | jax_triton",
+  )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k2jax.model import expert_parallel, presets
+from k2jax.model import expert_parallel, moe_gemm, presets
 from k2jax.model.block import MoE
 from k2jax.model.grouped_matmul import capacities, choose_capacity, default_tile, grouped_matmul
 from k2jax.model.transformer import K2Model
@@ -109,7 +109,7 @@ def test_default_tile_is_a_bounded_power_of_two():
 def _with_ragged_dot(monkeypatch):
   """The reference: the unfused CPU path (sort, grouped matmuls, unsort) with ragged_dot's matmuls."""
   monkeypatch.setattr(expert_parallel, "FUSED_CPU", False)
-  monkeypatch.setattr(expert_parallel, "grouped_dot", lambda x, w, s: jax.lax.ragged_dot(x, w, s))
+  monkeypatch.setattr(moe_gemm, "AUTO", {**moe_gemm.AUTO, "cpu": "ragged_dot"})
 
 
 def test_moe_layer_output_and_grads_equal_ragged_dot(monkeypatch):

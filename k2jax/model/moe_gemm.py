@@ -1,0 +1,151 @@
+"""The routed experts' grouped GEMM, chosen per compile target: `grouped_dot(x, w, group_sizes, impl)`.
+
+Contract (every implementation): y[rows of group e] = x[rows of group e] @ w[e] for contiguous row
+groups of sizes `group_sizes`, rows past sum(group_sizes) give zeros, differentiable in x and w (dx and
+dw both grouped); the same as `jax.lax.ragged_dot(x, w, group_sizes)`. The dispatch around it (sort by
+expert, expert-parallel all-to-all, combine) does not depend on the choice.
+
+`K2Config.moe_gemm` (IMPLS):
+  auto            cpu: tiled; gpu: tokamax; tpu: ragged_dot.
+  ragged_dot      `jax.lax.ragged_dot` as XLA lowers it. XLA:TPU has a native grouped matmul for it;
+                  XLA:GPU rewrites it into a dense contraction against all E experts (E times the FLOPs,
+                  an [M, E, K] temporary; ../shared/reference/gpu.md) and XLA:CPU likewise: the reference.
+  tiled           `grouped_matmul.grouped_matmul`: batched dots over an [E, C, D] stack plus overflow
+                  tiles, plain JAX (the CPU kernel; runs anywhere, measured only on CPU).
+  tokamax         `tokamax.ragged_dot` kernels with their own VJPs (forward, dlhs, drhs): on GPU the
+                  Mosaic-GPU kernel (SM90/SM100) where the GPU has it, else the Triton kernel (SM80+);
+                  on TPU the Mosaic-TPU kernel. MaxText's `use_tokamax_gmm`.
+  tokamax_triton  only tokamax's Triton kernel (GPU, compute capability >= 8.0).
+  jax_triton      jax's own Pallas-Triton lowering of `ragged_dot` (config
+                  `jax_ragged_dot_use_gpu_pallas_triton_lowering`). That config is read when the whole
+                  program is lowered, not per call, so `k2jax.accel.configure` sets it for the process;
+                  `grouped_dot` refuses this choice when it is not set rather than lowering densely.
+
+Why `auto` takes tokamax on GPU: it is the one candidate whose kernels cover forward, dx and dw
+without the E-times rewrite and also serve TPU with the same call; jax's Triton lowering is its own
+smaller kernel set with a process-wide switch; cuDNN's ragged-dot fusion
+(`xla_gpu_experimental_use_ragged_dot_fusion`) needs cuDNN >= 9.22 and has no dw mode in the image's
+cuDNN. None of them has been timed here (no GPU in this session): `bench/gpu.py` times every candidate
+on the routed-expert layer, forward and backward, against a dense matmul of the activated FLOPs;
+change `auto` from what it prints.
+
+A GPU or TPU kernel asked for on another compile target is an error, and so is a GPU that lacks the
+chosen kernel's compute capability: both name the choices that do run, never a silent dense path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+from k2jax import sharding as sharding_lib
+from k2jax.model import grouped_matmul
+
+IMPLS = ("auto", "ragged_dot", "tiled", "tokamax", "tokamax_triton", "jax_triton")
+AUTO = {"cpu": "tiled", "gpu": "tokamax", "tpu": "ragged_dot"}
+# Where each explicit choice runs (compile target platforms).
+PLATFORMS = {
+  "ragged_dot": ("cpu", "gpu", "tpu"),
+  "tiled": ("cpu", "gpu", "tpu"),
+  "tokamax": ("gpu", "tpu"),
+  "tokamax_triton": ("gpu",),
+  "jax_triton": ("gpu",),
+}
+# tokamax's implementation names, tried in order (the first whose device check passes). Never "xla":
+# that is jax's ragged_dot again, the dense path this module exists to avoid.
+_TOKAMAX_ORDER = {"tokamax": ("mosaic", "triton"), "tokamax_triton": ("triton",)}
+TRITON_MIN_CAPABILITY = 8.0  # Triton kernels (tokamax's and jax's): Ampere and newer
+
+
+class MoEGemmError(ValueError):
+  """The chosen grouped GEMM cannot run on the compile target; the message names what can."""
+
+
+def resolve(impl: str, platform: str | None = None) -> str:
+  """`moe_gemm` -> the implementation that runs on `platform` (default: the compile target's)."""
+  if impl not in IMPLS:
+    raise MoEGemmError(f"moe_gemm: one of {IMPLS}, got {impl!r}")
+  platform = platform or sharding_lib.platform()
+  name = AUTO[platform] if impl == "auto" else impl
+  if platform not in PLATFORMS[name]:
+    runs = [n for n, p in PLATFORMS.items() if platform in p]
+    raise MoEGemmError(
+      f"moe_gemm={impl!r} is a {'/'.join(PLATFORMS[name])} kernel and the compile target is {platform}; "
+      f"on {platform} use one of {['auto'] + runs}"
+    )
+  return name
+
+
+def grouped_dot(x_MD, w_EDF, group_sizes_E, impl: str = "auto"):
+  """x [M, D] @ w [E, D, F] per contiguous row group -> [M, F] in x's dtype (see the module contract)."""
+  name = resolve(impl)
+  if name == "tiled":
+    return grouped_matmul.grouped_matmul(
+      x_MD, w_EDF, group_sizes_E, grouped_matmul.default_tile(x_MD.shape[0], w_EDF.shape[0])
+    )
+  if name == "ragged_dot":
+    return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
+  if name == "jax_triton":
+    if not jax.config.jax_ragged_dot_use_gpu_pallas_triton_lowering:
+      raise MoEGemmError(
+        "moe_gemm='jax_triton' needs jax's jax_ragged_dot_use_gpu_pallas_triton_lowering on for the whole "
+        "program (k2jax.accel.configure(moe_gemm='jax_triton') before compiling); without it ragged_dot "
+        "lowers densely"
+      )
+    check_gpu_capability(name)
+    return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
+  check_gpu_capability(name)
+  return _tokamax_ragged_dot(x_MD, w_EDF, group_sizes_E, _TOKAMAX_ORDER.get(name, ("mosaic",)))
+
+
+def check_gpu_capability(name: str) -> None:
+  """Refuses a GPU kernel on a GPU older than it supports (only when running on one, not cross-compiling)."""
+  if sharding_lib.cross_compiling() or sharding_lib.platform() != "gpu":
+    return
+  device = jax.devices()[0]
+  cap = getattr(device, "compute_capability", None)
+  if cap is not None and float(cap) < TRITON_MIN_CAPABILITY:
+    raise MoEGemmError(
+      f"moe_gemm={name!r} needs compute capability >= {TRITON_MIN_CAPABILITY} and {device.device_kind} has "
+      f"{cap}; use moe_gemm='tiled' (batched dots, no kernel) or 'ragged_dot' (XLA's dense rewrite, E times the FLOPs)"
+    )
+
+
+def _tokamax_ragged_dot(x_MD, w_EDF, group_sizes_E, order):
+  tokamax = import_tokamax()
+  try:
+    return tokamax.ragged_dot(x_MD, w_EDF, group_sizes_E, implementation=order)
+  except NotImplementedError as e:
+    raise MoEGemmError(
+      f"tokamax has no grouped-GEMM kernel for this device or these shapes/dtypes (tried {order}: {e}); "
+      "use moe_gemm='tiled' or 'ragged_dot'"
+    ) from e
+
+
+def import_tokamax():
+  """tokamax, with absl's flags marked parsed if no launcher parsed them (tokamax reads its options
+  from absl flags and would otherwise parse this process's argv, e.g. pytest's, and fail)."""
+  try:
+    import tokamax
+  except ImportError as e:
+    raise MoEGemmError("the tokamax kernels need the tokamax package: pip install 'k2jax[gpu]'") from e
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  return tokamax
+
+
+def _tokamax_cross_compile():
+  """tokamax checks this host's default device before it lowers a GPU kernel; inside a cross-compile
+  (`sharding.target_platform`) the device is one this host lacks, so its own `cross_compile` option
+  (thread-local) turns that check off there, and only there."""
+  try:
+    tokamax = import_tokamax()
+  except MoEGemmError:
+    return contextlib.nullcontext()  # not installed: no kernel of it will be traced either
+  return tokamax.config.cross_compile(True)
+
+
+sharding_lib.register_cross_compile_hook(_tokamax_cross_compile)
