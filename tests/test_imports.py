@@ -13,7 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "k2jax"
 # paths under k2jax/ (a subpackage may be its own entry: the longest match wins); the
 # package root (`k2jax.load`, `k2jax.save_hf`) re-exports `api` and counts as it.
 LAYERS = (
-  ("configlib", "sharding", "distributed", "transport", "httpservice"),  # configlib: typed config trees
+  # configlib: typed config trees; pyparse: the one thread-safe ast.parse; accel: XLA GPU flags
+  ("configlib", "sharding", "distributed", "transport", "httpservice", "pyparse", "accel"),
   ("model", "sandbox", "llm_client", "data.tokenizer"),  # the tokenizer is a leaf: exports write it
   ("convert", "optim", "swe"),  # swe: SWE tasks and grading over the sandbox
   ("api", "memory", "data"),

@@ -15,6 +15,7 @@ import os
 import sysconfig
 from typing import Iterator
 
+from k2jax import pyparse
 from k2jax.data.tokenizer import REPO_ROOT
 
 CORPUS_DIR = REPO_ROOT / "data" / "corpus"
@@ -78,7 +79,7 @@ def _stdlib_docstrings(min_chars: int) -> Iterator[tuple[str, str]]:
       path = os.path.join(d, f)
       try:
         with open(path, encoding="utf-8") as fh:
-          tree = ast.parse(fh.read())
+          tree = pyparse.parse(fh.read())
       except (SyntaxError, UnicodeDecodeError, ValueError):
         continue  # A few stdlib files are deliberately invalid (test inputs, templates).
       rel = os.path.relpath(path, root)

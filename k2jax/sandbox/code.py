@@ -31,6 +31,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from k2jax import pyparse
 from k2jax.sandbox import expr
 from k2jax.sandbox._harness import HARNESS, parse_report
 from k2jax.sandbox.runner import SandboxConfig, limit_named, run_python
@@ -93,7 +94,7 @@ def extract_code(text: str) -> str:
 def split_test(source: str, name: str = "test", max_items: int = 1 << 18) -> SplitTest:
   """Splits a test into sandbox steps and checks evaluated here; ValueError when it cannot be split safely."""
   try:
-    module = ast.parse(source)
+    module = pyparse.parse(source)
   except SyntaxError as e:
     raise ValueError(f"{name}: not valid Python ({e})") from e
   splitter = _Splitter(name, expr.Budget(max_items))

@@ -38,6 +38,8 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
+from k2jax import pyparse
+
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -225,7 +227,7 @@ def _str_field(row: Mapping[str, Any], key: str, required: bool = True) -> str:
 
 def _compiles(source: str, field: str) -> ast.Module:
   try:
-    return ast.parse(source)
+    return pyparse.parse(source)
   except SyntaxError as e:
     raise ValueError(f"field {field!r}: not valid Python ({e})") from None
 

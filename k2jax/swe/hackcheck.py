@@ -28,6 +28,7 @@ import ast
 import dataclasses
 import re
 
+from k2jax import pyparse
 from k2jax.swe import snapshot
 
 _MODULES = {
@@ -148,7 +149,7 @@ def check_patch(patch: str, tree: str) -> list[Finding]:
 def check_source(source: str, path: str = "<source>", lines: set[int] | None = None) -> list[Finding]:
   """Findings in `source` on `lines` (every line when None)."""
   try:
-    tree = ast.parse(source, filename=path)
+    tree = pyparse.parse(source, filename=path)
   except (SyntaxError, ValueError):
     return []
   text = source.splitlines()

@@ -27,6 +27,8 @@ import dataclasses
 import hashlib
 from typing import Iterator, Sequence
 
+from k2jax import pyparse
+
 KINDS = (
   "flip_comparison",
   "flip_boolop",
@@ -66,7 +68,7 @@ def mutations(path: str, source: str, kinds: Sequence[str] = KINDS, min_statemen
   bad = [k for k in kinds if k not in KINDS]
   if bad:
     raise ValueError(f"unknown mutation kinds {bad}; known: {KINDS}")
-  tree = ast.parse(source)
+  tree = pyparse.parse(source)
   lines = source.splitlines(keepends=True)
   out, seen = [], set()
   for fn in _functions(tree):
@@ -171,7 +173,7 @@ def _replace(lines: list[str], node, text: str) -> str | None:
 
 def _parses(source: str) -> bool:
   try:
-    ast.parse(source)
+    pyparse.parse(source)
   except SyntaxError:
     return False
   return True
