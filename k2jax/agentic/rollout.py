@@ -29,7 +29,7 @@ from k2jax.data.chat import parse_assistant, render_chat
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
 from k2jax.agentic.envs.base import Environment
-from k2jax.agentic.loop import StopEpisode, run_tool_loop
+from k2jax.agentic.loop import EpisodeEnd, StopEpisode, run_tool_loop
 from k2jax.transport import ServiceError
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,9 @@ class MultiTurnRunner:
     response_budget: int | None = None,
   ) -> Trajectory:
     """One episode. `temperature` and `seed` override the config's; `response_budget` caps the tokens after
-    the prompt (generated turns and environment answers together: the task's K2 token budget)."""
+    the prompt (generated turns and environment answers together: the task's K2 token budget). An environment
+    that raises (its grader, its service) ends the episode with `env_error` and the error, which the RL batch
+    drops and counts; an invalid task (ValueError or KeyError) propagates."""
     cfg = self.config
     agent = TokenAgent(
       self.engine,
@@ -121,6 +123,12 @@ class MultiTurnRunner:
     env = self.env_factory()
     try:
       result = run_tool_loop(agent, env, task, int(task.get("max_turns", cfg.max_turns)))
+    except (ValueError, KeyError):
+      raise  # an invalid task: the caller's data
+    except Exception as e:  # noqa: BLE001  the environment failed (e.g. its grader): no verdict, never a crash
+      why = f"{type(e).__name__}: {e}"[:500]
+      log.warning("episode %s: the environment raised %s", rid, why)
+      result = EpisodeEnd("env_error", 0.0, len(agent.trajectory.turns), {"error": why})
     finally:
       env.close()
     traj = agent.trajectory

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, SamplingParams
 from k2jax.rl.rollout_batch import RolloutBatch
-from k2jax.rl.rewards.base import GroupRewardFn, Prompt
+from k2jax.rl.rewards.base import GroupRewardFn, Prompt, RewardResult
 from k2jax.rl.samples import Group, Sample, build_batch, completion_of
 
 
@@ -167,6 +167,7 @@ class RolloutManager:
       temperature=temperature,
     )
     stats.update(_episode_scores(batch_groups))
+    stats.update(_no_verdicts(batch_groups, rewards))
     stats.update(
       rollout_wall_s=time.monotonic() - t0,
       temperature=temperature,
@@ -353,6 +354,15 @@ def _episode_scores(groups: Sequence[Group]) -> dict[str, float]:
         if key in s.info:
           seen.setdefault(f"{key}/{g.prompt.task}", []).append(s.info[key])
   return {k: sum(v) / len(v) for k, v in seen.items()}
+
+
+def _no_verdicts(groups: Sequence[Group], rewards: Sequence[Sequence[RewardResult]]) -> dict[str, int]:
+  """Samples of the batch without a verdict, masked by the batch check: the grader failed (NaN reward with
+  `info["infra_error"]`) or the episode's environment did (`env_error`: it keeps no tokens)."""
+  return {
+    "reward_infra_errors": sum(bool(r.info.get("infra_error")) for rs in rewards for r in rs),
+    "episode_env_errors": sum(s.info.get("end") == "env_error" for g in groups for s in g.samples),
+  }
 
 
 def _checked_rewards(fn: GroupRewardFn, prompt: Prompt, completions) -> list:

@@ -13,12 +13,21 @@ the prompt's task data, and a missing field is an error naming the prompt, the k
 
 The judge is anything with `text(messages) -> str`: `llm_client.ChatClient` (an OpenAI-compatible endpoint) or
 `EngineJudge` (the rollout engine itself, e.g. the embedded engine, greedy and token-level).
+
+A reward raises KeyError or ValueError when the prompt's task data is wrong (a missing field, a test the grader
+cannot split, an unknown constraint): that is the run's input, and it stops the run naming the prompt. Any
+other exception is the grader failing (the parser, the sandbox, a judge endpoint that does not answer): an
+infrastructure verdict, reward NaN with `info["infra_error"]` saying why, for that completion (the whole group
+for the rubric kind), which the RL batch masks and counts (`dropped_reward`, `reward_infra_errors`), never a
+crash of the rollout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import math
 from typing import Callable, Protocol, Sequence
 
 from k2jax.data.chat import render_chat
@@ -34,6 +43,9 @@ from k2jax.sandbox.code import CodeRewardConfig
 
 REWARD_KINDS = ("exact", "math", "code", "instruction", "judge", "rubric", "env")
 JUDGE_KINDS = ("judge", "rubric")
+DATA_ERRORS = (KeyError, ValueError)  # the prompt's task data is wrong: raised, never masked
+
+log = logging.getLogger(__name__)
 
 
 class ChatJudge(Protocol):
@@ -54,7 +66,7 @@ def make_reward(kind: str, config: RewardConfig = RewardConfig(), judge: ChatJud
   if kind in JUDGE_KINDS and judge is None:
     raise ValueError(f"reward kind {kind!r} needs a judge (an LLM endpoint or the rollout engine)")
   if kind == "rubric":
-    return rubric_group_reward(judge, config.rubric)
+    return _group_verdicts(kind, rubric_group_reward(judge, config.rubric))
   needs = {"exact": "answer", "math": "answer", "code": "tests", "instruction": "constraints"}
   per_completion: dict[str, Callable[[Prompt, Completion], RewardResult]] = {
     "exact": exact_answer_reward,
@@ -74,7 +86,7 @@ def make_reward(kind: str, config: RewardConfig = RewardConfig(), judge: ChatJud
       _need(p, kind, needs[kind])
       return inner(p, c)
 
-  return per_sample(fn)
+  return per_sample(_verdict(kind, fn))
 
 
 def exact_answer_reward(prompt: Prompt, completion: Completion) -> RewardResult:
@@ -91,6 +103,42 @@ def env_reward(prompt: Prompt, completion: Completion) -> RewardResult:
     raise KeyError(f"env reward: completion of prompt {prompt.prompt_id} has no info['env_reward'] (not an episode)")
   end = completion.info.get("end", "env_done")
   return RewardResult(float(completion.info["env_reward"]), f"episode ended: {end}", dict(completion.info))
+
+
+def _verdict(
+  kind: str, fn: Callable[[Prompt, Completion], RewardResult]
+) -> Callable[[Prompt, Completion], RewardResult]:
+  """`fn`, with a grader failure (any exception but DATA_ERRORS) turned into a NaN infrastructure verdict."""
+
+  def verdict(prompt: Prompt, completion: Completion) -> RewardResult:
+    try:
+      return fn(prompt, completion)
+    except DATA_ERRORS:
+      raise
+    except Exception as e:  # noqa: BLE001  anything else is the grader's failure, not the completion's
+      return _infra_verdict(kind, prompt, e)
+
+  return verdict
+
+
+def _group_verdicts(kind: str, fn: GroupRewardFn) -> GroupRewardFn:
+  """`fn` over a group, with a grader failure turned into a NaN infrastructure verdict for every completion."""
+
+  def verdicts(prompt: Prompt, completions: Sequence[Completion]) -> Sequence[RewardResult]:
+    try:
+      return fn(prompt, completions)
+    except DATA_ERRORS:
+      raise
+    except Exception as e:  # noqa: BLE001  as in _verdict
+      return [_infra_verdict(kind, prompt, e)] * len(completions)
+
+  return verdicts
+
+
+def _infra_verdict(kind: str, prompt: Prompt, error: Exception) -> RewardResult:
+  why = f"{kind} grader raised {type(error).__name__}: {error}"[:500]
+  log.warning("reward of prompt %s (task %r): %s", prompt.prompt_id, prompt.task, why)
+  return RewardResult(math.nan, f"infrastructure error (masked, not a verdict): {why}", {"infra_error": why})
 
 
 def _need(prompt: Prompt, kind: str, field: str):
