@@ -16,7 +16,7 @@ SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # "auto": the Pallas flash kernel when compiling for TPU or GPU, the einsum path on CPU (model/mla.py).
-ATTENTION_KINDS = ("auto", "einsum", "flash")
+ATTENTION_KINDS = ("auto", "einsum", "flash", "flash_xla", "flash_triton")
 MOE_DISPATCHES = ("auto", "fixed", "ragged")
 # The routed experts' grouped GEMM per compile target (model/moe_gemm.py documents each).
 MOE_GEMMS = ("auto", "ragged_dot", "tiled", "tokamax", "tokamax_triton", "jax_triton")
@@ -109,7 +109,7 @@ class K2Config:
   compute_dtype: str = "float32"
   scan_layers: bool = True
   remat_policy: str = "none"
-  attention: str = "auto"  # auto | einsum | flash (ATTENTION_KINDS)
+  attention: str = "auto"  # auto | einsum | flash | flash_xla | flash_triton (ATTENTION_KINDS)
   # Expert-parallel all-to-all (expert_parallel.py): 'ragged' sends exactly the routed rows (TPU/GPU),
   # 'fixed' a dropless worst-case buffer per destination (XLA:CPU has no ragged-all-to-all);
   # 'auto' picks ragged where the compile target's platform has it.

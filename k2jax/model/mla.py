@@ -8,18 +8,24 @@ logits = scale · (q_nope·k_nope + rope(q_rope)·rope(k_rope))
 Besides the output, the layer returns the per-head max pre-softmax logit over valid (unmasked)
 positions: QK-Clip (K2 §2.1) rescales exactly the heads whose max exceeds tau.
 
-Two attention paths compute the same function (`cfg.attention`, resolved by `attention_impl`):
-  einsum  materialises [B, H, T, T] float32 logits; the reference, and the CPU path.
-  flash   `k2jax.model.flash_attention`: blocked online softmax, memory linear in T, the max logit
-          from the kernel's running max. On TPU the Pallas kernel; on GPU its plain-JAX blocked
-          fallback; on CPU the Pallas kernel in interpret mode (slow: tests only).
+The attention kinds compute the same function (`cfg.attention`, resolved by `attention_impl`):
+  einsum        materialises [B, H, T, T] float32 logits; the reference, and the CPU path.
+  flash         the fused kernel of the compile target: on TPU our Pallas kernel
+                (`k2jax.model.flash_attention`); on GPU tokamax's Pallas-Triton kernel
+                (`k2jax.model.attention_gpu`, compute capability >= 8.0); on CPU the Pallas kernel in
+                interpret mode (slow: tests only). Memory linear in T, the max logit from the kernel.
+  flash_triton  the GPU kernel explicitly (an error on a CPU or TPU target).
+  flash_xla     the plain-JAX blocked fallback (`flash_attention(impl="xla")`) on any target: the
+                documented fallback where the GPU kernel refuses (old GPU, dtype, head dim > 256).
 "auto" takes flash when the computation is compiled for TPU or GPU and einsum on CPU. The platform
 is the compile target's (`k2jax.sharding.platform`), not `jax.default_backend()`: compiling for a TPU
 topology from a CPU host must pick the TPU kernel.
-Rows with no valid key (padding, segment id 0) output exactly 0 on both paths.
+Rows with no valid key (padding, segment id 0) output exactly 0 on every path.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from k2jax import sharding as sharding_lib
+from k2jax.model import attention_gpu
 from k2jax.model import flash_attention as flash_lib
 from k2jax.model import rope as rope_lib
 from k2jax.model.config import K2Config
@@ -129,26 +136,40 @@ def flash_mla_attention(q_nope_BTHK, q_rope_BTHK, k_nope_BSHK, k_rope_BSK, v_BSH
   return sharded_flash_attention(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, scale, impl)
 
 
+IMPLS = ("einsum", "pallas", "pallas_interpret", "xla", "triton", "tokamax_xla")  # tokamax_xla: tests only
+
+
 def attention_impl(kind: str) -> str:
-  """`cfg.attention` -> 'einsum', 'pallas', 'pallas_interpret' or 'xla' for the compile target's platform."""
+  """`cfg.attention` -> one of IMPLS ('einsum', 'pallas', 'pallas_interpret', 'xla', 'triton') for the
+  compile target's platform."""
   platform = sharding_lib.platform()
   if kind == "einsum" or (kind == "auto" and platform == "cpu"):
     return "einsum"
+  if kind == "flash_xla":
+    return "xla"
+  if kind == "flash_triton":
+    if platform != "gpu":
+      raise ValueError(
+        f"attention='flash_triton' is a GPU kernel, the compile target is {platform}; use 'flash' or 'flash_xla'"
+      )
+    return "triton"
   if kind not in ("auto", "flash"):
-    raise ValueError(f"attention: one of ('auto', 'einsum', 'flash'), got {kind!r}")
-  return {"tpu": "pallas", "gpu": "xla"}.get(platform, "pallas_interpret")
+    raise ValueError(f"attention: one of ('auto', 'einsum', 'flash', 'flash_xla', 'flash_triton'), got {kind!r}")
+  return {"tpu": "pallas", "gpu": "triton"}.get(platform, "pallas_interpret")
 
 
 def sharded_flash_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, scale, impl):
   """`flash_attention` per device under the active mesh: batch over the batch axes, heads over theirs.
 
-  A Pallas kernel is opaque to XLA's partitioner (it would gather its operands), so with a multi-device
-  mesh it runs under `shard_map`; the max logit is reduced over the batch shards with pmax.
+  impl: from `attention_impl` ('pallas', 'pallas_interpret', 'xla', 'triton'), or 'tokamax_xla' (tokamax's
+  reference path, which runs on CPU: tests of the GPU wrapper). A Pallas kernel is opaque to XLA's
+  partitioner (it would gather its operands), so with a multi-device mesh it runs under `shard_map`; the
+  max logit is reduced over the batch shards with pmax.
   """
-  kw = {"scale": scale, "impl": "xla" if impl == "xla" else "pallas", "interpret": impl == "pallas_interpret"}
+  attend = _local_attention(impl, scale)
   ctx = sharding_lib.current()
   if ctx is None:
-    return flash_lib.flash_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, **kw)
+    return attend(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT)
   qkv = sharding_lib.logical_to_spec(("act_batch", None, "act_heads", None), ctx.preset)
   seg = sharding_lib.logical_to_spec(("act_batch", None), ctx.preset)
   sizes = dict(ctx.mesh.shape)
@@ -162,9 +183,20 @@ def sharded_flash_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, scale, impl)
   batch_axes = sharding_lib.spec_mesh_axes(qkv[0])
 
   def local(q, k, v, s):
-    out, max_logit_H = flash_lib.flash_attention(q, k, v, s, **kw)
+    out, max_logit_H = attend(q, k, v, s)
     return out, jax.lax.pmax(max_logit_H, batch_axes) if batch_axes else max_logit_H
 
   return jax.shard_map(
     local, mesh=ctx.mesh, in_specs=(qkv, qkv, qkv, seg), out_specs=(qkv, P(qkv[2])), check_vma=False
   )(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT)
+
+
+def _local_attention(impl, scale):
+  """(q, k, v, segment_ids) -> (out, max_logit [H]) on one device's shard, for `impl`."""
+  if impl in ("triton", "tokamax_xla"):
+    implementation = "triton" if impl == "triton" else "xla"
+    return functools.partial(attention_gpu.tokamax_attention, scale=scale, implementation=implementation)
+  if impl not in ("pallas", "pallas_interpret", "xla"):
+    raise ValueError(f"flash attention impl: one of {IMPLS[1:]}, got {impl!r}")
+  kw = {"scale": scale, "impl": "xla" if impl == "xla" else "pallas", "interpret": impl == "pallas_interpret"}
+  return functools.partial(flash_lib.flash_attention, **kw)

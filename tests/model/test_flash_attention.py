@@ -160,7 +160,8 @@ def test_auto_follows_the_target_platform_not_the_host():
     return seen[0]
 
   assert under("tpu", "auto") == "pallas"  # compiling for a TPU topology from this CPU host
-  assert under("cuda", "auto") == "xla"
+  assert under("cuda", "auto") == "triton"
+  assert under("cuda", "flash_xla") == "xla"
   assert under("tpu", "einsum") == "einsum"
   assert under("cpu", "auto") == "einsum"
 
