@@ -123,7 +123,7 @@ def first_field(r: Mapping[str, Any], keys: tuple[str, ...]) -> str:
   for key in keys:
     if key in r:
       return key
-  raise KeyError("' or '".join(keys))
+  raise ValueError(f"missing field '{keys[0]}' (or " + ", ".join(f"'{k}'" for k in keys[1:]) + ")")
 
 
 def record_id(r: Mapping[str, Any], keys: tuple[str, ...], i: int) -> str:

@@ -1,0 +1,90 @@
+"""A few rows of each benchmark, in the published field names.
+
+AIME 2024 I #1, AIME 2025 I #1, MATH-500's first test row and IFEval key 1000 are the public rows as we know
+them (text written from memory of the published problems: the answers and fields are exact, a character of
+the statements may differ). The GPQA and MMLU-Pro rows are written by hand in the published schema (their
+questions are not copied from the datasets: GPQA asks not to reveal its questions online).
+"""
+
+AIME24 = [  # HuggingFaceH4/aime_2024: id, problem, solution, answer, url, year
+  {
+    "id": 60,
+    "problem": "Every morning Aya goes for a $9$-kilometer-long walk and stops at a coffee shop afterwards. When "
+    "she walks at a constant speed of $s$ kilometers per hour, the walk takes her 4 hours, including $t$ minutes "
+    "spent in the coffee shop. When she walks $s+2$ kilometers per hour, the walk takes her 2 hours and 24 "
+    "minutes, including $t$ minutes spent in the coffee shop. Suppose Aya walks at $s+\\frac{1}{2}$ kilometers "
+    "per hour. Find the number of minutes the walk takes her, including the $t$ minutes spent in the coffee shop.",
+    "solution": "$\\frac{9}{s} + t = 4$ ... so the walk takes $\\boxed{204}$ minutes.",
+    "answer": "204",
+    "url": "https://artofproblemsolving.com/wiki/index.php/2024_AIME_I_Problems/Problem_1",
+    "year": 2024,
+  },
+]
+AIME25 = [  # opencompass/AIME2025: question, answer
+  {"question": "Find the sum of all integer bases $b>9$ for which $17_b$ is a divisor of $97_b$.", "answer": "70"},
+]
+MATH500 = [  # HuggingFaceH4/MATH-500 test.jsonl
+  {
+    "problem": "Convert the point $(0,3)$ in rectangular coordinates to polar coordinates.  Enter your answer in "
+    "the form $(r,\\theta),$ where $r > 0$ and $0 \\le \\theta < 2 \\pi.$",
+    "solution": "We have that $r = \\sqrt{0^2 + 3^2} = 3.$ ... $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.$",
+    "answer": "\\left( 3, \\frac{\\pi}{2} \\right)",
+    "subject": "Precalculus",
+    "level": 2,
+    "unique_id": "test/precalculus/807.json",
+  },
+]
+GPQA = [  # Idavidrein/gpqa gpqa_diamond.csv columns (hand-written rows)
+  {
+    "Record ID": "recHand001",
+    "Question": "Which particle mediates the electromagnetic interaction?",
+    "Correct Answer": "The photon",
+    "Incorrect Answer 1": "The gluon",
+    "Incorrect Answer 2": "The W boson",
+    "Incorrect Answer 3": "The Higgs boson",
+  },
+  {
+    "Record ID": "recHand002",
+    "Question": "What is the ground-state term symbol of atomic carbon?",
+    "Correct Answer": "3P0",
+    "Incorrect Answer 1": "1S0",
+    "Incorrect Answer 2": "3P2",
+    "Incorrect Answer 3": "1D2",
+  },
+]
+MMLU_PRO = [  # TIGER-Lab/MMLU-Pro test parquet (hand-written rows)
+  {
+    "question_id": 70001,
+    "question": "What is the SI unit of force?",
+    "options": ["joule", "watt", "pascal", "newton", "tesla", "coulomb", "henry", "volt", "ohm", "weber"],
+    "answer": "D",
+    "answer_index": 3,
+    "cot_content": "",
+    "category": "physics",
+    "src": "hand-written",
+  },
+  {
+    "question_id": 70002,
+    "question": "Which is a prime number?",
+    "options": ["4", "6", "7", "9"],  # MMLU-Pro rows can have fewer than 10 options
+    "answer": "C",
+    "answer_index": 2,
+    "cot_content": "",
+    "category": "math",
+    "src": "hand-written",
+  },
+]
+IFEVAL = [  # google/IFEval (the first row, key 1000)
+  {
+    "key": 1000,
+    "prompt": 'Write a 300+ word summary of the wikipedia page "https://en.wikipedia.org/wiki/Raymond_III,_Count_of_'
+    'Tripoli". Do not use any commas and highlight at least 3 sections that has titles in markdown format, for '
+    "example *highlighted section part 1*, *highlighted section part 2*, *highlighted section part 3*.",
+    "instruction_id_list": [
+      "punctuation:no_comma",
+      "detectable_format:number_highlighted_sections",
+      "length_constraints:number_words",
+    ],
+    "kwargs": [{}, {"num_highlights": 3}, {"relation": "at least", "num_words": 300}],
+  },
+]
