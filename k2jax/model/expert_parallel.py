@@ -44,6 +44,7 @@ from k2jax.model import moe_cpu, moe_gemm
 
 RAGGED_PLATFORMS = ("tpu", "gpu")  # XLA backends with ragged-all-to-all
 FUSED_CPU = True  # one device's MoE on CPU through moe_cpu.moe_swiglu (tests compare it with False)
+CHECK_VMA = True  # shard_map's varying-axes checks where the grouped GEMM allows them (tests set False)
 
 
 def routed_experts(
@@ -178,9 +179,12 @@ def ep_experts(
   # MoE layer and device at EP 8).
   dt = x_ND.dtype
   weights = (w_gate_EDF.astype(dt), w_up_EDF.astype(dt), w_down_EFD.astype(dt))
-  return jax.shard_map(fn, mesh=ctx.mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=tok)(
-    x_ND, weights_Nk, idx_Nk, *weights
-  )
+  # Pallas kernels (tokamax's) build outputs without shard_map's varying-axes types, so their shard_map runs
+  # with check_vma=False, as MaxText's does: jax then transposes every input by a psum over the mesh axes its
+  # spec leaves out (tests/sharding compare both settings' gradients with the unsharded ones).
+  check_vma = CHECK_VMA and moe_gemm.resolve(gemm) not in moe_gemm.PALLAS
+  specs = dict(in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=tok, check_vma=check_vma)
+  return jax.shard_map(fn, mesh=ctx.mesh, **specs)(x_ND, weights_Nk, idx_Nk, *weights)
 
 
 def num_chunks(n_local: int, chunk_tokens: int) -> int:

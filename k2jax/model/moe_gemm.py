@@ -55,6 +55,7 @@ PLATFORMS = {
 # tokamax's implementation names, tried in order (the first whose device check passes). Never "xla":
 # that is jax's ragged_dot again, the dense path this module exists to avoid.
 _TOKAMAX_ORDER = {"tokamax": ("mosaic", "triton"), "tokamax_triton": ("triton",)}
+PALLAS = ("tokamax", "tokamax_triton")  # Pallas kernels: no varying-axes types inside shard_map
 TRITON_MIN_CAPABILITY = 8.0  # Triton kernels (tokamax's and jax's): Ampere and newer
 
 

@@ -106,3 +106,22 @@ def test_tokamax_asked_for_on_a_cpu_target_fails_before_tracing():
   x = jnp.ones((1, 8, cfg.hidden_size))
   with pytest.raises(moe_gemm.MoEGemmError, match="compile target is cpu"):
     moe(x, jnp.ones((1, 8), bool))
+
+
+@pytest.mark.parametrize("preset,dispatch", [("fsdp_ep", "ragged"), ("fsdp_ep_tp", "fixed")])
+def test_gpu_expert_parallel_layer_runs_the_kernels_inside_shard_map(preset, dispatch):
+  """Under expert parallelism the kernels run per device inside shard_map (check_vma off there, see
+  expert_parallel.ep_experts; tests/sharding/test_ragged_dispatch checks that setting's gradients)."""
+  pytest.importorskip("tokamax")
+  cfg = dataclasses.replace(presets.get("tiny"), compute_dtype="bfloat16", moe_dispatch=dispatch)
+  graphdef, state = nnx.split(MoE(cfg, stack=None, rngs=nnx.Rngs(0)))
+
+  def loss(state, x):
+    return jnp.sum(nnx.merge(graphdef, state)(x, jnp.ones(x.shape[:2], bool))[0].astype(jnp.float32))
+
+  x = jax.ShapeDtypeStruct((8, 32, cfg.hidden_size), jnp.bfloat16)
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "expert": 4, "tensor": 1})
+  with sharding.target_platform("gpu"), sharding.use(mesh, preset):
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(state, x).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("chlo.ragged_dot") == 0 and len(re.findall(TRITON, text)) == 9
+  assert ("ragged_all_to_all" in text) == (dispatch == "ragged")

@@ -77,11 +77,20 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
 
 
 @pytest.mark.parametrize(
-  "ragged,chunk_tokens,mesh_shape",
-  [(True, 0, {"data": 2, "expert": 4}), (True, 4, {"data": 2, "expert": 4}), (False, 4, {"fsdp": 2, "expert": 4})],
+  "ragged,chunk_tokens,mesh_shape,check_vma",
+  [
+    (True, 0, {"data": 2, "expert": 4}, True),
+    (True, 4, {"data": 2, "expert": 4}, True),
+    (False, 4, {"fsdp": 2, "expert": 4}, True),
+    # As with a Pallas grouped GEMM (tokamax): shard_map without varying-axes types, jax's transposes
+    # (the data-replicated and the fsdp-gathered weights' cotangents) must still be the unsharded ones.
+    (True, 0, {"data": 2, "expert": 4}, False),
+    (False, 4, {"fsdp": 2, "expert": 4}, False),
+  ],
 )
-def test_ragged_ep_matches_single_device_values_and_gradients(monkeypatch, ragged, chunk_tokens, mesh_shape):
+def test_ragged_ep_matches_single_device_values_and_gradients(monkeypatch, ragged, chunk_tokens, mesh_shape, check_vma):
   monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+  monkeypatch.setattr(ep_lib, "CHECK_VMA", check_vma)
   N, D, F, E, k = 64, 16, 8, 16, 2
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
