@@ -1,6 +1,6 @@
 """The K2 training step on one GPU against its physical limits and against transformers, in one command.
 
-  python bench/gpu.py [--reps=5] [--warmup=3] [--presets=small,large] [--no_hf_compile]
+  python bench/gpu.py [--reps=5] [--warmup=3] [--presets=small,large] [--remat=none] [--no_hf_compile]
   python bench/gpu.py --smoke      # the same code on CPU, tiny shapes, seconds (tests/bench calls it)
 
 Printed, one `key=value` group a line (times: median[min,max] over `--reps` interleaved reps):
@@ -92,7 +92,7 @@ def child_k2(preset: str, args) -> dict:
   from k2jax.train.step import ModelDef, init_state, make_train_step
 
   sz = shapes(args.smoke)
-  cfg = model_config(preset, args.smoke)
+  cfg = model_config(preset, args.smoke, remat_policy=args.remat)
   build = lambda: K2Model(cfg, rngs=nnx.Rngs(0))  # noqa: E731
   sched = optax.constant_schedule(1e-4)
   opt = muonclip(sched, qk_clip_spec=QKClipSpec.from_config(cfg))
@@ -138,6 +138,7 @@ def child_k2(preset: str, args) -> dict:
     f"{preset}_mfu_vs_matmul": round(flops / step_s / peak_flops, 4),
     f"{preset}_peak_gb": _jax_peak_gb(jax),
     f"{preset}_compile_s": round(compile_s, 1),
+    f"{preset}_remat": args.remat,
     f"{preset}_loss": round(float(holder["m"]["loss"]), 4),
   }
 
@@ -277,7 +278,7 @@ def child_layer(args) -> dict:
 # ----------------------------------------------------------------------------------------- parent
 def run_child(args, kind: str, env: dict | None = None) -> dict:
   cmd = [sys.executable, os.path.abspath(__file__), f"--child={kind}", f"--reps={args.reps}", f"--warmup={args.warmup}"]
-  cmd += ["--smoke"] * args.smoke + ["--no_hf_compile"] * args.no_hf_compile
+  cmd += ["--smoke"] * args.smoke + ["--no_hf_compile"] * args.no_hf_compile + [f"--remat={args.remat}"]
   env = dict(os.environ, **(env or {}))
   if args.smoke:
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", CUDA_VISIBLE_DEVICES="")
@@ -305,6 +306,7 @@ def main():
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--presets", default="small,large")
+  p.add_argument("--remat", default="none", help="k2jax's model.remat_policy: none | full | dots | dots_no_batch")
   p.add_argument("--no_hf", action="store_true", help="skip the transformers rows")
   p.add_argument("--no_hf_compile", action="store_true", help="skip torch.compile (the slowest row to build)")
   p.add_argument("--no_flags_row", action="store_true", help="skip the step without accel.py's XLA flags")
