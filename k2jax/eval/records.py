@@ -23,6 +23,10 @@ SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".csv")
 _PARQUET_BATCH = 256  # rows converted to Python at a time
 
 
+class SkipRecord(Exception):  # a signal, not an error
+  """Raised by a format's parse for a record the task leaves out (a date window): not a doc, not an error."""
+
+
 class TaskFormatError(ValueError):
   """A task file or record that cannot be read; the message names the file and line."""
 

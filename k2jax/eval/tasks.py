@@ -35,7 +35,8 @@ from typing import Any
 
 from k2jax.data.eval_tasks import FORMATS, GENERIC_FORMATS, REWARD_KINDS  # noqa: F401  (re-exported)
 from k2jax.eval.formats import FORMATS as BENCHMARK_FORMATS
-from k2jax.eval.records import Doc, TaskFormat, TaskFormatError, canonical_number, read_records
+from k2jax.eval.formats import PARAMETRIZED as BENCHMARK_PARAMETRIZED
+from k2jax.eval.records import Doc, SkipRecord, TaskFormat, TaskFormatError, canonical_number, read_records
 from k2jax.eval.records import str_field as _str
 from k2jax.eval.records import str_list as _str_list
 from k2jax.rl.rewards.math import extract_boxed
@@ -58,6 +59,8 @@ def load_docs(path: str, fmt: str, limit: int | None = None) -> list[Doc]:
   for line_no, index, record in read_records(path, limit):
     try:
       doc = task_format.parse(record, index)
+    except SkipRecord:  # outside the task's window (livecodebench@START..END)
+      continue
     except (KeyError, TypeError, ValueError) as e:
       problem = f"missing field {e}" if isinstance(e, KeyError) else str(e)
       raise TaskFormatError(f"{path}:{line_no}: not a {fmt} record: {problem}") from None
@@ -72,8 +75,15 @@ def load_docs(path: str, fmt: str, limit: int | None = None) -> list[Doc]:
 
 def get_format(fmt: str) -> TaskFormat:
   task_format = _FORMATS.get(fmt) or _RUNNER_FORMATS.get(fmt)
+  base, at, arg = fmt.partition("@")
+  if task_format is None and at and base in BENCHMARK_PARAMETRIZED:  # e.g. livecodebench@2024-08-01..2025-05-01
+    try:
+      return BENCHMARK_PARAMETRIZED[base](arg)
+    except ValueError as e:
+      raise TaskFormatError(str(e)) from None
   if task_format is None:
-    raise TaskFormatError(f"unknown task format {fmt!r}; known: {', '.join((*FORMATS, *_RUNNER_FORMATS))}")
+    known = (*FORMATS, *_RUNNER_FORMATS, *(f"{name}@ARG" for name in BENCHMARK_PARAMETRIZED))
+    raise TaskFormatError(f"unknown task format {fmt!r}; known: {', '.join(dict.fromkeys(known))}")
   return task_format
 
 

@@ -155,6 +155,8 @@ def _apps(value: Any) -> Problem:
 
 
 class _NoObjects(pickle.Unpickler):
+  """Loads only plain data: every global (the one way a pickle reaches a callable) is refused."""
+
   def find_class(self, module, name):
     raise pickle.UnpicklingError(f"refusing to build {module}.{name}: test cases are plain data")
 
@@ -162,9 +164,11 @@ class _NoObjects(pickle.Unpickler):
 def _lcb_cases(value: Any, field: str) -> list:
   if isinstance(value, str) and not value.lstrip().startswith("["):
     try:  # code_generation_lite's private cases: base64(zlib(pickle(json string)))
-      value = _NoObjects(io.BytesIO(zlib.decompress(base64.b64decode(value)))).load()
+      value = _NoObjects(io.BytesIO(zlib.decompress(base64.b64decode(value, validate=True)))).load()
     except Exception as e:
       raise ValueError(f"field {field!r}: neither a JSON list nor base64+zlib+pickle of one ({e})") from None
+    if not isinstance(value, str):  # the published files pickle a JSON string, nothing else
+      raise ValueError(f"field {field!r}: the pickle holds a {type(value).__name__}, not the JSON string of the cases")
   cases = _json_field(value, field)
   if not isinstance(cases, list) or not all(isinstance(c, Mapping) for c in cases):
     raise ValueError(f"field {field!r}: must be a list of {{input, output, testtype}} objects")

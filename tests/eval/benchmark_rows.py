@@ -88,3 +88,43 @@ IFEVAL = [  # google/IFEval (the first row, key 1000)
     "kwargs": [{}, {"num_highlights": 3}, {"relation": "at least", "num_words": 300}],
   },
 ]
+
+
+def _lcb_private(cases):
+  """code_generation_lite's private_test_cases encoding: base64(zlib(pickle(json string)))."""
+  import base64
+  import json
+  import pickle
+  import zlib
+
+  return base64.b64encode(zlib.compress(pickle.dumps(json.dumps(cases)))).decode()
+
+
+LIVECODEBENCH = [  # livecodebench/code_generation_lite test*.jsonl fields (hand-written rows)
+  {
+    "question_title": "Add Two",
+    "question_content": "You are given two integers A and B. Print A+B.\n\nInput\n\nA B\n\nOutput\n\nPrint the sum.",
+    "platform": "atcoder",
+    "question_id": "abc999_a",
+    "contest_id": "abc999",
+    "contest_date": "2024-09-14T00:00:00",
+    "starter_code": "",
+    "difficulty": "easy",
+    "public_test_cases": '[{"input": "1 2\\n", "output": "3\\n", "testtype": "stdin"}]',
+    "private_test_cases": _lcb_private([{"input": "10 -4\n", "output": "6\n", "testtype": "stdin"}]),
+    "metadata": "{}",
+  },
+  {
+    "question_title": "max-of-array",
+    "question_content": "Given an integer array nums, return its largest element.",
+    "platform": "leetcode",
+    "question_id": "9001",
+    "contest_id": "weekly-contest-999",
+    "contest_date": "2023-05-20T00:00:00",
+    "starter_code": "class Solution:\n    def maxOf(self, nums: List[int]) -> int:\n        ",
+    "difficulty": "easy",
+    "public_test_cases": '[{"input": "[1, 5, 2]", "output": "5", "testtype": "functional"}]',
+    "private_test_cases": _lcb_private([{"input": "[-3, -1]", "output": "-1", "testtype": "functional"}]),
+    "metadata": '{"func_name": "maxOf"}',
+  },
+]

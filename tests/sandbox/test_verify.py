@@ -195,6 +195,12 @@ def test_lcb_lite_private_cases_decode_without_building_objects():
   evil = base64.b64encode(zlib.compress(pickle.dumps(Boom()))).decode()
   with pytest.raises(ValueError, match="private_test_cases.*refusing to build builtins.print"):
     parse_row({"private_test_cases": evil})
+  evil = base64.b64encode(zlib.compress(pickle.dumps(__import__("os").getcwd))).decode()  # a bare global
+  with pytest.raises(ValueError, match="private_test_cases.*refusing to build posix.getcwd"):
+    parse_row({"private_test_cases": evil})
+  not_text = base64.b64encode(zlib.compress(pickle.dumps(cases))).decode()  # plain data, but not the JSON string
+  with pytest.raises(ValueError, match="private_test_cases.*the pickle holds a list, not the JSON string"):
+    parse_row({"private_test_cases": not_text})
 
 
 # ---- through the sandbox -----------------------------------------------------------------------------------
