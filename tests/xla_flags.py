@@ -31,9 +31,22 @@ def launcher_cache() -> str:
   return os.environ[SUITE_CACHE_ENV]
 
 
-def xla_flags(devices: int = 0, optimize: bool = False) -> str:
+# A second host configuration for the runs that compare floats across process counts or layouts: XLA:CPU's
+# dots single-threaded, another intra-op split of the same work than the host's Eigen thread pool gives. How
+# Eigen splits a contraction over its pool depends on the host (its cores, the processes sharing them), so
+# equality across layouts checked under one split holds on some hosts and not others (issue 43: a rollout
+# token differed on a 2-core AMD host). The cross-layout runs take this configuration on one side, so a
+# result that depends on the split fails on every host. Results compared with each other under the SAME
+# configuration (a resume after SIGKILL against the uninterrupted run: one program, one thread count) stay
+# bitwise: the split is a function of the shapes and the thread count, not of timing.
+SECOND_HOST = "--xla_cpu_multi_thread_eigen=false"
+
+
+def xla_flags(devices: int = 0, optimize: bool = False, second_host: bool = False) -> str:
   """`devices` fake CPU devices (0: the platform's own, one), at FAST_COMPILE unless `optimize` (XLA's default
-  level: for runs of many steps)."""
+  level: for runs of many steps), under SECOND_HOST's intra-op threading if `second_host`."""
   return " ".join(
-    ([f"--xla_force_host_platform_device_count={devices}"] if devices else []) + ([] if optimize else [FAST_COMPILE])
+    ([f"--xla_force_host_platform_device_count={devices}"] if devices else [])
+    + ([] if optimize else [FAST_COMPILE])
+    + ([SECOND_HOST] if second_host else [])
   )

@@ -1,6 +1,9 @@
 """Colocated RL across processes: `launch/rl.py` as 2 JAX processes x 4 fake CPU devices with no engine URL
 runs the embedded engine on the trainer's 8 devices (serving preset tp_ep, its loops in lockstep) and equals
-the 1-process 8-device run: rollout tokens, engine logprobs (<= 1e-5) and updated params (<= 1e-5); the
+the 1-process 8-device run: rollout tokens, engine logprobs (<= 1e-5) and updated params (<= 1e-5), the
+2 processes under the second host configuration (tests/xla_flags.py SECOND_HOST: single-threaded dots), so
+floats that differ by rounding across layouts and intra-op splits must still give the same tokens (the
+sampler is continuous in the logits: k2jax.engine.sampling) on every host; the
 second generation samples with the weights pushed after the first update (every token stamped with that
 version, and the engine's logprobs equal the trainer's recomputed ones); no weight file is written; a run
 SIGKILLed after its first checkpoint resumes to the uninterrupted run's result, every logged number and
@@ -71,7 +74,7 @@ def _two(workdir, cache, expect=0, env=None):
         script=script,
       ),
       cwd=ROOT,
-      env={**_env(cache, devices=4), **(env or {})},
+      env={**_env(cache, devices=4, second_host=True), **(env or {})},
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,

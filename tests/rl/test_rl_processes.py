@@ -52,12 +52,12 @@ def _flags(**overrides):
   return [f"--config.{k}={v}" for k, v in {**QUICK, **overrides}.items()]
 
 
-def _env(cache, devices=8):
+def _env(cache, devices=8, second_host=False):
   return dict(
     os.environ,
     JAX_PLATFORMS="cpu",
     JAX_DEFAULT_MATMUL_PRECISION="highest",
-    XLA_FLAGS=xla_flags(devices),
+    XLA_FLAGS=xla_flags(devices, second_host=second_host),
     PYTHONPATH=ROOT,
     JAX_COMPILATION_CACHE_DIR=cache,
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

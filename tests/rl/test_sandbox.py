@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -126,6 +127,10 @@ def test_probes_as_an_unprivileged_caller(open_dir):
       dst = pkg / "k2jax" / "sandbox" / src.name
       dst.parent.mkdir(parents=True, exist_ok=True)
       shutil.copy(src, dst)
+  # The package's modules outside k2jax.sandbox that it imports (k2jax.pyparse), as the probes load them.
+  outside = {m for src in src_dir.glob("*.py") for m in re.findall(r"^from k2jax import (\w+)", src.read_text(), re.M)}
+  for name in sorted(outside):
+    shutil.copy(src_dir.parent / f"{name}.py", pkg / "k2jax" / f"{name}.py")
   shutil.copy(sandbox_probes.__file__, pkg / "sandbox_probes.py")
   for d, _, names in os.walk(tmp_path):
     os.chmod(d, 0o755)
