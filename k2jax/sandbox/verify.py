@@ -251,7 +251,9 @@ def _case_failure(rec: dict) -> str | None:
   return None
 
 
-def _run_cases(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[tuple[bool, str]], dict]:
+def _launch_cases(code: str, p: Problem, config: CodeRewardConfig, prelude: str) -> tuple[list, SandboxResult]:
+  """Runs the stdin or call cases of `p` in one solution sandbox: (a record or a failure reason per case, the
+  sandbox's result). A record carries what the case printed (`out`) or returned (`res`, `_wire` text)."""
   inputs = list(p.inputs) if p.kind == "stdin" else [_wire.encode(list(a)) for a in p.inputs]
   plan = {
     "mode": p.kind,
@@ -260,7 +262,7 @@ def _run_cases(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[tu
     "cpu_s": math.ceil(config.case_time_s),
     "max_case_output": config.max_case_output_bytes,
     "stop_at_first_failure": config.stop_at_first_failure,
-    "prelude": CALL_PRELUDE if p.kind == "call" else "",
+    "prelude": prelude,
     "isolated": runner.isolation_error(config.sandbox) is None,
   }
   files = {
@@ -273,21 +275,61 @@ def _run_cases(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[tu
   size = sum(len(t.encode()) for t in files.values())
   result = _run(files, _sandbox_for(config, len(inputs), size, processes=_SOLUTION_PROCESSES))
   recs = _started(result, "solution's")
-  info = {"sandbox_reason": result.reason, "layers": result.layers, "elapsed_s": result.elapsed_s}
   load_error = next((r["load_error"] for r in recs if "load_error" in r), None)
   by_case = {r["case"]: r for r in recs if type(r.get("case")) is int}
   stopped = next((r["stopped"] for r in recs if "stopped" in r), None)
-  outcomes: list[tuple[bool, str] | None] = []
-  to_check = []
+  out: list[dict | str] = []
   for i in range(len(inputs)):
     rec = by_case.get(i)
     if load_error is not None:
-      outcomes.append((False, f"the program does not compile: {load_error}"))
+      out.append(f"the program does not compile: {load_error}")
     elif rec is None:
       why = f"not run: stopped after case {stopped} failed" if stopped is not None else "no record (the run ended)"
-      outcomes.append((False, f"{why}; sandbox: {result.reason}"))
-    elif (why := _case_failure(rec)) is not None:
-      outcomes.append((False, why))
+      out.append(f"{why}; sandbox: {result.reason}")
+    else:
+      out.append(_case_failure(rec) or rec)
+  return out, result
+
+
+def call_results(
+  code: str, fn_name: str, args: Sequence[Sequence[Any]], config: CodeRewardConfig | None = None, prelude: str = ""
+) -> list[tuple[bool, Any]]:
+  """What `fn_name` of program `code` returns on each argument list, run in the sandbox as call cases are:
+  (True, the value as plain data) or (False, why the case failed: crash, timeout, not plain data). For graders
+  that compare by their own rule (EvalPlus: expected outputs from a canonical solution, its `atol`).
+  A sandbox that cannot start raises RuntimeError (an infrastructure failure, not a verdict)."""
+  if not (isinstance(fn_name, str) and fn_name.isidentifier()):
+    raise ValueError(f"call_results: fn_name must be an identifier, got {fn_name!r}")
+  config = config or CodeRewardConfig()
+  problem = Problem("call", "calls", tuple(list(a) for a in args), (None,) * len(args), fn_name=fn_name)
+  try:
+    cases, _ = _launch_cases(code, problem, config, prelude)
+  except _Infra as e:
+    raise RuntimeError(str(e)) from None
+  out: list[tuple[bool, Any]] = []
+  for case in cases:
+    if isinstance(case, str):
+      out.append((False, case))
+      continue
+    line = case["res"].split("\n", 1)[0]
+    if not line:
+      out.append((False, "no result (the call ended without returning)"))
+      continue
+    try:
+      out.append((True, _wire.loads(line)))
+    except (ValueError, TypeError, RecursionError) as e:
+      out.append((False, f"the result is not plain data: {e}"[:200]))
+  return out
+
+
+def _run_cases(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[tuple[bool, str]], dict]:
+  cases, result = _launch_cases(code, p, config, CALL_PRELUDE if p.kind == "call" else "")
+  info = {"sandbox_reason": result.reason, "layers": result.layers, "elapsed_s": result.elapsed_s}
+  outcomes: list[tuple[bool, str] | None] = []
+  to_check = []
+  for i, rec in enumerate(cases):
+    if isinstance(rec, str):
+      outcomes.append((False, rec))
     elif p.kind == "stdin" and p.checker is not None:
       outcomes.append(None)
       to_check.append({"case": i, "input": p.inputs[i], "output": rec["out"], "expected": p.expected[i]})
@@ -561,4 +603,13 @@ def is_infra_error(graded: Graded) -> bool:
   return bool(graded.info.get("infra_error"))
 
 
-__all__ = ["Problem", "compare_output", "is_infra_error", "parse_row", "values_equal", "verify", "verify_batch"]
+__all__ = [
+  "Problem",
+  "call_results",
+  "compare_output",
+  "is_infra_error",
+  "parse_row",
+  "values_equal",
+  "verify",
+  "verify_batch",
+]

@@ -128,3 +128,110 @@ LIVECODEBENCH = [  # livecodebench/code_generation_lite test*.jsonl fields (hand
     "metadata": '{"func_name": "maxOf"}',
   },
 ]
+
+
+# evalplus/humanevalplus-release HumanEvalPlus.jsonl and evalplus/mbppplus-release MbppPlus.jsonl fields; the
+# prompts, canonical solutions and base inputs are the published ones, the plus inputs a few of the kind EvalPlus
+# generates (edge values and the type-aware mutations of the base inputs).
+HUMANEVAL_PLUS = [
+  {
+    "task_id": "HumanEval/0",
+    "prompt": (
+      "from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+      '    """ Check if in given list of numbers, are any two numbers closer to each other than\n'
+      "    given threshold.\n    >>> has_close_elements([1.0, 2.0, 3.0], 0.5)\n    False\n"
+      '    >>> has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)\n    True\n    """\n'
+    ),
+    "contract": (
+      '\n    assert isinstance(threshold, float) and threshold > 0, "invalid inputs" # $_CONTRACT_$\n'
+      '    assert isinstance(numbers, list), "invalid inputs" # $_CONTRACT_$\n'
+    ),
+    "canonical_solution": (
+      "\n    sorted_numbers = sorted(numbers)\n    for i in range(len(sorted_numbers) - 1):\n"
+      "        if sorted_numbers[i + 1] - sorted_numbers[i] < threshold:\n            return True\n"
+      "    return False\n\n"
+    ),
+    "entry_point": "has_close_elements",
+    "base_input": [
+      [[1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3],
+      [[1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.05],
+      [[1.0, 2.0, 5.9, 4.0, 5.0], 0.95],
+      [[1.0, 2.0, 5.9, 4.0, 5.0], 0.8],
+      [[1.0, 2.0, 3.0, 4.0, 5.0, 2.0], 0.1],
+      [[1.1, 2.2, 3.1, 4.1, 5.1], 1.0],
+      [[1.1, 2.2, 3.1, 4.1, 5.1], 0.5],
+    ],
+    "plus_input": [[[1.0, 2.5, 4.0, 5.5], 1.5], [[], 0.1], [[7.0], 3.2], [[3.0, 1.0, 2.0, 5.0], 1.0]],
+    "atol": 0,
+  },
+  {
+    "task_id": "HumanEval/2",
+    "prompt": (
+      'def truncate_number(number: float) -> float:\n    """ Given a positive floating point number, it can be '
+      "decomposed into\n    and integer part (largest integer smaller than given number) and decimals\n"
+      "    (leftover part always smaller than 1).\n\n    Return the decimal part of the number.\n"
+      '    >>> truncate_number(3.5)\n    0.5\n    """\n'
+    ),
+    "contract": '\n    assert number > 0, "invalid inputs" # $_CONTRACT_$\n',
+    "canonical_solution": "\n    return number - int(number)\n\n",
+    "entry_point": "truncate_number",
+    "base_input": [[3.5], [1.33], [123.456]],
+    "plus_input": [[999.99999], [0.04363], [3.14159], [1e-05], [2.0]],
+    "atol": 1e-06,
+  },
+]
+MBPP_PLUS = [
+  {
+    "task_id": "Mbpp/2",
+    "code": "def similar_elements(test_tup1, test_tup2):\n  return tuple(set(test_tup1) & set(test_tup2))",
+    "prompt": (
+      '"""\nWrite a function to find the shared elements from the given two lists.\n'
+      'assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))\n"""\n'
+    ),
+    "entry_point": "similar_elements",
+    "canonical_solution": "\ndef similar_elements(test_tup1, test_tup2):\n  return tuple(set(test_tup1) & set(test_tup2))\n",
+    "base_input": [[[3, 4, 5, 6], [5, 7, 4, 10]], [[1, 2, 3, 4], [5, 4, 3, 7]], [[11, 12, 14, 13], [17, 15, 14, 13]]],
+    "plus_input": [[[], []], [[1, 2, 3], []], [[1, 2, 2, 3], [2, 2, 4]]],
+    "atol": 0,
+    "assertion": (
+      "\nassert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))\n"
+      "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))\n"
+      "assert set(similar_elements((11, 12, 14, 13),(17, 15, 14, 13))) == set((13, 14))\n"
+    ),
+  },
+  {
+    "task_id": "Mbpp/3",
+    "code": (
+      "import math\ndef is_not_prime(n):\n    result = False\n    for i in range(2,int(math.sqrt(n)) + 1):\n"
+      "        if n % i == 0:\n            result = True\n    return result"
+    ),
+    "prompt": '"""\nWrite a python function to identify non-prime numbers.\nassert is_not_prime(2) == False\n"""\n',
+    "entry_point": "is_not_prime",
+    "canonical_solution": (
+      "\nimport math\ndef is_not_prime(n):\n    if n == 1:\n        return True\n"
+      "    for i in range(2, int(math.sqrt(n))+1):\n        if n % i == 0:\n            return True\n"
+      "    return False\n"
+    ),
+    "base_input": [[2], [10], [35], [37]],
+    "plus_input": [[1], [7919], [49], [1000003]],
+    "atol": 0,
+    "assertion": (
+      "\nassert is_not_prime(2) == False\nassert is_not_prime(10) == True\nassert is_not_prime(35) == True\n"
+      "assert is_not_prime(37) == False\n"
+    ),
+  },
+  {
+    "task_id": "Mbpp/786",
+    "code": "import re\ndef text_match_three(text):\n    return re.search('ab{3}?', text)",
+    "prompt": (
+      '"""\nWrite a function that matches a string that has an a followed by three \'b\'.\n'
+      'assert not text_match_three("ac")\n"""\n'
+    ),
+    "entry_point": "text_match_three",
+    "canonical_solution": "\nimport re\ndef text_match_three(text):\n    patterns = 'ab{3}?'\n    return re.search(patterns,  text)\n",
+    "base_input": [["ac"], ["dc"], ["abbbba"], ["caacabbbba"]],
+    "plus_input": [[""], ["abbb"], ["bbbba"]],
+    "atol": 0,
+    "assertion": '\nassert not text_match_three("ac")\nassert not text_match_three("dc")\n',
+  },
+]

@@ -6,11 +6,12 @@ field names; nothing downloaded), one module each, with the format's own grader:
   mmlu_pro, mmlu_pro.ll     choices.py       MMLU-Pro: generative ("The answer is (X)") and by log-likelihood
   ifeval                    ifeval.py        IFEval: strict / loose, prompt- and instruction-level accuracy
   livecodebench[@START..END] livecodebench.py code_generation_lite rows, graded by k2jax.sandbox.verify
+  humaneval_plus, mbpp_plus evalplus.py      EvalPlus: base and plus inputs, the canonical solution's outputs
 """
 
-from k2jax.eval.formats import choices, ifeval, livecodebench, math_answers
+from k2jax.eval.formats import choices, evalplus, ifeval, livecodebench, math_answers
 
-FORMATS = {f.name: f for module in (math_answers, choices, ifeval, livecodebench) for f in module.FORMATS}
+FORMATS = {f.name: f for module in (math_answers, choices, ifeval, livecodebench, evalplus) for f in module.FORMATS}
 PARAMETRIZED = dict(livecodebench.PARAMETRIZED)  # NAME@ARG formats: NAME -> (ARG -> TaskFormat)
 
 __all__ = ["FORMATS", "PARAMETRIZED"]
