@@ -11,7 +11,9 @@ Why tokamax's Triton kernel (`tokamax.dot_product_attention(implementation="trit
   kernel's own softmax input, `logits_scale * q.k` accumulated in float32 (the kernel multiplies q by the
   scale in q's dtype before the dot: for bfloat16 inputs that rounding is in the logits the softmax sees), so per head max_{b,t valid} m[b,h,t] is QK-Clip's max logit with no second pass
   over the scores. jax's Pallas GPU attention returns only the logsumexp (the max within ln S of it);
-  cuDNN through `jax.nn.dot_product_attention` returns no statistic at all.
+  cuDNN through `jax.nn.dot_product_attention` returns no statistic at all, and jax 0.10.2 rejects MLA's
+  dims there before cuDNN sees them ("value shape should be [2, 128, 4, 192]: but got (2, 128, 4, 128)",
+  checked by lowering for cuda on this host).
 - Masks without a [B, H, T, S] tensor: packed segments become tokamax's `Mask(k_start=..., is_causal=True)`,
   one int per query (the first key of its segment), which the forward kernel reads blockwise and uses to
   skip whole kv blocks before the segment. Its backward kernel expands that mask to a [B, 1, T, S] bool
@@ -41,6 +43,8 @@ own device check off (`tokamax.config.cross_compile`) for that block only.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -67,12 +71,10 @@ def tokamax_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, *, scale, implemen
   logits = scale * q.k. Differentiable in q, k, v; the max logit is a statistic (stop_gradient).
   """
   _check(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, implementation)
-  api, tk_base = _tokamax_attention_modules()
+  op, mask_cls = _tokamax_op(implementation)
   seg_BT = segment_ids_BT.astype(jnp.int32)
-  mask = tk_base.Mask(k_start=segment_starts(seg_BT)[:, None, :], is_causal=True)
-  out_BTHV, (m_BHT, _) = api.IMPLEMENTATIONS[implementation](
-    q_BTHK, k_BTHK, v_BTHV, mask=mask, logits_scale=float(scale), return_residuals=True
-  )
+  mask = mask_cls(k_start=segment_starts(seg_BT)[:, None, :], is_causal=True)
+  out_BTHV, (m_BHT, _) = op(q_BTHK, k_BTHK, v_BTHV, mask=mask, logits_scale=float(scale), return_residuals=True)
   valid_BT = seg_BT > 0
   out_BTHV = jnp.where(valid_BT[:, :, None, None], out_BTHV, 0).astype(v_BTHV.dtype)
   max_logit_H = jnp.max(jnp.where(valid_BT[:, None, :], m_BHT.astype(jnp.float32), -jnp.inf), axis=(0, 2))
@@ -137,13 +139,20 @@ def _check(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, implementation):
     check_device()
 
 
-def _tokamax_attention_modules():
-  """tokamax's attention op table and Mask. Its public `dot_product_attention` takes neither a Mask with
-  k_start nor `return_residuals`, so this calls the op objects that function dispatches to."""
+@functools.cache
+def _tokamax_op(implementation):
+  """(tokamax's attention op for `implementation`, its Mask class). The public `dot_product_attention`
+  takes neither a Mask with k_start nor `return_residuals`, so this builds the op objects it dispatches
+  to. The Triton op keeps the stable (max-subtracting) softmax explicitly: only then is its residual m
+  the running max (with `use_stable_softmax=False` it would be 0)."""
   try:
     import_tokamax()
   except MoEGemmError as e:
     raise GpuAttentionError(f"{e}; or use {FALLBACK}") from e
-  from tokamax._src.ops.attention import api, base
+  from tokamax._src.ops.attention import base
 
-  return api, base
+  if implementation == "xla":
+    return base.DotProductAttention(), base.Mask
+  from tokamax._src.ops.attention import pallas_triton
+
+  return pallas_triton.PallasTritonFlashAttention(use_stable_softmax=True), base.Mask

@@ -23,8 +23,8 @@ and [B, 8, T] (keys), as in jax's own TPU flash/splash kernels. Lengths that are
 block are padded with segment id 0 and sliced off. On CPU the same kernel runs with
 `pallas_call(interpret=True)` (tests).
 
-`impl="xla"` is the documented GPU fallback (Mosaic TPU kernels do not run on GPU, and no Triton
-version is written or measured): the same algorithm and custom VJP in plain JAX, a `lax.scan` over kv
+`impl="xla"` is the documented GPU fallback (`attention='flash_xla'`; the GPU kernel is tokamax's Triton
+flash attention, `k2jax.model.attention_gpu`): the same algorithm and custom VJP in plain JAX, a `lax.scan` over kv
 blocks for the forward and for the backward, each step holding [B, H, T, block_k] logits, so memory
 stays linear in T (it computes blocks above the diagonal too, masked).
 """
