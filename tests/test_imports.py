@@ -109,3 +109,56 @@ def test_the_checker_resolves_relative_and_submodule_imports(tmp_path):
   assert _layer_key("k2jax.synth.llm") == "synth" and _layer_key("k2jax.data.chat") == "data"
   assert _layer_key("k2jax.rl.rewards.math") == "rl.rewards" and _layer_key("k2jax.rl.learner") == "rl"
   assert _layer_key("k2jax") == "api" and _layer_key("k2jax.engine.http") == "engine"
+
+
+def import_graph() -> dict[str, set[str]]:
+  """k2jax module -> the k2jax modules it imports (every import: module level, in functions, TYPE_CHECKING)."""
+  graph = {}
+  for path in sorted(ROOT.rglob("*.py")):
+    module = _module_name(path)
+    graph[module] = _imported(path, module) - {module}
+  return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One import circle of `graph` as [a, b, ..., a], or None (iterative depth-first search)."""
+  state: dict[str, int] = {}  # 1: on the current path, 2: done
+  for root in sorted(graph):
+    if root in state:
+      continue
+    path, stack = [root], [iter(sorted(graph.get(root, ())))]
+    state[root] = 1
+    while stack:
+      nxt = next(stack[-1], None)
+      if nxt is None:
+        state[path.pop()] = 2
+        stack.pop()
+      elif state.get(nxt) == 1:
+        return path[path.index(nxt) :] + [nxt]
+      elif nxt not in state:
+        state[nxt] = 1
+        path.append(nxt)
+        stack.append(iter(sorted(graph.get(nxt, ()))))
+  return None
+
+
+def test_no_import_circle():
+  graph = import_graph()
+  assert len(graph) > 100 and graph["k2jax.engine.admission"] >= {"k2jax.engine.requests"}
+  cycle = find_cycle(graph)
+  assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_circles_through_function_and_type_checking_imports(tmp_path):
+  a, b, c = (tmp_path / f"{n}.py" for n in "abc")
+  a.write_text("from k2jax.engine import b\n")
+  b.write_text("def f():\n  from k2jax.engine.c import X\n")
+  c.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n  import k2jax.engine.a\n")
+  graph = {f"k2jax.engine.{p.stem}": _imported(p, f"k2jax.engine.{p.stem}") for p in (a, b, c)}
+  # b's `from k2jax.engine.c import X` names c itself (c is not a file under k2jax/: it resolves to the module)
+  assert graph["k2jax.engine.b"] == {"k2jax.engine.c"} and graph["k2jax.engine.c"] == {"k2jax.engine.a"}
+  graph["k2jax.engine.a"] = {"k2jax.engine.b"}  # `from k2jax.engine import b`: b is no real submodule here
+  assert find_cycle(graph) == ["k2jax.engine.a", "k2jax.engine.b", "k2jax.engine.c", "k2jax.engine.a"]
+  graph["k2jax.engine.c"] = set()
+  assert find_cycle(graph) is None
+  assert find_cycle({"x": {"y"}, "y": {"y", "z"}}) == ["y", "y"]

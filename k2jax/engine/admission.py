@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from k2jax.engine.requests import Live, sampling_of
-from k2jax.engine.scored import apply_scores
+from k2jax.engine.requests import Live, apply_scores, sampling_of
 
 log = logging.getLogger("k2jax.engine.inference")
 

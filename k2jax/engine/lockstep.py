@@ -26,8 +26,8 @@ import logging
 import jax
 import numpy as np
 
-from k2jax.engine.runner import ModelRunner, sampling_arrays
-from k2jax.engine.sampling import Sampled, SamplingArrays
+from k2jax.engine.runner import ModelRunner
+from k2jax.engine.sampling import Sampled, SamplingArrays, sampling_arrays
 
 log = logging.getLogger(__name__)
 

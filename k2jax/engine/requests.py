@@ -16,8 +16,7 @@ import threading
 from typing import Callable, Sequence
 
 from k2jax.engine.base import GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
-from k2jax.engine.runner import sampling_arrays
-from k2jax.engine.sampling import Sampled, SamplingArrays
+from k2jax.engine.sampling import Sampled, SamplingArrays, sampling_arrays
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +102,21 @@ def sampling_of(lives: Sequence[Live | None]) -> SamplingArrays:
     [p[1] for p in params],
     [p[2] for p in params],
   )
+
+
+def apply_scores(lives: Sequence[Live], scores) -> None:
+  """Sets each live's prompt logprobs (from its logprob_start_len on; position 0's is None, it has no
+  context) and top logprobs (position p's: row p - 1 of the program's, () for position 0) from the
+  per-row (token_lp [n - 1], top_ids [n, k], top_lp [n, k]) that `ModelRunner.prefill_scored` returns."""
+  for live, (token_lp, top_ids, top_lp) in zip(lives, scores):
+    start = live.request.logprob_start_len
+    lps = [None] + token_lp.tolist()
+    if top_ids.shape[1] == 1:  # likelihood scoring's one top logprob: no per-position zip
+      tops = [()] + [((i, v),) for i, v in zip(top_ids[:-1, 0].tolist(), top_lp[:-1, 0].tolist())]
+    else:
+      ids, lp = top_ids[:-1].tolist(), top_lp[:-1].tolist()
+      tops = [()] + [tuple(zip(i, v)) for i, v in zip(ids, lp)]
+    live.input_logprobs, live.input_tops = tuple(lps[start:]), tuple(tops[start:])
 
 
 def finish_reason(

@@ -25,7 +25,7 @@ from flax import nnx
 from k2jax import distributed
 from k2jax.engine import decode
 from k2jax.engine.placement import Placement, place
-from k2jax.engine.sampling import Sampled, SamplingArrays, sample
+from k2jax.engine.sampling import Sampled, SamplingArrays, sample, sampling_arrays  # rl.aot reads the last here
 from k2jax.engine.scored import jit_scored
 from k2jax.model.transformer import K2Model
 
@@ -410,17 +410,6 @@ def _pad_rows(s: SamplingArrays, R: int) -> SamplingArrays:
   if pad == 0:
     return s
   return SamplingArrays(*(np.concatenate([np.asarray(a), np.asarray(g)]) for a, g in zip(s, _greedy(pad))))
-
-
-def sampling_arrays(temperature, top_p, top_k, seed, position) -> SamplingArrays:
-  """Host lists/arrays -> SamplingArrays with the dtypes the compiled steps expect."""
-  return SamplingArrays(
-    np.asarray(temperature, np.float32),
-    np.asarray(top_p, np.float32),
-    np.asarray(top_k, np.int32),
-    np.asarray(seed, np.uint32),
-    np.asarray(position, np.int32),
-  )
 
 
 def _greedy(n: int) -> SamplingArrays:

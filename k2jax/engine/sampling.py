@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class SamplingArrays(NamedTuple):
@@ -42,6 +43,17 @@ class Sampled(NamedTuple):
   logprobs: jnp.ndarray  # [B] float32
   top_ids: jnp.ndarray  # [B, N] int32: the N most likely tokens
   top_logprobs: jnp.ndarray  # [B, N] float32
+
+
+def sampling_arrays(temperature, top_p, top_k, seed, position) -> SamplingArrays:
+  """Host lists/arrays -> SamplingArrays with the dtypes the compiled steps expect."""
+  return SamplingArrays(
+    np.asarray(temperature, np.float32),
+    np.asarray(top_p, np.float32),
+    np.asarray(top_k, np.int32),
+    np.asarray(seed, np.uint32),
+    np.asarray(position, np.int32),
+  )
 
 
 def sample(logits_BS: jnp.ndarray, params: SamplingArrays, num_top: int) -> Sampled:

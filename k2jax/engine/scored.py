@@ -1,6 +1,7 @@
 """Prompt scoring in the prefill: the program that prefills whole prompts and returns, from the same forward
 pass, each prompt token's logprob and every position's top logprobs (what `/v1/completions` echo, `/generate`
-`logprob_start_len` and `k2jax.eval.scoring.EngineScorer` read), and what the engine does with its output.
+`logprob_start_len` and `k2jax.eval.scoring.EngineScorer` read); `requests.apply_scores` hands its output to
+the requests.
 
 A scored row always starts at position 0 of its slot (no prefix reuse: every position's logits come from
 this pass), so the program reads no cache row: each token attends to the new tokens before it only
@@ -15,7 +16,7 @@ not a top_k. Single device only (`ModelRunner.scores_prompts`).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +24,6 @@ from flax import nnx
 
 from k2jax.engine import decode
 from k2jax.engine.sampling import sample
-
-if TYPE_CHECKING:  # requests.py imports runner.py, which imports this module
-  from k2jax.engine.requests import Live
 
 
 def jit_scored(graphdef, num_top: int) -> dict[int, Callable]:
@@ -97,18 +95,3 @@ def write_fresh(cache: dict, entries: dict, slots_R, valid_RT) -> dict:
     return a
 
   return {name: jax.tree.map(put, cache[name], entries[name]) for name in cache}
-
-
-def apply_scores(lives: "list[Live]", scores) -> None:
-  """Sets each live's prompt logprobs (from its logprob_start_len on; position 0's is None, it has no
-  context) and top logprobs (position p's: row p - 1 of the program's, () for position 0) from the
-  per-row (token_lp [n - 1], top_ids [n, k], top_lp [n, k]) that `ModelRunner.prefill_scored` returns."""
-  for live, (token_lp, top_ids, top_lp) in zip(lives, scores):
-    start = live.request.logprob_start_len
-    lps = [None] + token_lp.tolist()
-    if top_ids.shape[1] == 1:  # likelihood scoring's one top logprob: no per-position zip
-      tops = [()] + [((i, v),) for i, v in zip(top_ids[:-1, 0].tolist(), top_lp[:-1, 0].tolist())]
-    else:
-      ids, lp = top_ids[:-1].tolist(), top_lp[:-1].tolist()
-      tops = [()] + [tuple(zip(i, v)) for i, v in zip(ids, lp)]
-    live.input_logprobs, live.input_tops = tuple(lps[start:]), tuple(tops[start:])

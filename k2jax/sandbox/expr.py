@@ -34,6 +34,7 @@ from k2jax.sandbox.expr_rules import (
   Budget,
   EvalError,
   LimitError,
+  Meter,
   _Function,
   _iterable,
   _numbers,
@@ -71,29 +72,18 @@ class Slot(ast.expr):
     self.kind, self.index = kind, index
 
 
-class Evaluator:
+class Evaluator(Meter):
   """Evaluates one trusted AST (the test's) over `slots`; `names` maps test constants to values."""
 
   def __init__(self, budget: Budget, slots: Mapping[tuple[str, int], Any] = {}, names: Mapping[str, Any] = {}):
-    self.budget, self.slots, self.names = budget, slots, names
+    super().__init__(budget)
+    self.slots, self.names = slots, names
 
   def __call__(self, node: ast.AST) -> Any:
     method = getattr(self, "_" + type(node).__name__, None)
     if method is None:
       raise EvalError(f"`{_src(node)}`: {type(node).__name__} is not evaluated by the grader")
     return method(node)
-
-  def check(self, value: Any) -> Any:
-    if type(value) is int and value.bit_length() > MAX_INT_BITS:
-      raise LimitError(f"an int of {value.bit_length()} bits (grader cap {MAX_INT_BITS})")
-    n = items(value, self.budget.max_items)
-    if n > self.budget.max_items:
-      raise LimitError(f"a value of more than {self.budget.max_items} items (grader cap)")
-    return value
-
-  def need(self, n: int, what: str) -> None:
-    if n > self.budget.max_items:
-      raise LimitError(f"{what} would build about {n} items (grader cap {self.budget.max_items})")
 
   # Leaves.
   def _Slot(self, node: Slot) -> Any:

@@ -1,7 +1,7 @@
 """What the grader may compute (`expr.Evaluator`'s tables): operators, builtins, `math`, methods of plain types.
 
 Every rule that can build a value larger than a constant factor of its inputs checks the result's size
-before computing it (`Evaluator.need`, `items`), and conversions that are quadratic past a size (int <->
+before computing it (`Meter.need`, `items`), and conversions that are quadratic past a size (int <->
 decimal str) refuse past it. `%` applies to numbers only: on a str it would format a program-chosen spec.
 """
 
@@ -12,10 +12,7 @@ import dataclasses
 import math
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the evaluator imports these tables; the rules only call its size checks
-  from k2jax.sandbox.expr import Evaluator
+from typing import Any
 
 MAX_INT_BITS = 1 << 16  # ints the grader builds; multiplying two of these stays microseconds
 MAX_STR_DIGITS = 4300  # int <-> decimal str conversion is quadratic past this (CPython's own default cap)
@@ -56,6 +53,26 @@ def items(v: Any, cap: int) -> int:
   return total
 
 
+class Meter:
+  """The size checks against one `Budget` that the rules call (`expr.Evaluator` is one: the rules see only
+  this part of it, so this module never imports the evaluator)."""
+
+  def __init__(self, budget: Budget):
+    self.budget = budget
+
+  def check(self, value: Any) -> Any:
+    if type(value) is int and value.bit_length() > MAX_INT_BITS:
+      raise LimitError(f"an int of {value.bit_length()} bits (grader cap {MAX_INT_BITS})")
+    n = items(value, self.budget.max_items)
+    if n > self.budget.max_items:
+      raise LimitError(f"a value of more than {self.budget.max_items} items (grader cap)")
+    return value
+
+  def need(self, n: int, what: str) -> None:
+    if n > self.budget.max_items:
+      raise LimitError(f"{what} would build about {n} items (grader cap {self.budget.max_items})")
+
+
 PLAIN_TYPES = {t.__name__: t for t in (int, float, bool, str, bytes, list, tuple, dict, set, frozenset, range)}
 
 
@@ -76,7 +93,7 @@ def _numbers(what: str, *vs) -> None:
       raise EvalError(f"{what} on a {type(v).__name__} (the grader applies it to numbers only)")
 
 
-def _add(ev: Evaluator, a, b):
+def _add(ev: Meter, a, b):
   if type(a) in (int, float, bool) and type(b) in (int, float, bool):
     return a + b
   if type(a) is type(b) and type(a) in (str, bytes, list, tuple):
@@ -85,7 +102,7 @@ def _add(ev: Evaluator, a, b):
   raise EvalError(f"+ between {type(a).__name__} and {type(b).__name__}")
 
 
-def _mul(ev: Evaluator, a, b):
+def _mul(ev: Meter, a, b):
   if type(a) in (int, float, bool) and type(b) in (int, float, bool):
     if type(a) is int and type(b) is int and a.bit_length() + b.bit_length() > MAX_INT_BITS:
       raise LimitError(f"an int product of about {a.bit_length() + b.bit_length()} bits (grader cap {MAX_INT_BITS})")
@@ -97,7 +114,7 @@ def _mul(ev: Evaluator, a, b):
   raise EvalError(f"* between {type(a).__name__} and {type(b).__name__}")
 
 
-def _pow(ev: Evaluator, a, b):
+def _pow(ev: Meter, a, b):
   _numbers("**", a, b)
   if type(a) is int and type(b) is int and b > 0 and abs(a) > 1 and a.bit_length() * b > MAX_INT_BITS:
     raise LimitError(f"an int power of about {a.bit_length() * b} bits (grader cap {MAX_INT_BITS})")
@@ -107,7 +124,7 @@ def _pow(ev: Evaluator, a, b):
     raise EvalError(f"** overflows: {e}") from e
 
 
-def _lshift(ev: Evaluator, a, b):
+def _lshift(ev: Meter, a, b):
   if type(a) not in (int, bool) or type(b) not in (int, bool):
     raise EvalError("<< on non-ints")
   if a and a.bit_length() + b > MAX_INT_BITS:
@@ -172,7 +189,7 @@ class _Function:
   name: str
   fn: Callable
 
-  def __call__(self, ev: Evaluator, args: list, kwargs: dict) -> Any:
+  def __call__(self, ev: Meter, args: list, kwargs: dict) -> Any:
     try:
       return self.fn(ev, *args, **kwargs)
     except EvalError:
@@ -181,7 +198,7 @@ class _Function:
       raise EvalError(f"{self.name}(): {type(e).__name__}: {e}"[:200]) from e
 
 
-def _iterable(ev: Evaluator, v, what: str):
+def _iterable(ev: Meter, v, what: str):
   if type(v) is range:
     ev.need(len(v), f"{what}(range)")
   elif type(v) not in (
