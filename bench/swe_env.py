@@ -72,6 +72,9 @@ def _episode(env_cfg, pool, root, inst, files) -> tuple[float, float]:
 
 
 def _leaks(pool) -> tuple[int, int, int]:
+  """(live workspaces, dirs that are neither ready nor live, processes naming this run's temp dir) once the
+  pool's prepare workers are idle: a copy still being made is not a leak, one left behind is."""
+  pool.wait_idle()
   c = pool.counts()
   stray = len(
     [
@@ -86,7 +89,7 @@ def _leaks(pool) -> tuple[int, int, int]:
       procs += tempfile.gettempdir() in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
     except OSError:
       pass
-  return c["live"], c["dirs"] - c["ready"] - c["live"] + stray, procs
+  return c["live"], c["dirs"] - c["ready"] - c["live"] - c["preparing"] + stray, procs
 
 
 def main(argv):

@@ -73,6 +73,11 @@ class WorkspacePool:
       path = self._make(key)
     with self._lock:
       self._live.add(path)
+      closed = self._closed
+    if closed:  # closed while copying: the copy goes, and the root its copy may have made again
+      self.release(Workspace(path, key, 0.0))
+      self._drop_root_if_closed()
+      raise RuntimeError("workspace pool is closed")
     self._refill(key)
     return Workspace(path, key, time.monotonic() - t0)
 
@@ -82,9 +87,23 @@ class WorkspacePool:
     shutil.rmtree(ws.path, ignore_errors=True)
 
   def counts(self) -> dict[str, int]:
+    """ready / live copies, copies being prepared, and the dirs under the pool's root (a dir that is none of
+    the three is a leak)."""
     with self._lock:
       ready = sum(len(q) for q in self._ready.values())
-      return {"ready": ready, "live": len(self._live), "dirs": len(os.listdir(self.root))}
+      preparing = sum(self._pending.values())
+      return {"ready": ready, "live": len(self._live), "preparing": preparing, "dirs": len(os.listdir(self.root))}
+
+  def wait_idle(self, timeout_s: float = 60.0) -> bool:
+    """Waits until no copy is being prepared (False if some still are after `timeout_s`): counts taken then
+    are exact (a copy in progress is a dir that is neither ready nor live)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      with self._lock:
+        if not any(self._pending.values()):
+          return True
+      time.sleep(0.01)
+    return False
 
   def close(self) -> None:
     with self._lock:
@@ -95,22 +114,42 @@ class WorkspacePool:
   def _make(self, key: str) -> str:
     path = tempfile.mkdtemp(prefix="ws-", dir=self.root)
     os.rmdir(path)
-    snapshot.copy_tree(key, path)
-    prepare_workspace(path)
+    try:
+      snapshot.copy_tree(key, path)
+      prepare_workspace(path)
+    except BaseException:  # a copy cut short (disk full, a file gone, the pool closed) is deleted
+      shutil.rmtree(path, ignore_errors=True)
+      self._drop_root_if_closed()
+      raise
     return path
+
+  def _drop_root_if_closed(self) -> None:
+    """After `close()`: deletes the root again (a copy running past `close()` makes it anew: copytree
+    creates its destination's parents)."""
+    with self._lock:
+      closed = self._closed
+    if closed:
+      shutil.rmtree(self.root, ignore_errors=True)
 
   def _refill(self, key: str) -> None:
     with self._lock:
+      if self._closed:
+        return
       have = len(self._ready.get(key, ())) + self._pending[key]
-      want = self.config.ready_per_instance - have
-      self._pending[key] += max(want, 0)
-    for _ in range(max(want, 0)):
-      self._workers.submit(self._prepare_one, key)
+      want = max(self.config.ready_per_instance - have, 0)
+      self._pending[key] += want
+    for k in range(want):
+      try:
+        self._workers.submit(self._prepare_one, key)
+      except RuntimeError:  # closed meanwhile: the copies not submitted are not pending
+        with self._lock:
+          self._pending[key] -= want - k
+        return
 
   def _prepare_one(self, key: str) -> None:
     try:
       path = self._make(key)
-    except OSError:
+    except Exception:  # noqa: BLE001  _make deleted what it copied; acquire makes its own when none is ready
       with self._lock:
         self._pending[key] -= 1
       return

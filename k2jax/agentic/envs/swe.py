@@ -107,19 +107,27 @@ class SweEnv(ToolEnvironment):
     self.close()
     t0 = time.monotonic()
     self.ws = self.pool.acquire(instance.snapshot_dir(root))
-    obs = super().reset(task)
-    self.state.update(instance=instance, root=root, deadline=t0 + self.config.episode_timeout_s, history={})
-    self.state["ready_s"] = self.ws.ready_s
+    try:
+      obs = super().reset(task)
+      self.state.update(instance=instance, root=root, deadline=t0 + self.config.episode_timeout_s, history={})
+      self.state["ready_s"] = self.ws.ready_s
+    except BaseException:  # a reset that fails gives its workspace back: no caller has to close it
+      self.close()
+      raise
     return obs
 
   def step(self, action: Mapping[str, Any]) -> StepResult:
     if self.ws is None:
       raise ValueError("SweEnv: step before reset")
-    result = super().step(action)
-    late = time.monotonic() > self.state["deadline"]
-    if not result.done and (self.state.get("finished") or late):
-      reward, details = self.score(self.task, self.state, action)
-      return StepResult(result.observation, reward, True, {**result.info, **details, "out_of_time": late})
+    try:
+      result = super().step(action)
+      late = time.monotonic() > self.state["deadline"]
+      if not result.done and (self.state.get("finished") or late):
+        reward, details = self.score(self.task, self.state, action)
+        return StepResult(result.observation, reward, True, {**result.info, **details, "out_of_time": late})
+    except BaseException:  # the episode is over (its caller records the error): its workspace goes now
+      self.close()
+      raise
     return result
 
   def score(self, task, state, final) -> tuple[float, dict]:
@@ -135,9 +143,9 @@ class SweEnv(ToolEnvironment):
     return reward, details
 
   def close(self) -> None:
-    if self.ws is not None:
-      self.pool.release(self.ws)
-      self.ws = None
+    ws, self.ws = self.ws, None
+    if ws is not None:
+      self.pool.release(ws)
 
   # ---- tools ---------------------------------------------------------------------------------------
   def _run_bash(self, args, net, state) -> str:
