@@ -1,6 +1,7 @@
 """Colocated RL across processes: `launch/rl.py` as 2 JAX processes x 4 fake CPU devices with no engine URL
 runs the embedded engine on the trainer's 8 devices (serving preset tp_ep, its loops in lockstep) and equals
-the 1-process 8-device run: rollout tokens, engine logprobs (<= 1e-5) and updated params (<= 1e-5), the
+the 1-process 8-device run: rollout tokens, engine logprobs (<= 1e-5) and updated params (<= 1e-5 but where
+AdamW turns a rounding-level gradient into a +-lr step: `_assert_close_as_guaranteed`), the
 2 processes under the second host configuration (tests/xla_flags.py SECOND_HOST: single-threaded dots), so
 floats that differ by rounding across layouts and intra-op splits must still give the same tokens (the
 sampler is continuous in the logits: k2jax.engine.sampling) on every host; the
@@ -94,6 +95,29 @@ def _max_diff(a, b):
   return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in zip(a, b))
 
 
+# The run's learning rates (warm start, RL: configs/rl.py tiny's k2jax.rl.config defaults) and step counts.
+LR_STEPS = ((0.01, FLAGS["warm_start.steps"]), (0.003, FLAGS["iterations"]))
+
+
+def _assert_close_as_guaranteed(pa, pb, tol=1e-5, frac=1e-3):
+  """Params of two layouts: within `tol` everywhere but at most `frac` of the entries, and those within the
+  per-entry bound of the updates (2 x the sum of lr x steps). What the layouts guarantee and no more: AdamW's
+  update m/(sqrt(v)+eps) is about +-lr whatever a gradient's size, so an entry whose gradient is at rounding
+  level (an embedding row a token reached by a hair) moves by +-lr with a sign that rounding picks. Measured
+  with the per-rank sampler (a different batch): 191 of 262144 embedding entries off by up to 1.5e-3, every
+  other leaf within 1.04e-5."""
+  bound = 2 * sum(lr * steps for lr, steps in LR_STEPS)
+  total = over = 0
+  for path, x in jax.tree_util.tree_flatten_with_path(pa)[0]:
+    y = pb
+    for k in path:
+      y = y[k.key]
+    d = np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))
+    assert float(d.max()) <= bound, (jax.tree_util.keystr(path), float(d.max()), bound)
+    total, over = total + d.size, over + int((d > tol).sum())
+  assert over <= frac * total, (over, total)
+
+
 def test_two_process_colocated_rl_equals_one_process_and_one_resumes_after_sigkill(tmp_path):
   cache = launcher_cache()  # shared with tests/rl/test_rl_processes.py's runs (tests/xla_flags.py)
   one, two, killed = (str(tmp_path / n) for n in ("one", "two", "killed"))
@@ -107,7 +131,7 @@ def test_two_process_colocated_rl_equals_one_process_and_one_resumes_after_sigki
   step_a, pa = _params(one)
   step_b, pb = _params(two)
   assert step_a == step_b == 2
-  assert _max_diff(jax.tree.leaves(pa), jax.tree.leaves(pb)) <= 1e-5
+  _assert_close_as_guaranteed(pa, pb)
   # The second generation ran on the weights pushed after the first update.
   ma = [r for r in _metrics(one) if "phase" not in r]
   first_push = ma[0]["weight_version"]
