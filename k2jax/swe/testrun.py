@@ -187,7 +187,7 @@ import os, sys
 
 
 def _harness():
-    import ast, builtins, ctypes, json, pathlib, types
+    import ast, builtins, ctypes, json, operator, pathlib, types
     raw = bytearray()
     while chunk := os.read(0, 1 << 16):
         raw += chunk
@@ -204,6 +204,7 @@ def _harness():
     write, dumps, realpath, walk, join, _exit = os.write, json.dumps, os.path.realpath, os.walk, os.path.join, os._exit
     _id, _type, _vars, _callable, _isinstance, _getattr, _list, _sorted = (
         id, type, vars, callable, isinstance, getattr, list, sorted)
+    _dict, _len, _all, _map, is_ = dict, len, all, map, operator.is_
     gettrace, getprofile, modules = sys.gettrace, sys.getprofile, sys.modules
     ModuleType, FunctionType = types.ModuleType, types.FunctionType
 
@@ -225,8 +226,17 @@ def _harness():
     tool_dirs = tuple(realpath(t) + os.sep for t in tools)
     testbed_dir = realpath(testbed) + os.sep
 
+    tool_files = {}
+
     def tool_file(f):
-        return _isinstance(f, str) and realpath(f).startswith(tool_dirs)
+        """Whether `f` is a file of the read-only tools. Cached per exact str: realpath per call was most of
+        the checks' time, and what a path under the read-only tools resolves to cannot change."""
+        if _type(f) is not str:  # a str subclass may hash or compare as it likes: never cached
+            return _isinstance(f, str) and realpath(f).startswith(tool_dirs)
+        hit = tool_files.get(f)
+        if hit is None:
+            hit = tool_files[f] = realpath(f).startswith(tool_dirs)
+        return hit
 
     # Every test and conftest file as it is before any code of the repository runs.
     sources, size = {}, 0
@@ -268,24 +278,63 @@ def _harness():
             compiled[path] = out
         return compiled[path]
 
-    def fingerprint():
-        """The identity of every function and class (and class member) of the tools' modules, and builtins."""
-        out = {}
+    def snapshot():
+        """Copies of the namespaces of the tools' modules and of every class they hold, builtins and sys's
+        hooks: dict copies in C, so taking one costs little; `fingerprint` reads its identities."""
+        mods, classes = {}, {}
         for name, mod in _list(modules.items()):
             if mod is None or not tool_file(_getattr(mod, "__file__", None)):
                 continue
-            for key, val in _list(_vars(mod).items()):
+            ns = _dict(_vars(mod))
+            held = [v for v in ns.values() if _isinstance(v, _type)]
+            for cls in held:
+                if _id(cls) not in classes:
+                    classes[_id(cls)] = (cls, _dict(_vars(cls)))
+            mods[name] = (mod, ns, held)
+        hooks = {k: _getattr(sys, k, None) for k in ("settrace", "setprofile", "gettrace", "getprofile", "exit",
+                                                     "_getframe", "excepthook")}
+        return {"mods": mods, "classes": classes, "builtins": _dict(_vars(builtins)), "sys": hooks}
+
+    def fingerprint(snap, names):
+        """{(module, name): function or class, (module, class, member): member} of modules `names` of a
+        snapshot, the identity of every function and class (and class member) they hold."""
+        out = {}
+        for name in names:
+            entry = snap["mods"].get(name)
+            if entry is None:
+                continue
+            for key, val in _list(entry[1].items()):
                 if _callable(val):
                     out[(name, key)] = val
                     if _isinstance(val, _type):
-                        for k2, v2 in _list(_vars(val).items()):
+                        for k2, v2 in _list(snap["classes"][_id(val)][1].items()):
                             if _callable(v2) or _isinstance(v2, (staticmethod, classmethod, property)):
                                 out[(name, key, k2)] = v2
-        for key, val in _list(_vars(builtins).items()):
-            out[("builtins", key)] = val
-        for key in ("settrace", "setprofile", "gettrace", "getprofile", "exit", "_getframe", "excepthook"):
-            out[("sys", key)] = _getattr(sys, key, None)
         return out
+
+    def same(a, b):
+        """The same keys and values, in the same order, by identity (in C): no equality a value defines."""
+        return _len(a) == _len(b) and _all(_map(is_, a, b)) and _all(_map(is_, a.values(), b.values()))
+
+    def changes(before, after):
+        """What differs between two snapshots, as the full fingerprints of both would say, read in full only
+        for the modules whose namespace, or a class they hold, is not the same objects as before."""
+        names = []
+        for name, (mod, ns, held) in _list(before["mods"].items()):
+            now = after["mods"].get(name)
+            if (now is None or now[0] is not mod or not same(ns, now[1]) or _len(held) != _len(now[2])
+                    or not _all(_map(is_, held, now[2]))
+                    or not _all(same(before["classes"][_id(c)][1], after["classes"][_id(c)][1]) for c in held)):
+                names.append(name)
+        old, new = fingerprint(before, names), fingerprint(after, names)
+        for part in ("builtins", "sys"):
+            old.update({(part, k): v for k, v in before[part].items()})
+            new.update({(part, k): v for k, v in after[part].items()})
+        missing = object()
+        changed = [str(k) for k, v in old.items() if new.get(k, missing) is not v and not from_tools(new.get(k))]
+        added = [str(k) for k, v in new.items() if k not in old and _len(k) == 2 and k[0] != "builtins"
+                 and k[0] in before["mods"] and not from_tools(v)]
+        return _sorted(changed + added)
 
     def from_tools(obj):
         """pytest's own plugins patch pytest at configure time (legacypath): with functions of the tools."""
@@ -362,7 +411,7 @@ def _harness():
             if state["pm"] is None:  # the first call is the replay of pytest's own plugins, before any conftest
                 state["pm"] = manager
                 state["pm_attrs"] = {k: _id(v) for k, v in _list(_vars(manager).items()) if _callable(v)}
-                state["before"] = fingerprint()
+                state["before"] = snapshot()
             why = verdict_on(plugin, manager.get_name(plugin))
             if why is not None:
                 breach(f"a plugin was registered during the run: {why}")
@@ -421,15 +470,9 @@ def _harness():
         if pm is None or session.config.pluginmanager is not pm:
             breach("the plugin manager is not the one the run started with")
             return
-        after = fingerprint()
-        missing = object()
-        changed = _sorted(str(k) for k, v in state["before"].items()
-                          if after.get(k, missing) is not v and not from_tools(after.get(k)))
-        old_modules = {k[0] for k in state["before"]}
-        added = _sorted(str(k) for k, v in after.items() if k not in state["before"] and len(k) == 2
-                        and k[0] != "builtins" and k[0] in old_modules and not from_tools(v))
-        if changed or added:
-            breach(f"pytest, pluggy or builtins were changed during the run: {(changed + added)[:5]}")
+        changed = changes(state["before"], snapshot())
+        if changed:
+            breach(f"pytest, pluggy or builtins were changed during the run: {changed[:5]}")
         attrs = {k: _id(v) for k, v in _list(_vars(pm).items()) if _callable(v)}
         if attrs != state["pm_attrs"]:
             breach("the plugin manager's call path was replaced")
