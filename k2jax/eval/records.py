@@ -56,6 +56,9 @@ class TaskFormat:
   separator: str = "\n\n"  # between few-shot examples and the question
   grade: Grader | None = None  # the format's own grader (formats/); None: grading.py's
   votes: bool = False  # samples carry an answer maj@k votes on
+  # maj@k's equivalence of two answers (the grader's: "\\frac12" and "0.5" are one answer); None: equal strings.
+  same: Callable[[str, str], bool] | None = None
+  version: str = "1"  # of the grader and format: in every sample's fingerprint (a new grader never reuses old verdicts)
   # Task metrics beyond the per-doc ones (pass@k, mean@k, ...): (every doc's samples) -> {metric: value}.
   aggregate: Callable[[list[list[dict]]], dict[str, float]] | None = None
 
