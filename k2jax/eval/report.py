@@ -9,39 +9,48 @@ from typing import Any
 import numpy as np
 
 from k2jax.eval import metrics
-from k2jax.eval.formats import FORMATS as BENCHMARK_FORMATS
-from k2jax.eval.grading import UNGRADABLE
+from k2jax.eval.records import TaskFormat
+from k2jax.eval.verdict import UNGRADABLE
 
 
 def task_report(
-  name: str, fmt: str, kind: str, path: str, doc_records: Sequence[tuple[str, list[dict]]], ks: Sequence[int]
+  name: str, fmt: TaskFormat, path: str, doc_records: Sequence[tuple[str, list[dict]]], ks: Sequence[int]
 ) -> dict[str, Any]:
-  """One task's section: `doc_records` is (doc_id, its samples in index order) per doc."""
+  """One task's section: `doc_records` is (doc_id, its samples in index order) per doc. Each metric comes with
+  its standard error over problems and the number of problems behind it (`count`)."""
   docs, rows = [], []
+  votes = fmt.name in VOTING_FORMATS or fmt.votes
   for doc_id, samples in doc_records:
-    if kind == "choice":
+    if fmt.kind == "choice":
       (rec,) = samples
       row = {"acc": rec["acc"], "acc_norm": rec["acc_norm"]}
     else:
-      votes = fmt in VOTING_FORMATS or (fmt in BENCHMARK_FORMATS and BENCHMARK_FORMATS[fmt].votes)
       answers = [s["answer"] for s in samples] if votes else None
-      row = metrics.problem_metrics([s["score"] for s in samples], answers, ks)
+      try:
+        row = metrics.problem_metrics([s["score"] for s in samples], answers, ks, fmt.same)
+      except ValueError as e:
+        raise ValueError(f"task {name!r}: {e}") from None
     rows.append(row)
     docs.append({"doc_id": doc_id, "metrics": row, "samples": samples})
   values = metrics.average(rows)
-  own = BENCHMARK_FORMATS[fmt].aggregate if fmt in BENCHMARK_FORMATS else None
-  if own is not None and doc_records:  # a format's task-level metrics (IFEval's instruction-level accuracy)
-    values.update(own([samples for _, samples in doc_records]))
+  count = {k: sum(k in r for r in rows) for k in values}
+  if fmt.aggregate is not None and doc_records:  # a format's task-level metrics (IFEval's instruction-level accuracy)
+    own = fmt.aggregate([samples for _, samples in doc_records])
+    values.update(own)
+    count.update({k: len(doc_records) for k in own})
   out = {
-    "format": fmt,
+    "format": fmt.name,
+    "version": fmt.version,
     "path": path,
     "num_docs": len(docs),
     "n": len(doc_records[0][1]) if doc_records else 0,
+    "num_samples": sum(len(ss) for _, ss in doc_records),
     "metrics": values,
     "stderr": {k: _stderr([r[k] for r in rows if k in r]) for k in values},
+    "count": count,
     "docs": docs,
   }
-  if kind == "generate":
+  if fmt.kind == "generate":
     out["ungradable_samples"] = sum(s["reason"].startswith(UNGRADABLE) for _, ss in doc_records for s in ss)
   return out
 
@@ -51,14 +60,21 @@ VOTING_FORMATS = ("gsm8k", "math", "answer.exact", "answer.math")
 
 
 def markdown(report: dict[str, Any]) -> str:
-  lines = ["| task | format | docs | n | metric | value | stderr |", "|---|---|---:|---:|---|---:|---:|"]
+  """The metrics table: a row per task and metric, with its stderr, the problems behind it and the grader's
+  version; the model and its content fingerprint above it."""
+  model = report.get("model")
+  lines = [f"model: {model['name']} (fingerprint {model['fingerprint']})", ""] if model else []
+  lines += [
+    "| task | format | docs | n | metric | value | stderr | count | version |",
+    "|---|---|---:|---:|---|---:|---:|---:|---|",
+  ]
   for name, t in report["tasks"].items():
     for metric, value in t["metrics"].items():
       err = t["stderr"][metric]
       lines.append(
         f"| {name} | {t['format']} | {t['num_docs']} | {t['n']} | {metric} | {value:.4f} | "
         + ("-" if err is None else f"{err:.4f}")
-        + " |"
+        + f" | {t['count'][metric]} | {t['version']} |"
       )
   return "\n".join(lines) + "\n"
 

@@ -34,7 +34,7 @@ from k2jax.eval import swe as swe_lib
 from k2jax.eval.grading import grade
 from k2jax.eval.metrics import choice_metrics
 from k2jax.eval.scoring import ForwardScorer, HttpScorer, Scorer
-from k2jax.eval.store import SampleStore, write_atomic
+from k2jax.eval.store import ContentHasher, SampleStore, write_atomic
 from k2jax.eval.tasks import Doc, TaskFormat, few_shot_messages, few_shot_prefix, get_format, load_docs
 from k2jax.sandbox.code import CodeRewardConfig
 from k2jax.transport import RetryPolicy, ServiceError, call_json
@@ -66,12 +66,17 @@ class TaskSpec:
     own = {k: getattr(self, k) for k in _TASK_SAMPLING if getattr(self, k) is not None}
     if "ks" in own:
       own["ks"] = tuple(own["ks"])
-    if not own:
-      return config
     try:
-      return dataclasses.replace(config, **own)
+      tc = dataclasses.replace(config, **own) if own else config
     except (TypeError, ValueError) as e:
       raise ValueError(f"task {self.name!r}: {e}") from None
+    too_big = [k for k in tc.ks if k > tc.n]
+    if too_big and get_format(self.format).kind != "choice":  # multiple choice has no k (one score per doc)
+      raise ValueError(
+        f"task {self.name!r}: k={too_big[0]} (ks={list(tc.ks)}) is above its n={tc.n} samples per problem: "
+        f"pass@{too_big[0]} and maj@{too_big[0]} need n >= k (raise n or drop the k)"
+      )
+    return tc
 
 
 _TASK_SAMPLING = ("n", "ks", "temperature", "top_p", "max_tokens")
@@ -128,23 +133,30 @@ class Model:
   scorer: Scorer | None
   where: str  # the URL or model dir, for error messages
   max_seq_len: int | None = None  # clamp max_new_tokens to fit (embedded engines)
+  identity: dict | None = None  # a server's own account of its model (/get_model_info), for the fingerprint
 
 
 def run(config: EvalConfig, model: Model | None = None) -> dict[str, Any]:
   """Runs every task of `config` (resuming from `config.out`'s samples) and returns the report it wrote.
 
   `model`: an already open engine (tests, RL); default: opened from `config.model` and closed at the end."""
-  for spec in config.tasks:  # a task's bad sampling fails before the model is opened
+  for spec in config.tasks:  # a task's bad sampling (a k above its n) fails before the model is opened
     spec.run_config(config)
   tasks = [(spec, get_format(spec.format), *_docs(spec, config)) for spec in config.tasks]
+  hasher = ContentHasher(config.out)
+  local = _is_local(config.model)
+  model_id = _model_fingerprint(config.model, None, hasher) if local else None  # what is about to be loaded
   own = model is None
   model = model or open_model(config)
   try:
-    sections = _run_tasks(config, model, tasks)
+    model_id = model_id or _model_fingerprint(config.model, model, hasher)
+    data = {spec.name: _data_fingerprint(spec, hasher) for spec, *_ in tasks}
+    hasher.save()
+    sections = _run_tasks(config, model, tasks, model_id, data)
   finally:
     if own:
       model.engine.close()
-  report = {"config": _config_json(config), "finished_at": time.time(), "tasks": sections}
+  report = {"config": _config_json(config), "model": model_id, "finished_at": time.time(), "tasks": sections}
   write_atomic(os.path.join(config.out, REPORT_JSON), json.dumps(report, indent=1, ensure_ascii=False))
   write_atomic(os.path.join(config.out, REPORT_MD), report_lib.markdown(report))
   return report
@@ -159,21 +171,22 @@ def check_tasks(config: EvalConfig) -> None:
     _docs(spec, config)
 
 
-def _run_tasks(config: EvalConfig, model: Model, tasks) -> dict[str, Any]:
+def _run_tasks(config: EvalConfig, model: Model, tasks, model_id: dict, data: dict) -> dict[str, Any]:
   """Makes what the samples file lacks, task by task, and returns each task's report section."""
   store = SampleStore(config.out)
   try:
     sections = {}
     for spec, fmt, docs, shots in tasks:
       tc = spec.run_config(config)
-      fingerprint = _fingerprint(tc, spec, fmt)
+      fingerprint = _fingerprint(tc, spec, fmt, model_id["fingerprint"], data[spec.name]["fingerprint"])
       if fmt.kind == "choice":
         _score_choices(tc, model, store, spec, fmt, docs, shots, fingerprint)
       else:
         _generate(tc, model, store, spec, fmt, docs, shots, fingerprint)
       n = 1 if fmt.kind == "choice" else tc.n
       records = [(d.doc_id, [store.get((spec.name, d.doc_id, i), fingerprint) for i in range(n)]) for d in docs]
-      sections[spec.name] = report_lib.task_report(spec.name, fmt.name, fmt.kind, spec.path, records, tc.ks)
+      section = report_lib.task_report(spec.name, fmt, spec.path, records, tc.ks)
+      sections[spec.name] = {**section, "fingerprint": fingerprint, "data": data[spec.name]}
     store.sync()
     return sections
   finally:
@@ -207,23 +220,32 @@ def _open_url(config: EvalConfig) -> Model:
     call_json(f"{url}/health", None, timeout_s=10.0, retry=RetryPolicy(1, 0.2), headers=headers, parse_json=False)
   except ServiceError as e:
     raise EngineFailed(f"engine at {url} is unreachable: {e}") from None
-  path = {"auto": None, "bundled": BUNDLED_TOKENIZER}.get(config.tokenizer, config.tokenizer)
-  path = path or _served_tokenizer(url, headers)
-  tok = load_tokenizer(os.path.join(path, "tiktoken.model") if os.path.isdir(path) else path)
-  engine = HttpEngine(HttpEngineConfig(url=url, api_key=config.api_key))
-  stops = (tok.eos_id, tok.special_ids["<|im_end|>"])
-  return Model(engine, tok, stops, HttpScorer(url, headers), url)
-
-
-def _served_tokenizer(url: str, headers: dict) -> str:
-  """`--tokenizer=auto` for a URL: the tokenizer the server says it loaded (`/get_model_info`'s
-  `tokenizer_path`, as SGLang and launch/serve.py answer), when that path is readable here (the same
-  machine, or a disk both see)."""
-  hint = "pass --tokenizer (its tiktoken file or model dir, or 'bundled')"
+  info, info_error = None, None
   try:
     info = call_json(f"{url}/get_model_info", None, timeout_s=10.0, retry=RetryPolicy(1, 0.2), headers=headers)
   except ServiceError as e:
-    raise ValueError(f"{url}: --tokenizer=auto asks /get_model_info for the server's tokenizer: {e}; {hint}") from None
+    info_error = e  # a server without the route: its identity is its URL alone (the tokenizer must be given)
+  path = {"auto": None, "bundled": BUNDLED_TOKENIZER}.get(config.tokenizer, config.tokenizer)
+  path = path or _served_tokenizer(url, info, info_error)
+  tok = load_tokenizer(os.path.join(path, "tiktoken.model") if os.path.isdir(path) else path)
+  engine = HttpEngine(HttpEngineConfig(url=url, api_key=config.api_key))
+  stops = (tok.eos_id, tok.special_ids["<|im_end|>"])
+  identity = {k: info.get(k) for k in _SERVER_IDENTITY} if isinstance(info, dict) else None
+  return Model(engine, tok, stops, HttpScorer(url, headers), url, identity=identity)
+
+
+# What /get_model_info says of the model a server holds (SGLang and launch/serve.py): the weights it loaded
+# and their version (a weight update bumps it), its architecture. The server reports no content hash.
+_SERVER_IDENTITY = ("model_path", "weight_version", "model_type", "architectures", "served_model_name")
+
+
+def _served_tokenizer(url: str, info: Any, error: ServiceError | None) -> str:
+  """`--tokenizer=auto` for a URL: the tokenizer the server says it loaded (`/get_model_info`'s
+  `tokenizer_path`, as SGLang and launch/serve.py answer), when that path is readable here (the same
+  machine, or a disk both see). `info`: the route's answer, or None with the `error` it gave."""
+  hint = "pass --tokenizer (its tiktoken file or model dir, or 'bundled')"
+  if error is not None:
+    raise ValueError(f"{url}: --tokenizer=auto asks /get_model_info for the server's tokenizer: {error}; {hint}")
   path = info.get("tokenizer_path") if isinstance(info, dict) else None
   if not isinstance(path, str) or not path:
     raise ValueError(f"{url}: /get_model_info names no tokenizer_path (got {str(info)[:200]}); {hint}")
@@ -414,14 +436,12 @@ def _seed(seed: int, task: str, doc_id: str, i: int) -> int:
   return int.from_bytes(hashlib.sha256(f"{seed}/{task}/{doc_id}/{i}".encode()).digest()[:4], "little") >> 1
 
 
-def _fingerprint(config: EvalConfig, spec: TaskSpec, fmt: TaskFormat) -> str:
-  """What makes a stored sample valid for this run: model, data, prompt format and (generation) sampling.
-  n and limit are left out, so raising either reuses the samples already made."""
+def _fingerprint(config: EvalConfig, spec: TaskSpec, fmt: TaskFormat, model_fp: str, data_fp: str) -> dict:
+  """What makes a stored sample valid for this run, in the parts `store.get` names when one changed: the
+  model's content, the data files' content, the grader's and format's version, and the prompt and
+  (generation) sampling settings. n and limit are left out, so raising either reuses the samples made."""
   keys = {
-    "model": config.model,
     "format": fmt.name,
-    "path": os.path.abspath(spec.path),
-    "fewshot_file": os.path.abspath(spec.fewshot_file) if spec.fewshot_file else None,
     "num_fewshot": config.num_fewshot if spec.num_fewshot is None else spec.num_fewshot,
     "chat": config.chat,
     "system": config.system,
@@ -430,7 +450,67 @@ def _fingerprint(config: EvalConfig, spec: TaskSpec, fmt: TaskFormat) -> str:
     keys.update(temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens, seed=config.seed)
   if fmt.kind == "agentic":  # what bounds an episode (a record's own max_turns is in the file)
     keys.update(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens)
-  return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
+  return {
+    "model": model_fp[:16],
+    "data": data_fp[:16],
+    "grader": f"{fmt.name}/{fmt.version}",
+    "settings": hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16],
+  }
+
+
+def _is_local(model: str) -> bool:
+  return not model.startswith(("http://", "https://")) and os.path.isdir(model)
+
+
+def _model_fingerprint(name: str, model: Model | None, hasher: ContentHasher) -> dict:
+  """The model's identity for the fingerprint and the report: for a k2jax workdir the content of its
+  model_config.json and its latest checkpoint's model item (not the optimizer state, the logs or older
+  steps), for an HF dir (or any other dir) every file but hidden ones; for a URL the server's /get_model_info
+  account with the URL; else (an engine handed to `run`) its label."""
+  if _is_local(name):
+    root = os.path.abspath(name)
+    rels = _model_files(root)
+    digest, total = hasher.tree(root, rels)
+    return {"name": name, "fingerprint": digest, "source": f"content of {len(rels)} files, {total} bytes"}
+  if name.startswith(("http://", "https://")):
+    identity = {"url": name.rstrip("/"), "server": model.identity if model is not None else None}
+    source = "the server's /get_model_info (model_path, weight_version, ...) and its URL"
+  else:
+    identity, source = {"label": name}, "the label of the engine handed to the run"
+  digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+  return {"name": name, "fingerprint": digest, "source": source, **identity}
+
+
+def _model_files(root: str) -> list[str]:
+  """The files `open_model` reads of `root`, relative to it."""
+  from k2jax.convert.workdir import CHECKPOINTS, MODEL_CONFIG
+
+  if os.path.isfile(os.path.join(root, MODEL_CONFIG)):  # a workdir: orbax names a finished step by its number
+    ckpts = os.path.join(root, CHECKPOINTS)
+    steps = [int(d) for d in (os.listdir(ckpts) if os.path.isdir(ckpts) else ()) if d.isdigit()]
+    if not steps:
+      raise FileNotFoundError(f"{ckpts}: no checkpoint found")
+    item = os.path.join(CHECKPOINTS, str(max(steps)), "model")
+    return [MODEL_CONFIG, *_walk(root, item)]
+  return _walk(root, "")
+
+
+def _walk(root: str, sub: str) -> list[str]:
+  out = []
+  for d, dirs, files in os.walk(os.path.join(root, sub)):
+    dirs[:] = sorted(x for x in dirs if not x.startswith("."))  # .cache/ of a hub download, export markers
+    out += [os.path.relpath(os.path.join(d, f), root) for f in sorted(files) if not f.startswith(".")]
+  return out
+
+
+def _data_fingerprint(spec: TaskSpec, hasher: ContentHasher) -> dict:
+  """sha256 of the task file's bytes (and of its few-shot file's): an edited file never reuses samples."""
+  paths = [spec.path] + ([spec.fewshot_file] if spec.fewshot_file else [])
+  digests = hasher.files(paths)
+  out = {"path": os.path.abspath(spec.path), "sha256": digests[0]}
+  if spec.fewshot_file:
+    out.update(fewshot_file=os.path.abspath(spec.fewshot_file), fewshot_sha256=digests[1])
+  return {**out, "fingerprint": hashlib.sha256("/".join(digests).encode()).hexdigest()}
 
 
 def _config_json(config: EvalConfig) -> dict:

