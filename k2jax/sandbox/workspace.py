@@ -39,6 +39,7 @@ class WorkspaceRunConfig:
   python_paths: tuple[str, ...] = ()  # read-only dirs mounted at their own path and put on PYTHONPATH
   env: tuple[tuple[str, str], ...] = ()  # extra environment variables of the command
   unsafe_no_isolation: bool = False  # runner.SandboxConfig's escape hatch (trusted code only)
+  python: str | None = None  # the interpreter (a SWE repository's own environment); None: the sandbox's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,7 @@ def run_entry(
     # runner.py caps stdout, stderr and the report alike: the report must fit a whole suite's records
     max_output_bytes=max(config.head_bytes + config.tail_bytes + 4096, config.max_report_bytes),
     unsafe_no_isolation=config.unsafe_no_isolation,
+    python=config.python,
     binds=((workspace, WORKSPACE_MOUNT, False), *((p, p, True) for p in paths)),
   )
   header = f"import os\nos.environ.update({env!r})\n"  # runner.py gives the entry a fixed environment
