@@ -21,6 +21,12 @@ diff is graded by k2jax.swe.grade: score 1 iff resolved (pass@1 = SWE-bench's re
 reason and the patch in each sample. A grading infrastructure failure is never a 0: the run stops naming those
 samples (the others are kept; a rerun grades only those). Needs the sandbox (k2jax.sandbox).
 Writes DIR/samples.jsonl (a rerun resumes from it), DIR/report.json and DIR/report.md, and prints the table.
+A rerun reuses a stored sample only when the model's content (a workdir's latest checkpoint, an HF dir's
+files; a URL: what its /get_model_info reports), the task files' content, the grader's version and the
+settings all match; otherwise it stops naming what changed (use a fresh --out). A k above a task's n stops
+the run before the model is opened. report.json holds, per task, each metric with its stderr over problems
+and their count, the grader/format version and the fingerprint; `launch/plot.py --compare=A/report.json
+--compare=B/report.json --out=cmp.png` draws two runs side by side.
 """
 
 import json
@@ -43,7 +49,7 @@ _TASKS_FILE = flags.DEFINE_string(
 )
 _OUT = flags.DEFINE_string("out", None, "Output dir (samples.jsonl, report.json, report.md).", required=True)
 _N = flags.DEFINE_integer("n", 1, "Samples per problem.")
-_K = flags.DEFINE_list("k", ["1"], "k of pass@k and maj@k (each <= n).")
+_K = flags.DEFINE_list("k", ["1"], "k of pass@k and maj@k (each <= n: a larger k is an error).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 512, "Generated tokens per sample at most.")

@@ -1,12 +1,15 @@
 """The runner on a scripted engine: metrics from hand counts, few-shot and chat prompts, the report files,
 resume after a failed run and a torn samples file (only the missing samples are made), a dead URL."""
 
+import hashlib
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from k2jax.eval import EngineFailed, EvalConfig, TaskSpec, pass_at_k, run
@@ -76,10 +79,26 @@ def test_metrics_prompts_and_report_files(tmp_path, tok):
   out = config.out
   assert json.load(open(os.path.join(out, "report.json")))["tasks"]["gsm"]["metrics"] == gsm["metrics"]
   assert report["config"]["n"] == 4 and report["config"]["tasks"][0]["format"] == "gsm8k"
-  md = open(os.path.join(out, "report.md")).read()
+  # Each metric with its stderr over problems (sample std / sqrt(problems), as lm-eval) and their count.
+  per_doc = [pass_at_k(4, c, 2) for c in (even[0], 4, 0)]
+  assert gsm["stderr"]["pass@2"] == pytest.approx(float(np.std(per_doc, ddof=1) / math.sqrt(3)))
+  assert gsm["count"] == {m: 3 for m in gsm["metrics"]} and gsm["num_samples"] == 12 and gsm["version"] == "1"
+  assert mc["stderr"]["acc_norm"] == pytest.approx(0.5) and mc["count"]["acc"] == 2  # std([1, 0]) / sqrt(2)
+  assert report["model"] == {
+    "name": "scripted",
+    "fingerprint": hashlib.sha256(b'{"label": "scripted"}').hexdigest(),
+    "source": "the label of the engine handed to the run",
+    "label": "scripted",
+  }
   assert (
-    f"| gsm | gsm8k | 3 | 4 | pass@2 | {gsm['metrics']['pass@2']:.4f} |" in md
-    and "| mc | mc | 2 | 1 | acc_norm | 0.5000 |" in md
+    gsm["fingerprint"]["model"] == report["model"]["fingerprint"][:16] and gsm["fingerprint"]["grader"] == "gsm8k/1"
+  )
+  md = open(os.path.join(out, "report.md")).read()
+  assert md.startswith(f"model: scripted (fingerprint {report['model']['fingerprint']})\n")
+  err = gsm["stderr"]["pass@2"]
+  assert (
+    f"| gsm | gsm8k | 3 | 4 | pass@2 | {gsm['metrics']['pass@2']:.4f} | {err:.4f} | 3 | 1 |" in md
+    and "| mc | mc | 2 | 1 | acc_norm | 0.5000 | 0.5000 | 2 | 1 |" in md
   )
   assert len(open(os.path.join(out, SAMPLES)).read().splitlines()) == 12 + 2
 
