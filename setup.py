@@ -35,6 +35,9 @@ setup(
     "pydantic>=2.7",
     "openai>=1.50",  # k2jax.llm_client: rephrasing, synthesis, the RL judge
     "langdetect>=1.0.9,<2",  # IFEval's language instructions (k2jax.rl.rewards.ifeval; profiles ship inside)
+    # The math grader of RL and eval (k2jax/rl/rewards/math.py); the antlr extra is the LaTeX parser's runtime.
+    # Pinned: its verdicts are in every eval sample's fingerprint (GRADER_VERSION) and in tests/rl/test_math_grader.
+    "math-verify[antlr4_13_2]==0.9.0",
   ],
   extras_require={
     "test": [

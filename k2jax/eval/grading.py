@@ -18,7 +18,7 @@ from k2jax.eval.tasks import get_format
 from k2jax.eval.verdict import UNGRADABLE, Verdict
 from k2jax.rl.rewards.base import Completion, Prompt
 from k2jax.rl.rewards.contract import RewardConfig, make_reward
-from k2jax.rl.rewards.math import equivalent, extract_boxed, normalize
+from k2jax.rl.rewards.math import equivalent, extract_boxed
 from k2jax.sandbox.code import CodeRewardConfig, extract_code
 from k2jax.sandbox.verify import is_infra_error, verify
 
@@ -58,7 +58,7 @@ def _math(doc: Doc, text: str) -> Verdict:
   if got is None:
     return Verdict(0.0, None, "no \\boxed{} answer")
   ok, why = equivalent(got, str(doc.data["answer"]))
-  return Verdict(float(ok), normalize(got), why)
+  return Verdict(float(ok), got, why)  # maj@k groups answers by the grader (the format's `same`)
 
 
 def _humaneval(doc: Doc, text: str, config: CodeRewardConfig) -> Verdict:
@@ -97,7 +97,7 @@ def _reward(kind: str, task: str, doc: Doc, text: str, finish_reason: str, code:
   if kind == "exact":
     answer = text.strip()
   elif kind == "math" and result.info.get("extracted") is not None:
-    answer = normalize(str(result.info["extracted"]))
+    answer = str(result.info["extracted"]).strip()
   return Verdict(float(result.reward), answer, result.reason)
 
 

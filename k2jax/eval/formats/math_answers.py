@@ -9,7 +9,8 @@
 The prompt is the problem followed by the reasoning instruction of the DeepSeek-R1 / Qwen math evaluations
 ("Please reason step by step, and put your final answer within \\boxed{}."), for chat models as K2 reports
 them; the verdict is `k2jax.rl.rewards.math.math_reward` on the response (the last `\\boxed{}` against the
-answer: the one math grader of RL and evaluation), and maj@k votes on the extracted answer.
+answer: the one math grader of RL and evaluation, math-verify), and maj@k votes on the extracted answers'
+classes under that grader (`same_answer`: `\\frac12` and `0.5` are one answer).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from k2jax.eval.records import Doc, TaskFormat, first_field, record_id, str_field
 from k2jax.eval.verdict import Verdict
 from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.math import math_reward
+from k2jax.rl.rewards.math import GRADER_VERSION, math_reward, same_answer
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -60,6 +61,8 @@ def _aime_answer(value: Any, key: str) -> str:
 
 
 FORMATS = (
-  TaskFormat("aime", "generate", parse_aime, grade=grade_math, votes=True),
-  TaskFormat("math500", "generate", parse_math500, grade=grade_math, votes=True),
+  TaskFormat("aime", "generate", parse_aime, grade=grade_math, votes=True, same=same_answer, version=GRADER_VERSION),
+  TaskFormat(
+    "math500", "generate", parse_math500, grade=grade_math, votes=True, same=same_answer, version=GRADER_VERSION
+  ),
 )

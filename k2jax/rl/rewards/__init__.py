@@ -6,6 +6,6 @@ from k2jax.rl.rewards.contract import REWARD_KINDS, EngineJudge, RewardConfig, m
 from k2jax.sandbox.code import CodeRewardConfig, run_tests
 from k2jax.rl.rewards.instruction import instruction_reward
 from k2jax.rl.rewards.judge import llm_judge_reward
-from k2jax.rl.rewards.math import equivalent, extract_boxed, math_reward
+from k2jax.rl.rewards.math import GRADER_VERSION, equivalent, extract_boxed, math_reward, same_answer
 from k2jax.rl.rewards.rubric import RubricRewardConfig, rubric_group_reward
 from k2jax.sandbox.runner import SandboxConfig, SandboxResult, run_python

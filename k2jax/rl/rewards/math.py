@@ -1,43 +1,45 @@
-"""Math answer reward: extract the last \\boxed{...}, compare to the reference numerically and symbolically.
+"""The one math grader of RL and evaluation: the last \\boxed{} answer against the reference, by HF math-verify.
 
-LaTeX is rewritten into sympy syntax by a small converter (fractions, roots, powers, common functions and
-constants) instead of `sympy.parsing.latex`, which needs the antlr4 runtime at one pinned version; answers
-in RL data are short expressions, which this covers. Equivalence: exact string match after normalisation,
-else numeric closeness for constants, else agreement at random points for expressions with variables
-(bounded cost, unlike open-ended `simplify`). Tuples/lists compare elementwise.
+math-verify (the grader of lighteval, open-r1 and verl's math reward) parses both sides' LaTeX into sympy
+(sets, intervals, tuples, matrices, equations, units, `\\$`, `%`, degrees, `\\text{}` words) and compares them
+numerically and symbolically. Measured on a table of MATH-500-shaped pairs (tests/rl/test_math_grader.py,
+BUILD.md): the regex-to-sympy converter this replaced was wrong on 22 of 67 (8 false positives: it erased
+every `\\text{...}`, so `\\boxed{\\text{}}` matched any text answer), math-verify 0.9.0 on none.
+
+One rule of ours stays, where math-verify is measurably wrong: a reference that is a list of choice letters in
+`\\text{}` (MATH's "enter the letters, separated by commas") compares as a set of letters, so `A, C` and
+`C, A` match `\\text{A, C}` (math-verify: false for both; the case is in the test table).
+
+Where it runs: math-verify bounds its time with `signal.alarm`, which works only in a main thread, and RL
+rewards run in threads and processes. Each grade goes to a worker process (`math_worker.py`, a small pool
+per process, started on first use) whose main thread runs math-verify with its timeouts on; the caller waits
+at most `_deadline(timeout)` for the reply and kills a worker that overruns it (a C call a signal cannot
+stop). So a grade never hangs a rollout and works from any thread; a timed-out grade is 0.0 with the reason.
+A worker that cannot start or dies raises `RuntimeError` (an infrastructure error for the reward contract,
+never a verdict).
 """
 
 from __future__ import annotations
 
-import cmath
-import random
+import atexit
+import json
+import os
 import re
-
-import sympy
-from sympy.parsing.sympy_parser import (
-  convert_xor,
-  implicit_multiplication_application,
-  parse_expr,
-  standard_transformations,
-)
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from importlib.metadata import version
 
 from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
 
-_TRANSFORMS = standard_transformations + (implicit_multiplication_application, convert_xor)
-_LOCALS = {
-  "pi": sympy.pi,
-  "e": sympy.E,
-  "oo": sympy.oo,
-  "sqrt": sympy.sqrt,
-  "log": sympy.log,
-  "ln": sympy.log,
-  "sin": sympy.sin,
-  "cos": sympy.cos,
-  "tan": sympy.tan,
-  "exp": sympy.exp,
-}
-_MAX_LEN = 300
-_MAX_EXPONENT = 1000  # refuse 10^(10^10)-style answers before sympy tries to evaluate them
+GRADER_VERSION = f"math-verify {version('math-verify')}; k2jax letter-list rule 1"
+TIMEOUT_S = 3  # math-verify's own limit per parse and per comparison (seconds, whole)
+_MAX_LEN = 1000  # longer answers are refused before parsing (no MATH answer comes close)
+_POOL_SIZE = max(1, min(4, os.cpu_count() or 1))
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "math_worker.py")
 
 
 def math_reward(prompt: Prompt, completion: Completion) -> RewardResult:
@@ -68,92 +70,194 @@ def extract_boxed(text: str) -> str | None:
   return None
 
 
-def equivalent(candidate: str, reference: str) -> tuple[bool, str]:
-  a, b = normalize(candidate), normalize(reference)
-  if a == b:
-    return True, "exact match"
-  try:
-    ea, eb = _parse(a), _parse(b)
-  except Exception as e:  # sympy raises many types on bad syntax
-    return False, f"could not parse {candidate!r} or {reference!r}: {type(e).__name__}"
-  if isinstance(ea, tuple) != isinstance(eb, tuple) or (isinstance(ea, tuple) and len(ea) != len(eb)):
-    return False, f"{candidate!r} and {reference!r} differ in structure"
-  pairs = zip(ea, eb) if isinstance(ea, tuple) else [(ea, eb)]
-  for x, y in pairs:
-    if not _same_value(x, y):
-      return False, f"{candidate!r} != {reference!r}"
-  return True, "equivalent"
+def equivalent(candidate: str, reference: str, timeout: int = TIMEOUT_S) -> tuple[bool, str]:
+  """(candidate's answer equals the reference, why): math-verify's verdict (the reference is its gold)."""
+  return _equivalent(candidate.strip(), reference.strip(), int(timeout))
 
 
-def normalize(s: str) -> str:
-  """LaTeX answer -> sympy-parsable string."""
+def same_answer(a: str, b: str) -> bool:
+  """Whether two extracted answers are one answer (maj@k's classes): each equals the other as a reference."""
+  return a.strip() == b.strip() or (equivalent(a, b)[0] and equivalent(b, a)[0])
+
+
+def _equivalent(candidate: str, reference: str, timeout: int) -> tuple[bool, str]:
+  key = (candidate, reference, timeout)
+  hit = _CACHE.get(key)
+  if hit is None:
+    hit = _grade(candidate, reference, timeout)
+    if not hit[2]:  # a timeout may be the machine's load, not the answer: asked again next time
+      with _CACHE_LOCK:
+        if len(_CACHE) >= _CACHE_SIZE:
+          _CACHE.pop(next(iter(_CACHE)))  # the oldest entry
+        _CACHE[key] = hit
+  return hit[0], hit[1]
+
+
+_CACHE: dict[tuple[str, str, int], tuple[bool, str, bool]] = {}
+_CACHE_LOCK = threading.Lock()
+_CACHE_SIZE = 8192
+
+
+def _grade(candidate: str, reference: str, timeout: int) -> tuple[bool, str, bool]:
+  """(verdict, why, timed out)."""
+  if not candidate:
+    return False, "empty answer", False
+  if len(candidate) > _MAX_LEN or len(reference) > _MAX_LEN:
+    return False, f"answer or reference longer than {_MAX_LEN} characters", False
+  letters = _letter_list(reference, in_text=True)
+  if letters is not None:
+    got = _letter_list(candidate, in_text=False)
+    ok = got == letters
+    return ok, f"choice letters {sorted(got or ())} {'==' if ok else '!='} {sorted(letters)}", False
+  reply = _POOL.ask({"pred": candidate, "gold": reference, "timeout": timeout}, _deadline(timeout))
+  if reply is None:
+    return False, f"grader timed out ({_deadline(timeout):.0f} s, worker killed)", True
+  if reply["timed_out"] and not reply["ok"]:
+    return False, f"grader timed out (math-verify's {timeout} s limit) on {candidate!r} vs {reference!r}", True
+  if not reply["pred"]:
+    return False, f"could not parse the answer {candidate!r}", False
+  if not reply["gold"]:
+    return False, f"could not parse the reference {reference!r}", False
+  return reply["ok"], f"{reply['pred']} {'==' if reply['ok'] else '!='} {reply['gold']} (math-verify)", False
+
+
+def _deadline(timeout: int) -> float:
+  # Two parses and up to four comparisons (math-verify pairs each side's sympy and string forms), plus start-up.
+  return 6.0 * timeout + 10.0
+
+
+_LETTERS = re.compile(r"\(?[A-Z]\)?(?:\s*,\s*\(?[A-Z]\)?)*")
+_WRAP = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}")
+
+
+def _letter_list(s: str, in_text: bool) -> frozenset[str] | None:
+  """The letters of `(A), (C)`-style answers as a set; with `in_text`, only when written inside \\text{}."""
   s = s.strip().strip("$").strip()
-  s = re.sub(r"\\text\{\s*(or|and)\s*\}", ",", s)
-  s = re.sub(r"\\(text|mathrm|textbf|mbox)\{[^{}]*\}", "", s)  # units and words
-  s = re.sub(r"\\(left|right|displaystyle|,|;|!|quad|qquad)", "", s)
-  s = s.replace("^\\circ", "").replace("^{\\circ}", "").replace("\\%", "").replace("%", "")
-  s = re.sub(r"\\[dt]frac", r"\\frac", s)
-  if "=" in s and not re.search(r"[<>]", s):
-    s = s.split("=")[-1]  # "x = 5" -> "5"
-  s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)
-  s = re.sub(r"\\sqrt\s*(\d+|[a-z])", r"\\sqrt{\1}", s)
-  for _ in range(10):  # innermost first, repeated for nesting
-    new = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"((\1)/(\2))", s)
-    new = re.sub(r"\\sqrt\[([^\[\]{}]*)\]\{([^{}]*)\}", r"((\2)**(1/(\1)))", new)
-    new = re.sub(r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)", new)
-    if new == s:
-      break
-    s = new
-  for tex, py in (
-    ("\\cdot", "*"),
-    ("\\times", "*"),
-    ("\\div", "/"),
-    ("\\pi", "pi"),
-    ("\\infty", "oo"),
-    ("\\ln", "log"),
-    ("\\log", "log"),
-    ("\\sin", "sin"),
-    ("\\cos", "cos"),
-    ("\\tan", "tan"),
-    ("\\exp", "exp"),
-    ("{", "("),
-    ("}", ")"),
-    ("^", "**"),
-  ):
-    s = s.replace(tex, py)
-  if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
-    s = s.replace(",", "")  # thousands separators
-  return re.sub(r"\s+", "", s).rstrip(".")
+  unwrapped = _WRAP.sub(r"\1", s)
+  if in_text and unwrapped == s:
+    return None
+  unwrapped = unwrapped.strip() if in_text else unwrapped.strip().upper()  # a reply may write (c) for (C)
+  if not _LETTERS.fullmatch(unwrapped):
+    return None
+  return frozenset(re.findall(r"[A-Z]", unwrapped))
 
 
-def _parse(s: str):
-  if len(s) > _MAX_LEN:
-    raise ValueError(f"answer longer than {_MAX_LEN} characters")
-  inner = s[1:-1] if len(s) > 1 and s[0] + s[-1] in ("()", "[]") and "," in s else s
-  if "," in inner:
-    return tuple(_parse(part) for part in inner.split(","))
-  raw = parse_expr(s, local_dict=_LOCALS, transformations=_TRANSFORMS, evaluate=False)
-  for p in raw.atoms(sympy.Pow) | {x for x in sympy.preorder_traversal(raw) if isinstance(x, sympy.Pow)}:
-    if p.exp.is_number and abs(float(p.exp)) > _MAX_EXPONENT:
-      raise ValueError("exponent too large")
-  return parse_expr(s, local_dict=_LOCALS, transformations=_TRANSFORMS)
-
-
-def _same_value(x, y, tol: float = 1e-6) -> bool:
-  diff = x - y
-  free = sorted(diff.free_symbols, key=str)
-  points = (
-    [{}]
-    if not free
-    else [{v: random.Random(i * 31 + k).uniform(0.5, 2.5) for k, v in enumerate(free)} for i in range(6)]
-  )
-  for point in points:
+class _Worker:
+  def __init__(self):
+    self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close(), with the process
     try:
-      vx, vy = complex(x.evalf(subs=point)), complex(y.evalf(subs=point))
-    except (TypeError, ValueError, ZeroDivisionError, OverflowError):
-      return False  # not a number at this point (undefined function, division by zero, ...)
-    if not (cmath.isfinite(vx) and cmath.isfinite(vy)):
-      return False
-    if abs(vx - vy) > tol * max(1.0, abs(vy)):
-      return False
-  return True
+      self.proc = subprocess.Popen(
+        [sys.executable, "-P", "-u", _WORKER],  # -P: not its folder (math.py) on sys.path
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=self.stderr,
+        close_fds=True,
+      )
+    except OSError as e:
+      self.stderr.close()
+      raise RuntimeError(f"math grader: could not start its worker ({sys.executable} {_WORKER}): {e}") from e
+    self.buffer = b""
+
+  def ask(self, request: dict, deadline: float) -> dict | None:
+    """The reply, or None when `deadline` seconds pass first. RuntimeError when the worker died."""
+    try:
+      self.proc.stdin.write((json.dumps(request) + "\n").encode())
+      self.proc.stdin.flush()
+    except (BrokenPipeError, OSError):
+      raise RuntimeError(f"math grader: its worker exited: {self.died()}") from None
+    end = time.monotonic() + deadline
+    fd = self.proc.stdout.fileno()
+    while b"\n" not in self.buffer:
+      left = end - time.monotonic()
+      if left <= 0 or not select.select([fd], [], [], left)[0]:
+        return None
+      chunk = os.read(fd, 65536)
+      if not chunk:
+        raise RuntimeError(f"math grader: its worker exited: {self.died()}")
+      self.buffer += chunk
+    line, _, self.buffer = self.buffer.partition(b"\n")
+    return json.loads(line)
+
+  def died(self) -> str:
+    code = self.proc.wait()
+    self.stderr.seek(0)
+    tail = self.stderr.read()[-2000:].decode(errors="replace").strip()
+    return f"exit status {code}" + (f": {tail}" if tail else "")
+
+  def close(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+    self.proc.wait()
+    for f in (self.proc.stdin, self.proc.stdout, self.stderr):
+      try:
+        f.close()
+      except OSError:  # a pipe whose other end is gone
+        pass
+
+
+class _Pool:
+  """Up to `_POOL_SIZE` workers shared by the process's threads; each request holds one worker."""
+
+  def __init__(self):
+    self.cond = threading.Condition()
+    self.idle: list[_Worker] = []
+    self.count = 0
+
+  def ask(self, request: dict, deadline: float) -> dict | None:
+    worker = self._take()
+    try:
+      reply = worker.ask(request, deadline)
+    except BaseException:
+      self._drop(worker)
+      raise
+    if reply is None:  # overran: it may be inside a C call; a fresh one takes its place on demand
+      self._drop(worker)
+      return None
+    with self.cond:
+      self.idle.append(worker)
+      self.cond.notify()
+    return reply
+
+  def _take(self) -> _Worker:
+    with self.cond:
+      while not self.idle and self.count >= _POOL_SIZE:
+        self.cond.wait()
+      if self.idle:
+        return self.idle.pop()
+      self.count += 1
+    try:
+      return _Worker()
+    except BaseException:
+      with self.cond:
+        self.count -= 1
+        self.cond.notify()
+      raise
+
+  def _drop(self, worker: _Worker) -> None:
+    worker.close()
+    with self.cond:
+      self.count -= 1
+      self.cond.notify()
+
+  def close(self) -> None:
+    with self.cond:
+      idle, self.idle = self.idle, []
+      self.count -= len(idle)
+    for w in idle:
+      w.close()
+
+  def forget(self) -> None:
+    """In a forked child: the parent's workers are the parent's; close our copies of their pipes only."""
+    for w in self.idle:
+      for f in (w.proc.stdin, w.proc.stdout, w.stderr):
+        try:
+          f.close()
+        except OSError:
+          pass
+    self.cond = threading.Condition()
+    self.idle, self.count = [], 0
+
+
+_POOL = _Pool()
+atexit.register(_POOL.close)
+os.register_at_fork(after_in_child=_POOL.forget)
