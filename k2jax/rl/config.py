@@ -16,6 +16,7 @@ from ml_collections import config_dict as mlc
 from k2jax import configlib
 from k2jax.configlib import knob, section, sections
 from k2jax.data.eval_tasks import EvalTaskEntry, eval_task_section  # noqa: F401  (configs/rl.py's presets)
+from k2jax.rl.rewards.rubric import JUDGE_LAYOUTS
 from k2jax.train.config import ON_UNREADABLE, MeshSpec
 
 ROLLOUT_ENGINES = ("embedded", "sglang_jax_colocated")
@@ -83,6 +84,11 @@ class RewardSpec:
   judge_model: str = knob("default", "model name sent to judge_url")
   judge_max_tokens: int = knob(64, "judge reply length", **_POSITIVE)
   judge_criteria: str = knob("", "judge criteria for prompts without data['criteria'] ('' = the default)")
+  judge_layout: str = knob(
+    "rubric",
+    "rubric reward judge's prompt layout, also the critic's: rubric (K2's, real judges) | short (a tiny judge)",
+    choices=JUDGE_LAYOUTS,
+  )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,9 @@ the chat template `rewards.contract.EngineJudge` renders), shown in both orders,
 verifier implies, `[[A]]` or `[[B]]` (never `[[TIE]]`: the rewards differ), as the assistant's reply.
 With `critic.rubrics` the examples show those task-specific rubrics instead of the rubric reward's generic
 ones (same layout; the prompt's own rubrics still follow): 139 tokens instead of 316 on the tiny task.
+The layout is the rubric reward's (`RubricRewardConfig.layout`, `reward.judge_layout`): with `short` (the
+prompt, the two answers, "[[A]] or [[B]]?"; no rubrics, so `critic.rubrics` is refused) the examples and the
+held-out rows are ~30 tokens on the tiny task, the layout a tiny judge learns (bench/critic_loop.py).
 
 How the policy is trained on them (choice (a) of issue 28): an auxiliary SFT-style term in the RL update,
 `critic.coef` times the token-mean NLL of the verifier-consistent verdict tokens (the verdict and its
@@ -85,6 +88,7 @@ class Pair:
   worse: str
   better_reward: float
   worse_reward: float
+  layout: str = "rubric"  # the judge's prompt layout (rewards.rubric.JUDGE_LAYOUTS), the rubric reward's
 
   @property
   def key(self) -> str:
@@ -101,8 +105,10 @@ def is_heldout(pair: Pair, fraction: float) -> bool:
   return int(pair.key[:16], 16) / 2.0**64 < fraction
 
 
-def group_pairs(prompt: Prompt, texts: Sequence[str], rewards: Sequence[float], rubrics: str) -> list[Pair]:
-  """Every pair of the group's responses whose rewards differ and whose texts differ."""
+def group_pairs(
+  prompt: Prompt, texts: Sequence[str], rewards: Sequence[float], rubrics: str, layout: str = "rubric"
+) -> list[Pair]:
+  """Every pair of the group's responses whose rewards differ and whose texts differ (shown in `layout`)."""
   question = judged_question(prompt)
   out = []
   for i in range(len(texts)):
@@ -110,7 +116,9 @@ def group_pairs(prompt: Prompt, texts: Sequence[str], rewards: Sequence[float], 
       if abs(rewards[i] - rewards[j]) <= _EPS or texts[i] == texts[j]:
         continue
       hi, lo = (i, j) if rewards[i] > rewards[j] else (j, i)
-      out.append(Pair(prompt.task, question, rubrics, texts[hi], texts[lo], float(rewards[hi]), float(rewards[lo])))
+      out.append(
+        Pair(prompt.task, question, rubrics, texts[hi], texts[lo], float(rewards[hi]), float(rewards[lo]), layout)
+      )
   return out
 
 
@@ -120,7 +128,9 @@ def verdict_messages(pair: Pair, better_first: bool, verdict_correct: bool = Tru
   a, b = (pair.better, pair.worse) if better_first else (pair.worse, pair.better)
   names_better = "A" if better_first else "B"
   verdict = names_better if verdict_correct else {"A": "B", "B": "A"}[names_better]
-  return pairwise_messages(pair.question, pair.rubrics, a, b) + [{"role": "assistant", "content": f"[[{verdict}]]"}]
+  return pairwise_messages(pair.question, pair.rubrics, a, b, pair.layout) + [
+    {"role": "assistant", "content": f"[[{verdict}]]"}
+  ]
 
 
 def render_rows(tok: Tokenizer, chats: Sequence[list[dict] | None], rows: int, seq_len: int) -> dict[str, np.ndarray]:
@@ -165,7 +175,13 @@ class CriticRefiner:
     # The rubric list the examples show: the rubric reward's own, or `critic.rubrics` (task-specific, short:
     # shown as the only core rubrics, none mandatory); the prompt's own rubrics (data['rubrics']) follow either.
     own = config.rubric_list
-    self.rubric = rubric if not own else RubricRewardConfig(core=own, prescriptive=(), mandatory=())
+    if own and rubric.layout == "short":
+      raise ValueError(
+        f"critic.rubrics={config.rubrics!r} has no effect with reward.judge_layout='short' (it shows no rubrics)"
+      )
+    self.rubric = (
+      rubric if not own else RubricRewardConfig(core=own, prescriptive=(), mandatory=(), layout=rubric.layout)
+    )
     self.tasks = {t for t, k in reward_kinds.items() if k in VERIFIABLE_KINDS}
     if not self.tasks:
       raise ValueError(
@@ -184,7 +200,8 @@ class CriticRefiner:
       results = reward_fn(prompt, completions)
       if prompt.task in self.tasks:
         rubrics = format_rubrics(self.rubric, tuple(prompt.data.get("rubrics", ())))
-        pairs = group_pairs(prompt, [c.text for c in completions], [r.reward for r in results], rubrics)
+        texts, rewards = [c.text for c in completions], [r.reward for r in results]
+        pairs = group_pairs(prompt, texts, rewards, rubrics, self.rubric.layout)
         key = (tuple(prompt.input_ids), tuple(tuple(c.output_ids) for c in completions))
         with self._lock:
           self._scored[key] = (self._takes, pairs)

@@ -20,6 +20,7 @@ from k2jax.model.config import ConfigError
 from k2jax.engine.base import Engine
 from k2jax.rl.rewards.base import GroupRewardFn
 from k2jax.rl.rewards.contract import EngineJudge, RewardConfig
+from k2jax.rl.rewards.rubric import RubricRewardConfig
 from k2jax.rl.tasks import TaskSet
 
 
@@ -50,7 +51,10 @@ def runtime_config(c: config_dict.ConfigDict) -> TaskRuntimeConfig:
     if not ok:
       raise ConfigError(f"{key}: invalid value in the RL config")
   return TaskRuntimeConfig(
-    reward=RewardConfig(judge_criteria=r.judge_criteria or RewardConfig.judge_criteria),
+    reward=RewardConfig(
+      rubric=RubricRewardConfig(layout=r.judge_layout),
+      judge_criteria=r.judge_criteria or RewardConfig.judge_criteria,
+    ),
     judge_url=r.judge_url,
     judge_model=r.judge_model,
     judge_max_tokens=r.judge_max_tokens,

@@ -272,3 +272,49 @@ def test_rl_step_adds_the_critic_term():
   assert float(np.abs(np.asarray(g["lm_head"]["w"])).max()) > 0
   with pytest.raises(ValueError, match="critic rows are required iff critic_coef > 0"):
     grads(state.params, state.bias, batch, old, None, None)
+
+
+def test_short_layout_is_the_rubric_rewards_and_the_critics():
+  """`RubricRewardConfig.layout='short'`: the judge sees the prompt, the two answers and "[[A]] or [[B]]?" (no
+  rubrics), and the critic's training and held-out rows are exactly that chat; unknown layouts are refused."""
+  seen = []
+
+  class Judge:
+    def text(self, messages):
+      seen.append(messages)
+      return "[[B]]"
+
+  short = RubricRewardConfig(layout="short", both_orders=False, max_parallel=1)
+  prompt, cs = _prompt(4), [_completion("5"), _completion("3")]
+  results = rubric_group_reward(Judge(), short)(prompt, cs)
+  assert seen == [[{"role": "user", "content": "1+4\n[[A]] 5\n[[B]] 3\n[[A]] or [[B]]?"}]]
+  assert [r.reward for r in results] == [0.0, 1.0]
+  refiner = C.CriticRefiner(
+    C.CriticConfig(coef=1.0, batch_size=4, seq_len=48, eval_pairs=2), TOK, short, {"arith": "exact"}
+  )
+  pairs = refiner.take(_scored(refiner, [(prompt, cs)]))
+  assert [(p.better, p.worse, p.layout) for p in pairs] == [("5", "3", "short")]
+  assert C.verdict_messages(pairs[0], True)[:-1] == seen[0]
+  assert C.verdict_messages(pairs[0], False)[0]["content"] == "1+4\n[[A]] 3\n[[B]] 5\n[[A]] or [[B]]?"
+  ids, _ = render_chat(C.verdict_messages(pairs[0], True), tokenizer=TOK)
+  assert len(ids) < 48  # vs 316 in the rubric layout (test_task_rubrics_replace_the_rubric_rewards)
+  with pytest.raises(ValueError, match=r"unknown judge layout 'long'; choices: \('rubric', 'short'\)"):
+    RubricRewardConfig(layout="long")
+  with pytest.raises(ValueError, match="critic.rubrics=.*judge_layout='short'"):
+    C.CriticRefiner(C.CriticConfig(coef=1.0, rubrics="Be right."), TOK, short, {"arith": "exact"})
+
+
+def test_judge_layout_config():
+  from k2jax.rl.learner import from_config_dict
+
+  spec = importlib.util.spec_from_file_location("rl_config_file_layout", os.path.join(ROOT, "configs", "rl.py"))
+  rl_configs = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(rl_configs)
+  c = rl_configs.get_config("tiny")
+  assert from_config_dict(c, "/tmp/w", (TOK.eos_id,)).task_runtime.reward.rubric.layout == "rubric"  # the default
+  c.unlock()
+  c.reward.judge_layout = "short"
+  assert from_config_dict(c, "/tmp/w", (TOK.eos_id,)).task_runtime.reward.rubric.layout == "short"
+  c.reward.judge_layout = "long"
+  with pytest.raises(ConfigError, match=r"reward.judge_layout.*one of \('rubric', 'short'\), got 'long'"):
+    from_config_dict(c, "/tmp/w", (TOK.eos_id,))

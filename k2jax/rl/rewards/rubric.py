@@ -4,6 +4,12 @@ For every pair (i, j) of the K responses to one prompt the judge model sees both
 (core, prescriptive anti-reward-hacking, and prompt-specific human rubrics) and names the better one as
 [[A]], [[B]] or [[TIE]]. With `both_orders` each pair is judged in both positions to cancel position bias.
 Reward_i = (wins + ties/2) / comparisons, in [0, 1]; the group-centred RL loss only uses differences.
+
+The judge's prompt layout is `RubricRewardConfig.layout` (JUDGE_LAYOUTS; `reward.judge_layout` in configs/rl.py):
+`rubric` (the default, for real judges) is PAIRWISE_TEMPLATE above, instruction, rubrics and answers; `short`
+(SHORT_TEMPLATE) is the prompt, the two answers labelled [[A]] and [[B]] and the question "[[A]] or [[B]]?", no
+rubrics (~40 tokens with one-digit answers), the layout a tiny judge learns (BUILD.md "Closed-loop critic"). The closed-loop critic
+(k2jax/rl/critic.py) trains and scores in whichever layout the rubric reward uses.
 """
 
 from __future__ import annotations
@@ -39,6 +45,13 @@ be satisfied; weigh the others with your judgement.
 {b}
 Reason briefly, then give the verdict as exactly one of [[A]], [[B]] or [[TIE]]."""
 
+SHORT_TEMPLATE = """{prompt}
+[[A]] {a}
+[[B]] {b}
+[[A]] or [[B]]?"""
+
+JUDGE_LAYOUTS = ("rubric", "short")  # RubricRewardConfig.layout: PAIRWISE_TEMPLATE | SHORT_TEMPLATE
+
 _VERDICT = re.compile(r"\[\[(A|B|TIE)\]\]")
 
 
@@ -49,6 +62,11 @@ class RubricRewardConfig:
   mandatory: tuple[str, ...] = PRESCRIPTIVE_RUBRICS  # subset of the above that must hold
   both_orders: bool = True
   max_parallel: int = 8
+  layout: str = "rubric"  # the judge's prompt layout, one of JUDGE_LAYOUTS
+
+  def __post_init__(self):
+    if self.layout not in JUDGE_LAYOUTS:
+      raise ValueError(f"RubricRewardConfig.layout: unknown judge layout {self.layout!r}; choices: {JUDGE_LAYOUTS}")
 
 
 def rubric_group_reward(judge: ChatClient, config: RubricRewardConfig = RubricRewardConfig()) -> GroupRewardFn:
@@ -56,7 +74,7 @@ def rubric_group_reward(judge: ChatClient, config: RubricRewardConfig = RubricRe
 
   def reward(prompt: Prompt, completions: Sequence[Completion]) -> list[RewardResult]:
     rubrics = format_rubrics(config, tuple(prompt.data.get("rubrics", ())))
-    question = judged_question(prompt)
+    question, layout = judged_question(prompt), config.layout
     K = len(completions)
     jobs = [(i, j) for i, j in itertools.permutations(range(K), 2) if config.both_orders or i < j]
 
@@ -65,7 +83,9 @@ def rubric_group_reward(judge: ChatClient, config: RubricRewardConfig = RubricRe
       return (
         i,
         j,
-        parse_verdict(judge.text(pairwise_messages(question, rubrics, completions[i].text, completions[j].text))),
+        parse_verdict(
+          judge.text(pairwise_messages(question, rubrics, completions[i].text, completions[j].text, layout))
+        ),
       )
 
     with ThreadPoolExecutor(max(1, min(config.max_parallel, len(jobs)))) as pool:
@@ -80,10 +100,15 @@ def judged_question(prompt: Prompt) -> str:
   return prompt.text or str(prompt.data.get("question", ""))
 
 
-def pairwise_messages(question: str, rubrics: str, a: str, b: str) -> list[dict]:
-  """The chat the judge answers for one ordered pair (answer `a` shown as A, `b` as B); `rubrics` from
-  `format_rubrics`. The closed-loop critic (k2jax/rl/critic.py) trains the policy on exactly these."""
-  return [{"role": "user", "content": PAIRWISE_TEMPLATE.format(prompt=question, rubrics=rubrics, a=a, b=b)}]
+def pairwise_messages(question: str, rubrics: str, a: str, b: str, layout: str = "rubric") -> list[dict]:
+  """The chat the judge answers for one ordered pair (answer `a` shown as A, `b` as B) in `layout` (one of
+  JUDGE_LAYOUTS); `rubrics` from `format_rubrics` (the short layout shows none). The closed-loop critic
+  (k2jax/rl/critic.py) trains the policy on exactly these."""
+  if layout == "rubric":
+    return [{"role": "user", "content": PAIRWISE_TEMPLATE.format(prompt=question, rubrics=rubrics, a=a, b=b)}]
+  if layout == "short":
+    return [{"role": "user", "content": SHORT_TEMPLATE.format(prompt=question, a=a, b=b)}]
+  raise ValueError(f"pairwise_messages: unknown judge layout {layout!r}; choices: {JUDGE_LAYOUTS}")
 
 
 def parse_verdict(reply: str) -> str | None:
