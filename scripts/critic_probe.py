@@ -2,12 +2,14 @@
 a fresh random init of `model.preset`, then held-out agreement as the learner logs it (BUILD.md "Closed-loop
 critic on the recipe").
 
-  python scripts/critic_probe.py --questions=9 --steps=600 --lr=6e-3 [--format=judge|mini] [--rubrics=...]
+  python scripts/critic_probe.py --questions=9 --steps=600 --lr=6e-3 [--format=judge|short|mini] [--rubrics=...]
+  python scripts/critic_probe.py --format=short --task=zero --questions=10 --seq_len=48   # bench/critic_loop.py's
 
 The pairs are every (right, wrong) digit pair of the tiny RL task's "1+b=" questions, b < `questions` (the
 answer is the digit b+1, the wrong one any other digit), split by `critic.is_heldout` as in a run. `judge`
 is the critic's real example (k2jax/rl/critic.py: the rubric reward's pairwise prompt, `--rubrics` as
-`critic.rubrics`, '' = the rubric reward's own); `mini` is a diagnostic, not a product format: the question
+`critic.rubrics`, '' = the rubric reward's own); `short` is the judge's short layout (`reward.judge_layout=short`,
+the rubric reward's other choice); `--task=zero` asks "0*b=" (answer 0) instead; `mini` is a diagnostic, not a product format: the question
 and the two answers with nothing else ("1+3=\\nA: 4\\nB: 7"), the same verdict. Prints, every `every` steps,
 the agreement and margin (critic.py's) on the held-out pairs and on 16 training pairs, and the verdict loss.
 """
@@ -33,7 +35,8 @@ from k2jax.rl.rewards.base import Prompt  # noqa: E402
 from k2jax.rl.rewards.rubric import RubricRewardConfig, format_rubrics  # noqa: E402
 from k2jax.train.step import ModelDef, init_state  # noqa: E402
 
-_FORMAT = flags.DEFINE_enum("format", "judge", ["judge", "mini"], "critic example layout (see the docstring)")
+_FORMAT = flags.DEFINE_enum("format", "judge", ["judge", "short", "mini"], "critic example layout (see the docstring)")
+_TASK = flags.DEFINE_enum("task", "sum", ["sum", "zero"], "sum: 1+b= (answer b+1); zero: 0*b= (answer 0)")
 _RUBRICS = flags.DEFINE_string("rubrics", "The answer is correct.", "as critic.rubrics ('' = the rubric reward's)")
 _QUESTIONS = flags.DEFINE_integer("questions", 9, "distinct questions 1+b=, b in [0, questions)")
 _STEPS = flags.DEFINE_integer("steps", 300, "SFT steps")
@@ -59,17 +62,19 @@ def main(argv):
   del argv
   tok = load_tokenizer()
   critic = C.CriticConfig(coef=1.0, rubrics=_RUBRICS.value)
-  rubric_config = RubricRewardConfig()
-  if critic.rubric_list:
+  layout = "short" if _FORMAT.value == "short" else "rubric"
+  rubric_config = RubricRewardConfig(layout=layout)
+  if critic.rubric_list and layout == "rubric":
     rubric_config = RubricRewardConfig(core=critic.rubric_list, prescriptive=(), mandatory=())
   rubrics = format_rubrics(rubric_config, ())
-  messages = C.verdict_messages if _FORMAT.value == "judge" else _mini_messages
+  messages = _mini_messages if _FORMAT.value == "mini" else C.verdict_messages
   pairs = []
   for b in range(_QUESTIONS.value):
-    prompt = Prompt(f"arith/{b}", "arith", (), f"1+{b}=", {})
+    question, right = (f"1+{b}=", b + 1) if _TASK.value == "sum" else (f"0*{b}=", 0)
+    prompt = Prompt(f"arith/{b}", "arith", (), question, {})
     for w in range(10):
-      if w != b + 1:
-        pairs += C.group_pairs(prompt, [str(b + 1), str(w)], [1.0, 0.0], rubrics)
+      if w != right:
+        pairs += C.group_pairs(prompt, [str(right), str(w)], [1.0, 0.0], rubrics, layout)
   held = [p for p in pairs if C.is_heldout(p, critic.heldout_fraction)]
   train = [p for p in pairs if not C.is_heldout(p, critic.heldout_fraction)]
   if not held:

@@ -72,6 +72,7 @@ HEAVY_FIRST = (
   "tests/engine/test_engine_mesh.py",  # 135
   "tests/train/test_loss.py",  # 123: the README demo's 300 steps
   "tests/rl/test_learner.py",  # 120
+  "tests/rl/test_critic_loop.py",  # 197 CPU-s: a 12-iteration RL run with the critic (bench/critic_loop.py)
   "tests/train/test_multihost.py",  # 92 alone at stop 37: its 2-process run carries the eval.tasks checks too
   "tests/serve/test_serve_processes.py",  # 83
   "tests/train/test_resume.py",  # 77

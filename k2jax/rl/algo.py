@@ -24,6 +24,9 @@ import numpy as np
 from k2jax.rl.rollout_batch import RolloutBatch
 
 
+REWARD_EPS = 1e-6  # rewards closer than this are equal (a group mean of equal float32 rewards may round)
+
+
 @dataclasses.dataclass(frozen=True)
 class K2LossConfig:
   tau: float = 1.0  # regulariser; also sets the step size (grad ~ 2 tau/K)
@@ -93,6 +96,8 @@ def k2_rl_loss(
     "log_ratio_mean": jnp.sum(weight_B * log_ratio_B),
     "log_ratio_abs_max": jnp.max(jnp.abs(log_ratio_B) * valid_B),
     "centred_reward_abs_mean": jnp.sum(weight_B * jnp.abs(centred_B)),
+    # samples whose reward differs from their group's mean: with none, the gradient at pi_old is zero
+    "signal_samples": jnp.sum(valid_B * (jnp.abs(centred_B) > REWARD_EPS)).astype(jnp.int32),
   }
   return loss, aux
 

@@ -269,6 +269,11 @@ class CriticSpec:
     rule="must be in (0, 1)",
   )
   eval_pairs: int = knob(8, "held-out pairs scored per iteration (both orders, 4 rows each)", **_POSITIVE)
+  replay_pairs: int = knob(
+    256,
+    "earlier batches' training pairs kept (newest, unique) and drawn beside the batch's own (0 = the batch's only)",
+    **_NON_NEGATIVE,
+  )
   rubrics: str = knob(
     "", "'|'-separated rubrics the critic's examples show ('' = the rubric reward's core + prescriptive ones)"
   )

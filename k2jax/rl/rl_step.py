@@ -9,7 +9,11 @@
 The learner jits them through the training core (`k2jax.train.core`), sharded as pretraining. Each
 update feeds QK-Clip the max pre-softmax logits of every forward pass it ran (RL batch and PTX
 batch), updates the MoE balancing bias from their expert counts, and drops the whole update (params,
-optimizer state, bias) when the loss or gradients are not finite, counting it in `skipped_steps`.
+optimizer state, bias) when the loss or gradients are not finite, counting it in `skipped_steps`. It also
+drops an update whose batch has no learning signal: every group's rewards equal (no sample's centred reward
+above `algo.REWARD_EPS`), no PTX and no critic rows. The K2 objective is then at its minimum at pi_old, and
+a Muon step on its zero (or rounding-level) gradient would still move the weights a full step along stale
+momentum, once per update of the batch (`train.step.apply_update`; metric `signal`).
 """
 
 from __future__ import annotations
@@ -57,7 +61,15 @@ def make_rl_step(
   def rl_step(state: TrainState, batch: dict, old_logprobs_BT, ptx: dict | None, critic: dict | None = None):
     loss, aux, grads = rl_grads(state.params, state.bias, batch, old_logprobs_BT, ptx, critic)
     state, metrics = apply_update(
-      state, grads, loss, aux, optimizer, schedule, bias_update_rate=bias_update_rate, qk_clip_tau=qk_clip_tau
+      state,
+      grads,
+      loss,
+      aux,
+      optimizer,
+      schedule,
+      bias_update_rate=bias_update_rate,
+      qk_clip_tau=qk_clip_tau,
+      signal=aux["signal"],
     )
     metrics.update(
       {
@@ -69,6 +81,7 @@ def make_rl_step(
           "centred_reward_abs_mean",
           "ptx_loss",
           "critic_loss",
+          "signal_samples",
         )
         if k in aux
       }
@@ -113,10 +126,15 @@ def make_rl_grads(mdef: ModelDef, loss_config: K2LossConfig, *, num_groups: int,
       aux["critic_loss"] = ptx_loss(critic_lp_BT, critic["loss_mask_BT"])
       loss = loss + critic_coef * aux["critic_loss"]
       aux["loss"] = loss
+    signal = aux["signal_samples"] > 0
+    for rows in (ptx, critic):  # an SFT-style term learns from any row it has
+      if rows is not None:
+        signal = signal | (jnp.sum(rows["loss_mask_BT"]) > 0)
     aux.update(
       max_logits=max_logits,
       expert_counts=counts,
       tokens=jnp.sum(batch["loss_mask_BT"] * batch["sample_mask_B"][:, None]),
+      signal=signal,
     )
     return loss, aux
 

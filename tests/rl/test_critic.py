@@ -173,6 +173,37 @@ def _key_of(rendered: str) -> tuple:
   return question, frozenset((a, b))
 
 
+def test_pairs_unique_and_replayed_from_earlier_batches():
+  """A group with one wrong answer gives K-1 copies of one pair: trained as one. Rows are drawn from the batch's
+  unique training pairs and up to `replay_pairs` of earlier batches' (newest kept); held-out pairs never enter."""
+  refiner = _refiner(heldout_fraction=0.3, replay_pairs=5, batch_size=64)
+  groups = [(_prompt(b), [_completion(t) for t in [str(b + 1), "0", "9"]]) for b in range(1, 8)]
+  _, _, info = refiner.prepare(_scored(refiner, groups), 0)
+  first = [p for p in refiner._replay.values()]
+  assert info["critic_pairs_replayed"] == 0 and len(first) == 5  # 5 newest of the batch's training pairs
+  assert not any(C.is_heldout(p, 0.3) for p in first)
+  # The next batch: one group, one wrong answer among four right ones -> 4 copies of one pair.
+  b = next(
+    b for b in range(20, 60) if not C.is_heldout(C.group_pairs(_prompt(b), [str(b + 1), "x"], [1, 0], "")[0], 0.3)
+  )
+  dup = [(_prompt(b), [_completion(t) for t in [str(b + 1)] * 4 + ["x"]])]
+  train, _, info = refiner.prepare(_scored(refiner, dup), 1)
+  assert info["critic_pairs"] == 4 and info["critic_pairs_unique"] == 1 and info["critic_pairs_replayed"] == 5
+  assert info["critic_train_rows"] == 2 * (1 + 5)  # both orders of the batch's pair and of the 5 replayed
+  seen = set()
+  for r in range(info["critic_train_rows"]):
+    text = TOK.decode(train["tokens_BT"][r][train["segment_ids_BT"][r] > 0].tolist())
+    seen.add(_key_of(text))
+  assert len(seen) == 6 and (f"1+{b}", frozenset((str(b + 1), "x"))) in seen
+  assert len(refiner._replay) == 5 and list(refiner._replay.values())[-1].worse == "x"  # newest last
+  assert first[0].key not in refiner._replay  # the oldest went
+  # replay_pairs=0: the batch's pairs only
+  off = _refiner(replay_pairs=0, batch_size=64)
+  off.prepare(_scored(off, groups), 0)
+  _, _, info = off.prepare(_scored(off, dup), 1)
+  assert info["critic_pairs_replayed"] == 0 and info["critic_train_rows"] == 2 and not off._replay
+
+
 def test_only_batch_groups_of_verifiable_tasks():
   refiner = _refiner()
   groups = [(_prompt(4), [_completion("5"), _completion("3")])]

@@ -1,0 +1,199 @@
+"""Closed-loop critic refinement end to end (K2 §3.2.2; k2jax/rl/critic.py) on the tiny model, on CPU.
+
+The real learner (`k2jax.rl.learner.Learner`, configs/rl.py:tiny) runs RL with `critic.coef > 0` and the
+judge's short layout (`reward.judge_layout=short`: the prompt, the answers labelled [[A]] / [[B]], "[[A]] or
+[[B]]?"). The task is verifiable and one a tiny judge learns in ~200 updates (scripts/critic_probe.py
+--format=short --task=zero: held-out agreement 0.5 at 150 SFT steps, 1.0 at 200): "0*b=" (b in 0..9, the
+answer is always 0; `ProductTask`). After the format-only warm start the policy answers random digits, so
+groups hold right and wrong answers and pairs are plentiful.
+
+The critic learns only while pairs last, i.e. until the policy answers 0 every time (~35 iterations of 4
+updates at the tiny preset's loss.tau 0.05: ~140 critic updates, on the plateau at agreement 0.5 throughout).
+What buys the judge its updates is K2's own objective: its tau term pulls each sample's log-ratio
+log(pi/pi_old) towards (r - mean r) / tau, so with tau = 1 the policy moves at most about a nat on a batch's
+samples however many updates it takes, while the critic's verdict NLL (an SFT term, no such bound) learns
+from every one. 24 updates per batch: the judge gets 24 steps per iteration. Two things keep what it learnt
+once the policy has converged (k2jax/rl/critic.py, rl_step.py): its rows are drawn from the batch's unique
+pairs and a replay of earlier batches' (`critic.replay_pairs`; without it, seed 0 went from 1.0 at iteration
+8 to 0.548, three iterations of a single pair later), and an update whose batch has no signal (all rewards
+equal, no critic rows) is not applied (without that, seed 4 went from 1.0 to 0.5 in its last iteration: 24
+Muon steps along stale momentum).
+agreement_before / _after: the learner's `critic_agreement` (both orders of each pair: chance is exactly 0.5)
+over every held-out pair of the task (the question, "0", a wrong digit; `critic.is_heldout`: never trained
+on), with the weights right after the format-only warm start and at the end. inloop_before / _after: the
+learner's own per-iteration `critic_agreement` (on the batch's held-out pairs, up to 8; NaN when it has
+none), mean of the first / last `--window` scored iterations: the same property, noisier (late batches hold
+few held-out pairs, and they may run out before the judge learns).
+
+  python bench/critic_loop.py                    # 5 seeds x 12 iterations (24 updates each)
+  python bench/critic_loop.py --reps=3 --iterations=20 --tau=0.05 --updates_per_batch=4
+
+Prints one line per seed and `agreement_before=median [min,max] agreement_after=median [min,max] reps=N`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from k2jax.data.tokenizer import load_tokenizer  # noqa: E402
+from k2jax.rl.rewards.base import Prompt  # noqa: E402
+from k2jax.rl.tasks import ArithmeticTask, strip_stop  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ProductTask(ArithmeticTask):
+  """ "{a}*{b}=" with the exact answer a*b (ArithmeticTask's prompts, stream and format-only warm start, whose
+  random answers span a_min+b_min .. a_max+b_max: with a = 0 and b in 0..9, every digit)."""
+
+  def _make(self, prompt_id: str, a: int, b: int) -> Prompt:
+    text = self.config.template.format(a=a, b=b)
+    return Prompt(prompt_id, self.name, tuple(self._encode(text)), text, {"answer": str(a * b)})
+
+
+def loop_config(iterations: int, seed: int, updates_per_batch: int = 24, tau: float = 1.0, coef: float = 10.0):
+  """configs/rl.py:tiny with the critic on in the short layout, the task "0*b=" (see the module docstring)."""
+  spec = importlib.util.spec_from_file_location("rl_config_critic_loop", os.path.join(ROOT, "configs", "rl.py"))
+  rl_configs = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(rl_configs)
+  c = rl_configs.get_config("tiny")
+  c.unlock()
+  c.seed, c.iterations = seed, iterations
+  c.task.a_min, c.task.a_max, c.task.b_min, c.task.b_max, c.task.template = 0, 0, 0, 9, "{a}*{b}="
+  c.task.seed = seed
+  c.reward.judge_layout = "short"
+  c.critic.coef, c.critic.batch_size, c.critic.seq_len, c.critic.eval_pairs = coef, 16, 48, 8
+  c.optim.updates_per_batch = updates_per_batch  # each update also takes a critic step on the batch's rows
+  c.rollout.target_groups = c.rollout.launch_groups = 16
+  c.rollout.partial_rollout = False
+  c.loss.ptx_coef = 0.0
+  c.loss.tau = tau  # bounds the policy's move per batch (see the module docstring), so pairs last
+  c.eval.every = 0
+  c.checkpoint.every = iterations
+  c.lock()
+  return c
+
+
+def heldout_pairs(lc, task: ProductTask) -> list:
+  """Every held-out pair of the task's universe (question 0*b=, the right answer "0", a wrong digit), in the
+  judge's short layout: the pairs `critic.is_heldout` keeps out of training in every iteration of every run."""
+  from k2jax.rl import critic as C
+
+  out = []
+  for b in range(lc.task.b_min, lc.task.b_max + 1):
+    prompt = task._make(f"heldout/{b}", 0, b)  # as the task's stream makes it (the pair's key: task, text)
+    for w in range(1, 10):
+      out += C.group_pairs(prompt, ["0", str(w)], [1.0, 0.0], "", "short")
+  return [p for p in out if C.is_heldout(p, lc.critic.heldout_fraction)]
+
+
+def heldout_agreement(learner, pairs, tok) -> float:
+  """critic_agreement (the learner's metric: both orders, chance 0.5) over `pairs` with the current weights."""
+  from k2jax.rl import critic as C
+
+  c, s = learner.lc.critic, learner.state
+  chats = [C.verdict_messages(p, first, ok) for p in pairs for first in (True, False) for ok in (True, False)]
+  seq = []
+  for i in range(0, len(chats), c.eval_rows):  # the learner's compiled critic-eval shape
+    rows = C.render_rows(tok, chats[i : i + c.eval_rows], c.eval_rows, c.seq_len)
+    lp = np.asarray(learner.logprobs_fn(s.params, s.bias, rows["tokens_BT"], rows["segment_ids_BT"]), np.float64)
+    seq.append((lp * rows["loss_mask_BT"]).sum(-1)[: len(chats) - i])
+  seq = np.concatenate(seq).reshape(-1, 2)
+  return C.agreement(seq[:, 0], seq[:, 1])
+
+
+def run_loop(
+  workdir: str,
+  iterations: int,
+  seed: int,
+  window: int,
+  updates_per_batch: int = 24,
+  tau: float = 1.0,
+  coef: float = 10.0,
+) -> dict:
+  """One RL run with the critic: {before, after (held-out agreement over all held-out pairs, after the warm
+  start and at the end), inloop_before, inloop_after (the learner's critic_agreement, first / last `window`
+  scored iterations), scored, heldout (pairs), records}."""
+  from k2jax.rl.learner import Learner, from_config_dict
+
+  tok = load_tokenizer()
+  lc = from_config_dict(loop_config(iterations, seed, updates_per_batch, tau, coef), workdir, (tok.eos_id,))
+  task = ProductTask(lc.task, tok.encode, tok.eos_id)
+  pairs = heldout_pairs(lc, task)
+  learner = Learner(lc, workdir, task, strip_stop(tok.decode, lc.rollout.stop_token_ids))
+  measured = {}
+  iteration = learner.iteration
+
+  def first_scores_then_iterates():  # the first iteration starts right after the format-only warm start
+    if "before" not in measured:
+      measured["before"] = heldout_agreement(learner, pairs, tok)
+    return iteration()
+
+  learner.iteration = first_scores_then_iterates
+  try:
+    learner.train()
+    measured["after"] = heldout_agreement(learner, pairs, tok)
+  finally:
+    learner.close()
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  rl = [r for r in records if "critic_agreement" in r]
+  scored = [r["critic_agreement"] for r in rl if r["critic_agreement"] == r["critic_agreement"]]  # not NaN
+  if len(scored) < 2 * window:
+    raise RuntimeError(
+      f"critic_loop: only {len(scored)} of {len(rl)} iterations scored held-out pairs (< 2 x {window})"
+    )
+  return {
+    **measured,
+    "inloop_before": float(np.mean(scored[:window])),
+    "inloop_after": float(np.mean(scored[-window:])),
+    "scored": len(scored),
+    "heldout": len(pairs),
+    "records": rl,
+  }
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--reps", type=int, default=5, help="seeds 0..reps-1")
+  ap.add_argument("--iterations", type=int, default=12)
+  ap.add_argument("--updates_per_batch", type=int, default=24)
+  ap.add_argument("--tau", type=float, default=1.0, help="loss.tau")
+  ap.add_argument("--coef", type=float, default=10.0, help="critic.coef")
+  ap.add_argument("--window", type=int, default=3, help="scored iterations averaged for inloop_before / _after")
+  a = ap.parse_args()
+  before, after = [], []
+  for seed in range(a.reps):
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+      out = run_loop(d, a.iterations, seed, a.window, a.updates_per_batch, a.tau, a.coef)
+    rl = out["records"]
+    before.append(out["before"])
+    after.append(out["after"])
+    print(
+      f"seed={seed} agreement_before={out['before']:.3f} agreement_after={out['after']:.3f} "
+      f"heldout_pairs={out['heldout']} inloop_before={out['inloop_before']:.3f} "
+      f"inloop_after={out['inloop_after']:.3f} scored={out['scored']}/{len(rl)} pairs_first={rl[0]['critic_pairs']} pairs_last={rl[-1]['critic_pairs']} "
+      f"reward_first={rl[0]['reward_mean']:.3f} reward_last={rl[-1]['reward_mean']:.3f} "
+      f"critic_loss_last={rl[-1]['critic_loss']:.3f} wall_s={time.perf_counter() - t0:.0f}",
+      flush=True,
+    )
+  fmt = lambda v: f"{np.median(v):.3f} [{min(v):.3f},{max(v):.3f}]"  # noqa: E731
+  print(
+    f"agreement_before={fmt(before)} agreement_after={fmt(after)} reps={a.reps} iterations={a.iterations} "
+    f"updates_per_batch={a.updates_per_batch} tau={a.tau} coef={a.coef}"
+  )
+
+
+if __name__ == "__main__":
+  main()
