@@ -55,10 +55,12 @@ setup(
       "tokamax==0.0.12",  # the GPU kernels' lowering for CUDA is tested on CPU (tests/model/test_moe_gemm.py)
     ],
     "torch": ["torch==2.13.0", "transformers>=5.0,<6", "accelerate>=1.0"],
-    # One NVIDIA GPU or a GPU cluster (README "On one GPU"): jax's CUDA 13 wheels at the version bench/gpu.py is
-    # written against (the lent H200's image: jax 0.11.2 + the CUDA 13 plugin; no figure measured yet, BUILD.md)
-    # and tokamax's grouped-GEMM and attention kernels (k2jax/model/moe_gemm.py). tokamax pins typeguard 2.13.3.
-    "gpu": ["jax[cuda13]==0.11.2", "tokamax==0.0.12"],
+    # One NVIDIA GPU or a GPU cluster (README "On one GPU"; Python >= 3.12, jax 0.11's): jax's CUDA 13 wheels at
+    # the version bench/gpu.py is written against (the lent H200's image: jax 0.11.2 + the CUDA 13 plugin; no
+    # figure measured yet, BUILD.md) and tokamax's grouped-GEMM and attention kernels (k2jax/model/moe_gemm.py):
+    # 0.0.14, not the test extra's 0.0.12, whose Triton kernels call `pl.dot`, removed in jax 0.11 (0.0.14
+    # needs jax >= 0.11, so it cannot be the 3.11 test stack's). tokamax pins typeguard 2.13.3.
+    "gpu": ["jax[cuda13]==0.11.2", "tokamax==0.0.14"],
     # TPU VMs, and AOT compiles for TPU slices from any Linux host (Python >= 3.12 for these wheels).
     "tpu": ["jax[tpu]==0.12.0.1"],
     "sglang": ["sglang>=0.5"],

@@ -377,11 +377,38 @@ def target_platform(name: str):
   token = _TARGET.set(name)
   try:
     with contextlib.ExitStack() as stack:
+      stack.enter_context(_abstract_gpu())
       for hook in _CROSS_COMPILE_HOOKS:
         stack.enter_context(hook())
       yield
   finally:
     _TARGET.reset(token)
+
+
+# The GPU a cross-compile lowers for when this host has none. jax >= 0.11 asks Pallas' Triton lowering for the
+# GPU's kind (its compute capability picks the Triton target), from an abstract device when no GPU is present
+# ("No supported GPU devices found, please specify an abstract GPU device"); jax 0.10 lowered without one.
+CROSS_COMPILE_GPU_KIND = "NVIDIA H100 80GB HBM3"
+
+
+def _gpu_device():
+  """The abstract GPU a cross-compile lowers for where jax asks for one (jax >= 0.11, no GPU here), or None."""
+  if jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu" or _TARGET.get() != "gpu":
+    return None
+  from jax._src.mesh import AbstractDevice  # not public in jax 0.11; its error message names it as the way
+
+  return AbstractDevice(device_kind=CROSS_COMPILE_GPU_KIND, num_cores=None, platform="cuda")
+
+
+def _abstract_gpu():
+  """A one-device abstract mesh of the cross-compile's GPU around a cross-compile (jax >= 0.11), else nothing."""
+  device = _gpu_device()
+  if device is None:
+    return contextlib.nullcontext()
+  # Auto axes: the device is all this mesh is for, not sharding-in-types (Explicit axes need every op's
+  # out_sharding rule; ragged_dot has none).
+  mesh = jax.sharding.AbstractMesh((1,), ("_cross_compile",), (jax.sharding.AxisType.Auto,), abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
 
 
 # Context managers entered for the whole of a `target_platform` block: kernel libraries that check this

@@ -52,9 +52,13 @@ PLATFORMS = {
   "tokamax_triton": ("gpu",),
   "jax_triton": ("gpu",),
 }
-# tokamax's implementation names, tried in order (the first whose device check passes). Never "xla":
-# that is jax's ragged_dot again, the dense path this module exists to avoid.
-_TOKAMAX_ORDER = {"tokamax": ("mosaic", "triton"), "tokamax_triton": ("triton",)}
+# tokamax's implementation names per compile target, tried in order (the first whose checks pass). Named
+# explicitly: tokamax's own "mosaic" alias picks GPU or TPU by this host's default device, which a
+# cross-compile does not have. Never "xla": that is jax's ragged_dot again, the dense path avoided here.
+_TOKAMAX_ORDER = {
+  "tokamax": {"gpu": ("mosaic_gpu", "triton"), "tpu": ("mosaic_tpu",)},
+  "tokamax_triton": {"gpu": ("triton",)},
+}
 PALLAS = ("tokamax", "tokamax_triton")  # Pallas kernels: no varying-axes types inside shard_map
 TRITON_MIN_CAPABILITY = 8.0  # Triton kernels (tokamax's and jax's): Ampere and newer
 
@@ -86,7 +90,7 @@ def grouped_dot(x_MD, w_EDF, group_sizes_E, impl: str = "auto"):
       x_MD, w_EDF, group_sizes_E, grouped_matmul.default_tile(x_MD.shape[0], w_EDF.shape[0])
     )
   if name == "ragged_dot":
-    return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
+    return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E, precision=_precision(x_MD, w_EDF))
   if name == "jax_triton":
     if not jax.config.jax_ragged_dot_use_gpu_pallas_triton_lowering:
       raise MoEGemmError(
@@ -97,7 +101,15 @@ def grouped_dot(x_MD, w_EDF, group_sizes_E, impl: str = "auto"):
     check_gpu_capability(name)
     return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
   check_gpu_capability(name)
-  return _tokamax_ragged_dot(x_MD, w_EDF, group_sizes_E, _TOKAMAX_ORDER.get(name, ("mosaic",)))
+  return _tokamax_ragged_dot(x_MD, w_EDF, group_sizes_E, _TOKAMAX_ORDER[name][sharding_lib.platform()])
+
+
+def _precision(x, w):
+  """None (jax's default, `jax_default_matmul_precision` included) for float32 operands, DEFAULT for narrower
+  ones: XLA:TPU's Mosaic ragged-dot kernel fails to compile an fp32 contract precision on bf16 operands ("Bad
+  lhs type", libtpu 0.0.50), which `jax_default_matmul_precision='highest'` asks for, and on bf16 operands it
+  changes nothing (their products are exact in the float32 accumulator)."""
+  return None if jax.numpy.float32 in (x.dtype, w.dtype) else jax.lax.Precision.DEFAULT
 
 
 def check_gpu_capability(name: str) -> None:
@@ -117,7 +129,7 @@ def _tokamax_ragged_dot(x_MD, w_EDF, group_sizes_E, order):
   tokamax = import_tokamax()
   try:
     return tokamax.ragged_dot(x_MD, w_EDF, group_sizes_E, implementation=order)
-  except NotImplementedError as e:
+  except (NotImplementedError, ExceptionGroup) as e:  # tokamax >= 0.0.13 groups the errors of every try
     raise MoEGemmError(
       f"tokamax has no grouped-GEMM kernel for this device or these shapes/dtypes (tried {order}: {e}); "
       "use moe_gemm='tiled' or 'ragged_dot'"

@@ -4,6 +4,7 @@ The Pallas kernel runs with `pallas_call(interpret=True)` on CPU: tiny shapes, f
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -296,5 +297,11 @@ def test_model_auto_attention_compiles_the_kernel_for_a_tpu_mesh():
 
   with sharding.use(mesh, "fsdp_ep_tp"):
     compiled = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(state, ids).compile()
+  text = compiled.as_text()
+  kernels = lambda name: len(re.findall(name + r"[\w.]* = [^\n]*custom-call", text))  # noqa: E731
   # forward, dq and dk/dv kernels, once per layer stack (dense, MoE)
-  assert compiled.as_text().count("tpu_custom_call") == 6
+  assert [kernels(f"%k2jax_flash_mla_{k}") for k in ("fwd", "dq", "dkv")] == [2, 2, 2]
+  # The MoE's grouped GEMMs stay XLA:TPU's own (moe_gemm auto on TPU: ragged_dot, a Mosaic kernel of libtpu's):
+  # gate, up and down, forward, dlhs and drhs each. The suite's `highest` matmul precision on bf16 operands
+  # compiles (moe_gemm._precision).
+  assert kernels("%ragged-dot-none") == 9

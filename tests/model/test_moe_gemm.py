@@ -19,6 +19,7 @@ from k2jax import sharding
 from k2jax.model import moe_gemm, presets
 from k2jax.model.block import MoE
 from k2jax.model.config import ConfigError
+from tests.cross_lowering import NEEDS_GPU_MESH
 
 TRITON = r"custom_call @__gpu\$xla\.gpu\.triton"
 
@@ -108,6 +109,7 @@ def test_tokamax_asked_for_on_a_cpu_target_fails_before_tracing():
     moe(x, jnp.ones((1, 8), bool))
 
 
+@NEEDS_GPU_MESH
 @pytest.mark.parametrize("preset,dispatch", [("fsdp_ep", "ragged"), ("fsdp_ep_tp", "fixed")])
 def test_gpu_expert_parallel_layer_runs_the_kernels_inside_shard_map(preset, dispatch):
   """Under expert parallelism the kernels run per device inside shard_map (check_vma off there, see

@@ -8,6 +8,7 @@ import pytest
 
 from configs import k2
 from k2jax.train import aot
+from tests.cross_lowering import NEEDS_GPU_MESH
 
 TRITON = r"custom_call @__gpu\$xla\.gpu\.triton"
 
@@ -21,6 +22,7 @@ def _text(**model):
   return aot.lower_step_for_gpu(c).as_text()
 
 
+@NEEDS_GPU_MESH
 def test_gpu_train_step_has_the_grouped_gemm_kernels_and_no_ragged_dot():
   pytest.importorskip("tokamax")
   text = _text()
