@@ -40,6 +40,7 @@ position) gets exactly 0.5: chance. NaN when the batch has no held-out pair.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import threading
 from collections.abc import Callable, Sequence
@@ -101,7 +102,7 @@ class Pair:
   worse_reward: float
   layout: str = "rubric"  # the judge's prompt layout (rewards.rubric.JUDGE_LAYOUTS), the rubric reward's
 
-  @property
+  @functools.cached_property  # hashed once: prepare() and is_heldout() ask for it on every pair
   def key(self) -> str:
     """Content hash, independent of which answer is better or shown first."""
     lo, hi = sorted((self.better, self.worse))
@@ -251,7 +252,7 @@ class CriticRefiner:
     pairs are real."""
     c = self.config
     pairs = self.take(batch)
-    unique = list({p.key: p for p in reversed(pairs)}.values())[::-1]  # first occurrence, batch order
+    unique = list({p.key: p for p in pairs}.values())  # one per content (same content, same pair)
     fresh, heldout, too_long = [], [], 0
     for p in unique:
       if is_heldout(p, c.heldout_fraction):
@@ -263,7 +264,8 @@ class CriticRefiner:
         fresh.append(p)
       else:
         too_long += 1
-    replayed = [p for k, p in self._replay.items() if k not in {q.key for q in fresh}]
+    fresh_keys = {p.key for p in fresh}
+    replayed = [p for k, p in self._replay.items() if k not in fresh_keys]
     train_ex = [(p, first) for p in fresh + replayed for first in (True, False)]
     rng = np.random.default_rng([c.seed, iteration, 0x51])
     picked = rng.permutation(len(train_ex))[: c.batch_size]
@@ -277,8 +279,8 @@ class CriticRefiner:
       for p in fresh:  # newest last; the oldest beyond the bound go
         self._replay.pop(p.key, None)
         self._replay[p.key] = p
-      for k in list(self._replay)[: max(0, len(self._replay) - c.replay_pairs)]:
-        del self._replay[k]
+      while len(self._replay) > c.replay_pairs:
+        del self._replay[next(iter(self._replay))]
     info = {
       "critic_pairs": len(pairs),
       "critic_pairs_unique": len(unique),

@@ -146,12 +146,12 @@ def apply_update(
     grad_norm=grad_norm,
     updates=updates,
     ok=ok,
+    finite=finite,
     params=new_state.params,
     qk_clip_tau=qk_clip_tau,
     lr=schedule(state.step - state.skipped_steps),
     skipped=new_state.skipped_steps,
   )
-  metrics["finite"] = finite
   if signal is not None:
     metrics["signal"] = jnp.asarray(signal, jnp.int32)
   return new_state, metrics
@@ -226,8 +226,9 @@ def update_bias(bias: dict, counts_LE: jax.Array, rate: float) -> dict:
   return jax.tree.map(lambda b: (b + delta_LE).astype(b.dtype), bias)
 
 
-def step_metrics(aux, *, loss, grad_norm, updates, ok, params, qk_clip_tau, lr, skipped) -> dict:
-  """Scalars (and per-layer vectors) the loop logs; all float32/int32 arrays, fetched lazily."""
+def step_metrics(aux, *, loss, grad_norm, updates, ok, finite, params, qk_clip_tau, lr, skipped) -> dict:
+  """Scalars (and per-layer vectors) the loop logs; all float32/int32 arrays, fetched lazily. `ok`: the
+  update was applied; `finite`: loss and gradients were finite (they differ on a no-signal step)."""
   counts_LE = aux["expert_counts"].astype(jnp.float32)
   if counts_LE.size:
     load_LE = counts_LE / jnp.maximum(jnp.mean(counts_LE, axis=-1, keepdims=True), 1.0)
@@ -249,5 +250,5 @@ def step_metrics(aux, *, loss, grad_norm, updates, ok, params, qk_clip_tau, lr, 
     "expert_load_max": load_max,
     "skipped_steps": skipped,
     "tokens": aux["tokens"],
-    "finite": ok,
+    "finite": finite,
   }
