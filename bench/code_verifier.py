@@ -34,7 +34,8 @@ from absl import app, flags  # noqa: E402
 from bench.interleave import load_average  # noqa: E402
 from k2jax.sandbox import runner, verify as verify_mod  # noqa: E402
 from k2jax.sandbox.code import CodeRewardConfig  # noqa: E402
-from k2jax.sandbox.verify import compare_output, verify, verify_batch  # noqa: E402
+from k2jax.sandbox.compare import compare_output  # noqa: E402
+from k2jax.sandbox.verify import verify, verify_batch  # noqa: E402
 
 _REPS = flags.DEFINE_integer("reps", 5, "Interleaved rounds of the stdin/stdout modes.")
 _SAMPLES = flags.DEFINE_integer("samples", 3, "Samples graded per mode per round.")

@@ -17,16 +17,7 @@ How cases run (`_solution_driver.py`, `_test_driver.py`):
   no code of the solution's: nothing the solution does reaches it.
 - a checker runs in a sandbox of its own on the outputs (data) of the cases that ran cleanly.
 
-Comparison (`CodeRewardConfig.compare`) of stdin/stdout cases, both sides' "\\r\\n" read as "\\n":
-  exact    byte-for-byte equal text
-  lines    LiveCodeBench's line rule: the whole text stripped, split on newlines, each line stripped; equal lists
-  tokens   LiveCodeBench's `grade_stdio` (lines as above, same count; a line passes when equal, or when both
-           split into the same number of tokens that are pairwise equal or both numbers within `float_tol`),
-           with Codeforces testlib's absolute-or-relative tolerance |a - b| <= float_tol * max(1, |b|) where
-           LiveCodeBench compares Decimals exactly (float_tol=0 gives its rule exactly). The default.
-Call results compare as plain data (tuples as lists, LiveCodeBench's rule), floats within `float_tol`
-(absolute or relative, EvalPlus's shape). A printed or returned prefix of the right answer fails in every mode.
-
+Comparison (`CodeRewardConfig.compare`): `k2jax.sandbox.compare`.
 Verdicts: `Graded.reward` is the share of cases passed (every case in the denominator: a crash, a timeout,
 `sys.exit` before the answer, an over-long output each fail their own case), or with
 `stop_at_first_failure` 1.0 only when all pass (cases after a crash or timeout are not run). A sandbox that
@@ -38,7 +29,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import decimal
 import json
 import math
 import os
@@ -51,6 +41,7 @@ from typing import Any
 
 from k2jax.sandbox import _wire, runner
 from k2jax.sandbox.code import CodeRewardConfig, Graded
+from k2jax.sandbox.compare import COMPARE_MODES, compare_output, values_equal
 from k2jax.sandbox.formats import Problem, parse_row
 from k2jax.sandbox.runner import SandboxResult, SandboxUnavailable, run_python
 from k2jax.sandbox.workspace import default_python_paths
@@ -60,7 +51,6 @@ _WIRE = (_HERE / "_wire.py").read_text()
 _SOLUTION_DRIVER = (_HERE / "_solution_driver.py").read_text()
 _TEST_DRIVER = (_HERE / "_test_driver.py").read_text()
 _CHAN_MOUNT = "/k2jax-chan"
-COMPARE_MODES = ("exact", "lines", "tokens")
 _STARTUP_S = 20.0  # how long the test's sandbox waits for the solution's to connect
 # What call-based (LeetCode-style) code may use unimported, like LiveCodeBench's own import prelude: `List`,
 # `Optional`, `defaultdict`, `heappush`, `bisect_left`, `accumulate`, `lru_cache`, the modules themselves.
@@ -70,69 +60,6 @@ CALL_PRELUDE = (
   "functools\n"
 )
 _SOLUTION_PROCESSES = 16  # the driver and a case's process and threads (competitive code's deep-recursion thread)
-
-
-# ---- comparing -------------------------------------------------------------------------------------------
-def _lines(text: str) -> list[str]:
-  return [line.strip() for line in text.replace("\r\n", "\n").strip().split("\n")]
-
-
-def _number(token: str) -> decimal.Decimal | None:
-  try:
-    d = decimal.Decimal(token)
-  except (decimal.InvalidOperation, ValueError):
-    return None
-  return d if d.is_finite() else None
-
-
-def compare_output(got: str, want: str, mode: str, float_tol: float) -> tuple[bool, str]:
-  """(passed, why not) for one stdin/stdout case, in `mode` (module docstring)."""
-  if mode == "exact":
-    ok = got.replace("\r\n", "\n") == want.replace("\r\n", "\n")
-    return ok, "" if ok else "output differs"
-  g, w = _lines(got), _lines(want)
-  if len(g) != len(w):
-    return False, f"{len(g)} output lines, {len(w)} expected"
-  for k, (a, b) in enumerate(zip(g, w, strict=True)):
-    if a == b:
-      continue
-    if mode == "lines":
-      return False, f"line {k + 1} differs"
-    ta, tb = a.split(), b.split()
-    if len(ta) != len(tb):
-      return False, f"line {k + 1}: {len(ta)} tokens, {len(tb)} expected"
-    for x, y in zip(ta, tb, strict=True):
-      if x == y:
-        continue
-      dx, dy = _number(x), _number(y)
-      if dx is None or dy is None:
-        return False, f"line {k + 1}: token {x[:40]!r} != {y[:40]!r}"
-      tol = decimal.Decimal(repr(float_tol)) * max(decimal.Decimal(1), abs(dy))
-      if abs(dx - dy) > tol:
-        return False, f"line {k + 1}: {x[:40]} is not within {float_tol} of {y[:40]}"
-  return True, ""
-
-
-def values_equal(got: Any, want: Any, float_tol: float, depth: int = 0) -> bool:
-  """Plain-data equality: tuples as lists, numbers within float_tol (absolute or relative) when one is a float."""
-  if depth > _wire.MAX_DEPTH + 4:
-    return False
-  if isinstance(got, tuple):
-    got = list(got)
-  if isinstance(want, tuple):
-    want = list(want)
-  num = (int, float)
-  if type(got) in num and type(want) in num and (type(got) is float or type(want) is float):
-    if math.isnan(got) or math.isnan(want):
-      return math.isnan(got) and math.isnan(want)
-    return math.isclose(got, want, rel_tol=float_tol, abs_tol=float_tol)
-  if type(got) is list and type(want) is list:
-    return len(got) == len(want) and all(values_equal(a, b, float_tol, depth + 1) for a, b in zip(got, want))
-  if type(got) is dict and type(want) is dict:
-    return got.keys() == want.keys() and all(values_equal(got[k], want[k], float_tol, depth + 1) for k in got)
-  if type(got) is bool or type(want) is bool:
-    return type(got) is type(want) and got == want
-  return type(got) in (*num, str, bytes, set, frozenset, complex, type(None)) and got == want
 
 
 # ---- running ---------------------------------------------------------------------------------------------
@@ -606,10 +533,8 @@ def is_infra_error(graded: Graded) -> bool:
 __all__ = [
   "Problem",
   "call_results",
-  "compare_output",
   "is_infra_error",
   "parse_row",
-  "values_equal",
   "verify",
   "verify_batch",
 ]

@@ -16,7 +16,8 @@ import pytest
 
 from k2jax.sandbox import runner, verify as verify_mod
 from k2jax.sandbox.code import CodeRewardConfig
-from k2jax.sandbox.verify import compare_output, parse_row, values_equal, verify
+from k2jax.sandbox.compare import compare_output, values_equal
+from k2jax.sandbox.verify import parse_row, verify
 
 CFG = CodeRewardConfig(case_time_s=2.0)
 NOT_ISOLATED = runner.isolation_error()
