@@ -18,6 +18,7 @@ How cases run (`_solution_driver.py`, `_test_driver.py`):
 - a checker runs in a sandbox of its own on the outputs (data) of the cases that ran cleanly.
 
 Comparison (`CodeRewardConfig.compare`): `k2jax.sandbox.compare`.
+
 Verdicts: `Graded.reward` is the share of cases passed (every case in the denominator: a crash, a timeout,
 `sys.exit` before the answer, an over-long output each fail their own case), or with
 `stop_at_first_failure` 1.0 only when all pass (cases after a crash or timeout are not run). A sandbox that
