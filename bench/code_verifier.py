@@ -1,4 +1,4 @@
-"""Cost of grading code through the sandboxed verifier (issue 28): graded samples per second.
+"""Cost of grading code through the sandboxed verifier: graded samples per second.
 
   python bench/code_verifier.py [--reps=5] [--samples=3] [--humaneval_reps=5] [--humaneval_workers=8]
 

@@ -7,7 +7,7 @@ For each sequence length it compiles value_and_grad of one MLA attention (K2 hea
 V=128, bfloat16, batch 1, all heads on one chip) for one chip of the topology, once with
 `mla.einsum_attention` and once with `mla.flash_mla_attention`, and prints XLA's per-device temp and
 argument bytes and FLOPs from cost analysis, then `temp_ratio_einsum_over_flash`. Nothing runs;
-compile-time figures only (no timing: there is no TPU here).
+compile-time figures only (no timing: the TPU devices are compile-only).
 """
 
 import os

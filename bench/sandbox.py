@@ -2,7 +2,7 @@
 
   python bench/sandbox.py [--reps=5] [--tests=10] [--concurrency=8,64]
 
-1. `sandbox_overhead_ratio` (issue 23): a batch of N programs graded at once (N threads, each a
+1. `sandbox_overhead_ratio`: a batch of N programs graded at once (N threads, each a
    `run_tests` from start to verdict), with the limits (private tmpfs scratch, IPC namespace limits, no
    nested user namespaces, a cgroup where this host gives one) over the same batch without them
    (`SandboxConfig(kernel_limits=False)`: the sandbox as it was before them), per N. Modes interleaved

@@ -392,7 +392,7 @@ CROSS_COMPILE_GPU_KIND = "NVIDIA H100 80GB HBM3"
 
 
 def _gpu_device():
-  """The abstract GPU a cross-compile lowers for where jax asks for one (jax >= 0.11, no GPU here), or None."""
+  """The abstract GPU a cross-compile lowers for where jax asks for one (jax >= 0.11, no GPU attached), or None."""
   if jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu" or _TARGET.get() != "gpu":
     return None
   from jax._src.mesh import AbstractDevice  # not public in jax 0.11; its error message names it as the way

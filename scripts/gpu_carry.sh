@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The wheels bench/gpu.py needs on a GPU machine whose image already holds jax 0.11.2 + the CUDA 13 plugin,
-# flax 0.12.10, torch and transformers but reaches no package registry (the lent H100/H200 here: Python 3.12,
+# flax 0.12.10, torch and transformers but reaches no package registry (e.g. an H100/H200 image with Python 3.12,
 # x86_64). Run where PyPI is reachable; it fills .gpu_wheels/ (git-ignored) with the packages that image lacks:
 #
 #   bash scripts/gpu_carry.sh                 # -> .gpu_wheels/*.whl

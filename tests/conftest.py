@@ -60,20 +60,20 @@ def _on_event(event, **kwargs):
 monitoring.register_event_duration_secs_listener(_on_duration)
 monitoring.register_event_listener(_on_event)
 
-# The heaviest files first, heaviest at the top: seconds of each file's tests in the stop-34 suite (`--durations=0`,
+# The heaviest files first, heaviest at the top: seconds of each file's tests in one suite run (`--durations=0`,
 # 2 workers on 2 cores, another job beside them for the first half; 1787 s in all). scripts/test.sh runs
 # `-n 2 --dist loadfile --no-loadscope-reorder`: xdist hands out whole files in this order as workers free up.
 # Its default order (most tests per file first) put these one- and two-test files last, so one worker ran them
 # alone while the other sat idle.
 HEAVY_FIRST = (
-  "tests/test_recipe.py",  # 718 (690 at stop 36): the whole recipe (pretrain, SFT, RL, three evals)
-  "tests/rl/test_rl_colocated.py",  # 432 (385 at stop 36): four RL runs, one of them 2-process
+  "tests/test_recipe.py",  # 718: the whole recipe (pretrain, SFT, RL, three evals)
+  "tests/rl/test_rl_colocated.py",  # 432: four RL runs, one of them 2-process
   "tests/rl/test_rl_processes.py",  # 237
   "tests/engine/test_engine_mesh.py",  # 135
   "tests/train/test_loss.py",  # 123: the README demo's 300 steps
   "tests/rl/test_learner.py",  # 120
   "tests/rl/test_critic_loop.py",  # 197 CPU-s: a 12-iteration RL run with the critic (bench/critic_loop.py)
-  "tests/train/test_multihost.py",  # 92 alone at stop 37: its 2-process run carries the eval.tasks checks too
+  "tests/train/test_multihost.py",  # 92 alone: its 2-process run carries the eval.tasks checks too
   "tests/serve/test_serve_processes.py",  # 83
   "tests/train/test_resume.py",  # 77
   "tests/rl/test_rl_mesh.py",  # 64
@@ -82,8 +82,8 @@ HEAVY_FIRST = (
   "tests/train/test_torn_resume.py",  # 57
   "tests/rl/test_agentic_launch.py",  # 55
   "tests/serve/test_lmeval.py",  # 37
-  "tests/test_accel.py",  # 49 under load at stop 40: bench/gpu.py --smoke's three child processes
-  "tests/sandbox/test_humaneval.py",  # 165 then; 50 CPU-s at stop 36 (the official harness in its own interpreter)
+  "tests/test_accel.py",  # 49 under load: bench/gpu.py --smoke's three child processes
+  "tests/sandbox/test_humaneval.py",  # 165 in that run; 50 CPU-s alone (the official harness in its own interpreter)
   "tests/convert/test_writer.py",  # 35
   "tests/rl/test_rl_eval.py",
   "tests/sharding/test_two_process.py",

@@ -34,7 +34,7 @@ def launcher_cache() -> str:
 # A second host configuration for the runs that compare floats across process counts or layouts: XLA:CPU's
 # dots single-threaded, another intra-op split of the same work than the host's Eigen thread pool gives. How
 # Eigen splits a contraction over its pool depends on the host (its cores, the processes sharing them), so
-# equality across layouts checked under one split holds on some hosts and not others (issue 43: a rollout
+# equality across layouts checked under one split holds on some hosts and not others (a rollout
 # token differed on a 2-core AMD host). The cross-layout runs take this configuration on one side, so a
 # result that depends on the split fails on every host. Results compared with each other under the SAME
 # configuration (a resume after SIGKILL against the uninterrupted run: one program, one thread count) stay

@@ -37,7 +37,7 @@ def aligned_empty(shape, dtype) -> np.ndarray:
   /sys/kernel/mm/transparent_hugepage/shmem_enabled allows (it is `never` on this VM: the advice is a no-op
   there, 0.44-0.54 s of system time per GiB). A MAP_PRIVATE mapping does get them here (0.11-0.14 s/GiB once
   warm) but their first touch in a process cost 1.2-2.3 s/GiB, and a first import got slower (2.1-3.8 s
-  against 1.4-1.7 s for `small` bf16, stop 39), so the mapping stays shared."""
+  against 1.4-1.7 s for `small` bf16, bench/checkpoint_io.py), so the mapping stays shared."""
   dtype = np.dtype(dtype)
   nbytes = math.prod(shape) * dtype.itemsize
   if nbytes >= HUGE_BYTES:

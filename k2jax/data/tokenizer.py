@@ -66,7 +66,7 @@ K2_SPECIAL_OFFSETS = {
 }
 
 # tiktoken can be very slow (quadratic) on huge runs without a pre-tokenisation split point
-# (tiktoken issue 195); Moonshot's wrapper cuts input at these sizes first, and so do we.
+# (openai/tiktoken#195); Moonshot's wrapper cuts input at these sizes first, and so do we.
 _MAX_ENCODE_CHARS = 400_000
 _MAX_RUN_CHARS = 25_000
 

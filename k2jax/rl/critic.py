@@ -13,7 +13,7 @@ The layout is the rubric reward's (`RubricRewardConfig.layout`, `reward.judge_la
 prompt, the two answers, "[[A]] or [[B]]?"; no rubrics, so `critic.rubrics` is refused) the examples and the
 held-out rows are ~30 tokens on the tiny task, the layout a tiny judge learns (bench/critic_loop.py).
 
-How the policy is trained on them (choice (a) of issue 28): an auxiliary SFT-style term in the RL update,
+How the policy is trained on them (the verifier's own verdicts as targets): an auxiliary SFT-style term in the RL update,
 `critic.coef` times the token-mean NLL of the verifier-consistent verdict tokens (the verdict and its
 `<|im_end|>`, the judge's stop token), computed in the same forward/backward pass as the K2 objective and
 PTX (`rl_step.make_rl_grads`), on `critic.batch_size` rows of `critic.seq_len` tokens drawn from the

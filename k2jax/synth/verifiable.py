@@ -1,4 +1,4 @@
-"""Synthesised tasks with code tests (issue 28): graded by the code verifier as well as by the judge.
+"""Synthesised tasks with code tests: graded by the code verifier as well as by the judge.
 
 A task may carry `tests`: a dataset row in any format `k2jax.sandbox.formats.parse_row` reads (APPS/TACO
 `input_output`, LiveCodeBench `public_test_cases`, CodeContests `public_tests`, HumanEval `test` + `entry_point`,

@@ -1,4 +1,4 @@
-"""Synthesised tasks with code tests (issue 28): the sft stage keeps a trajectory only when the program in the
+"""Synthesised tasks with code tests: the sft stage keeps a trajectory only when the program in the
 agent's final answer passes the task's tests in the sandbox (k2jax.synth.verifiable) and the judge passes it;
 tasks without tests are judged as before; malformed tests are a clear error naming the field; a sandbox that
 cannot start leaves the unit to a rerun. The LLM is the scripted server of test_synth.py, with code tasks."""

@@ -1,6 +1,6 @@
 """The routed experts' grouped GEMM per compile target (k2jax/model/moe_gemm.py).
 
-No GPU here: the GPU choices are proven by lowering for CUDA on this CPU host (`sharding.target_platform`),
+Without a GPU: the GPU choices are proven by lowering for CUDA on a CPU host (`sharding.target_platform`),
 counting ops in the StableHLO: `chlo.ragged_dot` is XLA's dense E-times rewrite on GPU, the tokamax
 kernels are `__gpu$xla.gpu.triton` custom calls (count the op, not the string "ragged_dot": kernel names
 contain it). Their numerics on a GPU are checked by bench/gpu.py against the reference.

@@ -1,5 +1,5 @@
 """The code grader: expected values are computed here, never in the sandbox, and nothing a program returns
-can make the grader do unbounded work (issue 23, items 1 and 3).
+can make the grader do unbounded work.
 
 Tests that run programs need the sandbox's namespaces and skip, naming why, where the kernel refuses them.
 """

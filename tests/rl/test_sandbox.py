@@ -257,7 +257,7 @@ def test_parent_is_unaffected():
   assert _reward("").reward == 1.0
 
 
-# Issue 23 item 2: memory and disk that are not address space, each bounded, each named when hit.
+# Memory and disk that are not address space, each bounded, each named when hit.
 LIMITS = dataclasses.replace(
   SB,
   memory_bytes=256 * 2**20,

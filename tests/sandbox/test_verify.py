@@ -1,4 +1,4 @@
-"""The dataset-format code verifier (issue 28, items 1 and 2): every published test format grades a right program
+"""The dataset-format code verifier: every published test format grades a right program
 1.0 and a wrong one 0.0 on rows shaped like the published ones; comparisons, limits and failures per case;
 expected outputs never reach the solution's sandbox; trusted test code runs in a sandbox of its own.
 

@@ -1,4 +1,4 @@
-"""The server without a key cannot be starved (issue 23, item 4): per-request caps, fair interleaving of a
+"""The server without a key cannot be starved: per-request caps, fair interleaving of a
 full batch, header timeouts and a connection limit, 409 for a reused rid, and malformed weight files."""
 
 import concurrent.futures
