@@ -84,7 +84,7 @@ def _write(path, text):
 
 def enter_namespaces():
   rest = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWCGROUP
-  if not cfg["kernel_limits"]:  # the layout without the kernel limits, kept so bench/sandbox.py can measure what they cost
+  if not cfg["kernel_limits"]:  # no kernel limits: kept so bench/sandbox.py measures their cost
     _map_user(INNER_ID, os.geteuid(), os.getegid(), rest | CLONE_NEWIPC)
     return
   _map_user(0, os.geteuid(), os.getegid(), CLONE_NEWIPC)
