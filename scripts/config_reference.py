@@ -132,8 +132,10 @@ def render() -> str:
     out += [
       f"## {rel}",
       "",
-      f"Presets (`--config={rel}:NAME`): {', '.join(f'`{v}`' for v in variants)}. Knobs declared by "
-      f"`{module}.{cls}`; a preset column entry is the value that preset sets where it differs from the default.",
+      (
+        f"Presets (`--config={rel}:NAME`): {', '.join(f'`{v}`' for v in variants)}. Knobs declared by "
+        f"`{module}.{cls}`; a preset column entry is the value that preset sets where it differs from the default."
+      ),
       "",
       "| key | type | default | presets | meaning |",
       "|---|---|---|---|---|",
