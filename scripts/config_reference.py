@@ -7,7 +7,9 @@ default, the presets that change it and its one-line doc.
 Each configs/*.py starts from the ConfigDict of one typed declaration (`configlib.knob(default, doc)` per field)
 and its presets only change fields, so the declaration gives every key, default and doc, and each preset's
 `get_config(variant)` gives what it changes. ROOTS names the declaration behind each config file; a config
-file missing from it is an error naming the file, so a new one cannot be left out of the reference.
+file missing from it is an error naming the file, so a new one cannot be left out of the reference. A config
+file that builds its ConfigDict by hand (ROOTS value None) documents each knob by the comment on the line that
+sets it (`c.key = value  # meaning`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
+import io
 import pathlib
+import re
 import sys
+import tokenize
 import typing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -28,6 +33,7 @@ ROOTS = {
   "configs/k2.py": ("k2jax.train.config", "TrainConfig"),
   "configs/rl.py": ("k2jax.rl.config", "RLConfig"),
   "configs/synth.py": ("k2jax.synth.pipeline", "SynthSpec"),
+  "configs/data/rephrase.py": None,  # a hand-built ConfigDict: each line's comment is the knob's doc
 }
 
 
@@ -95,14 +101,42 @@ def _cell(text: str) -> str:
   return " ".join(text.split()).replace("|", "\\|")
 
 
+def _line_comments(rel: str) -> dict[str, str]:
+  """key -> the comment on the line `c.key = ...` of a hand-built config file."""
+  docs = {}
+  source = (ROOT / rel).read_text()
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type == tokenize.COMMENT:
+      m = re.match(r"\s*c\.([\w.]+)\s*=", tok.line)
+      if m:
+        docs[m.group(1)] = tok.string.lstrip("#").strip()
+  return docs
+
+
+def _leaves(c, prefix: str = ""):
+  for k in c.keys():
+    if hasattr(c[k], "keys"):
+      yield from _leaves(c[k], f"{prefix}{k}.")
+    else:
+      yield f"{prefix}{k}", _value(c[k])
+
+
 def reference_for(rel: str) -> tuple[list[str], list[Row]]:
   """(variants, rows) of one config file."""
   if rel not in ROOTS:
     raise SystemExit(f"{rel}: not in scripts/config_reference.py ROOTS: name the dataclass declaring its knobs")
   mod = _load(rel)
-  cls = getattr(importlib.import_module(ROOTS[rel][0]), ROOTS[rel][1])
-  variants = {v: mod.get_config(v) for v in mod.VARIANTS}
-  return list(mod.VARIANTS), _rows(cls, "", variants)
+  names = list(getattr(mod, "VARIANTS", ("",)))
+  variants = {v: mod.get_config(v) for v in names}
+  if ROOTS[rel] is not None:
+    cls = getattr(importlib.import_module(ROOTS[rel][0]), ROOTS[rel][1])
+    return names, _rows(cls, "", variants)
+  docs, base = _line_comments(rel), variants[names[0]]
+  rows = []
+  for key, default in _leaves(base):
+    changed = {v: _lookup(c, key) for v, c in variants.items() if _lookup(c, key) != default}
+    rows.append(Row(key, type(default).__name__, default, docs.get(key, ""), changed))
+  return names, rows
 
 
 def undocumented() -> list[str]:
@@ -111,7 +145,7 @@ def undocumented() -> list[str]:
 
 
 def render() -> str:
-  files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.py"))
+  files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.py"))
   out = [
     "# Config reference",
     "",
@@ -122,20 +156,24 @@ def render() -> str:
     "",
   ]
   for rel in files:
-    variants, rows = reference_for(rel)
-    module, cls = ROOTS[rel]
-    out += [f"- [`{rel}`](#{rel.replace('/', '').replace('.', '')})" + f": presets {', '.join(variants)}"]
+    variants = reference_for(rel)[0]
+    presets = f": presets {', '.join(variants)}" if variants != [""] else ""
+    out += [f"- [`{rel}`](#{rel.replace('/', '').replace('.', '')}){presets}"]
   out.append("")
   for rel in files:
     variants, rows = reference_for(rel)
-    module, cls = ROOTS[rel]
+    if ROOTS[rel] is None:
+      intro = f"One config (`--config={rel}`), built by hand; each knob's meaning is the comment on its line."
+    else:
+      intro = (
+        f"Presets (`--config={rel}:NAME`): {', '.join(f'`{v}`' for v in variants)}. Knobs declared by "
+        f"`{'.'.join(ROOTS[rel])}`; a preset column entry is the value that preset sets where it differs from the "
+        "default."
+      )
     out += [
       f"## {rel}",
       "",
-      (
-        f"Presets (`--config={rel}:NAME`): {', '.join(f'`{v}`' for v in variants)}. Knobs declared by "
-        f"`{module}.{cls}`; a preset column entry is the value that preset sets where it differs from the default."
-      ),
+      intro,
       "",
       "| key | type | default | presets | meaning |",
       "|---|---|---|---|---|",

@@ -29,8 +29,8 @@ def test_checked_in_reference_is_what_the_configs_declare():
 
 
 def test_every_config_file_is_covered_and_every_knob_documented():
-  files = {str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.py")}
-  assert files == set(GEN.ROOTS), f"configs/*.py vs scripts/config_reference.py ROOTS: {files ^ set(GEN.ROOTS)}"
+  files = {str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.py")}
+  assert files == set(GEN.ROOTS), f"configs/**/*.py vs scripts/config_reference.py ROOTS: {files ^ set(GEN.ROOTS)}"
   assert GEN.undocumented() == [], "knobs without a one-line doc (give them one in their knob(...) declaration)"
 
 
