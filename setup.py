@@ -8,8 +8,8 @@ setup(
   description="Kimi K2 (MLA + MoE + MuonClip) in JAX/Flax NNX: pretrain, post-train, serve, export.",
   python_requires=">=3.11",
   packages=find_packages(include=["k2jax", "k2jax.*"]),
-  # Tested here: Python 3.11 with jax 0.10.x on CPU; Python 3.12 with jax[tpu] 0.12.0.1 (libtpu 0.0.50)
-  # for ahead-of-time TPU compiles only (`launch/train.py --aot`). Running on GPU/TPU is untested (BUILD.md).
+  # Tested: Python 3.11 with jax 0.10.x on CPU; Python 3.12 with jax[tpu] 0.12.0.1 (libtpu 0.0.50)
+  # for ahead-of-time TPU compiles only (`launch/train.py --aot`). Running on GPU/TPU is untested (docs/install.md).
   install_requires=[
     "jax>=0.10.0,<0.13",
     "flax>=0.12.0,<0.14",
@@ -55,9 +55,9 @@ setup(
       "tokamax==0.0.12",  # the GPU kernels' lowering for CUDA is tested on CPU (tests/model/test_moe_gemm.py)
     ],
     "torch": ["torch==2.13.0", "transformers>=5.0,<6", "accelerate>=1.0"],
-    # One NVIDIA GPU or a GPU cluster (README "On one GPU"; Python >= 3.12, jax 0.11's): jax's CUDA 13 wheels at
-    # the version bench/gpu.py is written against (the lent H200's image: jax 0.11.2 + the CUDA 13 plugin; no
-    # figure measured yet, BUILD.md) and tokamax's grouped-GEMM and attention kernels (k2jax/model/moe_gemm.py):
+    # One NVIDIA GPU or a GPU cluster (docs/install.md; Python >= 3.12, jax 0.11's): jax's CUDA 13 wheels at
+    # the version bench/gpu.py is written against (an H100/H200 image with jax 0.11.2 + the CUDA 13 plugin; no
+    # figure measured yet, docs/results.md) and tokamax's grouped-GEMM and attention kernels (k2jax/model/moe_gemm.py):
     # 0.0.14, not the test extra's 0.0.12, whose Triton kernels call `pl.dot`, removed in jax 0.11 (0.0.14
     # needs jax >= 0.11, so it cannot be the 3.11 test stack's). tokamax pins typeguard 2.13.3.
     "gpu": ["jax[cuda13]==0.11.2", "tokamax==0.0.14"],

@@ -21,7 +21,7 @@ plus the bytes, the GB/s of each path, the export's GB per CPU-second of this pr
 core sustains: the figure to scale from on a machine whose disk and cores are shared), fp8_over_bf16_bytes (what an FP8 weight push saves) and the FP8
 quantize rates alone (`quantize_Melem_per_s` numpy, `quantize_xla_Melem_per_s` XLA; one [moe_intermediate,
 hidden] expert weight at a time, one thread),
-the rates BUILD.md's pod estimates are computed from. The weights are a cheap deterministic fill (random init of
+the rates docs/results.md's pod estimates are computed from. The weights are a cheap deterministic fill (random init of
 the small preset takes minutes on a CPU host).
 """
 

@@ -1,6 +1,6 @@
 """Kimi K2 pretraining / SFT configs: `tiny` (CPU demo), `small` (one accelerator), `1t` (the K2 recipe),
 `sft_tiny` (chat fine-tuning of a tiny workdir), `recipe_pretrain` and `recipe_sft` (the first two stages of
-BUILD.md "Evidence that the pipeline learns", scripts/recipe.sh).
+docs/pretraining.md "The whole recipe", scripts/recipe.sh).
 
   python launch/train.py --config=configs/k2.py:tiny --workdir=/tmp/k2tiny
   python launch/train.py --config=configs/k2.py:tiny --workdir=W --config.steps=50 --config.optim.peak_lr=3e-3
@@ -13,7 +13,7 @@ those defaults as a ConfigDict and each preset below only changes fields; `from_
 ConfigDict into the frozen dataclasses at the `run()` boundary. `model.*` fields left at None take the
 preset's value. `eval.*` (off in every preset) adds held-out loss, perplexity and bits-per-byte, overall and
 per source (k2jax.train.heldout), on its own files or a hash-of-record-id split of data.path; `eval.tasks`
-(or `eval.tasks_file`) adds benchmark tasks run at the same steps through the eval runner (BUILD.md).
+(or `eval.tasks_file`) adds benchmark tasks run at the same steps through the eval runner (docs/pretraining.md).
 """
 
 import os

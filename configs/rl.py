@@ -8,7 +8,7 @@
 
 With no `rollout.engine_url` the embedded k2jax engine runs in-process and gets the new weights as device
 arrays; `--config.rollout.engine=sglang_jax_colocated` runs sglang-jax's engine in-process instead (Python >= 3.12
-with sgl_jax installed, BUILD.md "sglang-jax colocated"; the `sglang_jax.*` keys size it; on CPU it needs
+with sgl_jax installed, docs/rl.md "sglang-jax colocated"; the `sglang_jax.*` keys size it; on CPU it needs
 128-wide heads: `--config.model.preset=tiny128`), with the weights swapped on device after every update. With a URL, the server must see `sync.root` at the same path (shared filesystem) and serve the
 same architecture; every JAX process writes the tensors it holds, a full push once at start, then only
 changed tensors after every update. With `engine.sharding` (tp | ep | tp_ep) and no URL the embedded engine
@@ -22,7 +22,7 @@ instead); its `--dry_run` prints parameter counts and the per-device memory plan
 
 `tiny` trains the tiny model from scratch on "1+b" (b in 0..8; the answer is the digit that follows b):
 a format-only warm start (random answers: teaches "digit then [EOS]", nothing about which digit) leaves it
-at chance (~1/9), then RL with the exact-match reward alone raises the reward (BUILD.md has the figures).
+at chance (~1/9), then RL with the exact-match reward alone raises the reward (docs/results.md has the figures).
 
 Held-out evaluation (k2jax/rl/evaluation.py): every `eval.every` iterations (and after the warm start and at
 the end) the rollout engine, serving the newly pushed weights, runs the task's own prompts greedily
@@ -42,7 +42,7 @@ auxiliary NLL term; `critic_agreement` on hash-held-out pairs is logged every it
 ('|'-separated) shows task-specific rubrics instead of the rubric reward's generic ones (same layout; 139
 tokens instead of 316 here). In that (rubric) layout the tiny model's judge has not been seen to leave chance
 (0.5); with `reward.judge_layout=short` it does, inside RL (bench/critic_loop.py: held-out agreement 0.5 -> 1.0
-on 5 of 5 seeds; BUILD.md "The closed loop, shown"):
+on 5 of 5 seeds; docs/results.md "The critic"):
 
   python launch/rl.py --config=configs/rl.py:tiny --workdir=/tmp/rl_critic \
       --config.critic.coef=1.0 --config.critic.seq_len=144 --config.critic.rubrics="The answer is correct."
@@ -58,7 +58,7 @@ multi-turn tool-use task against a `sim_tools` environment service, which the le
   python launch/rl.py --config=configs/rl.py:agentic_tiny --workdir=/tmp/rl_agentic \
       --config.agentic.env_urls=sim_tools=http://127.0.0.1:8080   # python -m k2jax.agentic.envs --port=8080
 
-`recipe` is stage 3 of BUILD.md "Evidence that the pipeline learns" (scripts/recipe.sh): RL from the recipe's SFT
+`recipe` is stage 3 of docs/pretraining.md "The whole recipe" (scripts/recipe.sh): RL from the recipe's SFT
 workdir on "max of four digits" (data/recipe/rl_train.jsonl, exact reward), with the held-out split
 (data/recipe/heldout.jsonl, never trained on) evaluated greedily every `eval.every` iterations as eval/heldout/pass@1:
 
@@ -123,7 +123,7 @@ def _k2_1t(c):
   # Colocated (K2 §3.3): the embedded engine on the trainer's own 512 chips, weights resharded device to
   # device, optimizer state in host memory while generating. `--config.rollout.engine_url=http://sglang-router:30000`
   # rolls out on separate SGLang workers instead. `launch/rl.py --aot=v5p-1024` compiles this iteration
-  # (BUILD.md "Colocated RL" has XLA's figures). Serving mesh: experts over 8 (48 each), heads and widths
+  # (docs/results.md has XLA's figures). Serving mesh: experts over 8 (48 each), heads and widths
   # over 64 (one head each); requests (KV cache slots) over the 8 expert devices. Each mesh axis must be a
   # product of the 8x8x8 torus's sides (1, 8, 64, 512: XLA refused expert:16,tensor:32), and the requests'
   # axes must divide the 16-token prefill bucket: so 8. 640 slots = the rollout's 80 launched groups x 8

@@ -4,8 +4,8 @@
 judge, rubric, multi-turn tool use against an env service it starts itself unless
 `--config.agentic.env_urls` names one). With no `--config.rollout.engine_url` the embedded k2jax engine
 runs in-process (`--config.rollout.engine=sglang_jax_colocated`: sglang-jax's engine in-process instead, Python
->= 3.12, BUILD.md "sglang-jax colocated"); with a URL rollouts come from that SGLang-compatible server (see
-launch/sglang_server.sh and BUILD.md "RL with SGLang").
+>= 3.12, docs/rl.md "sglang-jax colocated"); with a URL rollouts come from that SGLang-compatible server (see
+launch/sglang_server.sh and docs/rl.md "Rollouts on SGLang servers").
 Resumes from the latest checkpoint in W; writes W/metrics.jsonl and W/checkpoints/<iteration>/.
 `--dry_run` prints parameter counts and the per-device memory plan (`configs/rl.py:1t`) and exits.
 `--aot=v5p-1024` compiles the colocated iteration's programs (the engine's decode/prefill on its serving
@@ -13,7 +13,7 @@ mesh, the RL update, the training->serving reshard) for that TPU slice without T
 and prints XLA's per-device memory of each phase, the reshard and offload bytes and fits= (k2jax/rl/aot.py).
 Multi-host: the coordinator flags (or the cluster's environment) as launch/train.py, the same command
 on every host; process 0 runs the rollouts and talks to the engine (with `--config.engine.sharding=tp_ep`
-and no URL: the embedded engine on every process's devices, in lockstep; BUILD.md "Colocated RL").
+and no URL: the embedded engine on every process's devices, in lockstep; docs/rl.md "Colocated RL").
 """
 
 import json

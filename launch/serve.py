@@ -9,7 +9,7 @@
   environment): every process runs this command; process 0 serves HTTP and schedules, the others
   follow its engine in lockstep (`k2jax.serve.follower`). Stop process 0 (SIGTERM/SIGINT): its engine
   closes and the other processes exit with it.
---backend=sglang_jax: sglang-jax's engine (Python >= 3.12 with sgl_jax installed, BUILD.md "sglang-jax")
+--backend=sglang_jax: sglang-jax's engine (Python >= 3.12 with sgl_jax installed, docs/rl.md "sglang-jax")
   behind the same routes, with weight updates swapped on device and `meta_info.weight_version`
   (`k2jax.engine.sglang_jax_server`): a remote RL rollout engine for `--config.rollout.engine_url`.
   `--sglang_jax=KEY=VALUE` (repeatable) sets a field of `k2jax.engine.SglangJaxConfig` (sglang-jax's

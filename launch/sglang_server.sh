@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serve an exported K2 checkpoint (HF layout, `python launch/convert.py --src=W --dst=HF`) with SGLang on
-# GPU nodes or sglang-jax on TPU (or CPU), as the rollout engine of `launch/rl.py`. See BUILD.md
-# "RL with SGLang".
+# GPU nodes or sglang-jax on TPU (or CPU), as the rollout engine of `launch/rl.py`. See docs/rl.md
+# "Rollouts on SGLang servers".
 #
 #   launch/sglang_server.sh --model=HF_DIR [--engine=sglang|sglang-jax] [--tp=8] [--ep=1] [--dp=1]
 #       [--dp-attention] [--replicas=1] [--gpus-per-replica=TP] [--device=tpu|cpu|gpu] [--deterministic]

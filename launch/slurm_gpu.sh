@@ -20,7 +20,7 @@ set -euo pipefail
 CONFIG=${CONFIG:-configs/k2.py:small}
 PORT=${PORT:-12355}
 REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(pwd)}}
-PYTHON=${PYTHON:-$REPO/.venv/bin/python}     # the venv BUILD.md creates on the shared filesystem
+PYTHON=${PYTHON:-$REPO/.venv/bin/python}     # the venv docs/install.md creates on the shared filesystem
 # sed (not head) reads all of scontrol's output: no SIGPIPE under pipefail.
 coordinator="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p):$PORT"
 if [ "${BENCH:-0}" = 1 ]; then

@@ -2,10 +2,10 @@
 
 Resumes from W's latest checkpoint. `--dry_run` prints parameter counts (and the memory plan for
 `config.topology`) from shapes alone, allocating nothing. `--aot=v5p-1024` compiles the real step for that
-TPU slice on this host (needs libtpu, see BUILD.md) and prints XLA's per-device memory, FLOPs and
+TPU slice on this host (needs libtpu, see docs/install.md) and prints XLA's per-device memory, FLOPs and
 collective bytes; it exits 1 when the step does not fit the chips' HBM. `eval.tasks.<name>` / `eval.tasks_file`
 run benchmarks (k2jax.eval's runner, an embedded engine over the current weights) at the held-out loss's steps. Multi-host: set the coordinator flags (or
-let the cluster's environment do it, see BUILD.md) and run the same command on every host.
+let the cluster's environment do it, see docs/scaling.md) and run the same command on every host.
 """
 
 import os

@@ -1,6 +1,6 @@
 """Can the tiny model learn the critic's judgment at all? SFT on critic examples only (no RL, no policy), from
-a fresh random init of `model.preset`, then held-out agreement as the learner logs it (BUILD.md "Closed-loop
-critic on the recipe").
+a fresh random init of `model.preset`, then held-out agreement as the learner logs it (docs/results.md "The
+critic").
 
   python scripts/critic_probe.py --questions=9 --steps=600 --lr=6e-3 [--format=judge|short|mini] [--rubrics=...]
   python scripts/critic_probe.py --format=short --task=zero --questions=10 --seq_len=48   # bench/critic_loop.py's

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# BUILD.md "Evidence that the pipeline learns": pretrain the tiny K2 briefly, SFT it on "max of four digits",
+# docs/pretraining.md "The whole recipe": pretrain the tiny K2 briefly, SFT it on "max of four digits",
 # evaluate it on the held-out split, RL it on the train split, evaluate again, draw the curves.
 #
 #   bash scripts/recipe.sh [WORKDIR]          (default WORKDIR: /tmp/k2jax_recipe; a rerun resumes every stage)

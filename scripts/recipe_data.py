@@ -1,4 +1,4 @@
-"""The learning recipe's task data (BUILD.md "Evidence that the pipeline learns"): "max of four digits".
+"""The learning recipe's task data (docs/pretraining.md "The whole recipe"): "max of four digits".
 
 A prompt is `max D D D D` (four decimal digits, spaces between them); the answer is the largest digit. Every one
 of the 10^4 digit lists is one prompt; a seeded permutation of all of them is cut into three disjoint ranges, so

@@ -35,10 +35,10 @@ def test_preset_matches_golden(file, preset):
   assert not changed, f"{file}:{preset} (got, golden): {changed}"
 
 
-# Each entry: the argv of one command in the docs (README.md, BUILD.md, configs/*.py docstrings, launch/*,
+# Each entry: the argv of one command in the docs (README.md, docs/, configs/*.py docstrings, launch/*,
 # scripts/, deploy/) or tests, config flags only. Paths that need not exist are built with check_files=False (rl).
 OVERRIDES = [
-  # README.md, BUILD.md, configs/k2.py, launch/train.py, launch/sweep.py, scripts/demo.sh, launch/tpu_pod.sh
+  # README.md, docs/, configs/k2.py, launch/train.py, launch/sweep.py, scripts/demo.sh, launch/tpu_pod.sh
   ("configs/k2.py:tiny", ["--config.steps=300"]),
   ("configs/k2.py:tiny", ["--config.steps=50", "--config.optim.peak_lr=3e-3"]),
   ("configs/k2.py:tiny", ["--config.mesh.rules=fsdp_ep", "--config.mesh.expert=4"]),
@@ -53,7 +53,7 @@ OVERRIDES = [
   ("configs/k2.py:tiny", ["--config.data.num_microbatches=2", "--config.optim.warmup_steps=2"]),
   ("configs/k2.py:1t", ["--config.data.seq_len=1024", "--config.data.global_batch_size=4096"]),
   ("configs/k2.py:tiny", ["--config.model.param_dtype=bfloat16", "--config.model.attention=flash"]),
-  # configs/rl.py, launch/rl.py, BUILD.md, deploy/k8s/env-swe.yaml, launch/sglang_server.sh, tests/rl
+  # configs/rl.py, launch/rl.py, docs/, deploy/k8s/env-swe.yaml, launch/sglang_server.sh, tests/rl
   ("configs/rl.py:tiny", ["--config.rollout.engine_url=http://127.0.0.1:30000"]),
   ("configs/rl.py:tiny", ["--config.rollout.engine=sglang_jax_colocated", "--config.model.preset=tiny128"]),
   ("configs/rl.py:1t", ["--config.rollout.engine_url=http://sglang-router:30000"]),
@@ -93,7 +93,7 @@ OVERRIDES = [
       "--config.warm_start.steps=0",
       "--config.task.budget=8192",
       "--config.train.seq_len=9216",
-      "--config.model.preset=1t",  # BUILD.md: init_from=/shared/k2, the K2 architecture
+      "--config.model.preset=1t",  # docs/rl.md: init_from=/shared/k2, the K2 architecture
       "--config.rollout.engine_url=http://router:30000",
       "--config.sync.root=/shared/rl/weights",
       "--config.rollout.worker_urls=http://r0:30000,http://r1:30000",
@@ -102,7 +102,7 @@ OVERRIDES = [
     ],
   ),
   ("configs/rl.py:1t", ["--config.sync.dtype=fp8"]),
-  # scripts/recipe.sh (BUILD.md's learning recipe)
+  # scripts/recipe.sh (docs/pretraining.md's learning recipe)
   ("configs/k2.py:recipe_sft", ["--config.checkpoint.init_from=/tmp/recipe/pretrain"]),
   ("configs/rl.py:swe_tiny", ["--config.tasks.swe.path=/data/swe_tasks/rl_tasks.jsonl"]),
   ("configs/rl.py:swe_tiny", ["--config.agentic.env_urls=swe=http://env-swe.k2jax-envs.svc:8080"]),
@@ -119,7 +119,7 @@ OVERRIDES = [
     ["--config.rollout.engine_url=http://h:30000", "--config.rollout.worker_urls=http://h:30001,http://h:30002"],
   ),
   ("configs/rl.py:tiny", ["--config.sglang_jax.precompile_bs_paddings=1,8", "--config.loss.ptx_coef=0.0"]),
-  # configs/synth.py, launch/synth.py, BUILD.md
+  # configs/synth.py, launch/synth.py, docs/agentic.md
   ("configs/synth.py:tiny", ["--config.llm_url=http://127.0.0.1:30000"]),
   (
     "configs/synth.py:default",

@@ -1,4 +1,4 @@
-"""BUILD.md "Evidence that the pipeline learns": scripts/recipe.sh pretrains the tiny K2, SFTs it on "max of four
+"""docs/pretraining.md "The whole recipe": scripts/recipe.sh pretrains the tiny K2, SFTs it on "max of four
 digits", RLs it on the train split and evaluates it with launch/eval.py on a held-out split never trained on.
 
 The fast tests check the data: the shipped splits are what scripts/recipe_data.py generates, no held-out prompt
@@ -22,7 +22,7 @@ from configs import rl as rl_configs
 from tests.xla_flags import xla_flags
 
 # Sampled pass@1 (8 samples per prompt at temperature 1, what RL optimises) on the 200 held-out prompts must rise by
-# at least this much from the SFT model to the RL model; measured on this 2-core CPU: BUILD.md has the numbers.
+# at least this much from the SFT model to the RL model; measured on a 2-core CPU: docs/results.md has the numbers.
 SAMPLED_MARGIN = 0.03  # measured +0.083, +0.064, +0.054 in three runs; each pass@1's stderr is ~0.02
 GREEDY_SLACK = 0.1
 
@@ -89,7 +89,7 @@ def test_rl_lifts_held_out_pass_at_1(tmp_path):
   assert s["heldout_pass@1_greedy_pretrain"] < 0.2 < s["heldout_pass@1_greedy_sft"]
   # ... and RL on the train split lifts the held-out split's pass@1 by the stated margin (sampled, as RL samples).
   assert s["heldout_pass@1_sampled_rl"] > s["heldout_pass@1_sampled_sft"] + SAMPLED_MARGIN, s
-  # Greedy pass@1 is not the claim: measured +0.02, -0.035, -0.05 in three runs (BUILD.md). RL must not undo the SFT,
+  # Greedy pass@1 is not the claim: measured +0.02, -0.035, -0.05 in three runs (docs/results.md). RL must not undo the SFT,
   # as RL at lr 3e-3 did (0.90 -> 0.62).
   assert s["heldout_pass@1_greedy_rl"] > s["heldout_pass@1_greedy_sft"] - GREEDY_SLACK, s
   # Every held-out prompt was scored, 8 samples each for the sampled evaluation.

@@ -11,7 +11,7 @@
 Rate limiting is GCRA (a token bucket with reservations): each request reserves the next free slot of
 its target; at most `burst + rate * window` requests start in any window. A request that would wait
 longer than `max_wait_s` is refused (`rate_limited`) instead of queuing without bound.
-The limiter is per process: with R service replicas give each `rate / R` (see BUILD.md).
+The limiter is per process: with R service replicas give each `rate / R` (see docs/agentic.md).
 
 `install_egress_hook` adds the process-wide layer: a Python audit hook refusing `socket.connect` to
 any address outside an allowlist (environment services call it at start-up; the Kubernetes

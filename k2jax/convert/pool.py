@@ -38,7 +38,7 @@ def default_threads() -> int:
 # Threads per core when `threads` is 0. A job thread spends much of its time off the cores it is counted on:
 # blocked on an XLA:CPU call running on XLA's own threads, on a read, or on the GIL. With one thread per core
 # the cores were idle 20-30% of a `small` FP8 import or export (2 cores); with two, the import's share of its
-# bound rose from 0.795 to 0.833 and the FP8 export's from 0.79 to 0.82 (BUILD.md). Memory does not grow with
+# bound rose from 0.795 to 0.833 and the FP8 export's from 0.79 to 0.82 (docs/results.md). Memory does not grow with
 # it: the in-flight bytes are bounded by the budget, not the thread count.
 THREADS_PER_CORE = 2
 

@@ -22,7 +22,7 @@ CPU runs the `native` backend, which is not absorbed).
 
 sglang-jax needs Python >= 3.12; it is imported only when an engine is built. Requests go through its
 tokenizer manager on the engine's own event-loop thread (`enable_engine_loop_run_forever_daemon`), so
-`generate` and `abort` are safe from many threads. BUILD.md "sglang-jax colocated" has the install.
+`generate` and `abort` are safe from many threads. docs/rl.md "sglang-jax" has the install.
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def run_python(
     raise SandboxUnavailable(
       f"sandbox: refusing to run untrusted code: this machine cannot isolate it ({why}). Enable unprivileged "
       "user namespaces (sysctl user.max_user_namespaces>0, kernel.unprivileged_userns_clone=1; in a container "
-      "a seccomp profile that allows unshare), run the code in the sandbox service (BUILD.md), or pass "
+      "a seccomp profile that allows unshare), run the code in the sandbox service (docs/agentic.md), or pass "
       "SandboxConfig(unsafe_no_isolation=True) for code you trust"
     )
   return _execute(files, entry, config, stdin, isolate=why is None)

@@ -2,7 +2,7 @@
 
 sglang-jax needs Python >= 3.12 and its own jax/flax pins, so it is usually not importable in the suite's
 interpreter. There these tests skip and say why, and `test_under_sglang_jax_python` runs this file under
-SGLANG_JAX_PYTHON (a Python that can `import sgl_jax`, BUILD.md "sglang-jax colocated") when it is set.
+SGLANG_JAX_PYTHON (a Python that can `import sgl_jax`, docs/rl.md "sglang-jax colocated") when it is set.
 """
 
 import importlib.util
@@ -28,7 +28,7 @@ PYTHON = os.environ.get("SGLANG_JAX_PYTHON", "")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WHY = (
   f"sgl_jax is not importable in Python {sys.version_info.major}.{sys.version_info.minor} (sglang-jax needs "
-  ">= 3.12, BUILD.md 'sglang-jax colocated'); set SGLANG_JAX_PYTHON to run these tests under such a Python"
+  ">= 3.12, docs/rl.md 'sglang-jax colocated'); set SGLANG_JAX_PYTHON to run these tests under such a Python"
 )
 needs_sgl = pytest.mark.skipif(not HAVE_SGL, reason=WHY)
 pytestmark = pytest.mark.slow

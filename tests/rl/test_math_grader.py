@@ -2,7 +2,7 @@
 
 CASES: (the response's boxed answer, the reference as MATH-500 writes it, the right verdict, the shape). Both
 false positives (a text answer that is not the reference, an approximation of pi) and false negatives (reordered
-solutions, `\\$`, `%`, degrees) are in it. BUILD.md quotes the table's counts before (the regex converter this
+solutions, `\\$`, `%`, degrees) are in it. docs/results.md quotes the table's counts before (the regex converter this
 replaced: 9 false positives and 16 false negatives of 73) and after (none).
 """
 

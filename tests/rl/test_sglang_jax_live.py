@@ -1,7 +1,7 @@
 """The RL client against a real sglang-jax server on CPU, serving a k2jax export (the `tiny128` preset).
 
 sglang-jax needs Python >= 3.12 and its own jax/flax pins, so it runs in its own interpreter: set
-SGLANG_JAX_PYTHON to a Python that can `import sgl_jax` (BUILD.md "sglang-jax"); without it these tests
+SGLANG_JAX_PYTHON to a Python that can `import sgl_jax` (docs/rl.md "sglang-jax"); without it these tests
 skip and say so. The server is started once per module (its compiles take minutes on CPU).
 """
 

@@ -2,7 +2,7 @@
 
 sglang-jax needs Python >= 3.12 and its own pins, so it is usually not importable in the suite's
 interpreter. There these tests skip and say why, and `test_under_sglang_jax_python` runs this file under
-SGLANG_JAX_PYTHON (a Python that can `import sgl_jax`, BUILD.md "sglang-jax") when it is set.
+SGLANG_JAX_PYTHON (a Python that can `import sgl_jax`, docs/rl.md "sglang-jax") when it is set.
 """
 
 import importlib.util
@@ -22,7 +22,7 @@ HAVE_SGL = importlib.util.find_spec("sgl_jax") is not None
 PYTHON = os.environ.get("SGLANG_JAX_PYTHON", "")
 WHY = (
   f"sgl_jax is not importable in Python {sys.version_info.major}.{sys.version_info.minor} (sglang-jax needs "
-  ">= 3.12, BUILD.md 'sglang-jax'); set SGLANG_JAX_PYTHON to run these tests under such a Python"
+  ">= 3.12, docs/rl.md 'sglang-jax'); set SGLANG_JAX_PYTHON to run these tests under such a Python"
 )
 needs_sgl = pytest.mark.skipif(not HAVE_SGL, reason=WHY)
 pytestmark = pytest.mark.slow

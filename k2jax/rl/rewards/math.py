@@ -3,7 +3,7 @@
 math-verify (the grader of lighteval, open-r1 and verl's math reward) parses both sides' LaTeX into sympy
 (sets, intervals, tuples, matrices, equations, units, `\\$`, `%`, degrees, `\\text{}` words) and compares them
 numerically and symbolically. Measured on a table of MATH-500-shaped pairs (tests/rl/test_math_grader.py,
-BUILD.md): the regex-to-sympy converter this replaced was wrong on 22 of 67 (8 false positives: it erased
+docs/results.md): the regex-to-sympy converter this replaced was wrong on 22 of 67 (8 false positives: it erased
 every `\\text{...}`, so `\\boxed{\\text{}}` matched any text answer), math-verify 0.9.0 on none.
 
 One rule of ours stays, where math-verify is measurably wrong: a reference that is a list of choice letters in

@@ -8,7 +8,7 @@ Reward_i = (wins + ties/2) / comparisons, in [0, 1]; the group-centred RL loss o
 The judge's prompt layout is `RubricRewardConfig.layout` (JUDGE_LAYOUTS; `reward.judge_layout` in configs/rl.py):
 `rubric` (the default, for real judges) is PAIRWISE_TEMPLATE above, instruction, rubrics and answers; `short`
 (SHORT_TEMPLATE) is the prompt, the two answers labelled [[A]] and [[B]] and the question "[[A]] or [[B]]?", no
-rubrics (~40 tokens with one-digit answers), the layout a tiny judge learns (BUILD.md "Closed-loop critic"). The closed-loop critic
+rubrics (~40 tokens with one-digit answers), the layout a tiny judge learns (docs/rl.md "The critic"). The closed-loop critic
 (k2jax/rl/critic.py) trains and scores in whichever layout the rubric reward uses.
 """
 
