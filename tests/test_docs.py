@@ -3,7 +3,8 @@
 - every relative link resolves (file, and heading anchor when it names one);
 - every repository path they name (`k2jax/...`, `launch/...`, `configs/...`, ...) exists, and every
   `python -m MODULE` is a module of this repository or a known third-party one;
-- every flag a documented `launch/*.py` command passes is one that launcher defines, and every `--config.KEY`
+- every flag a documented `launch/`, `bench/` or `scripts/` command passes is one that program defines (absl or
+  argparse), and every `--config.KEY`
   is a knob of the config file the command names (of any config file where none is named);
 - every command of a ```bash block is either run here (RUN: seconds on CPU, its output checked) or listed in
   NOT_RUN with the reason it is not.
@@ -193,7 +194,8 @@ def test_named_paths_and_modules_exist(doc):
 def _launcher_flags(launcher: str) -> frozenset:
   with open(os.path.join(ROOT, launcher)) as f:
     src = f.read()
-  names = set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", src)) | ABSL_FLAGS
+  names = set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", src)) | set(re.findall(r"add_argument\(\s*\"--([\w-]+)\"", src))
+  names |= ABSL_FLAGS
   if "compile_cache.define_flag()" in src:
     names.add("compile_cache_dir")
   return frozenset(names)
@@ -219,13 +221,14 @@ def _is_knob(key: str, keys: frozenset) -> bool:
 @pytest.mark.parametrize("doc", DOCS)
 def test_launcher_flags_and_config_keys_exist(doc):
   bad = []
-  for cmd in _commands(doc):
-    m = re.search(r"(launch/\w+\.py)(.*)", cmd)
+  inline = re.findall(r"`(python3? (?:launch|bench|scripts)/[^`]*)`", _prose(doc))
+  for cmd in _commands(doc) + inline:
+    m = re.search(r"((?:launch|bench|scripts)/\w+\.py)(.*)", cmd)
     if not m:
       continue
     launcher, rest = m.groups()
     config = re.search(r"--config=(configs/[\w/]+\.py)", rest)
-    for flag in re.findall(r"(?<!\S)--(\w[\w.]*)", rest):
+    for flag in re.findall(r"(?<!\S)--(\w[\w.-]*)", rest.split(" -- ")[0]):
       if flag.startswith("config."):
         if not _is_knob(flag[len("config.") :], _config_keys(config.group(1) if config else None)):
           bad.append(f"{cmd}: --{flag} is not a knob of {config.group(1) if config else 'any config'}")
