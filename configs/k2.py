@@ -122,7 +122,7 @@ def _recipe_sft(c):
   model is partly right, so what RL adds on the held-out split is measurable."""
   _sft_tiny(c)
   c.data.path = os.path.join(RECIPE_DATA, "sft_train.jsonl")
-  c.steps = 75  # held-out pass@1 on this 2-core CPU: 0.61 after 60 steps, 0.90 after 75, 0.995 after 200
+  c.steps = 75  # held-out pass@1 measured on a 2-core CPU: 0.61 after 60 steps, 0.90 after 75, 0.995 after 200
   c.checkpoint.every_steps = 75
   c.log.tensorboard = False
 
