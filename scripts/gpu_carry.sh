@@ -13,7 +13,8 @@
 # --no-deps: the image's own jax, flax, numpy, protobuf stay; nothing here replaces them. The list was checked
 # by installing exactly these wheels into a Python 3.12 venv holding the image's versions of the rest (jax
 # 0.11.2 CPU, flax 0.12.10, optax 0.2.8, orbax-checkpoint 0.12.8, ...) and running `bench/gpu.py --smoke
-# --no_hf` and the GPU lowering tests there (docs/install.md, docs/results.md). ~40 MB, small enough to copy with the checkout.
+# --no_hf` and the GPU lowering tests there (docs/install.md, docs/results.md).
+# ~40 MB, small enough to copy with the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY_VERSION=${PY_VERSION:-3.12}
