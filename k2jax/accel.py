@@ -5,7 +5,7 @@ anything touches a device (`launch/train.py`, `bench/gpu.py`). It adds GPU_FLAGS
 several GPUs, MULTI_GPU_FLAGS) to what the user already set — a flag the user set keeps the user's value —
 and returns the flags it added, which the launcher prints with the run's config.
 
-Each flag's effect on the `small` step has not been measured (no GPU in the session that wrote this):
+Each flag's effect on the `small` step has not been measured on a GPU yet (docs/results.md):
 `bench/gpu.py` runs the step once with these flags and once without (`K2JAX_XLA_GPU_FLAGS=0`, a child
 process, since XLA_FLAGS cannot change inside one) and prints `xla_flags_speedup=`. Every name is
 checked against the installed XLA by tests/test_accel.py (an unknown name aborts XLA at startup).

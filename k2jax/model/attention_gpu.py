@@ -21,7 +21,7 @@ Why tokamax's Triton kernel (`tokamax.dot_product_attention(implementation="trit
 - It lowers for CUDA from a CPU host (Triton kernels do; Mosaic-GPU ones need a GPU), so the GPU program
   is checked in CPU tests; it ships forward and backward kernels with one VJP; it is the same library the
   routed experts use (`moe_gemm`), so no second GPU dependency.
-- Its speed is not measured here (no GPU in this session): `bench/gpu.py` measures it on a GPU.
+- Its speed has not been measured on a GPU yet (docs/results.md): `bench/gpu.py` measures it there.
 
 Limits, each a clear error naming the fallback (`attention='flash_xla'`, the plain-JAX blocked kernel):
 - Segment ids must form contiguous runs per row (what `k2jax.data.packing` emits: ids 1..n in order, 0

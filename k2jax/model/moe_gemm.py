@@ -25,7 +25,7 @@ Why `auto` takes tokamax on GPU: it is the one candidate whose kernels cover for
 without the E-times rewrite and also serve TPU with the same call; jax's Triton lowering is its own
 smaller kernel set with a process-wide switch; cuDNN's ragged-dot fusion
 (`xla_gpu_experimental_use_ragged_dot_fusion`) needs cuDNN >= 9.22 and has no dw mode in the image's
-cuDNN. None of them has been timed here (no GPU in this session): `bench/gpu.py` times every candidate
+cuDNN. None of them has been timed on a GPU yet (docs/results.md): `bench/gpu.py` times every candidate
 on the routed-expert layer, forward and backward, against a dense matmul of the activated FLOPs;
 change `auto` from what it prints.
 
