@@ -195,7 +195,7 @@ def _launcher_flags(launcher: str) -> frozenset:
   with open(os.path.join(ROOT, launcher)) as f:
     src = f.read()
   names = set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", src)) | set(re.findall(r"add_argument\(\s*\"--([\w-]+)\"", src))
-  names |= ABSL_FLAGS
+  names |= set(re.findall(r"(?m)^\s+--([\w-]+)[=)|]", src)) if launcher.endswith(".sh") else ABSL_FLAGS
   if "compile_cache.define_flag()" in src:
     names.add("compile_cache_dir")
   return frozenset(names)
@@ -221,12 +221,14 @@ def _is_knob(key: str, keys: frozenset) -> bool:
 @pytest.mark.parametrize("doc", DOCS)
 def test_launcher_flags_and_config_keys_exist(doc):
   bad = []
-  inline = re.findall(r"`(python3? (?:launch|bench|scripts)/[^`]*)`", _prose(doc))
+  inline = re.findall(r"`((?:python3? )?(?:launch|bench|scripts)/\w+\.(?:py|sh) [^`]*)`", _prose(doc))
   for cmd in _commands(doc) + inline:
-    m = re.search(r"((?:launch|bench|scripts)/\w+\.py)(.*)", cmd)
+    m = re.search(r"((?:launch|bench|scripts)/\w+\.(?:py|sh))(.*)", cmd)
     if not m:
       continue
     launcher, rest = m.groups()
+    if launcher.endswith(".sh") and not _launcher_flags(launcher):
+      continue  # a script of positional arguments, or one that hands its flags to another program
     config = re.search(r"--config=(configs/[\w/]+\.py)", rest)
     for flag in re.findall(r"(?<!\S)--(\w[\w.-]*)", rest.split(" -- ")[0]):
       if flag.startswith("config."):
