@@ -124,7 +124,7 @@ def _leaves(c, prefix: str = ""):
 def reference_for(rel: str) -> tuple[list[str], list[Row]]:
   """(variants, rows) of one config file."""
   if rel not in ROOTS:
-    raise SystemExit(f"{rel}: not in scripts/config_reference.py ROOTS: name the dataclass declaring its knobs")
+    raise ValueError(f"{rel}: not in scripts/config_reference.py ROOTS: name the dataclass declaring its knobs")
   mod = _load(rel)
   names = list(getattr(mod, "VARIANTS", ("",)))
   variants = {v: mod.get_config(v) for v in names}
