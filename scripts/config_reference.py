@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import io
@@ -121,8 +122,9 @@ def _leaves(c, prefix: str = ""):
       yield f"{prefix}{k}", _value(c[k])
 
 
+@functools.cache
 def reference_for(rel: str) -> tuple[list[str], list[Row]]:
-  """(variants, rows) of one config file."""
+  """(variants, rows) of one config file (cached: the configs do not change within a process)."""
   if rel not in ROOTS:
     raise ValueError(f"{rel}: not in scripts/config_reference.py ROOTS: name the dataclass declaring its knobs")
   mod = _load(rel)

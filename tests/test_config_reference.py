@@ -12,6 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _generator():
+  if "config_reference" in sys.modules:  # tests/test_docs.py's, when the same process ran it first
+    return sys.modules["config_reference"]
   spec = importlib.util.spec_from_file_location("config_reference", ROOT / "scripts" / "config_reference.py")
   mod = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = mod  # dataclasses look their module up there

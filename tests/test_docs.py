@@ -205,12 +205,14 @@ def _launcher_flags(launcher: str) -> frozenset:
 @functools.cache
 def _config_keys(config: str | None) -> frozenset:
   """Dotted keys of a config file's presets (all config files' when None); `tasks.<name>.x` as a pattern."""
-  spec = importlib.util.spec_from_file_location(
-    "_docs_config_reference", os.path.join(ROOT, "scripts", "config_reference.py")
-  )
-  gen = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = gen
-  spec.loader.exec_module(gen)
+  gen = sys.modules.get("config_reference")  # tests/test_config_reference.py's, when the same process ran it
+  if gen is None:
+    spec = importlib.util.spec_from_file_location(
+      "config_reference", os.path.join(ROOT, "scripts", "config_reference.py")
+    )
+    gen = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gen  # dataclasses look their module up there
+    spec.loader.exec_module(gen)
   files = [config] if config else sorted(gen.ROOTS)
   return frozenset(row.key for rel in files for row in gen.reference_for(rel)[1])
 
