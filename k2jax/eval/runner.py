@@ -35,7 +35,16 @@ from k2jax.eval.grading import grade
 from k2jax.eval.metrics import choice_metrics
 from k2jax.eval.scoring import ForwardScorer, HttpScorer, Scorer
 from k2jax.eval.store import ContentHasher, SampleStore, write_atomic
-from k2jax.eval.tasks import Doc, TaskFormat, few_shot_messages, few_shot_prefix, get_format, load_docs
+from k2jax.eval.tasks import (
+  Doc,
+  TaskFormat,
+  TaskFormatError,
+  few_shot_messages,
+  few_shot_prefix,
+  get_format,
+  load_docs,
+  read_docs,
+)
 from k2jax.sandbox.code import CodeRewardConfig
 from k2jax.transport import RetryPolicy, ServiceError, call_json
 
@@ -61,7 +70,7 @@ class TaskSpec:
   top_p: float | None = None
   max_tokens: int | None = None
 
-  def run_config(self, config: "EvalConfig") -> "EvalConfig":
+  def run_config(self, config: EvalConfig) -> EvalConfig:
     """`config` with this task's sampling in place of the run's (validated the same way, naming the task)."""
     own = {k: getattr(self, k) for k in _TASK_SAMPLING if getattr(self, k) is not None}
     if "ks" in own:
@@ -176,7 +185,7 @@ def _run_tasks(config: EvalConfig, model: Model, tasks, model_id: dict, data: di
   store = SampleStore(config.out)
   try:
     sections = {}
-    for spec, fmt, docs, shots in tasks:
+    for spec, fmt, docs, shots, skipped in tasks:
       tc = spec.run_config(config)
       fingerprint = _fingerprint(tc, spec, fmt, model_id["fingerprint"], data[spec.name]["fingerprint"])
       if fmt.kind == "choice":
@@ -185,7 +194,7 @@ def _run_tasks(config: EvalConfig, model: Model, tasks, model_id: dict, data: di
         _generate(tc, model, store, spec, fmt, docs, shots, fingerprint)
       n = 1 if fmt.kind == "choice" else tc.n
       records = [(d.doc_id, [store.get((spec.name, d.doc_id, i), fingerprint) for i in range(n)]) for d in docs]
-      section = report_lib.task_report(spec.name, fmt, spec.path, records, tc.ks)
+      section = report_lib.task_report(spec.name, fmt, spec.path, records, tc.ks, skipped)
       sections[spec.name] = {**section, "fingerprint": fingerprint, "data": data[spec.name]}
     store.sync()
     return sections
@@ -231,7 +240,19 @@ def _open_url(config: EvalConfig) -> Model:
   engine = HttpEngine(HttpEngineConfig(url=url, api_key=config.api_key))
   stops = (tok.eos_id, tok.special_ids["<|im_end|>"])
   identity = {k: info.get(k) for k in _SERVER_IDENTITY} if isinstance(info, dict) else None
-  return Model(engine, tok, stops, HttpScorer(url, headers), url, identity=identity)
+  return Model(engine, tok, stops, HttpScorer(url, headers), url, _served_length(info), identity)
+
+
+def _served_length(info: Any) -> int | None:
+  """The tokens of prompt and answer the server takes (launch/serve.py's /get_model_info `max_seq_len`, or a
+  `context_length`); None when it does not say (its refusal then names the doc, in EngineFailed)."""
+  if not isinstance(info, dict):
+    return None
+  for key in ("max_seq_len", "context_length", "max_model_len"):
+    value = info.get(key)
+    if type(value) is int and value > 0:
+      return value
+  return None
 
 
 # What /get_model_info says of the model a server holds (SGLang and launch/serve.py): the weights it loaded
@@ -256,18 +277,24 @@ def _served_tokenizer(url: str, info: Any, error: ServiceError | None) -> str:
 
 # ---- generation tasks ------------------------------------------------------------------------------
 def _generate(config, model: Model, store, spec, fmt: TaskFormat, docs, shots, fingerprint) -> None:
-  todo = [(d, i) for d in docs for i in range(config.n) if store.get((spec.name, d.doc_id, i), fingerprint) is None]
+  stored = {(d.doc_id, i): store.get((spec.name, d.doc_id, i), fingerprint) for d in docs for i in range(config.n)}
+  # A sample whose grading timed out is no final verdict: an episode runs again, a text is graded again.
+  regrade = {k for k, rec in stored.items() if rec is not None and rec.get("timed_out") and fmt.kind != "agentic"}
+  todo = [(d, i) for d in docs for i in range(config.n) if (d.doc_id, i) not in regrade and _redo(stored[d.doc_id, i])]
+  todo += [(d, i) for d in docs for i in range(config.n) if (d.doc_id, i) in regrade]
   if not todo:
     return
   if fmt.kind == "agentic":
     make = functools.partial(_episode, config, model, spec, fingerprint)
   else:
-    prompts = {
-      d.doc_id: _prompt_ids(config, model.tokenizer, fmt, d, shots) for d in {d.doc_id: d for d, _ in todo}.values()
-    }
+    fresh = {d.doc_id: d for d, i in todo if (d.doc_id, i) not in regrade}
+    prompts = {doc_id: _prompt_ids(config, model.tokenizer, fmt, d, shots) for doc_id, d in fresh.items()}
+    _check_lengths(config, model, spec, prompts, fresh)
     nonce = secrets.token_hex(4)  # rids unique across runs sharing a server
 
     def make(d, i):
+      if (d.doc_id, i) in regrade:
+        return _regrade(config, spec, fmt, d, stored[d.doc_id, i])
       return _sample(config, model, spec, fmt, d, i, prompts[d.doc_id], fingerprint, nonce)
 
   infra = []  # swe samples whose grading could not happen: never stored as a score
@@ -325,14 +352,54 @@ def _episode(config, model: Model, spec, fingerprint, doc: Doc, i: int) -> dict:
   return {"task": spec.name, "doc_id": doc.doc_id, "sample": i, "fingerprint": fingerprint, **rec}
 
 
+def _redo(rec: dict | None) -> bool:
+  return rec is None or bool(rec.get("timed_out"))
+
+
+class PromptTooLong(TaskFormatError):
+  """A doc whose prompt leaves the engine no room to answer: named before anything is sent."""
+
+
+def _check_lengths(config, model: Model, spec, prompts: dict[str, list[int]], docs: dict[str, Doc]) -> None:
+  """Every prompt must leave the engine (its max_seq_len: the embedded engine's, a server's /get_model_info)
+  room for a token: else an error naming the task file, line and doc, before any request (a server would
+  refuse each one, and a retried refusal is no answer)."""
+  if model.max_seq_len is None:
+    return
+  for doc_id, ids in prompts.items():
+    if len(ids) >= model.max_seq_len:
+      d = docs[doc_id]
+      raise PromptTooLong(
+        f"{spec.path}:{d.line}: task {spec.name} doc {doc_id}: the prompt is {len(ids)} tokens; the engine at "
+        f"{model.where} takes at most {model.max_seq_len} tokens of prompt and answer (leave the row out, or "
+        "serve a longer context)"
+      )
+
+
+def _regrade(config, spec, fmt: TaskFormat, doc: Doc, rec: dict) -> dict:
+  """A stored sample whose grading timed out, graded again from its text (nothing is generated)."""
+  kept = {k: rec[k] for k in _GENERATED if k in rec}
+  verdict = grade(fmt.name, spec.name, doc, rec["text"], rec["finish_reason"], config.code)
+  return {**kept, **_verdict_fields(verdict)}
+
+
+# What a sample record holds of its generation (the rest is its verdict's, made again by a regrade).
+_GENERATED = ("task", "doc_id", "sample", "fingerprint", "seed", "prompt_tokens", "completion_tokens", "finish_reason")
+_GENERATED += ("text",)
+
+
+def _verdict_fields(verdict) -> dict:
+  out = {"score": verdict.score, "answer": verdict.answer, "reason": verdict.reason}
+  out.update(verdict.extra)  # a format's own fields (IFEval: each instruction's strict / loose verdict)
+  if verdict.timed_out:
+    out["timed_out"] = True
+  return out
+
+
 def _sample(config, model: Model, spec, fmt: TaskFormat, doc: Doc, i: int, ids, fingerprint, nonce) -> dict:
   max_new = config.max_tokens
   if model.max_seq_len is not None:
     max_new = min(max_new, model.max_seq_len - len(ids))
-    if max_new < 1:
-      raise ValueError(
-        f"{spec.name} doc {doc.doc_id}: the prompt's {len(ids)} tokens fill the engine's {model.max_seq_len}"
-      )
   stops = () if config.chat else fmt.stop
   seed = _seed(config.seed, spec.name, doc.doc_id, i)
   sampling = SamplingParams(
@@ -362,10 +429,7 @@ def _sample(config, model: Model, spec, fmt: TaskFormat, doc: Doc, i: int, ids, 
     "completion_tokens": len(res.output_ids),
     "finish_reason": res.finish_reason,
     "text": text,
-    "score": verdict.score,
-    "answer": verdict.answer,
-    "reason": verdict.reason,
-    **verdict.extra,  # a format's own fields (IFEval: each instruction's strict / loose verdict)
+    **_verdict_fields(verdict),
   }
 
 
@@ -404,18 +468,19 @@ def _choice_pair(config, tok: Tokenizer, fmt: TaskFormat, doc: Doc, choice: str,
 
 
 # ---- prompts, seeds, helpers ------------------------------------------------------------------------
-def _docs(spec: TaskSpec, config: EvalConfig) -> tuple[list[Doc], list[Doc]]:
-  """The task's docs and its few-shot examples (read now: a bad file fails the run before any work)."""
+def _docs(spec: TaskSpec, config: EvalConfig) -> tuple[list[Doc], list[Doc], dict[str, int]]:
+  """The task's docs, its few-shot examples and the records its format left out ({why: count}); read now: a
+  bad file fails the run before any work."""
   k = config.num_fewshot if spec.num_fewshot is None else spec.num_fewshot
-  docs = load_docs(spec.path, spec.format, config.limit)
+  docs, skipped = read_docs(spec.path, spec.format, config.limit)
   if k == 0 or get_format(spec.format).kind == "agentic":  # an episode's prompt is the environment's
-    return docs, []
+    return docs, [], skipped
   if not spec.fewshot_file:
     raise ValueError(f"task {spec.name}: {k}-shot needs a fewshot_file (examples never taken from the test set)")
   shots = load_docs(spec.fewshot_file, spec.format, k)
   if len(shots) < k:
     raise ValueError(f"task {spec.name}: {spec.fewshot_file} has {len(shots)} records, fewer than {k} shots")
-  return docs, shots
+  return docs, shots, skipped
 
 
 def _prompt_ids(config: EvalConfig, tok: Tokenizer, fmt: TaskFormat, doc: Doc, shots: Sequence[Doc]) -> list[int]:
@@ -453,7 +518,7 @@ def _fingerprint(config: EvalConfig, spec: TaskSpec, fmt: TaskFormat, model_fp: 
   return {
     "model": model_fp[:16],
     "data": data_fp[:16],
-    "grader": f"{fmt.name}/{fmt.version}",
+    "grader": f"{fmt.name}/{fmt.version}" + ("" if fmt.reader == "1" else f"/reader{fmt.reader}"),
     "settings": hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16],
   }
 
