@@ -191,7 +191,7 @@ class _Report:
       reason += f"; restored from pristine: {restored[:5]}"
     return InstanceReport(
       self.i.instance_id, False, True, True, resolved, False, status, pass_rate, reason, run.exit_code,
-      time.monotonic() - t0, [], tampering,
+      time.monotonic() - t0, [], tampering, {}, run.timed_out,
     )  # fmt: skip
 
   def from_harness(self, run: TestRun, restored: list[str], t0: float, outside: list[str] = ()) -> InstanceReport:
