@@ -151,7 +151,7 @@ def run(config: EvalConfig, model: Model | None = None) -> dict[str, Any]:
   `model`: an already open engine (tests, RL); default: opened from `config.model` and closed at the end."""
   for spec in config.tasks:  # a task's bad sampling (a k above its n) fails before the model is opened
     spec.run_config(config)
-  tasks = [(spec, get_format(spec.format), *_docs(spec, config)) for spec in config.tasks]
+  tasks = [(spec, get_format(spec.format), *_task_docs(spec, config)) for spec in config.tasks]
   hasher = ContentHasher(config.out)
   local = _is_local(config.model)
   model_id = _model_fingerprint(config.model, None, hasher) if local else None  # what is about to be loaded
@@ -468,9 +468,14 @@ def _choice_pair(config, tok: Tokenizer, fmt: TaskFormat, doc: Doc, choice: str,
 
 
 # ---- prompts, seeds, helpers ------------------------------------------------------------------------
-def _docs(spec: TaskSpec, config: EvalConfig) -> tuple[list[Doc], list[Doc], dict[str, int]]:
-  """The task's docs, its few-shot examples and the records its format left out ({why: count}); read now: a
-  bad file fails the run before any work."""
+def _docs(spec: TaskSpec, config: EvalConfig) -> tuple[list[Doc], list[Doc]]:
+  """The task's docs and its few-shot examples (read now: a bad file fails the run before any work)."""
+  docs, shots, _ = _task_docs(spec, config)
+  return docs, shots
+
+
+def _task_docs(spec: TaskSpec, config: EvalConfig) -> tuple[list[Doc], list[Doc], dict[str, int]]:
+  """`_docs` and the records the task's format left out ({why: count})."""
   k = config.num_fewshot if spec.num_fewshot is None else spec.num_fewshot
   docs, skipped = read_docs(spec.path, spec.format, config.limit)
   if k == 0 or get_format(spec.format).kind == "agentic":  # an episode's prompt is the environment's

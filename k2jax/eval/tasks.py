@@ -176,7 +176,7 @@ def _generic(kind: str) -> Callable[[Mapping[str, Any], int], Doc]:
     elif kind in ("exact", "math"):
       value = answer_text(value)
     data = {k: v for k, v in r.items() if k != "prompt"}
-    if kind in ("exact", "math"):
+    if kind in ("exact", "math") and isinstance(r[field], float):  # an int or a string reads as itself
       data["answer"] = value
     doc_id = str(r["id"]) if isinstance(r.get("id"), (str, int)) else str(i)
     target = f" {value}" if kind in ("exact", "math") else ""
