@@ -33,12 +33,12 @@ from k2jax.eval import report as report_lib
 from k2jax.eval import swe as swe_lib
 from k2jax.eval.grading import grade
 from k2jax.eval.metrics import choice_metrics
+from k2jax.eval.samples import PromptTooLong, check_lengths, redo, regrade, verdict_fields  # noqa: F401  (re-exported)
 from k2jax.eval.scoring import ForwardScorer, HttpScorer, Scorer
 from k2jax.eval.store import ContentHasher, SampleStore, write_atomic
 from k2jax.eval.tasks import (
   Doc,
   TaskFormat,
-  TaskFormatError,
   few_shot_messages,
   few_shot_prefix,
   get_format,
@@ -279,22 +279,22 @@ def _served_tokenizer(url: str, info: Any, error: ServiceError | None) -> str:
 def _generate(config, model: Model, store, spec, fmt: TaskFormat, docs, shots, fingerprint) -> None:
   stored = {(d.doc_id, i): store.get((spec.name, d.doc_id, i), fingerprint) for d in docs for i in range(config.n)}
   # A sample whose grading timed out is no final verdict: an episode runs again, a text is graded again.
-  regrade = {k for k, rec in stored.items() if rec is not None and rec.get("timed_out") and fmt.kind != "agentic"}
-  todo = [(d, i) for d in docs for i in range(config.n) if (d.doc_id, i) not in regrade and _redo(stored[d.doc_id, i])]
-  todo += [(d, i) for d in docs for i in range(config.n) if (d.doc_id, i) in regrade]
+  again = {k for k, rec in stored.items() if rec is not None and rec.get("timed_out") and fmt.kind != "agentic"}
+  todo = [(d, i) for d in docs for i in range(config.n) if (d.doc_id, i) not in again and redo(stored[d.doc_id, i])]
+  todo += [(d, i) for d in docs for i in range(config.n) if (d.doc_id, i) in again]
   if not todo:
     return
   if fmt.kind == "agentic":
     make = functools.partial(_episode, config, model, spec, fingerprint)
   else:
-    fresh = {d.doc_id: d for d, i in todo if (d.doc_id, i) not in regrade}
+    fresh = {d.doc_id: d for d, i in todo if (d.doc_id, i) not in again}
     prompts = {doc_id: _prompt_ids(config, model.tokenizer, fmt, d, shots) for doc_id, d in fresh.items()}
-    _check_lengths(config, model, spec, prompts, fresh)
+    check_lengths(spec, prompts, fresh, model.max_seq_len, model.where)
     nonce = secrets.token_hex(4)  # rids unique across runs sharing a server
 
     def make(d, i):
-      if (d.doc_id, i) in regrade:
-        return _regrade(config, spec, fmt, d, stored[d.doc_id, i])
+      if (d.doc_id, i) in again:
+        return regrade(spec.name, fmt, d, stored[d.doc_id, i], config.code)
       return _sample(config, model, spec, fmt, d, i, prompts[d.doc_id], fingerprint, nonce)
 
   infra = []  # swe samples whose grading could not happen: never stored as a score
@@ -352,50 +352,6 @@ def _episode(config, model: Model, spec, fingerprint, doc: Doc, i: int) -> dict:
   return {"task": spec.name, "doc_id": doc.doc_id, "sample": i, "fingerprint": fingerprint, **rec}
 
 
-def _redo(rec: dict | None) -> bool:
-  return rec is None or bool(rec.get("timed_out"))
-
-
-class PromptTooLong(TaskFormatError):
-  """A doc whose prompt leaves the engine no room to answer: named before anything is sent."""
-
-
-def _check_lengths(config, model: Model, spec, prompts: dict[str, list[int]], docs: dict[str, Doc]) -> None:
-  """Every prompt must leave the engine (its max_seq_len: the embedded engine's, a server's /get_model_info)
-  room for a token: else an error naming the task file, line and doc, before any request (a server would
-  refuse each one, and a retried refusal is no answer)."""
-  if model.max_seq_len is None:
-    return
-  for doc_id, ids in prompts.items():
-    if len(ids) >= model.max_seq_len:
-      d = docs[doc_id]
-      raise PromptTooLong(
-        f"{spec.path}:{d.line}: task {spec.name} doc {doc_id}: the prompt is {len(ids)} tokens; the engine at "
-        f"{model.where} takes at most {model.max_seq_len} tokens of prompt and answer (leave the row out, or "
-        "serve a longer context)"
-      )
-
-
-def _regrade(config, spec, fmt: TaskFormat, doc: Doc, rec: dict) -> dict:
-  """A stored sample whose grading timed out, graded again from its text (nothing is generated)."""
-  kept = {k: rec[k] for k in _GENERATED if k in rec}
-  verdict = grade(fmt.name, spec.name, doc, rec["text"], rec["finish_reason"], config.code)
-  return {**kept, **_verdict_fields(verdict)}
-
-
-# What a sample record holds of its generation (the rest is its verdict's, made again by a regrade).
-_GENERATED = ("task", "doc_id", "sample", "fingerprint", "seed", "prompt_tokens", "completion_tokens", "finish_reason")
-_GENERATED += ("text",)
-
-
-def _verdict_fields(verdict) -> dict:
-  out = {"score": verdict.score, "answer": verdict.answer, "reason": verdict.reason}
-  out.update(verdict.extra)  # a format's own fields (IFEval: each instruction's strict / loose verdict)
-  if verdict.timed_out:
-    out["timed_out"] = True
-  return out
-
-
 def _sample(config, model: Model, spec, fmt: TaskFormat, doc: Doc, i: int, ids, fingerprint, nonce) -> dict:
   max_new = config.max_tokens
   if model.max_seq_len is not None:
@@ -429,7 +385,7 @@ def _sample(config, model: Model, spec, fmt: TaskFormat, doc: Doc, i: int, ids, 
     "completion_tokens": len(res.output_ids),
     "finish_reason": res.finish_reason,
     "text": text,
-    **_verdict_fields(verdict),
+    **verdict_fields(verdict),
   }
 
 
