@@ -1,10 +1,11 @@
 """SWE-bench Verified rows graded as the SWE-bench harness grades them, against small repositories that reproduce
 the rows' test names and layouts.
 
-- astropy__astropy-12907: the published row (instance_id, repo, version, problem statement, FAIL_TO_PASS and
-  PASS_TO_PASS, 15 names of `astropy/modeling/tests/test_separable.py`), with base_commit, patch and test_patch
-  of a small repository whose `_cstack` has the published bug and whose parametrized `test_separable` has the
-  same ids (`compound_model6-result6`, ...). The whole test file runs; another of its tests fails either way.
+- astropy__astropy-12907: the published row (instance_id, repo, version, problem statement, gold patch,
+  FAIL_TO_PASS and PASS_TO_PASS, 15 names of `astropy/modeling/tests/test_separable.py`), with base_commit and
+  test_patch of a small repository whose `_cstack` has the published bug in the published lines (the gold
+  patch applies as published) and whose parametrized `test_separable` has the same ids
+  (`compound_model6-result6`, ...). The whole test file runs; another of its tests fails either way.
 - a row in the published layout with Verified's parametrized ids cut at a space
   (`astropy/units/tests/test_format.py::test_ogip_grammar_fail[log(photon`): its gold patch fixes the parser
   and `astropy/tests/helper.py`, source the package ships in a tests directory; a FAIL_TO_PASS that xfails
@@ -37,47 +38,101 @@ CODE = CodeRewardConfig()
 SEPARABLE = """import numpy as np
 
 
+class Model:
+    def __init__(self, n_inputs, n_outputs, separable=True):
+        self.n_inputs, self.n_outputs, self.separable = n_inputs, n_outputs, separable
+
+    def __and__(self, other):
+        return CompoundModel("&", self, other)
+
+
+class CompoundModel(Model):
+    def __init__(self, op, left, right):
+        super().__init__(left.n_inputs + right.n_inputs, left.n_outputs + right.n_outputs, False)
+        self.op, self.left, self.right = op, left, right
+
+
+def _compute_n_outputs(left, right):
+    lnout = left.n_outputs if isinstance(left, Model) else left.shape[0]
+    rnout = right.n_outputs if isinstance(right, Model) else right.shape[0]
+    return lnout + rnout
+
+
+def _coord_matrix(model, pos, noutp):
+    mat = np.zeros((noutp, model.n_inputs))
+    if model.separable:
+        for i in range(model.n_inputs):
+            mat[i, i] = 1
+    else:
+        mat[: model.n_outputs, : model.n_inputs] = 1
+    if pos == 'right':
+        mat = np.roll(mat, noutp - model.n_outputs, axis=0)
+    return mat
+
+
 def _cstack(left, right):
-    noutp = left.shape[0] + right.shape[0]
-    cleft = np.zeros((noutp, left.shape[1]))
-    cleft[: left.shape[0], : left.shape[1]] = left
-    cright = np.zeros((noutp, right.shape[1]))
-    cright[-right.shape[0]:, -right.shape[1]:] = 1
+    noutp = _compute_n_outputs(left, right)
+
+    if isinstance(left, Model):
+        cleft = _coord_matrix(left, 'left', noutp)
+    else:
+        cleft = np.zeros((noutp, left.shape[1]))
+        cleft[: left.shape[0], : left.shape[1]] = left
+    if isinstance(right, Model):
+        cright = _coord_matrix(right, 'right', noutp)
+    else:
+        cright = np.zeros((noutp, right.shape[1]))
+        cright[-right.shape[0]:, -right.shape[1]:] = 1
 
     return np.hstack([cleft, cright])
 
 
-def separability_matrix(*blocks):
-    out = np.asarray(blocks[0], dtype=float)
-    for block in blocks[1:]:
-        out = _cstack(out, np.asarray(block, dtype=float))
-    return out.astype(bool)
+def _separable(transform):
+    if isinstance(transform, CompoundModel):
+        return _cstack(_separable(transform.left), _separable(transform.right))
+    return _coord_matrix(transform, 'left', transform.n_outputs)
+
+
+def separability_matrix(transform):
+    return _separable(transform).astype(bool)
 """
-ONE, EYE = [[1]], [[1, 0], [0, 1]]
 SEP_TESTS = """import numpy as np
 import pytest
 
-from astropy.modeling.separable import _cstack, separability_matrix
+from astropy.modeling.separable import Model, _coord_matrix, _cstack, separability_matrix
+
+sh1, sh2 = Model(1, 1), Model(1, 1)
+rot = Model(2, 2, separable=False)
+
+
+def _blocks(*sizes):
+    n = sum(sizes)
+    out = np.zeros((n, n), dtype=bool)
+    k = 0
+    for size in sizes:
+        out[k : k + size, k : k + size] = True
+        k += size
+    return out.tolist()
 
 
 def test_coord_matrix():
-    assert separability_matrix([[1]]).tolist() == [[True]]
+    assert _coord_matrix(sh1, 'left', 2).tolist() == [[1], [0]]
 
 
 def test_cdot():
-    assert _cstack(np.ones((1, 1)), np.ones((1, 1))).shape == (2, 2)
+    assert separability_matrix(sh1).tolist() == [[True]]
 
 
 def test_cstack():
-    assert _cstack(np.eye(2), np.ones((1, 1))).tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+    assert _cstack(sh1, sh2).tolist() == [[1, 0], [0, 1]]
 
 
 def test_arith_oper():
-    assert separability_matrix([[1]], [[1]]).tolist() == [[True, False], [False, True]]
+    assert separability_matrix(rot).tolist() == [[True, True], [True, True]]
 
 
 def test_custom_model_separable():
-    assert separability_matrix([[1, 1]]).tolist() == [[True, True]]
+    assert separability_matrix(sh1 & sh2).tolist() == [[True, False], [False, True]]
 
 
 def test_unlisted_and_broken():
@@ -91,26 +146,24 @@ CASES
 
 @pytest.mark.parametrize(("compound_model", "result"), compound_models)
 def test_separable(compound_model, result):
-    assert separability_matrix(*compound_model).tolist() == result
+    assert separability_matrix(compound_model).tolist() == result
 """
-
-
-def _case(blocks):
-  """A case and its right answer: the blocks on the diagonal."""
-  n = sum(len(b) for b in blocks)
-  m = sum(len(b[0]) for b in blocks)
-  out, r, c = [[False] * m for _ in range(n)], 0, 0
-  for b in blocks:
-    for i, row in enumerate(b):
-      for j, v in enumerate(row):
-        out[r + i][c + j] = bool(v)
-    r, c = r + len(b), c + len(b[0])
-  return f"    ({tuple(blocks)!r}, {out!r}),"
-
-
-# Indices 6 and 9 stack a block with zeros on the right (the bug's case); 0-5, 7, 8 and 10 do not.
-BASE_CASES = [_case([ONE] * (k + 1)) for k in range(6)]
-NEW_CASES = [_case([ONE, EYE]), _case([EYE, ONE]), _case([ONE, ONE, ONE]), _case([EYE, EYE]), _case([[[1, 1]], ONE])]
+# Indices 6, 9 and 10 stack a compound model on the right (the published bug's case); 0-5, 7 and 8 do not.
+BASE_CASES = [
+  "    (sh1 & sh2, _blocks(1, 1)),",
+  "    (rot & sh1, _blocks(2, 1)),",
+  "    (sh1 & rot, _blocks(1, 2)),",
+  "    (rot & sh1 & sh2, _blocks(2, 1, 1)),",
+  "    (sh1 & sh2 & sh1, _blocks(1, 1, 1)),",
+  "    (rot & rot, _blocks(2, 2)),",
+]
+NEW_CASES = [
+  "    (rot & (sh1 & sh2), _blocks(2, 1, 1)),",
+  "    (sh1 & sh2 & rot, _blocks(1, 1, 2)),",
+  "    ((rot & sh1) & sh2, _blocks(2, 1, 1)),",
+  "    (sh1 & (sh1 & sh2), _blocks(1, 1, 1)),",
+  "    (rot & sh1 & (sh1 & sh2), _blocks(2, 1, 1, 1)),",
+]
 
 OGIP = """def parse_ogip(text):
     if "(" in text and " " not in text:
@@ -204,16 +257,14 @@ def astropy(tmp_path_factory):
 
 
 def _rows(base):
-  """The published astropy__astropy-12907 row on the small repository, and the ogip row."""
+  """The published astropy__astropy-12907 row (its own gold patch) on the small repository, and the ogip row."""
   (_, _, published), _ = list(read_records(VERIFIED))
   tests_path = "astropy/modeling/tests/test_separable.py"
   old_tests = SEP_TESTS.replace("CASES", "\n".join(BASE_CASES))
   separable = {
     **published,
     "base_commit": base,
-    "patch": diff_texts(
-      "astropy/modeling/separable.py", SEPARABLE, SEPARABLE.replace("shape[1]:] = 1", "shape[1]:] = right")
-    ),
+    # The published gold patch, as it is: the small repository's _cstack has its context lines.
     "test_patch": diff_texts(tests_path, old_tests, SEP_TESTS.replace("CASES", "\n".join(BASE_CASES + NEW_CASES))),
   }
   ogip = {
