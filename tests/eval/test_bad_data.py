@@ -49,6 +49,13 @@ def test_bytes_that_are_not_utf8_name_the_line_and_column(tmp_path):
     load_docs(str(bad_csv), "gpqa")
 
 
+def test_json_nested_past_the_parsers_depth_names_the_line(tmp_path):
+  path = tmp_path / "deep.jsonl"
+  path.write_text('{"prompt": "1+1=", "answer": "2"}\n' + '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+  with pytest.raises(TaskFormatError, match=r"deep.jsonl:2: not valid JSON \(nested too deep\)"):
+    load_docs(str(path), "answer.exact")
+
+
 def test_a_gz_that_is_not_gzip_or_is_cut_short(tmp_path):
   plain = tmp_path / "plain.jsonl.gz"
   plain.write_text('{"prompt": "1+1=", "answer": "2"}\n')  # named .gz, written plain
