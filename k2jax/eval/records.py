@@ -96,7 +96,9 @@ def _jsonl(path: str) -> Iterator[tuple[int, dict]]:
     try:
       line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-      raise TaskFormatError(f"{path}:{line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})")
+      raise TaskFormatError(
+        f"{path}:{line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
+      ) from None
     if not line.strip():
       continue
     try:

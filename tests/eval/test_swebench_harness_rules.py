@@ -370,12 +370,13 @@ def test_the_runner_counts_rows_of_other_runners(astropy, tmp_path, tok):
   root, base = astropy
   separable, _ = _rows(base)
   (_, _, django) = list(read_records(VERIFIED))[1]
-  path = write_jsonl(tmp_path / "verified.jsonl", [django, separable])
+  other = {**django, "instance_id": "django__django-11099b", "FAIL_TO_PASS": '["test_other (auth_tests.T)"]'}
+  path = write_jsonl(tmp_path / "verified.jsonl", [django, separable, other])
   model, _ = scripted_model(tok, lambda prompt, seed: f"<patch>\n{separable['patch']}</patch>")
   spec = TaskSpec("swebench", path, f"swebench@{root}")
   report = run(EvalConfig("scripted", (spec,), str(tmp_path / "out"), max_tokens=2048, progress=False), model)
   task = report["tasks"]["swebench"]
-  assert (task["num_docs"], task["metrics"]["pass@1"], task["skipped_records"]) == (1, 1.0, 1)
-  assert len(task["skipped_why"]) == 1 and "django/django" in next(iter(task["skipped_why"]))
+  assert (task["num_docs"], task["metrics"]["pass@1"], task["skipped_records"]) == (1, 1.0, 2)
+  assert task["skipped_why"] == {"django/django: tests of its own runner, not pytest's (not run here)": 2}
   with open(os.path.join(tmp_path / "out", "report.md")) as f:
-    assert "- swebench: 1 records of the file left out (1: django/django: tests of its own runner" in f.read()
+    assert "- swebench: 2 records of the file left out (2: django/django: tests of its own runner" in f.read()
