@@ -6,6 +6,7 @@ rewards, pass@k / mean@k / maj@k and acc / acc_norm, a resumable runner with a J
 
 from k2jax.eval.metrics import choice_metrics, maj_at_k, mean_at_k, pass_at_k
 from k2jax.eval.runner import EngineFailed, EvalConfig, Model, TaskSpec, open_model, run
+from k2jax.eval.samples import PromptTooLong
 from k2jax.eval.scoring import EngineScorer, ForwardScorer, HttpScorer, Scorer
 from k2jax.eval.swe import InfraFailure
 from k2jax.eval.tasks import FORMATS, Doc, TaskFormatError, load_docs
@@ -20,6 +21,7 @@ __all__ = [
   "ForwardScorer",
   "HttpScorer",
   "Model",
+  "PromptTooLong",
   "Scorer",
   "TaskFormatError",
   "TaskSpec",

@@ -15,12 +15,14 @@ import re
 
 from k2jax.eval.records import Doc, canonical_number
 from k2jax.eval.tasks import get_format
-from k2jax.eval.verdict import UNGRADABLE, Verdict
+from k2jax.eval.verdict import UNGRADABLE, Verdict, math_timed_out
 from k2jax.rl.rewards.base import Completion, Prompt
 from k2jax.rl.rewards.contract import RewardConfig, make_reward
 from k2jax.rl.rewards.math import equivalent, extract_boxed
 from k2jax.sandbox.code import CodeRewardConfig, extract_code
 from k2jax.sandbox.verify import is_infra_error, verify
+
+CASE_TIMEOUT = "timed out after"  # a code case's failure when it ran past its time (k2jax.sandbox.verify)
 
 
 def grade(fmt: str, task: str, doc: Doc, text: str, finish_reason: str, code: CodeRewardConfig) -> Verdict:
@@ -58,7 +60,7 @@ def _math(doc: Doc, text: str) -> Verdict:
   if got is None:
     return Verdict(0.0, None, "no \\boxed{} answer")
   ok, why = equivalent(got, str(doc.data["answer"]))
-  return Verdict(float(ok), got, why)  # maj@k groups answers by the grader (the format's `same`)
+  return Verdict(float(ok), got, why, timed_out=math_timed_out(why))  # maj@k groups answers by the format's `same`
 
 
 def _humaneval(doc: Doc, text: str, config: CodeRewardConfig) -> Verdict:
@@ -81,7 +83,7 @@ def _verified(program: str, row: dict, config: CodeRewardConfig) -> Verdict:
     return Verdict(0.0, None, f"{UNGRADABLE}{e}")
   if is_infra_error(graded):
     raise RuntimeError(f"eval: the code sandbox could not run: {graded.info['infra_error']}")
-  return Verdict(graded.reward, None, graded.reason)
+  return Verdict(graded.reward, None, graded.reason, timed_out=graded.reward < 1 and CASE_TIMEOUT in graded.reason)
 
 
 def _reward(kind: str, task: str, doc: Doc, text: str, finish_reason: str, code: CodeRewardConfig) -> Verdict:
@@ -98,7 +100,8 @@ def _reward(kind: str, task: str, doc: Doc, text: str, finish_reason: str, code:
     answer = text.strip()
   elif kind == "math" and result.info.get("extracted") is not None:
     answer = str(result.info["extracted"]).strip()
-  return Verdict(float(result.reward), answer, result.reason)
+  timed_out = math_timed_out(result.reason) if kind == "math" else result.reward < 1 and CASE_TIMEOUT in result.reason
+  return Verdict(float(result.reward), answer, result.reason, timed_out=timed_out)
 
 
 def _last_number(text: str) -> str | None:

@@ -3,7 +3,11 @@ it, and the readers of the files the datasets ship: JSONL (`.jsonl`, `.jsonl.gz`
 
 The lowest module of the task formats: `tasks.py` (the registry), `swe.py`, `grading.py` and every module of
 `formats/` import it; it imports none of them. A record that lacks a field, or has one of the wrong type, is
-a `TaskFormatError` naming file and line (a Parquet or CSV file's line is its 1-based data row).
+a `TaskFormatError` naming file and line (a Parquet or CSV file's line is its 1-based data row). So is a file
+that cannot be read as what its name says: bytes that are not UTF-8 (the line and column of the first bad
+byte), a `.gz` that is not gzip or is cut short, a CSV row that the csv module refuses. A UTF-8 byte-order
+mark at the start of a JSONL or CSV file is read past (Excel and some exports write one); a CSV field may be
+up to `CSV_FIELD_LIMIT` bytes (Python's own default, 128 KiB, is below some benchmark fields).
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from __future__ import annotations
 import csv
 import dataclasses
 import gzip
+import io
 import json
 import os
 import re
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -21,10 +27,13 @@ from k2jax.eval.verdict import Verdict
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".csv")
 _PARQUET_BATCH = 256  # rows converted to Python at a time
+CSV_FIELD_LIMIT = 64 << 20  # bytes of one CSV field (the csv module's default, 128 KiB, refuses long rows)
+_BOM = b"\xef\xbb\xbf"
 
 
 class SkipRecord(Exception):  # a signal, not an error
-  """Raised by a format's parse for a record the task leaves out (a date window): not a doc, not an error."""
+  """Raised by a format's parse for a record the task leaves out (a date window, a test runner the grader does
+  not run): not a doc, not an error. Its message says why; the runner counts the records left out per reason."""
 
 
 class TaskFormatError(ValueError):
@@ -41,6 +50,7 @@ class Doc:
   data: Mapping[str, Any]
   choices: tuple[str, ...] = ()  # multiple choice: the continuations scored after the prompt
   gold: int = -1  # multiple choice: index of the right choice
+  line: int = 0  # the record's line in its file (load_docs sets it), for errors that name the row
 
 
 # (doc, the model's text, the code sandbox's limits) -> Verdict; a format without one is graded by grading.py.
@@ -59,6 +69,9 @@ class TaskFormat:
   # maj@k's equivalence of two answers (the grader's: "\\frac12" and "0.5" are one answer); None: equal strings.
   same: Callable[[str, str], bool] | None = None
   version: str = "1"  # of the grader and format: in every sample's fingerprint (a new grader never reuses old verdicts)
+  # Of how `parse` reads a record into what the grader compares against (a reference answer's text): in the
+  # fingerprint beside `version` when not "1", for formats whose version is their grader's own.
+  reader: str = "1"
   # Task metrics beyond the per-doc ones (pass@k, mean@k, ...): (every doc's samples) -> {metric: value}.
   aggregate: Callable[[list[list[dict]]], dict[str, float]] | None = None
 
@@ -77,18 +90,39 @@ def read_records(path: str, limit: int | None = None) -> Iterator[tuple[int, int
 
 
 def _jsonl(path: str) -> Iterator[tuple[int, dict]]:
-  opener = gzip.open if path.endswith(".gz") else open
-  with opener(path, "rt", encoding="utf-8") as f:
-    for line_no, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise TaskFormatError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
-      if not isinstance(record, dict):
-        raise TaskFormatError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
-      yield line_no, record
+  for line_no, raw in _lines(path):
+    if line_no == 1 and raw.startswith(_BOM):
+      raw = raw[len(_BOM) :]
+    try:
+      line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise TaskFormatError(
+        f"{path}:{line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
+      ) from None
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise TaskFormatError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+      raise TaskFormatError(f"{path}:{line_no}: not valid JSON (nested too deep)") from None
+    if not isinstance(record, dict):
+      raise TaskFormatError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+    yield line_no, record
+
+
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+  """(line number, bytes) of a text file or its gzip; a `.gz` that is not gzip, or is cut short, names the file
+  and the line it reached."""
+  line_no = 0
+  try:
+    with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+      for line_no, raw in enumerate(f, 1):
+        yield line_no, raw
+  except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+    where = "" if line_no == 0 else f" (after line {line_no})"
+    raise TaskFormatError(f"{path}: not a readable gzip file{where}: {e}") from None
 
 
 def _parquet(path: str) -> Iterator[tuple[int, dict]]:
@@ -106,8 +140,30 @@ def _parquet(path: str) -> Iterator[tuple[int, dict]]:
 
 
 def _csv(path: str) -> Iterator[tuple[int, dict]]:
-  with open(path, encoding="utf-8", newline="") as f:
-    yield from enumerate(csv.DictReader(f), 1)  # row 1: the first data row (after the header)
+  with open(path, "rb") as f:
+    data = f.read()
+  data = data.removeprefix(_BOM)
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = data.count(b"\n", 0, e.start) + 1
+    column = e.start - data.rfind(b"\n", 0, e.start)
+    raise TaskFormatError(
+      f"{path}: file line {line}: not UTF-8 text (byte {data[e.start]:#04x} at column {column})"
+    ) from None
+  if csv.field_size_limit() < CSV_FIELD_LIMIT:
+    csv.field_size_limit(CSV_FIELD_LIMIT)
+  reader = csv.DictReader(io.StringIO(text, newline=""))
+  row = 0
+  try:
+    for row, record in enumerate(reader, 1):  # row 1: the first data row (after the header)
+      if None in record:  # more cells than the header names
+        raise TaskFormatError(
+          f"{path}:{row}: {len(record[None])} more cells than the header's {len(reader.fieldnames)}"
+        )
+      yield row, record
+  except csv.Error as e:
+    raise TaskFormatError(f"{path}:{row + 1}: not a CSV row (file line {reader.line_num}): {e}") from None
 
 
 # ---- field readers (a KeyError names a missing field; TypeError / ValueError a wrong one) ----------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,10 +14,18 @@ from k2jax.eval.verdict import UNGRADABLE
 
 
 def task_report(
-  name: str, fmt: TaskFormat, path: str, doc_records: Sequence[tuple[str, list[dict]]], ks: Sequence[int]
+  name: str,
+  fmt: TaskFormat,
+  path: str,
+  doc_records: Sequence[tuple[str, list[dict]]],
+  ks: Sequence[int],
+  skipped: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
   """One task's section: `doc_records` is (doc_id, its samples in index order) per doc. Each metric comes with
-  its standard error over problems and the number of problems behind it (`count`)."""
+  its standard error over problems and the number of problems behind it (`count`). `skipped`: the records
+  of the file the format left out, {why: how many} (`skipped_records`, with their total); a generated task
+  counts its samples whose grading timed out (`timed_out_samples`: graded again by the next run on the
+  same output dir)."""
   docs, rows = [], []
   votes = fmt.name in VOTING_FORMATS or fmt.votes
   for doc_id, samples in doc_records:
@@ -48,10 +56,13 @@ def task_report(
     "metrics": values,
     "stderr": {k: _stderr([r[k] for r in rows if k in r]) for k in values},
     "count": count,
+    "skipped_records": sum((skipped or {}).values()),
+    "skipped_why": dict(skipped or {}),
     "docs": docs,
   }
   if fmt.kind == "generate":
     out["ungradable_samples"] = sum(s["reason"].startswith(UNGRADABLE) for _, ss in doc_records for s in ss)
+    out["timed_out_samples"] = sum(bool(s.get("timed_out")) for _, ss in doc_records for s in ss)
   return out
 
 
@@ -76,7 +87,15 @@ def markdown(report: dict[str, Any]) -> str:
         + ("-" if err is None else f"{err:.4f}")
         + f" | {t['count'][metric]} | {t['version']} |"
       )
-  return "\n".join(lines) + "\n"
+  notes = []
+  for name, t in report["tasks"].items():
+    left, slow = t.get("skipped_records", 0), t.get("timed_out_samples", 0)
+    if left:
+      why = "; ".join(f"{n}: {w}" for w, n in t.get("skipped_why", {}).items())
+      notes.append(f"- {name}: {left} records of the file left out ({why})")
+    if slow:
+      notes.append(f"- {name}: {slow} samples timed out in grading (scored 0 here; graded again by a rerun)")
+  return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 def _stderr(values: Sequence[float]) -> float | None:

@@ -33,9 +33,18 @@ from k2jax.eval import report as report_lib
 from k2jax.eval import swe as swe_lib
 from k2jax.eval.grading import grade
 from k2jax.eval.metrics import choice_metrics
+from k2jax.eval.samples import PromptTooLong, check_lengths, redo, regrade, verdict_fields  # noqa: F401  (re-exported)
 from k2jax.eval.scoring import ForwardScorer, HttpScorer, Scorer
 from k2jax.eval.store import ContentHasher, SampleStore, write_atomic
-from k2jax.eval.tasks import Doc, TaskFormat, few_shot_messages, few_shot_prefix, get_format, load_docs
+from k2jax.eval.tasks import (
+  Doc,
+  TaskFormat,
+  few_shot_messages,
+  few_shot_prefix,
+  get_format,
+  load_docs,
+  read_docs,
+)
 from k2jax.sandbox.code import CodeRewardConfig
 from k2jax.transport import RetryPolicy, ServiceError, call_json
 
@@ -61,7 +70,7 @@ class TaskSpec:
   top_p: float | None = None
   max_tokens: int | None = None
 
-  def run_config(self, config: "EvalConfig") -> "EvalConfig":
+  def run_config(self, config: EvalConfig) -> EvalConfig:
     """`config` with this task's sampling in place of the run's (validated the same way, naming the task)."""
     own = {k: getattr(self, k) for k in _TASK_SAMPLING if getattr(self, k) is not None}
     if "ks" in own:
@@ -142,7 +151,7 @@ def run(config: EvalConfig, model: Model | None = None) -> dict[str, Any]:
   `model`: an already open engine (tests, RL); default: opened from `config.model` and closed at the end."""
   for spec in config.tasks:  # a task's bad sampling (a k above its n) fails before the model is opened
     spec.run_config(config)
-  tasks = [(spec, get_format(spec.format), *_docs(spec, config)) for spec in config.tasks]
+  tasks = [(spec, get_format(spec.format), *_task_docs(spec, config)) for spec in config.tasks]
   hasher = ContentHasher(config.out)
   local = _is_local(config.model)
   model_id = _model_fingerprint(config.model, None, hasher) if local else None  # what is about to be loaded
@@ -176,7 +185,7 @@ def _run_tasks(config: EvalConfig, model: Model, tasks, model_id: dict, data: di
   store = SampleStore(config.out)
   try:
     sections = {}
-    for spec, fmt, docs, shots in tasks:
+    for spec, fmt, docs, shots, skipped in tasks:
       tc = spec.run_config(config)
       fingerprint = _fingerprint(tc, spec, fmt, model_id["fingerprint"], data[spec.name]["fingerprint"])
       if fmt.kind == "choice":
@@ -185,7 +194,7 @@ def _run_tasks(config: EvalConfig, model: Model, tasks, model_id: dict, data: di
         _generate(tc, model, store, spec, fmt, docs, shots, fingerprint)
       n = 1 if fmt.kind == "choice" else tc.n
       records = [(d.doc_id, [store.get((spec.name, d.doc_id, i), fingerprint) for i in range(n)]) for d in docs]
-      section = report_lib.task_report(spec.name, fmt, spec.path, records, tc.ks)
+      section = report_lib.task_report(spec.name, fmt, spec.path, records, tc.ks, skipped)
       sections[spec.name] = {**section, "fingerprint": fingerprint, "data": data[spec.name]}
     store.sync()
     return sections
@@ -231,7 +240,19 @@ def _open_url(config: EvalConfig) -> Model:
   engine = HttpEngine(HttpEngineConfig(url=url, api_key=config.api_key))
   stops = (tok.eos_id, tok.special_ids["<|im_end|>"])
   identity = {k: info.get(k) for k in _SERVER_IDENTITY} if isinstance(info, dict) else None
-  return Model(engine, tok, stops, HttpScorer(url, headers), url, identity=identity)
+  return Model(engine, tok, stops, HttpScorer(url, headers), url, _served_length(info), identity)
+
+
+def _served_length(info: Any) -> int | None:
+  """The tokens of prompt and answer the server takes (launch/serve.py's /get_model_info `max_seq_len`, or a
+  `context_length`); None when it does not say (its refusal then names the doc, in EngineFailed)."""
+  if not isinstance(info, dict):
+    return None
+  for key in ("max_seq_len", "context_length", "max_model_len"):
+    value = info.get(key)
+    if type(value) is int and value > 0:
+      return value
+  return None
 
 
 # What /get_model_info says of the model a server holds (SGLang and launch/serve.py): the weights it loaded
@@ -256,18 +277,24 @@ def _served_tokenizer(url: str, info: Any, error: ServiceError | None) -> str:
 
 # ---- generation tasks ------------------------------------------------------------------------------
 def _generate(config, model: Model, store, spec, fmt: TaskFormat, docs, shots, fingerprint) -> None:
-  todo = [(d, i) for d in docs for i in range(config.n) if store.get((spec.name, d.doc_id, i), fingerprint) is None]
+  stored = {(d.doc_id, i): store.get((spec.name, d.doc_id, i), fingerprint) for d in docs for i in range(config.n)}
+  # A sample whose grading timed out is no final verdict: an episode runs again, a text is graded again.
+  again = {k for k, rec in stored.items() if rec is not None and rec.get("timed_out") and fmt.kind != "agentic"}
+  todo = [(d, i) for d in docs for i in range(config.n) if (d.doc_id, i) not in again and redo(stored[d.doc_id, i])]
+  todo += [(d, i) for d in docs for i in range(config.n) if (d.doc_id, i) in again]
   if not todo:
     return
   if fmt.kind == "agentic":
     make = functools.partial(_episode, config, model, spec, fingerprint)
   else:
-    prompts = {
-      d.doc_id: _prompt_ids(config, model.tokenizer, fmt, d, shots) for d in {d.doc_id: d for d, _ in todo}.values()
-    }
+    fresh = {d.doc_id: d for d, i in todo if (d.doc_id, i) not in again}
+    prompts = {doc_id: _prompt_ids(config, model.tokenizer, fmt, d, shots) for doc_id, d in fresh.items()}
+    check_lengths(spec, prompts, fresh, model.max_seq_len, model.where)
     nonce = secrets.token_hex(4)  # rids unique across runs sharing a server
 
     def make(d, i):
+      if (d.doc_id, i) in again:
+        return regrade(spec.name, fmt, d, stored[d.doc_id, i], config.code)
       return _sample(config, model, spec, fmt, d, i, prompts[d.doc_id], fingerprint, nonce)
 
   infra = []  # swe samples whose grading could not happen: never stored as a score
@@ -329,10 +356,6 @@ def _sample(config, model: Model, spec, fmt: TaskFormat, doc: Doc, i: int, ids, 
   max_new = config.max_tokens
   if model.max_seq_len is not None:
     max_new = min(max_new, model.max_seq_len - len(ids))
-    if max_new < 1:
-      raise ValueError(
-        f"{spec.name} doc {doc.doc_id}: the prompt's {len(ids)} tokens fill the engine's {model.max_seq_len}"
-      )
   stops = () if config.chat else fmt.stop
   seed = _seed(config.seed, spec.name, doc.doc_id, i)
   sampling = SamplingParams(
@@ -362,10 +385,7 @@ def _sample(config, model: Model, spec, fmt: TaskFormat, doc: Doc, i: int, ids, 
     "completion_tokens": len(res.output_ids),
     "finish_reason": res.finish_reason,
     "text": text,
-    "score": verdict.score,
-    "answer": verdict.answer,
-    "reason": verdict.reason,
-    **verdict.extra,  # a format's own fields (IFEval: each instruction's strict / loose verdict)
+    **verdict_fields(verdict),
   }
 
 
@@ -406,16 +426,22 @@ def _choice_pair(config, tok: Tokenizer, fmt: TaskFormat, doc: Doc, choice: str,
 # ---- prompts, seeds, helpers ------------------------------------------------------------------------
 def _docs(spec: TaskSpec, config: EvalConfig) -> tuple[list[Doc], list[Doc]]:
   """The task's docs and its few-shot examples (read now: a bad file fails the run before any work)."""
+  docs, shots, _ = _task_docs(spec, config)
+  return docs, shots
+
+
+def _task_docs(spec: TaskSpec, config: EvalConfig) -> tuple[list[Doc], list[Doc], dict[str, int]]:
+  """`_docs` and the records the task's format left out ({why: count})."""
   k = config.num_fewshot if spec.num_fewshot is None else spec.num_fewshot
-  docs = load_docs(spec.path, spec.format, config.limit)
+  docs, skipped = read_docs(spec.path, spec.format, config.limit)
   if k == 0 or get_format(spec.format).kind == "agentic":  # an episode's prompt is the environment's
-    return docs, []
+    return docs, [], skipped
   if not spec.fewshot_file:
     raise ValueError(f"task {spec.name}: {k}-shot needs a fewshot_file (examples never taken from the test set)")
   shots = load_docs(spec.fewshot_file, spec.format, k)
   if len(shots) < k:
     raise ValueError(f"task {spec.name}: {spec.fewshot_file} has {len(shots)} records, fewer than {k} shots")
-  return docs, shots
+  return docs, shots, skipped
 
 
 def _prompt_ids(config: EvalConfig, tok: Tokenizer, fmt: TaskFormat, doc: Doc, shots: Sequence[Doc]) -> list[int]:
@@ -453,7 +479,7 @@ def _fingerprint(config: EvalConfig, spec: TaskSpec, fmt: TaskFormat, model_fp: 
   return {
     "model": model_fp[:16],
     "data": data_fp[:16],
-    "grader": f"{fmt.name}/{fmt.version}",
+    "grader": f"{fmt.name}/{fmt.version}" + ("" if fmt.reader == "1" else f"/reader{fmt.reader}"),
     "settings": hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16],
   }
 

@@ -30,6 +30,9 @@ naming file and line.
 
 from __future__ import annotations
 
+import dataclasses
+import decimal
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -54,12 +57,20 @@ _LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 def load_docs(path: str, fmt: str, limit: int | None = None) -> list[Doc]:
   """The docs of `path` in format `fmt` (first `limit` records); TaskFormatError naming file and line."""
+  return read_docs(path, fmt, limit)[0]
+
+
+def read_docs(path: str, fmt: str, limit: int | None = None) -> tuple[list[Doc], dict[str, int]]:
+  """(the docs of `path`, {why: how many records the format left out for that reason}); TaskFormatError
+  naming file and line. A file whose every record is left out is an error saying why."""
   task_format = get_format(fmt)
-  docs, seen = [], {}
+  docs, seen, skipped = [], {}, {}
   for line_no, index, record in read_records(path, limit):
     try:
       doc = task_format.parse(record, index)
-    except SkipRecord:  # outside the task's window (livecodebench@START..END)
+    except SkipRecord as e:  # outside the task's window (livecodebench@START..END), a runner not run (swebench)
+      why = str(e) or "left out by the format"
+      skipped[why] = skipped.get(why, 0) + 1
       continue
     except (KeyError, TypeError, ValueError) as e:
       problem = f"missing field {e}" if isinstance(e, KeyError) else str(e)
@@ -67,10 +78,11 @@ def load_docs(path: str, fmt: str, limit: int | None = None) -> list[Doc]:
     if doc.doc_id in seen:
       raise TaskFormatError(f"{path}:{line_no}: doc id {doc.doc_id!r} repeats line {seen[doc.doc_id]}")
     seen[doc.doc_id] = line_no
-    docs.append(doc)
+    docs.append(dataclasses.replace(doc, line=line_no))
   if not docs:
-    raise TaskFormatError(f"{path}: no records")
-  return docs
+    left = "; ".join(f"{n} left out: {why}" for why, n in skipped.items())
+    raise TaskFormatError(f"{path}: no records" + (f" ({left})" if left else ""))
+  return docs, skipped
 
 
 def get_format(fmt: str) -> TaskFormat:
@@ -161,14 +173,34 @@ def _generic(kind: str) -> Callable[[Mapping[str, Any], int], Doc]:
       _str_list(r, "tests")
     elif kind == "instruction" and not (isinstance(value, list) and all(isinstance(c, dict) for c in value)):
       raise TypeError("'constraints' must be a list of objects")
-    elif kind in ("exact", "math") and not isinstance(value, (str, int, float)):
-      raise TypeError(f"'answer' must be a string or a number, got {type(value).__name__}")
+    elif kind in ("exact", "math"):
+      value = answer_text(value)
     data = {k: v for k, v in r.items() if k != "prompt"}
+    if kind in ("exact", "math") and isinstance(r[field], float):  # an int or a string reads as itself
+      data["answer"] = value
     doc_id = str(r["id"]) if isinstance(r.get("id"), (str, int)) else str(i)
     target = f" {value}" if kind in ("exact", "math") else ""
     return Doc(doc_id, prompt, target, data)
 
   return parse
+
+
+def answer_text(value: Any) -> str:
+  """An `answer` field as the text graders compare: a string as it is; a number as its exact decimal (a JSON
+  `1e20` is "100000000000000000000", `2.0` is "2", `1.5e-7` is "0.00000015": never Python's "1e+20"). NaN and
+  infinities are no answer (TypeError / ValueError naming the field)."""
+  if isinstance(value, str):
+    return value
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise TypeError(f"field 'answer' must be a string or a number, got {type(value).__name__}")
+  if isinstance(value, int):
+    return str(value)
+  if not math.isfinite(value):
+    raise ValueError(f"field 'answer' is {value}: not a number an answer can equal")
+  exact = decimal.Decimal(repr(value))  # the shortest decimal that reads back as this float: what the file said
+  if exact == exact.to_integral_value():
+    return str(int(exact))
+  return format(exact.normalize(), "f")
 
 
 def _gold(answer: Any, n: int) -> int:
@@ -197,7 +229,14 @@ _FORMATS: dict[str, TaskFormat] = {
   "mbpp": TaskFormat("mbpp", "generate", _mbpp, stop=("[DONE]",)),
   "mc": TaskFormat("mc", "choice", _mc),
   **{f"answer.{k}": TaskFormat(f"answer.{k}", "generate", _generic(k)) for k in REWARD_FIELDS if k != "math"},
-  "answer.math": TaskFormat("answer.math", "generate", _generic("math"), same=same_answer, version=GRADER_VERSION),
+  # A format's version moves with its verdicts (stored samples of an older one are never reused): answer.exact
+  # and answer.math read numeric answers as exact decimals since version / reader "2" ("1e+20" before, which
+  # math-verify reads as 1*e+20); answer.instruction's language checks are seeded since "2".
+  "answer.exact": TaskFormat("answer.exact", "generate", _generic("exact"), version="2"),
+  "answer.instruction": TaskFormat("answer.instruction", "generate", _generic("instruction"), version="2"),
+  "answer.math": TaskFormat(
+    "answer.math", "generate", _generic("math"), same=same_answer, version=GRADER_VERSION, reader="2"
+  ),
 }
 
 

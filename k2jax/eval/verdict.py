@@ -19,3 +19,13 @@ class Verdict:
   answer: str | None  # canonical extracted answer (maj@k votes on it); None: none given, or not a voting task
   reason: str
   extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # more JSON fields for the sample's record
+  # The grader ran out of time (math-verify's limit, a code case's, a test run's): a loaded machine can cause it,
+  # so the runner stores the sample flagged and grades it again on resume; the report counts such samples.
+  timed_out: bool = False
+
+
+MATH_TIMEOUT = "grader timed out"  # how the math grader's reason starts when it ran out of time
+
+
+def math_timed_out(reason: str) -> bool:
+  return reason.startswith(MATH_TIMEOUT)

@@ -20,6 +20,11 @@ For one (instance, patch):
    status to be the process's and 0, and the test files to hash as before; any tampering is unresolved,
    named in `tampering` and `reason`;
 5. SWE-bench's rules: a missing or skipped FAIL_TO_PASS test fails; a skipped PASS_TO_PASS test is kept.
+`GradeConfig(rules="swebench")` grades a published SWE-bench row as the SWE-bench harness does instead
+(`harness.py`): only the files `test_patch` touches are restored in step 3 (a package's `testing/` module is
+source the model may fix; the hack check reads every other file the patch adds lines to), the whole files
+`test_patch` names run, and the names are matched in the report as the harness's log parser reads them (a
+parametrized id cut at a space included); other tests of those files may fail (no exit status 0 asked).
 `resolved` (0/1) is the reward; `pass_rate` (K2: FAIL_TO_PASS share passing x [all PASS_TO_PASS pass]) is
 logged beside it. A run that could not happen (sandbox unavailable, pytest absent, broken task data) is
 `infra_failure`: masked from the loss, never scored 0.
@@ -35,12 +40,12 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from k2jax.sandbox.workspace import WorkspaceRunConfig, default_python_paths, prepare_workspace
-from k2jax.swe import hackcheck, snapshot
+from k2jax.swe import hackcheck, harness, snapshot
 from k2jax.swe.instances import Instance, InstanceReport, Prediction, summary
-from k2jax.swe.testrun import PASSED, InfraError, TestRun, run_tests
+from k2jax.swe.testrun import InfraError, TestRun, run_tests
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,13 @@ class GradeConfig:
   run: WorkspaceRunConfig = WorkspaceRunConfig(timeout_s=300.0)  # SWE-bench/R2E-Gym: 300 s of tests
   check_snapshot: bool = True  # re-hash the pristine snapshot against base_commit before grading
   hack_check: bool = True  # the static check of the patch's added lines (off only to test the runtime layers)
+  # "k2jax": k2jax's offline tasks (every test path restored, FAIL_TO_PASS + PASS_TO_PASS node ids run, exit 0);
+  # "swebench": the SWE-bench harness's (published rows: test_patch's files restored and run whole, harness.py)
+  rules: str = "k2jax"
+
+  def __post_init__(self):
+    if self.rules not in ("k2jax", "swebench"):
+      raise ValueError(f"GradeConfig.rules: {self.rules!r} is not 'k2jax' or 'swebench'")
 
 
 def grade(instance: Instance, patch: str | None, task_root: str, config: GradeConfig = GradeConfig()) -> InstanceReport:
@@ -68,11 +80,23 @@ def grade(instance: Instance, patch: str | None, task_root: str, config: GradeCo
       snapshot.apply_patch(patch, work)
     except snapshot.PatchError as e:
       return report.done(reason=str(e)[:500], t0=t0)
-    findings = [str(f) for f in hackcheck.check_patch(patch, work)] if config.hack_check else []
+    harness_rules = config.rules == "swebench"
+    if harness_rules:  # what grading restores is what the hack check may leave alone
+      edited, created = harness.patch_files(instance.test_patch)
+      restores = set(edited + created).__contains__
+    else:
+      restores = snapshot.is_test_path
+    findings = [str(f) for f in hackcheck.check_patch(patch, work, restores)] if config.hack_check else []
     if findings:
       why = f"unresolved: the hack check flags {len(findings)} added lines: " + "; ".join(findings[:3])
       return report.done(applied=True, reason=why[:1000], hack_check=findings, t0=t0)
-    restored = snapshot.restore_tests(pristine, work)
+    try:
+      if harness_rules:
+        restored = harness.restore_test_patch_files(pristine, work, instance.test_patch)
+      else:
+        restored = snapshot.restore_tests(pristine, work)
+    except ValueError as e:  # the patch made a directory on a test file's path a link
+      return report.done(applied=True, reason=f"unresolved: {e}"[:500], t0=t0)
     try:
       snapshot.apply_patch(instance.test_patch, work)
     except snapshot.PatchError as e:
@@ -82,12 +106,19 @@ def grade(instance: Instance, patch: str | None, task_root: str, config: GradeCo
     prepare_workspace(work)
     try:
       changed = sorted(hackcheck.added_lines(patch))
-      run = run_tests(work, (*instance.FAIL_TO_PASS, *instance.PASS_TO_PASS), config.run, changed)
+      if harness_rules:  # whole files, as the harness's test command takes them
+        ids = tuple(harness.test_directives(instance.test_patch))
+      else:
+        ids = (*instance.FAIL_TO_PASS, *instance.PASS_TO_PASS)
+      run = run_tests(work, ids, config.run, changed)
     except InfraError as e:
       return report.done(applied=True, infra=True, reason=str(e)[:500], t0=t0)
     now = _test_hashes(work)
     touched = sorted(k for k in set(tests_before) | set(now) if tests_before.get(k) != now.get(k))
-  return report.from_run(run, restored, t0, [f"test files changed during the run: {touched[:5]}"] if touched else [])
+  outside = [f"test files changed during the run: {touched[:5]}"] if touched else []
+  if harness_rules:
+    return report.from_harness(run, restored, t0, outside)
+  return report.from_run(run, restored, t0, outside)
 
 
 def _drop_caches(root: str) -> None:
@@ -160,7 +191,36 @@ class _Report:
       reason += f"; restored from pristine: {restored[:5]}"
     return InstanceReport(
       self.i.instance_id, False, True, True, resolved, False, status, pass_rate, reason, run.exit_code,
-      time.monotonic() - t0, [], tampering,
+      time.monotonic() - t0, [], tampering, {}, run.timed_out,
+    )  # fmt: skip
+
+  def from_harness(self, run: TestRun, restored: list[str], t0: float, outside: list[str] = ()) -> InstanceReport:
+    """The SWE-bench harness's verdict on the run (harness.py), on a run nothing tampered with."""
+    sm = harness.status_map(run.outcomes, self.i.repo) if run.consistent else {}
+    status = harness.tests_status(self.i.FAIL_TO_PASS, self.i.PASS_TO_PASS, sm)
+    tampering = [*outside, *run.tamper]
+    missing = "" if not run.consistent else harness.no_results(sm, run.exit_code)
+    trusted = run.consistent and not outside and not missing
+    f2p_ok, p2p_ok = len(status["FAIL_TO_PASS"]["success"]), not status["PASS_TO_PASS"]["failure"]
+    resolved = trusted and p2p_ok and f2p_ok == len(self.i.FAIL_TO_PASS)
+    pass_rate = f2p_ok / len(self.i.FAIL_TO_PASS) * float(p2p_ok) if trusted else 0.0
+    skips = harness.skipped(self.i.FAIL_TO_PASS, self.i.PASS_TO_PASS, sm)
+    if tampering:
+      reason = f"unresolved: tampering: {'; '.join(tampering[:5])}"
+    elif missing or run.reason:
+      reason = f"unresolved: {missing or run.reason}"
+    else:
+      reason = _why(run, status, resolved)
+    if skips["FAIL_TO_PASS"] or skips["PASS_TO_PASS"]:
+      reason += (
+        f"; skipped, as SWE-bench counts them: {len(skips['FAIL_TO_PASS'])} FAIL_TO_PASS (failed), "
+        f"{len(skips['PASS_TO_PASS'])} PASS_TO_PASS (kept)"
+      )
+    if restored:
+      reason += f"; restored from base_commit: {restored[:5]}"
+    return InstanceReport(
+      self.i.instance_id, False, True, True, resolved, False, status, pass_rate, reason, run.exit_code,
+      time.monotonic() - t0, [], tampering, skips, run.timed_out,
     )  # fmt: skip
 
   def _lists(self) -> dict[str, tuple[str, ...]]:

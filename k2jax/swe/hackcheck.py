@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+from collections.abc import Callable
 
 from k2jax import pyparse
 from k2jax.swe import snapshot
@@ -123,11 +124,12 @@ def added_lines(patch: str) -> dict[str, set[int]]:
   return out
 
 
-def check_patch(patch: str, tree: str) -> list[Finding]:
-  """Findings on the added non-test lines of `patch`, read from `tree` (the repository with it applied)."""
+def check_patch(patch: str, tree: str, restored: Callable[[str], bool] = snapshot.is_test_path) -> list[Finding]:
+  """Findings on the added lines of `patch`, read from `tree` (the repository with it applied), in every file
+  grading does not restore from the pristine copy (`restored`: the test paths, by default)."""
   findings = []
   for rel, lines in sorted(added_lines(patch).items()):
-    if snapshot.is_test_path(rel):
+    if restored(rel):
       continue
     if rel.endswith(_COMPILED):
       findings.append(Finding(rel, 0, "compiled code added outside the tests", rel))
@@ -141,7 +143,7 @@ def check_patch(patch: str, tree: str) -> list[Finding]:
       continue
     findings += check_source(source, rel, lines)
   for m in re.finditer(r"^(?:diff --git a/\S+ b/(\S+)\n(?:.*\n){0,4}?)GIT binary patch", patch, re.MULTILINE):
-    if not snapshot.is_test_path(m.group(1)) and m.group(1).endswith(_COMPILED):
+    if not restored(m.group(1)) and m.group(1).endswith(_COMPILED):
       findings.append(Finding(m.group(1), 0, "compiled code added outside the tests", m.group(1)))
   return findings
 

@@ -104,6 +104,8 @@ class InstanceReport:
   grade_s: float = 0.0
   hack_check: list = dataclasses.field(default_factory=list)  # hackcheck findings on the patch's added lines
   tampering: list = dataclasses.field(default_factory=list)  # what the run's checks caught (testrun, grade)
+  skipped: dict = dataclasses.field(default_factory=dict)  # {FAIL_TO_PASS|PASS_TO_PASS: tests the run skipped}
+  timed_out: bool = False  # the test run ran past its deadline
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)

@@ -10,6 +10,7 @@ import pytest
 from k2jax.eval import EvalConfig, TaskFormatError, TaskSpec, load_docs, run
 from k2jax.eval.formats import choices
 from k2jax.eval.grading import grade
+from k2jax.eval.tasks import get_format
 from k2jax.sandbox.code import CodeRewardConfig
 
 from .benchmark_rows import AIME24, AIME25, GPQA, IFEVAL, MATH500, MMLU_PRO
@@ -70,9 +71,14 @@ def test_gpqa_shuffles_with_a_recorded_seed_and_reads_the_letter(tmp_path):
   assert orders != {(0, 1, 2, 3)}  # shuffled (the gold is not always A)
   doc = gen[0]
   gold, wrong = doc.data["answer"], next(c for c in "ABCD" if c != doc.data["answer"])
+  # simple-evals' gpqa_eval: re.search, the first match, the letter as written.
   v = _grade("gpqa", doc, f"Answer: {wrong}\nOn reflection...\nAnswer: {gold}")
-  assert (v.score, v.answer) == (1.0, gold)  # the last Answer line
+  assert (v.score, v.answer) == (0.0, wrong)  # the first Answer line, not the last
+  assert _grade("gpqa", doc, f"Thinking... answer: ${gold}$\nAnswer: {wrong}").score == 1.0
+  assert _grade("gpqa", doc, f"Answer: {gold.lower()}").score == 0.0  # (?i) matches it; "b" != "B"
+  assert _grade("gpqa", doc, f"Answer: ({gold})\nAnswer: {wrong}").answer == wrong  # "(" is not in the pattern
   assert _grade("gpqa", doc, f"answer: ({wrong})").score == 0.0 and _grade("gpqa", doc, "no idea").answer is None
+  assert get_format("gpqa").version == "2" and get_format("ifeval").version == "2"
   ll = load_docs(write_csv(tmp_path / "gpqa_ll.csv", GPQA), "gpqa.ll")
   assert ll[0].choices == (" (A)", " (B)", " (C)", " (D)") and ll[0].gold == "ABCD".index(gold)
   assert ll[0].prompt.startswith("What is the correct answer to this question:") and ll[0].prompt.endswith("Answer:")

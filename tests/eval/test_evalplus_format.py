@@ -125,3 +125,162 @@ def test_bad_rows_name_file_line_and_field(tmp_path):
     path = write_jsonl(tmp_path / f"bad{k}.jsonl", [MBPP_PLUS[1] if fmt == "mbpp_plus" else HUMANEVAL_PLUS[1], row])
     with pytest.raises(TaskFormatError, match=rf"bad{k}.jsonl:2: not a {fmt} record: {message}"):
       load_docs(path, fmt)
+
+
+# MbppPlus's Mbpp/88 (its prompt, entry point, canonical solution and base inputs as published; the plus inputs
+# here are a short selection of the same shape): the canonical solution returns a collections.Counter.
+FREQ_COUNT = {
+  "task_id": "Mbpp/88",
+  "prompt": (
+    '"""\nWrite a function to get the frequency of all the elements in a list, returned as a dictionary.\n'
+    "assert freq_count([10,10,10,10,20,20,20,20,40,40,50,50,30])==({10: 4, 20: 4, 40: 2, 50: 2, 30: 1}) \n"
+    '"""\n'
+  ),
+  "entry_point": "freq_count",
+  "canonical_solution": "\nimport collections\ndef freq_count(list1):\n  freq_count= collections.Counter(list1)\n  return freq_count\n",
+  "base_input": [
+    [[10, 10, 10, 10, 20, 20, 20, 20, 40, 40, 50, 50, 30]],
+    [[1, 2, 3, 4, 3, 2, 4, 1, 3, 1, 4]],
+    [[5, 6, 7, 4, 9, 10, 4, 5, 6, 7, 9, 5]],
+  ],
+  "plus_input": [[[]], [[1]], [[True, 1, 2.0, 2]]],
+  "atol": 0,
+}
+
+
+def _row(task_id, prompt, entry, canonical, base, plus, atol=0):
+  return {"task_id": task_id, "prompt": prompt, "entry_point": entry, "canonical_solution": canonical}, {
+    "base_input": base,
+    "plus_input": plus,
+    "atol": atol,
+  }
+
+
+def _live_rows():
+  rows = [FREQ_COUNT]
+  for task_id, entry, canonical in (
+    (
+      "HumanEval/901",
+      "first_seen",
+      "    import collections\n    return collections.OrderedDict((c, s.count(c)) for c in s)\n",
+    ),
+    (
+      "HumanEval/902",
+      "split",
+      "    import collections\n    P = collections.namedtuple('P', 'q r')\n    return P(*divmod(a, b))\n",
+    ),
+    ("HumanEval/904", "half", "    import decimal\n    return decimal.Decimal(a) / 2\n"),
+  ):
+    args = {"first_seen": "s", "split": "a, b", "total": "xs", "half": "a"}[entry]
+    base = {
+      "first_seen": [["abca"], ["zzy"]],
+      "split": [[7, 2], [9, 3]],
+      "total": [[[1, 2, 3]], [[-4]]],
+      "half": [[3], [10]],
+    }[entry]
+    rows.append(
+      {
+        "task_id": task_id,
+        "prompt": f'def {entry}({args}):\n    """Return it."""\n',
+        "entry_point": entry,
+        "canonical_solution": canonical,
+        "base_input": base,
+        "plus_input": [base[0]],
+        "atol": 0,
+      }
+    )
+  return rows
+
+
+def test_canonical_outputs_of_standard_types_compare_as_evalplus_compares(tmp_path):
+  """A Counter, an OrderedDict, a namedtuple, a numpy scalar, a Decimal from the canonical solution: gradable,
+  with `==` as EvalPlus evaluates it on the live objects (ungradable for every sample before)."""
+  rows = _live_rows()
+  freq = load_docs(write_jsonl(tmp_path / "MbppPlus.jsonl", rows[:1]), "mbpp_plus")[0]
+  first, split, half = load_docs(write_jsonl(tmp_path / "HumanEvalPlus.jsonl", rows[1:]), "humaneval_plus")
+  expected = evalplus.expected_outputs(freq, CODE)
+  assert type(expected[0]).__name__ == "Counter" and expected[0] == {10: 4, 20: 4, 40: 2, 50: 2, 30: 1}
+  assert expected[-1] == {True: 2, 2.0: 2}  # True == 1 and 2.0 == 2 are one key each, as in Python
+  as_dict = (
+    "```python\ndef freq_count(xs):\n    d = {}\n    for x in xs:\n        d[x] = d.get(x, 0) + 1\n    return d\n```"
+  )
+  v = _grade("mbpp_plus", freq, as_dict)  # Counter == dict: EvalPlus passes a plain dict
+  assert (v.score, v.extra) == (1.0, {"base_pass": True, "plus_pass": True}), v.reason
+  assert _grade("mbpp_plus", freq, FREQ_COUNT["canonical_solution"]).score == 1.0
+  off_by_one = as_dict.replace("d.get(x, 0) + 1", "d.get(x, 1) + 1")
+  v = _grade("mbpp_plus", freq, off_by_one)
+  assert v.score == 0.0 and "base input 0: returned {10: 5" in v.reason
+  # OrderedDict == dict (no order asked of a plain dict); two OrderedDicts compare in order.
+  assert _grade("humaneval_plus", first, "    return {c: s.count(c) for c in s}\n").score == 1.0
+  ordered = "    import collections\n    return collections.OrderedDict(sorted((c, s.count(c)) for c in set(s)))\n"
+  assert _grade("humaneval_plus", first, ordered).score == 0.0  # 'abca': a, b, c sorted is the order; 'zzy' not
+  # A namedtuple == a tuple of its items; Decimal(3) / 2 == 1.5 exactly.
+  assert _grade("humaneval_plus", split, "    return divmod(a, b)\n").score == 1.0
+  assert _grade("humaneval_plus", split, "    return [a // b, a % b]\n").score == 0.0  # a list is no tuple
+  assert _grade("humaneval_plus", half, "    return a / 2\n").score == 1.0
+  assert _grade("humaneval_plus", half, "    return a // 2\n").score == 0.0
+  # An object whose __eq__ is always true is no value the grader compares: it cannot cross.
+  always = "    class A:\n        def __eq__(self, o):\n            return True\n    return A()\n"
+  v = _grade("humaneval_plus", half, always)
+  assert v.score == 0.0 and "not a value the grader compares" in v.reason
+
+
+def test_live_values_rebuild_only_standard_types():
+  """The encoder (run here, where numpy imports; the default sandbox's interpreter has the standard library
+  only) and the rebuilder: numpy scalars and arrays, and nothing but the standard types."""
+  import collections
+  import decimal
+
+  import numpy as np
+
+  from k2jax.sandbox.compare import LIVE_SOURCE, live_value
+
+  space = {}
+  exec(LIVE_SOURCE, space)
+  encode = next(v for k, v in space.items() if k.endswith("_encode"))
+  for value in (np.int64(6), np.float32(0.5), np.array([[1.5, 2.0]]), decimal.Decimal("0.1"), collections.deque([1])):
+    back = live_value(encode(value))
+    assert type(back) is type(value) and np.all(back == value)
+  assert evalplus.outputs_match("humaneval", "f", [], 6, live_value(encode(np.int64(6))), 0.0)  # int == int64
+  # EvalPlus's tolerance path asks the same type: a float within 1e-6 of a numpy float64 fails, a float64 passes.
+  exp = live_value(encode(np.float64(0.3)))
+  assert not evalplus.outputs_match("humaneval", "f", [], 0.1 + 0.2, exp, 0.0)
+  assert evalplus.outputs_match("humaneval", "f", [], np.float64(0.1 + 0.2), exp, 0.0)
+  assert not evalplus.outputs_match("humaneval", "f", [], decimal.Decimal("0.1"), 0.1, 0.0)  # Decimal != float
+
+  assert live_value(["Counter", [[["str", "a"], ["int", 2]]]]) == {"a": 2}
+  p = live_value(["namedtuple", ["P", ["q", "r"], [["int", 1], ["int", 2]]]])
+  assert (
+    p == (1, 2)
+    and p.q == 1
+    and type(p) is type(live_value(["namedtuple", ["P", ["q", "r"], [["int", 3], ["int", 4]]]]))
+  )
+  assert str(live_value(["numpy", ["float32", ["float", 0.5]]]).dtype) == "float32"
+  for bad in (
+    ["obj", 1],
+    ["list", [["int", "1"]]],
+    ["dict", [[["list", []], ["int", 1]]]],
+    ["numpy", ["object", ["int", 1]]],
+    ["namedtuple", ["P", ["q"], []]],
+    "x",
+  ):
+    with pytest.raises(ValueError):
+      live_value(bad)
+
+
+def test_atol_carries_across_one_lists_inputs_as_in_evalplus():
+  check = evalplus.check_outputs
+  ran = [(True, 5), (True, 0.5), (True, [1, 2.5000001])]
+  exp = [5, 0.5, [1, 2.5]]
+  inputs = [[0], [1], [2]]
+  # Input 1's expected 0.5 is a float with atol 0: atol becomes 1e-6 for input 2 too, whose [1, 2.5] is no list
+  # of floats: within it, it passes.
+  assert check("humaneval", "f", inputs, ran, exp, 0.0) == [None, None, None]
+  # Alone (or in a list where no float came first) the same input is compared exactly and fails.
+  assert check("humaneval", "f", inputs[2:], ran[2:], exp[2:], 0.0) == ["returned [1, 2.5000001], expected [1, 2.5]"]
+  # A call that failed on the float input raises nothing: the later input is compared exactly.
+  failed = [(True, 5), (False, "timed out after 4.0s"), (True, [1, 2.5000001])]
+  assert check("humaneval", "f", inputs, failed, exp, 0.0)[1:] == [
+    "timed out after 4.0s",
+    "returned [1, 2.5000001], expected [1, 2.5]",
+  ]

@@ -10,8 +10,9 @@ and by log-likelihood of each choice (as lm-evaluation-harness scores multiple c
                           category (optional): TIGER-Lab/MMLU-Pro's test parquet.
 
 Generative prompts: GPQA as OpenAI simple-evals' multiple-choice template ("... The last line of your
-response should be of the following format: 'Answer: $LETTER' ..."; the last `Answer: X` in the response is the
-answer); MMLU-Pro as TIGER-Lab's evaluate_from_local.py (zero-shot: the category header, "Question: ...
+response should be of the following format: 'Answer: $LETTER' ..."; the answer is simple-evals' own: the first
+match of its `(?i)Answer[ \t]*:[ \t]*\$?([A-D])\$?`, compared as written, so "Answer: b" and "Answer: (B)"
+score 0 there and here); MMLU-Pro as TIGER-Lab's evaluate_from_local.py (zero-shot: the category header, "Question: ...
 Options: A. ...", "Answer: Let's think step by step."), extracted as it extracts: "answer is (X)", else
 "Answer: X", else the last standalone letter. Log-likelihood prompts: lm-eval's gpqa zero-shot template
 (choices "(A)".."(D)") and an MMLU-style "Answer:" followed by " A".." J".
@@ -36,7 +37,7 @@ _GPQA_GEN = (
   "format: 'Answer: $LETTER' (without quotes) where LETTER is one of ABCD. Think step by step before "
   "answering.\n\n{question}\n\n{options}"
 )
-_GPQA_ANSWER = re.compile(r"(?i)Answer[ \t]*:[ \t]*\$?\(?([A-D])\)?\$?")
+_GPQA_ANSWER = re.compile(r"(?i)Answer[ \t]*:[ \t]*\$?([A-D])\$?")  # simple-evals' ANSWER_PATTERN_MULTICHOICE
 _MMLU_PRO_HEADER = (
   "The following are multiple choice questions (with answers) about {category}. Think step by step and then "
   'output the answer in the format of "The answer is (X)" at the end.\n\n'
@@ -75,8 +76,9 @@ def parse_gpqa_ll(r: Mapping[str, Any], i: int) -> Doc:
 
 
 def grade_gpqa(doc: Doc, text: str, code: Any = None) -> Verdict:
-  found = _GPQA_ANSWER.findall(text)
-  return _letter_verdict(doc, found[-1].upper() if found else None, "no 'Answer: X' line")
+  """simple-evals' gpqa_eval: `re.search` (the first match), the letter as matched (a lowercase one is wrong)."""
+  found = _GPQA_ANSWER.search(text)
+  return _letter_verdict(doc, found.group(1) if found else None, "no 'Answer: X' line")
 
 
 # ---- MMLU-Pro ------------------------------------------------------------------------------------------
@@ -149,7 +151,8 @@ def _letter_verdict(doc: Doc, got: str | None, missing: str) -> Verdict:
 
 
 FORMATS = (
-  TaskFormat("gpqa", "generate", parse_gpqa, grade=grade_gpqa, votes=True),
+  # "2": the first `Answer: X` as simple-evals reads it (the last, and "(X)" and lowercase, in "1")
+  TaskFormat("gpqa", "generate", parse_gpqa, grade=grade_gpqa, votes=True, version="2"),
   TaskFormat("gpqa.ll", "choice", parse_gpqa_ll),
   TaskFormat("mmlu_pro", "generate", parse_mmlu_pro, grade=grade_mmlu_pro, votes=True),
   TaskFormat("mmlu_pro.ll", "choice", parse_mmlu_pro_ll),

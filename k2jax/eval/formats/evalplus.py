@@ -16,14 +16,21 @@ response's last fenced block (or the whole response when it has none) after the 
 and helper functions it may use (as `humaneval`'s grader builds it).
 
 Comparison, EvalPlus's `unsafe_execute` rule, in the grader's process (the expected outputs never enter the
-solution's): equal (`==`, with tuples, sets and dicts as they are); else with an `atol` (the row's, or 1e-6
-when the row's is 0 and the expected output is a float or a list of floats) the same type and length and
-`numpy.allclose(out, exp, rtol=1e-7, atol=atol)`. The special oracles: HumanEval/32 `find_zero` (|poly(x)| <=
-atol), and MBPP's set-equal tasks, not-None tasks (`check_str`, ...), Mbpp/164, /295, /558, /581.
+solution's): both sides' results cross as live values (`k2jax.sandbox.compare.live_value`: a Counter, an
+OrderedDict, a namedtuple, a numpy scalar or array, a Decimal is rebuilt as that type, so `==` is the one
+EvalPlus evaluates on them); equal (`==`), else with an `atol` the same type and length and
+`numpy.allclose(out, exp, rtol=1e-7, atol=atol)`. The `atol` is the row's, raised to 1e-6 once an expected
+output of a float or a list of floats is compared while it is 0; as in EvalPlus (one variable across its loop
+over the inputs), the raised value holds for every later input of that list (base inputs and plus inputs are
+two lists, two runs), and an input whose call failed, or whose comparison raised before that point, raises
+nothing. The special oracles: HumanEval/32 `find_zero` (|poly(x)| <= atol), and MBPP's set-equal tasks,
+not-None tasks (`check_str`, ...), Mbpp/164, /295, /558, /581.
 
 Differences from EvalPlus's harness: a case's time limit is `CodeRewardConfig.case_time_s` (EvalPlus: the
-larger of 4 s and 4x the canonical solution's time on that input); every input runs (EvalPlus stops a sample
-at its first failing input; the verdict is the same).
+larger of 4 s and 4x the canonical solution's time on that input), and a sample that failed with a case that
+timed out is graded again by a rerun; every input runs (EvalPlus stops a sample at its first failing input;
+the verdict is the same); the solution's inputs are its own copies, so a solution that mutates its arguments
+does not change what the special oracles read (in EvalPlus they read the mutated ones).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from k2jax import pyparse
 from k2jax.eval.records import Doc, TaskFormat, str_field
 from k2jax.eval.verdict import UNGRADABLE, Verdict
 from k2jax.sandbox.code import CodeRewardConfig, extract_code
+from k2jax.sandbox.compare import LIVE_ENTRY, live_program, live_value
 from k2jax.sandbox.verify import call_results
 
 INSTRUCTION = (
@@ -173,25 +181,40 @@ def grade(doc: Doc, text: str, code: CodeRewardConfig) -> Verdict:
   except ValueError as e:  # the canonical solution fails an input: the row, not the sample
     return Verdict(0.0, None, f"{UNGRADABLE}{e}", {"base_pass": False, "plus_pass": False})
   d = doc.data
-  inputs = [*d["base_input"], *d["plus_input"]]
-  got = _run(program(doc, text), d, inputs, code)
   n_base = len(d["base_input"])
+  got = _run(program(doc, text), d, [*d["base_input"], *d["plus_input"]], code)
   fails = []
-  for k, ((ran, out), exp, inp) in enumerate(zip(got, expected, inputs, strict=True)):
-    if not ran:
-      fails.append((k, out))
-    elif not outputs_match(d["dataset"], d["entry_point"], inp, out, exp, d["atol"]):
-      fails.append((k, f"returned {repr(out)[:80]}, expected {repr(exp)[:80]}"))
+  for offset, key in ((0, "base_input"), (n_base, "plus_input")):  # two lists: EvalPlus runs each on its own
+    n = len(d[key])
+    part = slice(offset, offset + n)
+    whys = check_outputs(d["dataset"], d["entry_point"], d[key], got[part], expected[part], d["atol"])
+    fails += [(offset + k, why) for k, why in enumerate(whys) if why is not None]
   base_ok = not any(k < n_base for k, _ in fails)
   plus_ok = base_ok and not fails
-  n_plus = len(inputs) - n_base
+  n_plus = len(got) - n_base
   base_failed = sum(k < n_base for k, _ in fails)
   reason = f"base {n_base - base_failed}/{n_base}, plus {n_plus - (len(fails) - base_failed)}/{n_plus} inputs passed"
   if fails:
     k, why = fails[0]
     where = f"base input {k}" if k < n_base else f"plus input {k - n_base}"
     reason += f"; {where}: {why}"
-  return Verdict(float(plus_ok), None, reason, {"base_pass": base_ok, "plus_pass": plus_ok})
+  timed_out = not plus_ok and any(why.startswith("timed out") for _, why in fails)  # the machine's load, maybe
+  return Verdict(float(plus_ok), None, reason, {"base_pass": base_ok, "plus_pass": plus_ok}, timed_out)
+
+
+def check_outputs(
+  dataset: str, entry: str, inputs: Sequence[list], got: Sequence[tuple[bool, Any]], expected: Sequence, atol: float
+) -> list[str | None]:
+  """Why each input of one list (base or plus) failed, None where it passed: EvalPlus's loop, its `atol`
+  carried from input to input as its loop variable is (module docstring)."""
+  out = []
+  for inp, (ran, value), exp in zip(inputs, got, expected, strict=True):
+    if not ran:
+      out.append(value)
+      continue
+    ok, atol = _judge(dataset, entry, inp, value, exp, atol)
+    out.append(None if ok else f"returned {_show(value)}, expected {_show(exp)}")
+  return out
 
 
 def aggregate(doc_samples: list[list[dict]]) -> dict[str, float]:
@@ -229,27 +252,43 @@ _NOT_NONE = "__k2jax_evalplus_not_none"
 
 
 def _run(source: str, d: Mapping[str, Any], inputs: Sequence[list], code: CodeRewardConfig, canonical=False):
-  """(ran, output) per input. MBPP's not-None tasks return regex matches, which are not plain data: a wrapper
-  in the program's own process returns what EvalPlus compares (the canonical's `out is not None`; a sample's
-  bool as it is, anything else `is not None`)."""
+  """(ran, output) per input, the output rebuilt as the live value it was (`compare.live_value`). MBPP's
+  not-None tasks return regex matches, which are no value to compare: a wrapper in the program's own process
+  returns what EvalPlus compares (the canonical's `out is not None`; a sample's bool as it is, anything else
+  `is not None`)."""
   entry = d["entry_point"]
   if d["dataset"] == "mbpp" and entry in MBPP_OUTPUT_NOT_NONE_TASKS:
     keep = "False" if canonical else "type(_r) is bool"
     source += f"\n\n\ndef {_NOT_NONE}(*_a):\n  _r = {entry}(*_a)\n  return _r if {keep} else _r is not None\n"
     entry = _NOT_NONE
   try:
-    return call_results(source, entry, inputs, code)
+    results = call_results(live_program(source, entry), LIVE_ENTRY, inputs, code)
   except RuntimeError as e:
     raise RuntimeError(f"eval: the code sandbox could not run: {e}") from None
+  out = []
+  for ran, value in results:
+    if ran:
+      try:
+        value = live_value(value)
+      except ValueError as e:
+        ran, value = False, f"the result is not a value the grader compares: {e}"[:200]
+    out.append((ran, value))
+  return out
 
 
 def outputs_match(dataset: str, entry: str, inp: Sequence[Any], out: Any, exp: Any, atol: float) -> bool:
-  """EvalPlus's verdict on one output (`unsafe_execute`, special oracles included)."""
+  """EvalPlus's verdict on one output (`unsafe_execute`, special oracles included), `atol` as it stands."""
+  return _judge(dataset, entry, inp, out, exp, atol)[0]
+
+
+def _judge(dataset: str, entry: str, inp: Sequence[Any], out: Any, exp: Any, atol: float) -> tuple[bool, float]:
+  """(passed, the atol the next input of the list is compared with), step by step as `unsafe_execute`: an
+  exception anywhere fails the input, and one before the float rule leaves atol as it was."""
   try:
-    exact = bool(out == exp)
+    exact = out == exp
     if dataset == "mbpp":
       if entry == "are_equivalent":  # Mbpp/164
-        exact = True
+        exact = exact or True
       elif entry == "sum_div":  # Mbpp/295
         exact = exact or out == 0
       elif entry == "surface_Area":  # Mbpp/581
@@ -261,23 +300,33 @@ def outputs_match(dataset: str, entry: str, inp: Sequence[Any], out: Any, exp: A
       elif entry in MBPP_OUTPUT_NOT_NONE_TASKS:
         exact = out == exp if isinstance(out, bool) else exp == (out is not None)
     if dataset == "humaneval" and entry == "find_zero":  # HumanEval/32: any root will do
-      return bool(abs(_poly(*inp, out)) <= atol)
-    if atol == 0 and _is_floats(exp):
-      atol = DEFAULT_FLOAT_ATOL
-    if exact or atol == 0:
-      return exact
-    if type(out) is not type(exp) or (isinstance(exp, (list, tuple)) and len(out) != len(exp)):
-      return False
-    return bool(np.allclose(out, exp, rtol=1e-07, atol=atol))
+      return bool(abs(_poly(*inp, out)) <= atol), atol
   except Exception:  # noqa: BLE001  EvalPlus: any exception while checking fails the input
-    return False
+    return False, atol
+  if atol == 0 and _is_floats(exp):
+    atol = DEFAULT_FLOAT_ATOL  # EvalPlus rebinds its loop's atol: later inputs of this list keep it
+  try:
+    if not exact and atol != 0:
+      if type(out) is not type(exp) or (isinstance(exp, (list, tuple)) and len(out) != len(exp)):
+        return False, atol
+      return bool(np.allclose(out, exp, rtol=1e-07, atol=atol)), atol
+    return bool(exact), atol
+  except Exception:  # noqa: BLE001  (an array's truth value, allclose on strings)
+    return False, atol
+
+
+def _show(value: Any) -> str:
+  return repr(value)[:80]
 
 
 def _is_floats(x: Any) -> bool:
+  """EvalPlus's is_floats: a float, a non-empty list or tuple of floats, a float64 / float32 array."""
   if isinstance(x, float):
     return True
   if isinstance(x, (list, tuple)) and x:
     return all(isinstance(i, float) for i in x)
+  if isinstance(x, np.ndarray):
+    return x.dtype in (np.float64, np.float32)
   return False
 
 
@@ -297,6 +346,10 @@ def _digit_distance_nums(num1, num2):
 
 
 FORMATS = (
-  TaskFormat("humaneval_plus", "generate", parser("humaneval"), stop=STOP, grade=grade, aggregate=aggregate),
-  TaskFormat("mbpp_plus", "generate", parser("mbpp"), stop=STOP, grade=grade, aggregate=aggregate),
+  # "2": results compared as live values (a Counter, a namedtuple, a numpy scalar: ungradable in "1"), the
+  # float atol carried across a list's inputs as EvalPlus carries it
+  TaskFormat(
+    "humaneval_plus", "generate", parser("humaneval"), stop=STOP, grade=grade, aggregate=aggregate, version="2"
+  ),
+  TaskFormat("mbpp_plus", "generate", parser("mbpp"), stop=STOP, grade=grade, aggregate=aggregate, version="2"),
 )

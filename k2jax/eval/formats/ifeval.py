@@ -58,4 +58,5 @@ def aggregate(doc_samples: list[list[dict]]) -> dict[str, float]:
   return {k: out[k] for k in METRICS}
 
 
-FORMATS = (TaskFormat("ifeval", "generate", parse, grade=grade, aggregate=aggregate),)
+# "2": the language checks seed langdetect (unseeded, "1" could flip a verdict on short text between runs)
+FORMATS = (TaskFormat("ifeval", "generate", parse, grade=grade, aggregate=aggregate, version="2"),)

@@ -77,7 +77,8 @@ def grade(doc: Doc, text: str, code: CodeRewardConfig) -> Verdict:
     return Verdict(0.0, None, f"{UNGRADABLE}{e}")
   if is_infra_error(graded):
     raise RuntimeError(f"eval: the code sandbox could not run: {graded.info['infra_error']}")
-  return Verdict(float(graded.reward >= 1.0), None, graded.reason)
+  timed_out = graded.reward < 1.0 and "timed out after" in graded.reason  # a case ran past its time: graded again
+  return Verdict(float(graded.reward >= 1.0), None, graded.reason, timed_out=timed_out)
 
 
 def windowed(arg: str) -> TaskFormat:

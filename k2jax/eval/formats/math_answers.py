@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from k2jax.eval.records import Doc, TaskFormat, first_field, record_id, str_field
-from k2jax.eval.verdict import Verdict
+from k2jax.eval.verdict import Verdict, math_timed_out
 from k2jax.rl.rewards.base import Completion, Prompt
 from k2jax.rl.rewards.math import GRADER_VERSION, math_reward, same_answer
 
@@ -48,7 +48,8 @@ def grade_math(doc: Doc, text: str, code: Any = None) -> Verdict:
   prompt = Prompt(doc.doc_id, "math", (), text=doc.prompt, data={"answer": doc.data["answer"]})
   result = math_reward(prompt, Completion((), text, "stop", truncated=False))
   extracted = result.info.get("extracted") if result.info else None
-  return Verdict(float(result.reward), None if extracted is None else str(extracted).strip(), result.reason)
+  answer = None if extracted is None else str(extracted).strip()
+  return Verdict(float(result.reward), answer, result.reason, timed_out=math_timed_out(result.reason))
 
 
 def _aime_answer(value: Any, key: str) -> str:

@@ -1,7 +1,10 @@
 """SWE-bench Verified rows (princeton-nlp/SWE-bench_Verified's Parquet, or the same rows as JSONL) graded against
-repository checkouts and Python environments the user provides, by the grader of k2jax's offline SWE tasks
-(`k2jax.swe.grade`: a fresh copy, the patch, the test files restored and `test_patch` applied, FAIL_TO_PASS +
-PASS_TO_PASS run in the sandbox, SWE-bench's resolved rule).
+repository checkouts and Python environments the user provides, as the SWE-bench harness grades them
+(`k2jax.swe.grade` with `rules="swebench"`, `k2jax.swe.harness`): a fresh copy, the patch, the files
+`test_patch` touches restored and `test_patch` applied, the whole test files it names run in the sandbox, the
+FAIL_TO_PASS / PASS_TO_PASS names matched in the report as the harness's log parser reads them (a
+parametrized id cut at a space included), SWE-bench's resolved rule (a skipped FAIL_TO_PASS fails, a skipped
+PASS_TO_PASS is kept; the sample's `skipped` lists them).
 
   swebench@ROOT        checkouts at ROOT/<owner>__<name> (`astropy/astropy` -> ROOT/astropy__astropy, SWE-bench's
                        instance-id prefix); the tests run with this interpreter and its pytest
@@ -14,8 +17,9 @@ PASS_TO_PASS, JSON strings of pytest node ids as published (lists of strings are
 created_at, environment_setup_commit and difficulty are read when present (the environment is the user's, so
 environment_setup_commit is informational). When the file is read, each row's checkout must exist, be a git
 repository and hold base_commit; else the error names the file, line, instance_id, repo and the path looked
-for. Rows whose test ids are not pytest node ids (django's `test_x (module.Class)`, sympy's bare names: their
-own test runners) are refused, naming the first such id: a pytest grader would score them 0.
+for. Rows whose tests are not pytest's (django's `test_x (module.Class)` of runtests.py, sympy's bare names
+of bin/test) are left out one by one, and the report counts them (`skipped_records`, with the reason): this
+grader runs pytest only.
 
 The prompt is SWE-bench's text-dataset prompt (`style-3`, the oracle retrieval of SWE-bench_oracle): the issue,
 the files the gold patch edits at base_commit with line numbers, an example patch, and the instruction to
@@ -43,13 +47,13 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from k2jax.eval.records import Doc, TaskFormat, str_field
+from k2jax.eval.records import Doc, SkipRecord, TaskFormat, str_field
 from k2jax.eval.verdict import Verdict
 
 REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement", "version")
 OPTIONAL_STR = ("hints_text", "environment_setup_commit", "difficulty")
 TEST_LISTS = ("FAIL_TO_PASS", "PASS_TO_PASS")
-TIMEOUT_S = 300.0  # SWE-bench's per-instance test deadline
+TIMEOUT_S = 1800.0  # the SWE-bench harness's test deadline per instance (whole test files run)
 
 PROMPT_HEAD = "You will be provided with a partial code base and an issue statement explaining a problem to resolve."
 EXAMPLE_PATCH = """<patch>
@@ -73,8 +77,10 @@ _SHA = re.compile(r"[0-9a-f]{7,40}")
 
 
 def swebench(arg: str) -> TaskFormat:
-  """The format `swebench@ROOT` or `swebench@MAP.json`; ValueError naming the argument or the mapping's entry."""
-  return TaskFormat(f"swebench@{arg}", "generate", functools.partial(parse, repos=Repos.from_arg(arg)), grade=grade)
+  """The format `swebench@ROOT` or `swebench@MAP.json`; ValueError naming the argument or the mapping's entry.
+  Version "2": the harness's rules (test_patch's files restored and run whole, names as its parser reads them)."""
+  parse_row = functools.partial(parse, repos=Repos.from_arg(arg))
+  return TaskFormat(f"swebench@{arg}", "generate", parse_row, grade=grade, version="2")
 
 
 class Repos:
@@ -177,10 +183,8 @@ def check_row(r: Mapping[str, Any]) -> dict[str, Any]:
   for key in TEST_LISTS:
     bad = next((t for t in row[key] if not t.split("::", 1)[0].endswith(".py")), None)
     if bad is not None:
-      raise ValueError(
-        f"field '{key}': {bad!r:.100} is not a pytest node id (file.py::test); this grader runs pytest, not "
-        f"{row['repo']}'s own test runner: leave these rows out"
-      )
+      # One reason per repository (the report counts rows per reason), not per row's first such id.
+      raise SkipRecord(f"{row['repo']}: tests of its own runner, not pytest's (not run here)")
   return row
 
 
@@ -251,7 +255,7 @@ def grade(doc: Doc, text: str, code: Any = None) -> Verdict:
     snapshot=os.path.basename(pristine), kind="version_diff",
   )  # fmt: skip
   run = WorkspaceRunConfig(timeout_s=TIMEOUT_S, python_paths=tuple(d["python_paths"]), python=d["python"])
-  report = grade_patch(instance, patch, os.path.dirname(pristine), GradeConfig(run=run))
+  report = grade_patch(instance, patch, os.path.dirname(pristine), GradeConfig(run=run, rules="swebench"))
   extra = {
     "instance_id": d["instance_id"],
     "patch": patch,
@@ -259,9 +263,11 @@ def grade(doc: Doc, text: str, code: Any = None) -> Verdict:
     "pass_rate": float(report.pass_rate),
     "verdict": "infra_failure" if report.infra_failure else ("resolved" if report.resolved else "unresolved"),
     "tests_status": report.tests_status,
+    "skipped": report.skipped,
     "infra_failure": bool(report.infra_failure),
   }
-  return Verdict(float(report.resolved and not report.infra_failure), None, report.reason, extra)
+  timed_out = report.timed_out and not report.resolved  # the machine's load, maybe: graded again on resume
+  return Verdict(float(report.resolved and not report.infra_failure), None, report.reason, extra, timed_out)
 
 
 # ---- the private snapshot of base_commit -----------------------------------------------------------------
