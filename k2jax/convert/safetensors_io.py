@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import struct
 import threading
 
@@ -34,6 +35,10 @@ DTYPES = {
   "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header (MAX_HEADER_SIZE)
+# Dtypes whose values are checked finite as they are read (`read_into`): a NaN or Inf weight would serve
+# garbage (greedy decoding of NaN logits is all token 0) rather than fail.
+FLOAT_DTYPES = frozenset(("F64", "F32", "F16", "BF16", "F8_E4M3"))
+_FINITE_CHUNK = 1 << 20  # elements checked at a time (a bounded temporary)
 
 
 @dataclasses.dataclass
@@ -87,8 +92,8 @@ def read_header(file: str) -> dict[str, TensorInfo]:
   the data whose size is dtype x shape. The one validator of safetensors headers in k2jax (the reader's and
   the server's `/update_weights_from_disk`); a CheckpointError names the file and tensor."""
   try:
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
+    with os.fdopen(open_regular(file), "rb") as f:
+      size = os.fstat(f.fileno()).st_size
       head = f.read(8)
       if len(head) < 8:
         raise CheckpointError(f"{file}: {size} bytes, too short for a safetensors header length (truncated shard)")
@@ -112,6 +117,32 @@ def read_header(file: str) -> dict[str, TensorInfo]:
     raise CheckpointError(f"{file}: corrupt safetensors header, __metadata__ must be an object of strings")
   base = 8 + n
   return {key: _tensor_info(file, key, info, base, size) for key, info in header.items()}
+
+
+def open_regular(file: str) -> int:
+  """A read-only fd of `file`, which must be a regular file: a FIFO would block its reader forever (and a
+  device never ends), so the kind is checked before opening and again on the fd (it may be swapped in
+  between), which is opened non-blocking so that even a FIFO put there returns at once."""
+  try:
+    kind = stat.S_IFMT(os.stat(file).st_mode)
+    if kind == stat.S_IFREG:
+      fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+      kind = stat.S_IFMT(os.fstat(fd).st_mode)
+      if kind == stat.S_IFREG:
+        return fd
+      os.close(fd)
+  except OSError as e:
+    raise CheckpointError(f"{file}: cannot open safetensors shard ({e})") from e
+  raise CheckpointError(f"{file}: not a regular file ({_KINDS.get(kind, 'special file')}); a shard must be a file")
+
+
+_KINDS = {
+  stat.S_IFIFO: "a FIFO",
+  stat.S_IFCHR: "a character device",
+  stat.S_IFBLK: "a block device",
+  stat.S_IFSOCK: "a socket",
+  stat.S_IFDIR: "a directory",
+}
 
 
 def _tensor_info(file: str, key: str, info, base: int, size: int) -> TensorInfo:
@@ -146,7 +177,7 @@ class ShardFiles:
   def fd(self, file: str) -> int:
     with self._lock:
       if file not in self._fds:
-        self._fds[file] = os.open(file, os.O_RDONLY)
+        self._fds[file] = open_regular(file)
       return self._fds[file]
 
   def close(self) -> None:
@@ -210,8 +241,9 @@ def _coalesce(rows: int, width: int, cols: int, isz: int) -> bool:
 
 
 def read_into(fd: int, t: TensorInfo, buf: memoryview, offset: int) -> None:
-  """Fill `buf` from `offset` (looping over short reads); a file that shrank since its header was read
-  is a CheckpointError naming it."""
+  """Fill `buf` from `offset` (looping over short reads) and check its values finite (floats: every byte
+  of a tensor passes here once, so this is the one place that sees them all); a file that shrank since
+  its header was read, or a NaN/Inf value, is a CheckpointError naming the tensor."""
   done = 0
   while done < len(buf):
     n = os.preadv(fd, [buf[done:]], offset + done)
@@ -219,3 +251,15 @@ def read_into(fd: int, t: TensorInfo, buf: memoryview, offset: int) -> None:
       raise CheckpointError(f"{t.file}: tensor {t.key!r}: unexpected end of file at byte {offset + done} (truncated)")
     done += n
   STATS.add(done)
+  if t.dtype in FLOAT_DTYPES:
+    check_finite(t, np.frombuffer(buf, t.np_dtype), (offset - t.offset) // t.np_dtype.itemsize)
+
+
+def check_finite(t: TensorInfo, values: np.ndarray, first: int = 0) -> None:
+  """CheckpointError naming `t` and the flat index of its first NaN/Inf; `values` start at element `first`."""
+  for lo in range(0, values.size, _FINITE_CHUNK):
+    ok = np.isfinite(values[lo : lo + _FINITE_CHUNK])
+    if not ok.all():
+      at = first + lo + int(np.argmin(ok))
+      bad = values[at - first].item()
+      raise CheckpointError(f"{t.file}: tensor {t.key!r} holds a non-finite value ({bad}) at flat index {at}")
