@@ -218,11 +218,9 @@ def _parse(model, body: Any, caps: RequestCaps):
   stop, ids, tools = body.get("stop"), body.get("stop_token_ids"), body.get("tools")
   caps.stops(stop if isinstance(stop, list) else (), ids if isinstance(ids, list) else (), "")  # before validating
   caps.tools(tools if isinstance(tools, list) else None)
+  protocol.check_stop_unicode(stop, "stop")
   b = httpservice.validate(model, body, "")
-  stops = (b.stop,) if isinstance(b.stop, str) else b.stop or ()
-  caps.stops(stops, b.stop_token_ids or (), "")
-  for stop in stops:
-    protocol.check_unicode(stop, "stop")
+  caps.stops((b.stop,) if isinstance(b.stop, str) else b.stop or (), b.stop_token_ids or (), "")
   if b.stream_options is not None and not b.stream:
     raise InvalidRequest("stream_options", "is only allowed with stream: true")
   return b

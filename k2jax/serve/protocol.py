@@ -170,6 +170,7 @@ def parse_sampling(
   if isinstance(sp, dict):  # counts first: validating a million stop strings is itself the attack
     stop, ids = sp.get("stop"), sp.get("stop_token_ids")
     caps.stops(stop if isinstance(stop, list) else (), ids if isinstance(ids, list) else (), f"{field}.")
+    check_stop_unicode(stop, f"{field}.stop")  # before pydantic, whose message for it names no surrogate
   s = httpservice.validate(SamplingBody, sp, field)
   sampling = SamplingParams(
     max_new_tokens=s.max_new_tokens,
@@ -183,8 +184,6 @@ def parse_sampling(
   )
   if "" in sampling.stop:
     raise InvalidRequest(f"{field}.stop", "stop strings must be non-empty")
-  for stop in sampling.stop:
-    check_unicode(stop, f"{field}.stop")
   caps.stops(sampling.stop, sampling.stop_token_ids, f"{field}.")
   return sampling, TextOptions(skip_special_tokens=s.skip_special_tokens, no_stop_trim=s.no_stop_trim)
 
@@ -197,6 +196,13 @@ def check_unicode(text: str, field: str) -> None:
   except UnicodeEncodeError as e:
     code = f"U+{ord(text[e.start]):04X}"
     raise InvalidRequest(field, f"is not valid Unicode: a lone surrogate {code} at character {e.start}") from None
+
+
+def check_stop_unicode(stop: Any, field: str) -> None:
+  """`check_unicode` for a raw `stop` value (a string or a list of them; other types are pydantic's)."""
+  for i, text in enumerate([stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []):
+    if isinstance(text, str):
+      check_unicode(text, field if isinstance(stop, str) else f"{field}[{i}]")
 
 
 def finish_reason(c: GenerateResult) -> dict | None:
