@@ -13,7 +13,7 @@ import pytest
 import requests
 from safetensors.numpy import save_file
 
-from k2jax.convert import safetensors_io
+from k2jax.convert import hf_dir, safetensors_io
 from k2jax.convert.errors import CheckpointError
 
 
@@ -65,6 +65,12 @@ def test_a_config_json_nested_too_deep_is_400(served, before):
   d = _delta_dir(served, "deep_config")
   (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
   _refused(served, before, str(d), "config.json", "nested too deeply")
+
+
+def test_the_reader_refuses_a_deep_config_json_by_name(tmp_path):
+  (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+  with pytest.raises(CheckpointError, match="config.json: not valid JSON: nested too deeply"):
+    hf_dir.read_config(str(tmp_path))
 
 
 @pytest.mark.parametrize("what", ["shard", "single", "config", "index"])
