@@ -5,9 +5,9 @@ event loop: they submit to the engine, whose scheduler thread wakes them after e
 connection costs no thread and thousands can wait at once. When a client disconnects, its requests are
 aborted at once and their cache slots freed. `stream: true` on `/generate` and on the OpenAI endpoints
 answers with server-sent events. Errors answer 4xx with `{"error": {"message", "param", ...}}` naming
-the field. With an `api_key`, every route but `/health` (and `/health_generate`, `/metrics`) needs
-`Authorization: Bearer <key>`, as SGLang's `--api-key` guards them: generation, tokenizing and the info
-routes (which name the model's paths) included.
+the field. With an `api_key`, every route but `/health` and `/health_generate` needs `Authorization:
+Bearer <key>`, as SGLang's `--api-key` guards every route but its health and metrics probes: generation,
+tokenizing and the info routes (which name the model's paths) included.
 
 Routes are bounded (the server cannot be starved by one client, keyed or not): per-request caps
 (`limits.RequestCaps`), turns between clients and between one client's requests (`fair.FairQueue`; a
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-OPEN_ROUTES = ("/health", "/health_generate")  # answer without the API key (SGLang's /health*, /metrics)
+OPEN_ROUTES = ("/health", "/health_generate")  # answer without the API key (as SGLang's /health*)
 
 
 def client_id(request: fastapi.Request) -> str:
