@@ -221,7 +221,7 @@ def _parse(model, body: Any, caps: RequestCaps):
   protocol.check_stop_unicode(stop, "stop")
   b = httpservice.validate(model, body, "")
   caps.stops((b.stop,) if isinstance(b.stop, str) else b.stop or (), b.stop_token_ids or (), "")
-  if b.stream_options is not None and not b.stream:
+  if b.stream_options is not None and b.stream_options.model_fields_set and not b.stream:  # as SGLang and vLLM
     raise InvalidRequest("stream_options", "is only allowed with stream: true")
   return b
 
