@@ -35,10 +35,19 @@ DTYPES = {
   "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header (MAX_HEADER_SIZE)
-# Dtypes whose values are checked finite as they are read (`read_into`): a NaN or Inf weight would serve
-# garbage (greedy decoding of NaN logits is all token 0) rather than fail.
-FLOAT_DTYPES = frozenset(("F64", "F32", "F16", "BF16", "F8_E4M3"))
-_FINITE_CHUNK = 1 << 20  # elements checked at a time (a bounded temporary)
+# Values are checked finite as they are read (`read_into`): a NaN or Inf weight would serve garbage (greedy
+# decoding of NaN logits is all token 0) rather than fail. A float is NaN or Inf exactly when all its
+# exponent bits are set (F8_E4M3, which has no Inf, when exponent and mantissa are: its only NaN), so the
+# check is one AND and compare on the raw bits, in numpy's own integer loops (ml_dtypes' `np.isfinite` for
+# bf16 and FP8 is several times slower, which matters at a terabyte of weights). Dtype -> (bits, mask).
+NONFINITE_BITS = {
+  "F64": (np.dtype(np.uint64), 0x7FF0_0000_0000_0000),
+  "F32": (np.dtype(np.uint32), 0x7F80_0000),
+  "F16": (np.dtype(np.uint16), 0x7C00),
+  "BF16": (np.dtype(np.uint16), 0x7F80),
+  "F8_E4M3": (np.dtype(np.uint8), 0x7F),
+}
+_FINITE_CHUNK = 1 << 20  # elements checked at a time (bounded temporaries)
 
 
 @dataclasses.dataclass
@@ -251,15 +260,21 @@ def read_into(fd: int, t: TensorInfo, buf: memoryview, offset: int) -> None:
       raise CheckpointError(f"{t.file}: tensor {t.key!r}: unexpected end of file at byte {offset + done} (truncated)")
     done += n
   STATS.add(done)
-  if t.dtype in FLOAT_DTYPES:
-    check_finite(t, np.frombuffer(buf, t.np_dtype), (offset - t.offset) // t.np_dtype.itemsize)
+  if t.dtype in NONFINITE_BITS:
+    check_finite(t, buf, (offset - t.offset) // t.np_dtype.itemsize)
 
 
-def check_finite(t: TensorInfo, values: np.ndarray, first: int = 0) -> None:
-  """CheckpointError naming `t` and the flat index of its first NaN/Inf; `values` start at element `first`."""
-  for lo in range(0, values.size, _FINITE_CHUNK):
-    ok = np.isfinite(values[lo : lo + _FINITE_CHUNK])
-    if not ok.all():
-      at = first + lo + int(np.argmin(ok))
-      bad = values[at - first].item()
-      raise CheckpointError(f"{t.file}: tensor {t.key!r} holds a non-finite value ({bad}) at flat index {at}")
+def check_finite(t: TensorInfo, buf: memoryview, first: int = 0) -> None:
+  """CheckpointError naming `t` and the flat index of the first NaN/Inf in `buf` (raw bytes of `t`'s
+  dtype, starting at its element `first`)."""
+  bits, mask = NONFINITE_BITS[t.dtype]
+  u = np.frombuffer(buf, bits)
+  scratch = np.empty(min(u.size, _FINITE_CHUNK), bits)
+  for lo in range(0, u.size, _FINITE_CHUNK):
+    part = u[lo : lo + _FINITE_CHUNK]
+    masked = np.bitwise_and(part, mask, out=scratch[: part.size])
+    hit = masked == mask
+    if hit.any():
+      at = lo + int(np.argmax(hit))
+      bad = u[at : at + 1].view(t.np_dtype)[0].item()
+      raise CheckpointError(f"{t.file}: tensor {t.key!r} holds a non-finite value ({bad}) at flat index {first + at}")

@@ -136,6 +136,47 @@ def test_the_reader_names_a_non_finite_value_where_it_reads(tmp_path):
       safetensors_io.read_block(files, t, ((1, 3), (3, 6)))
 
 
+def _write_shard(path: str, key: str, dtype: str, w: np.ndarray) -> None:
+  """A one-tensor safetensors file written by hand (safetensors.numpy has no bf16 or fp8)."""
+  data = w.tobytes()
+  header = json.dumps({key: {"dtype": dtype, "shape": list(w.shape), "data_offsets": [0, len(data)]}}).encode()
+  with open(path, "wb") as f:
+    f.write(len(header).to_bytes(8, "little") + header + data)
+
+
+def _isfinite(w: np.ndarray) -> np.ndarray:
+  """The reference: numpy on the values (widened to f64), not on their bits."""
+  with np.errstate(invalid="ignore"):
+    return np.isfinite(w.astype(np.float64))
+
+
+@pytest.mark.parametrize("dtype", sorted(safetensors_io.NONFINITE_BITS))
+def test_the_finiteness_check_agrees_with_isfinite_for_every_float_dtype(tmp_path, dtype):
+  """Every bit pattern of the narrow types (and random ones of the wide) read back: refused exactly when
+  np.isfinite finds a non-finite value, at the index it finds."""
+  np_dtype = safetensors_io.DTYPES[dtype]
+  bits, _ = safetensors_io.NONFINITE_BITS[dtype]
+  rng = np.random.default_rng(0)
+  if bits.itemsize <= 2:
+    every = np.arange(1 << (8 * bits.itemsize), dtype=np.uint64).astype(bits)
+  else:
+    every = rng.integers(0, np.iinfo(bits).max, 1 << 16, dtype=bits, endpoint=True)
+  values = every.view(np_dtype)
+  finite = _isfinite(values)
+  assert not finite.all()
+  path = str(tmp_path / "w.safetensors")
+  for w in (values[finite], values):
+    _write_shard(path, "w", dtype, w)
+    (t,) = safetensors_io.read_header(path).values()
+    with safetensors_io.ShardFiles() as files:
+      if _isfinite(w).all():
+        assert np.array_equal(safetensors_io.read_block(files, t, ((0, w.size),)).view(bits), w.view(bits))
+      else:
+        first = int(np.argmin(_isfinite(w)))
+        with pytest.raises(CheckpointError, match=f"'w' holds a non-finite value .* at flat index {first}$"):
+          safetensors_io.read_block(files, t, ((0, w.size),))
+
+
 # ---- bodies ---------------------------------------------------------------------------------------------------
 _CHAT = [{"role": "user", "content": "hi"}]
 BAD_BODIES = [
