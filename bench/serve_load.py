@@ -1,7 +1,7 @@
 """The HTTP server under load: requests/s, p50/p99 latency and errors at 32, 128 and 256 concurrent clients,
 and under attack: innocent requests' p99 latency while each hostile client runs, over their p99 alone.
 
-    python bench/serve_load.py [--mix=load,hostile] [--requests=512] [--new_tokens=8] [--reps=5]
+    python bench/serve_load.py [--mix=load,hostile,starve] [--requests=512] [--new_tokens=8] [--reps=5]
 
 Each level sends --requests `/generate` calls (tiny model, --new_tokens sampled tokens each) from that
 many client threads. The baseline, run in the same process and interleaved with the HTTP runs (A B A B
@@ -15,6 +15,13 @@ attack 2, ...). Prints per attack:
   {attack}_innocent_p99_under_attack_over_alone=   (median over --reps of p99 under attack / p99 alone)
   {attack}_innocent_p99_s=, {attack}_innocent_errors=, {attack}_attack_replies= (status: count)
 and alone_innocent_p99_s=, max_batch_latency_s= (a maximal batch's latency while innocents run).
+The starve mix (its own server: --starve_slots slots, context for the flood): one client (127.0.0.1) keeps
+--flood concurrent `/generate` requests of 4 prompt tokens and --flood_tokens new tokens (ignore_eos) in
+flight, and another client (127.0.0.2, another peer on the loopback) sends 4-token requests of
+--innocent_tokens new tokens; alone and under the flood interleave per repetition. Prints:
+  starve_innocent_under_flood_over_alone=   (median over --reps of the innocent's median latency
+                                             under the flood / alone, [min, max])
+  starve_innocent_alone_s=, starve_innocent_under_flood_s=, starve_flood_in_flight=
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import http.client
 import json
 import os
 import resource
@@ -46,7 +54,7 @@ from k2jax.serve import Server
 _REQUESTS = flags.DEFINE_integer("requests", 512, "requests per level and repetition")
 _NEW = flags.DEFINE_integer("new_tokens", 8, "tokens sampled per request")
 _REPS = flags.DEFINE_integer("reps", 5, "interleaved repetitions per level")
-_MIX = flags.DEFINE_list("mix", ["load", "hostile"], "what to run: load, hostile")
+_MIX = flags.DEFINE_list("mix", ["load", "hostile", "starve"], "what to run: load, hostile, starve")
 _INNOCENTS = flags.DEFINE_integer("innocents", 4, "innocent client threads in the hostile mix")
 _INNOCENT_REQUESTS = flags.DEFINE_integer("innocent_requests", 30, "requests per innocent thread per condition")
 _ATTACKS = flags.DEFINE_list(
@@ -56,6 +64,10 @@ _ATTACKS = flags.DEFINE_list(
 )
 _IDLE = flags.DEFINE_integer("idle_connections", 20_000, "connections the idle/partial-header attack holds")
 _HOLD = flags.DEFINE_string("hold_connections", None, "internal: URL,N -- hold N partial-header connections")
+_FLOOD = flags.DEFINE_integer("flood", 64, "starve mix: concurrent requests of the flooding client")
+_FLOOD_TOKENS = flags.DEFINE_integer("flood_tokens", 1000, "starve mix: new tokens per flood request")
+_INNOCENT_TOKENS = flags.DEFINE_integer("innocent_tokens", 8, "starve mix: new tokens per innocent request")
+_STARVE_SLOTS = flags.DEFINE_integer("starve_slots", 8, "starve mix: the server's engine slots")
 _LEVELS = (32, 128, 256)
 
 
@@ -323,10 +335,78 @@ def hostile_mix(server: Server, sync: str, threads: int, per_thread: int, idle: 
   print(f"connections_limit={guard.limit} evicted={guard.evicted} header_timeouts={guard.timed_out}")
 
 
+# ---- the starve mix --------------------------------------------------------------------------------------
+def _post_from(url: str, source: str, body: dict) -> tuple[int, float]:
+  """POST /generate from the loopback address `source` (a peer of its own): (status, seconds)."""
+  host, port = url.removeprefix("http://").split(":")
+  conn = http.client.HTTPConnection(host, int(port), timeout=3600, source_address=(source, 0))
+  t0 = time.perf_counter()
+  try:
+    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    r.read()
+    return r.status, time.perf_counter() - t0
+  finally:
+    conn.close()
+
+
+def _innocent(url: str, n: int) -> float:
+  """Median latency of `n` innocent requests sent one after another from 127.0.0.2."""
+  sp = {"max_new_tokens": _INNOCENT_TOKENS.value, "ignore_eos": True}
+  lat = []
+  for i in range(n):
+    status, s = _post_from(url, "127.0.0.2", {"input_ids": [9, 8, 7, 6 + i], "sampling_params": sp})
+    assert status == 200, status
+    lat.append(s)
+  return statistics.median(lat)
+
+
+def starve_mix(reps: int) -> None:
+  """The flood of one client against another client's small requests (module docstring)."""
+  flood, tokens = _FLOOD.value, _FLOOD_TOKENS.value
+  with tempfile.TemporaryDirectory() as tmp:
+    max_len = 8 + max(tokens, _INNOCENT_TOKENS.value)
+    k2jax.save_hf(K2Model(presets.get("tiny", max_position_embeddings=max_len), rngs=nnx.Rngs(0)), tmp)
+    # Compiled on demand (every prefill bucket up to max_len took 226 s here); the warm-up rep (-1, not
+    # counted) compiles what the measured ones use: the innocent's prefill, the flood's batched prefills.
+    config = EngineConfig(max_slots=_STARVE_SLOTS.value, max_seq_len=max_len, precompile=False)
+    server = Server(tmp, engine_config=config, port=0).start()
+    try:
+      alone, under, in_flight = [], [], []
+      for rep in range(-1, reps):
+        alone.append(_innocent(server.url, 3))
+        body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}}
+        with concurrent.futures.ThreadPoolExecutor(flood) as pool:
+          futures = [pool.submit(_post_from, server.url, "127.0.0.1", body) for _ in range(flood)]
+          deadline = time.monotonic() + 300
+          while server.fair.client_load("peer:127.0.0.1")[0] < flood and time.monotonic() < deadline:
+            time.sleep(0.01)
+          in_flight.append(server.fair.client_load("peer:127.0.0.1")[0])
+          under.append(_innocent(server.url, 3))
+          requests.post(f"{server.url}/abort_request", json={"abort_all": True}, timeout=60).raise_for_status()
+          statuses = collections.Counter(f.result()[0] for f in futures)
+        print(
+          f"rep {rep}: alone {alone[-1]:.3f} s, under flood {under[-1]:.3f} s, flood {dict(statuses)}", file=sys.stderr
+        )
+        if rep < 0:  # the warm-up
+          alone, under, in_flight = [], [], []
+      ratio = [u / a for u, a in zip(under, alone)]
+      print(f"starve_innocent_under_flood_over_alone={_fmt(ratio)}")
+      print(f"starve_innocent_alone_s={_fmt(alone)}")
+      print(f"starve_innocent_under_flood_s={_fmt(under)}")
+      print(f"starve_flood_in_flight={_fmt(in_flight)} (of {flood} requests x {tokens} tokens, one peer)")
+    finally:
+      server.close()
+
+
 def main(argv):
   del argv
   if _HOLD.value:  # a child process of the idle-connection attack
     return hold_connections()
+  if "starve" in _MIX.value:
+    starve_mix(_REPS.value)
+    if not set(_MIX.value) & {"load", "hostile"}:
+      return None
   with tempfile.TemporaryDirectory() as tmp:
     model, sync = os.path.join(tmp, "model"), os.path.join(tmp, "sync")
     os.makedirs(sync, mode=0o700)

@@ -6,7 +6,7 @@ What every service gets from here, so that no route re-implements it:
     coroutine, never a thread, and only for `read_timeout_s`), parsed as JSON with clear 400s (bad JSON,
     NaN/Infinity, nesting too deep), then validated by a pydantic model whose errors name the field (400);
   - one error envelope, SGLang's and OpenAI's: `{"error": {"message", "type", "param", "code"}}`;
-  - Bearer-token auth (`api_key`, SGLang's `--api-key`) as a dependency for the routes that change state;
+  - Bearer-token auth (`api_key`, SGLang's `--api-key`: one key or several) as a dependency for routes;
   - connections that cannot starve the process of file descriptors (`ConnectionGuard`): a header
     timeout, an idle keep-alive timeout and a connection limit below the fd limit;
   - a real listen backlog, and a server that runs on a background thread (tests, the embedded engine)
@@ -43,12 +43,24 @@ class HttpLimits:
   max_body_bytes: int = 16 << 20  # a 64k-token prompt as JSON ids is ~0.5 MB; 16 MB leaves room for batches
   read_timeout_s: float = 30.0  # the whole body must arrive within this
   backlog: int = 2048  # listen backlog: hundreds of rollout threads connect at once
-  api_key: str | None = None  # Bearer token required on state-changing routes when set
+  # Bearer token(s) a client must send (`Authorization: Bearer <key>`) on the routes that require one; a
+  # tuple gives each client its own key (the server tells clients apart by key). None: no key.
+  api_key: str | tuple[str, ...] | None = None
   header_timeout_s: float = 10.0  # a request's headers must arrive within this of its first byte
   keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this (uvicorn's default)
   # Open connections at most; None: the fd soft limit less max(128, 1/8) for files, sockets and XLA.
   # Never above that: a server out of fds answers nobody (the probe: 20,200 idle connections, empty replies).
   max_connections: int | None = None
+
+  def __post_init__(self):
+    keys = self.api_keys()
+    if any(not isinstance(k, str) or not k for k in keys):
+      raise ValueError("api_key: an empty key would turn authentication off; give a non-empty key, or none at all")
+    if len(set(keys)) != len(keys):
+      raise ValueError("api_key: the same key is given twice; each client's key must be distinct")
+
+  def api_keys(self) -> tuple[str, ...]:
+    return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
 
   def connection_limit(self) -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -70,6 +82,7 @@ _TYPES = {
   403: "PermissionDeniedError",
   404: "NotFoundError",
   409: "ConflictError",
+  429: "RateLimitError",
 }
 
 
@@ -184,13 +197,17 @@ def error_field(prefix: str, loc: tuple) -> str:
 
 
 def require_api_key(request: fastapi.Request) -> None:
-  """Dependency for state-changing routes: `Authorization: Bearer <api_key>` when the app has a key."""
-  key = request.app.state.limits.api_key
-  if not key:
+  """Route dependency: `Authorization: Bearer <key>` with one of the app's keys, when it has any. Every key
+  is compared in constant time (no early exit), so the reply's timing tells nothing about which is near;
+  the matching key's index is left in `request.state.api_key_index` (the client's identity)."""
+  keys = request.app.state.limits.api_keys()
+  if not keys:
     return
-  given = request.headers.get("authorization", "")
-  if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+  given = request.headers.get("authorization", "").encode()
+  matched = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]
+  if not any(matched):
     raise HttpError(401, "missing or wrong API key (send `Authorization: Bearer <key>`)")
+  request.state.api_key_index = matched.index(True)
 
 
 class Service:

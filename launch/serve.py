@@ -17,8 +17,10 @@
   context length.
 
 Routes: /generate, /update_weights_from_disk, /flush_cache, /abort_request, /health, /get_model_info,
-/v1/completions, /v1/chat/completions (both with `stream: true`), /v1/models. With --api_key, the routes
-that change state need `Authorization: Bearer <key>`.
+/v1/completions, /v1/chat/completions (both with `stream: true`), /v1/models, /tokenize, /detokenize,
+/tokenizer_info, /get_server_info. With --api_key, every route but /health needs `Authorization: Bearer
+<key>` (SGLang's --api-key); --api_key repeated gives each client its own key, and clients (a key, else
+a peer address) take turns in the engine (docs/serving.md).
 """
 
 import dataclasses
@@ -65,8 +67,11 @@ _TOKENIZER = flags.DEFINE_string(
   "when the vocab matches; 'none' = token ids only.",
 )
 _NAME = flags.DEFINE_string("served_model_name", None, "Model name in OpenAI responses (default: dir name).")
-_API_KEY = flags.DEFINE_string(
-  "api_key", None, "Bearer token required on state-changing routes (weight updates, abort, flush); SGLang's --api-key."
+_API_KEY = flags.DEFINE_multi_string(
+  "api_key",
+  None,
+  "Bearer token every route but /health requires (SGLang's --api-key). Repeat it to give each client its own key: "
+  "clients take turns by key. An empty key is refused.",
 )
 _WEIGHTS_ROOT = flags.DEFINE_string(
   "weights_root",
@@ -86,6 +91,14 @@ _PROMPT_BYTES = flags.DEFINE_integer(
 )
 _SLOTS_PER_REQUEST = flags.DEFINE_integer(
   "max_slots_per_request", None, "Engine slots one request's prompts hold at once (default: all but 1/8)."
+)
+_SLOTS_PER_CLIENT = flags.DEFINE_integer(
+  "max_slots_per_client",
+  None,
+  "Engine slots one client's prompts (all its requests) hold at once (default: as --max_slots_per_request).",
+)
+_REQUESTS_PER_CLIENT = flags.DEFINE_integer(
+  "max_requests_per_client", _CAPS.max_requests_per_client, "HTTP requests one client has in flight (429 beyond)."
 )
 _BODY = flags.DEFINE_integer("max_body_bytes", _HTTP.max_body_bytes, "Request body size (413 beyond).")
 _HEADER_TIMEOUT = flags.DEFINE_float(
@@ -153,8 +166,18 @@ def engine_factory():
   return lambda model, eos: SglangJaxServing(model, config, model_dir=model_dir, eos_token_ids=eos)
 
 
+def api_keys(values: list[str] | None) -> tuple[str, ...] | None:
+  """--api_key's values; an empty one is refused (it would silently turn authentication off)."""
+  if not values:
+    return None
+  if any(not v for v in values):
+    raise app.UsageError("--api_key is empty: give the key (or leave the flag out to serve without one)")
+  return tuple(values)
+
+
 def main(argv):
   del argv
+  keys = api_keys(_API_KEY.value)  # before anything loads: a bad flag fails at once
   multi = distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   compile_cache.enable(_COMPILE_CACHE.value)
   host_malloc.keep_freed_memory()  # freed XLA:CPU buffers stay in the heap (k2jax/host_malloc.py)
@@ -188,7 +211,7 @@ def main(argv):
     tokenizer_path=_TOKENIZER.value,
     served_model_name=_NAME.value,
     limits=HttpLimits(
-      api_key=_API_KEY.value,
+      api_key=keys,
       max_body_bytes=_BODY.value,
       header_timeout_s=_HEADER_TIMEOUT.value,
       keep_alive_timeout_s=_KEEP_ALIVE.value,
@@ -204,9 +227,12 @@ def main(argv):
       max_tools=_TOOLS.value,
       max_prompt_bytes=_PROMPT_BYTES.value,
       max_slots_per_request=_SLOTS_PER_REQUEST.value,
+      max_slots_per_client=_SLOTS_PER_CLIENT.value,
+      max_requests_per_client=_REQUESTS_PER_CLIENT.value,
     ),
   )
-  print(f"serving {_MODEL.value} at {server.url} (backend {_BACKEND.value})", flush=True)
+  auth = f"{len(keys)} API key(s) required on every route but /health" if keys else "no API key: every route is open"
+  print(f"serving {_MODEL.value} at {server.url} (backend {_BACKEND.value}; {auth})", flush=True)
   # uvicorn shuts down gracefully on SIGTERM and then raises the signal again: by default that would kill
   # the process before `server.close()`, leaving the engine unclosed (and other processes waiting for its
   # CLOSE). This handler turns that second SIGTERM into a normal return (a further one kills as usual).

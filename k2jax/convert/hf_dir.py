@@ -50,7 +50,10 @@ def read_config(path: str, **k2jax_fields) -> K2Config:
   cfg_path = os.path.join(path, "config.json")
   if not os.path.isfile(cfg_path):
     raise CheckpointError(f"{path}: no config.json (not a Hugging Face model directory)")
-  cfg = K2Config.from_json_file(cfg_path, **k2jax_fields)
+  try:
+    cfg = K2Config.from_json_file(cfg_path, **k2jax_fields)
+  except RecursionError:  # json's C decoder recurses once per level: 100,000 nested `[` end here
+    raise CheckpointError(f"{cfg_path}: not valid JSON: nested too deeply") from None
   return cfg.replace(extra=tuple(kv for kv in cfg.extra if kv[0] != QUANTIZATION))
 
 

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import struct
 import threading
 
@@ -34,6 +35,19 @@ DTYPES = {
   "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header (MAX_HEADER_SIZE)
+# Values are checked finite as they are read (`read_into`): a NaN or Inf weight would serve garbage (greedy
+# decoding of NaN logits is all token 0) rather than fail. A float is NaN or Inf exactly when all its
+# exponent bits are set (F8_E4M3, which has no Inf, when exponent and mantissa are: its only NaN), so the
+# check is one AND and compare on the raw bits, in numpy's own integer loops (ml_dtypes' `np.isfinite` for
+# bf16 and FP8 is several times slower, which matters at a terabyte of weights). Dtype -> (bits, mask).
+NONFINITE_BITS = {
+  "F64": (np.dtype(np.uint64), 0x7FF0_0000_0000_0000),
+  "F32": (np.dtype(np.uint32), 0x7F80_0000),
+  "F16": (np.dtype(np.uint16), 0x7C00),
+  "BF16": (np.dtype(np.uint16), 0x7F80),
+  "F8_E4M3": (np.dtype(np.uint8), 0x7F),
+}
+_FINITE_CHUNK = 1 << 20  # elements checked at a time (bounded temporaries)
 
 
 @dataclasses.dataclass
@@ -87,8 +101,8 @@ def read_header(file: str) -> dict[str, TensorInfo]:
   the data whose size is dtype x shape. The one validator of safetensors headers in k2jax (the reader's and
   the server's `/update_weights_from_disk`); a CheckpointError names the file and tensor."""
   try:
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
+    with os.fdopen(open_regular(file), "rb") as f:
+      size = os.fstat(f.fileno()).st_size
       head = f.read(8)
       if len(head) < 8:
         raise CheckpointError(f"{file}: {size} bytes, too short for a safetensors header length (truncated shard)")
@@ -112,6 +126,32 @@ def read_header(file: str) -> dict[str, TensorInfo]:
     raise CheckpointError(f"{file}: corrupt safetensors header, __metadata__ must be an object of strings")
   base = 8 + n
   return {key: _tensor_info(file, key, info, base, size) for key, info in header.items()}
+
+
+def open_regular(file: str) -> int:
+  """A read-only fd of `file`, which must be a regular file: a FIFO would block its reader forever (and a
+  device never ends), so the kind is checked before opening and again on the fd (it may be swapped in
+  between), which is opened non-blocking so that even a FIFO put there returns at once."""
+  try:
+    kind = stat.S_IFMT(os.stat(file).st_mode)
+    if kind == stat.S_IFREG:
+      fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+      kind = stat.S_IFMT(os.fstat(fd).st_mode)
+      if kind == stat.S_IFREG:
+        return fd
+      os.close(fd)
+  except OSError as e:
+    raise CheckpointError(f"{file}: cannot open safetensors shard ({e})") from e
+  raise CheckpointError(f"{file}: not a regular file ({_KINDS.get(kind, 'special file')}); a shard must be a file")
+
+
+_KINDS = {
+  stat.S_IFIFO: "a FIFO",
+  stat.S_IFCHR: "a character device",
+  stat.S_IFBLK: "a block device",
+  stat.S_IFSOCK: "a socket",
+  stat.S_IFDIR: "a directory",
+}
 
 
 def _tensor_info(file: str, key: str, info, base: int, size: int) -> TensorInfo:
@@ -146,7 +186,7 @@ class ShardFiles:
   def fd(self, file: str) -> int:
     with self._lock:
       if file not in self._fds:
-        self._fds[file] = os.open(file, os.O_RDONLY)
+        self._fds[file] = open_regular(file)
       return self._fds[file]
 
   def close(self) -> None:
@@ -210,8 +250,9 @@ def _coalesce(rows: int, width: int, cols: int, isz: int) -> bool:
 
 
 def read_into(fd: int, t: TensorInfo, buf: memoryview, offset: int) -> None:
-  """Fill `buf` from `offset` (looping over short reads); a file that shrank since its header was read
-  is a CheckpointError naming it."""
+  """Fill `buf` from `offset` (looping over short reads) and check its values finite (floats: every byte
+  of a tensor passes here once, so this is the one place that sees them all); a file that shrank since
+  its header was read, or a NaN/Inf value, is a CheckpointError naming the tensor."""
   done = 0
   while done < len(buf):
     n = os.preadv(fd, [buf[done:]], offset + done)
@@ -219,3 +260,21 @@ def read_into(fd: int, t: TensorInfo, buf: memoryview, offset: int) -> None:
       raise CheckpointError(f"{t.file}: tensor {t.key!r}: unexpected end of file at byte {offset + done} (truncated)")
     done += n
   STATS.add(done)
+  if t.dtype in NONFINITE_BITS:
+    check_finite(t, buf, (offset - t.offset) // t.np_dtype.itemsize)
+
+
+def check_finite(t: TensorInfo, buf: memoryview, first: int = 0) -> None:
+  """CheckpointError naming `t` and the flat index of the first NaN/Inf in `buf` (raw bytes of `t`'s
+  dtype, starting at its element `first`)."""
+  bits, mask = NONFINITE_BITS[t.dtype]
+  u = np.frombuffer(buf, bits)
+  scratch = np.empty(min(u.size, _FINITE_CHUNK), bits)
+  for lo in range(0, u.size, _FINITE_CHUNK):
+    part = u[lo : lo + _FINITE_CHUNK]
+    masked = np.bitwise_and(part, mask, out=scratch[: part.size])
+    hit = masked == mask
+    if hit.any():
+      at = lo + int(np.argmax(hit))
+      bad = u[at : at + 1].view(t.np_dtype)[0].item()
+      raise CheckpointError(f"{t.file}: tensor {t.key!r} holds a non-finite value ({bad}) at flat index {first + at}")

@@ -1,12 +1,16 @@
-"""Fair admission of HTTP requests into the engine: a batch's prompts take turns with everyone else's.
+"""Fair admission of HTTP requests into the engine: clients take turns, and within a client its requests do.
 
 The engine admits what it is given first-come first-served (a FIFO into its decode slots), so a
 500-prompt batch submitted at once puts every later request behind all 500 (the probe: an 8-token
-request went from 0.11 s to 40.2 s). Here each HTTP request is a *call*; the server keeps at most
-`window` prompts inside the engine (its slots plus a little headroom, so a slot freed between decode
-steps is refilled at once) and, whenever one finishes, submits the next prompt of the next call in
-round-robin order. A small request arriving behind a full batch waits for about `window - max_slots + 1`
-prompts to finish, not for the batch. The engine's own scheduling is untouched.
+request went from 0.11 s to 40.2 s), and turns per HTTP request let whoever sends the most requests own
+the engine (64 concurrent 1000-token requests pushed another client's 4-token request from 0.035 s to
+82.8 s). Here each HTTP request is a *call* of a *client* (the API key it authenticated with, else its
+peer address: `server.client_id`). The server keeps at most `window` prompts inside the engine (its
+slots plus a little headroom, so a slot freed between decode steps is refilled at once) and, whenever
+one finishes, submits the next prompt in round-robin order: over clients first, then over that client's
+calls. One client's prompts hold at most `per_client` of the engine's slots (fewer than all of them), so
+another client's request finds a free slot at once, whatever the first sends; a client may have at most
+`max_calls_per_client` calls in flight (429 beyond). The engine's own scheduling is untouched.
 
 Everything here runs on the server's event loop (the engine's scheduler thread only schedules
 callbacks onto it), so no lock is needed. Request ids are reserved per call while it is in flight: a
@@ -26,11 +30,24 @@ from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, InvalidRe
 T = TypeVar("T")
 
 
+class Client:
+  """One client's calls in flight (`calls`), those with prompts not yet submitted (`waiting`, in turn
+  order) and its prompts in the engine (`in_engine`)."""
+
+  def __init__(self, name: str):
+    self.name = name
+    self.calls: set[Call] = set()
+    self.waiting: collections.deque[Call] = collections.deque()
+    self.in_engine = 0
+    self.scored_in_engine = 0
+
+
 class Call:
   """One HTTP request's prompts: `lives[i]` is prompt i's engine handle once submitted."""
 
-  def __init__(self, requests: list[GenerateRequest]):
+  def __init__(self, requests: list[GenerateRequest], client: Client):
     self.requests = requests
+    self.client = client
     self.index = {r.rid: i for i, r in enumerate(requests)}
     self.lives: list = [None] * len(requests)
     self.results: list[GenerateResult | None] = [None] * len(requests)  # ended without the engine
@@ -55,8 +72,10 @@ def scored_only(request: GenerateRequest) -> bool:
 
 
 class FairQueue:
-  """`window`: prompts kept in the engine; `per_call`: of those, at most this many of one call (fewer than
-  the engine's slots, so a newcomer finds a free slot without waiting for a batch's lockstep wave).
+  """`window`: prompts kept in the engine; `per_call` and `per_client`: of those, at most this many of one
+  call and of one client (fewer than the engine's slots, so a newcomer finds a free slot without waiting
+  for a batch's lockstep wave or for another client's requests to end); `max_calls_per_client`: calls
+  (HTTP requests) one client may have in flight, 429 beyond (None: no cap).
 
   `scored_batch` (0: none): room for `scored_only` prompts, one prefill's worth (the engine's slots). Such
   a prompt holds its slot for one prefill, never a decode wave, and the engine runs it in a program of
@@ -64,28 +83,55 @@ class FairQueue:
   plain limits a batch of max_slots scored prompts reached the engine as per_call rows, then the rest
   (bench/eval.py, 8 slots, 2 requests of 8 in flight: programs of 7, 2 and 1 rows, 5.7 a run instead of
   4). With it a call may hold max(per_call, scored_batch) scored prompts, scored prompts fill the engine
-  up to window + scored_batch - 1, and a plain prompt counts only the scored ones beyond scored_batch
-  against `window`: it always finds room behind at most two scored prefills, and is never starved by them.
+  up to window + scored_batch - 1 (whoever sends them: they take turns, but `per_client` counts only plain
+  prompts), and a plain prompt counts only the scored ones beyond scored_batch against `window`: it always
+  finds room behind at most two scored prefills, and is never starved by them.
   """
 
-  def __init__(self, engine: Engine, window: int, per_call: int, scored_batch: int = 0):
+  def __init__(
+    self,
+    engine: Engine,
+    window: int,
+    per_call: int,
+    scored_batch: int = 0,
+    per_client: int | None = None,
+    max_calls_per_client: int | None = None,
+  ):
     self.engine, self.window, self.per_call, self.scored_batch = engine, window, per_call, scored_batch
-    self._calls: collections.deque[Call] = collections.deque()  # calls with prompts not yet submitted
+    self.per_client = per_call if per_client is None else per_client
+    self.max_calls_per_client = max_calls_per_client
+    self._clients: dict[str, Client] = {}  # clients with calls in flight
+    self._turns: collections.deque[Client] = collections.deque()  # clients with prompts not yet submitted
     self._rids: dict[str, Call] = {}
     self._in_engine = 0
     self._scored_in_engine = 0  # of _in_engine, the scored_only prompts
     self._loop: asyncio.AbstractEventLoop | None = None
 
-  def submit(self, requests: list[GenerateRequest]) -> Call:
-    """Queues a call (event loop only); raises HttpError 409 when one of its rids is in flight."""
+  def submit(self, requests: list[GenerateRequest], client: str = "") -> Call:
+    """Queues a call of `client` (event loop only); raises HttpError 409 when one of its rids is in flight,
+    429 when the client has `max_calls_per_client` calls in flight."""
     self._loop = asyncio.get_running_loop()
     taken = [r.rid for r in requests if r.rid in self._rids]
     if taken:
       raise httpservice.HttpError(409, f"request id {taken[0]!r} is already in flight", "rid")
-    call = Call(requests)
+    owner = self._clients.get(client)
+    cap = self.max_calls_per_client
+    if owner is not None and cap is not None and len(owner.calls) >= cap:
+      raise httpservice.HttpError(
+        429,
+        f"this client already has {len(owner.calls)} requests in flight, the cap max_requests_per_client={cap} "
+        "(launch/serve.py --max_requests_per_client); retry when one ends",
+      )
+    if owner is None:
+      owner = self._clients[client] = Client(client)
+    call = Call(requests, owner)
+    owner.calls.add(call)
     for r in requests:
       self._rids[r.rid] = call
-    self._calls.append(call)
+    if call.pending:
+      if not owner.waiting:
+        self._turns.append(owner)  # a client with nothing waiting joins the turns at the back
+      owner.waiting.append(call)
     self._pump()
     return call
 
@@ -107,7 +153,8 @@ class FairQueue:
       self.engine.abort(running)
 
   def abort_all(self) -> None:
-    self.abort([call.requests[i].rid for call in list(self._calls) for i in call.pending])
+    queued = [call for client in self._clients.values() for call in client.waiting]
+    self.abort([call.requests[i].rid for call in queued for i in call.pending])
     self.engine.abort_all()
 
   def cancel(self, call: Call) -> None:
@@ -117,6 +164,11 @@ class FairQueue:
   def num_running(self) -> int:
     """Prompts of HTTP requests in flight (queued here or in the engine)."""
     return len(self._rids)
+
+  def client_load(self, client: str) -> tuple[int, int]:
+    """`client`'s (calls in flight, prompts in the engine)."""
+    owner = self._clients.get(client)
+    return (len(owner.calls), owner.in_engine) if owner is not None else (0, 0)
 
   def result(self, call: Call, i: int) -> GenerateResult:
     """Prompt i's result (call done); raises the engine's error for a prompt it failed or refused."""
@@ -136,40 +188,51 @@ class FairQueue:
     freed = [i for i in call.in_engine if call.lives[i].done.is_set()]
     for i in freed:
       self._leave(call, i)
-    if call.done:
+    client = call.client
+    if not call.pending and call in client.waiting:
+      client.waiting.remove(call)
+    if not client.waiting and client in self._turns:
+      self._turns.remove(client)
+    if call.done and call in client.calls:
       for r in call.requests:
         if self._rids.get(r.rid) is call:
           del self._rids[r.rid]
-      if call in self._calls:
-        self._calls.remove(call)
+      client.calls.discard(call)
+      if not client.calls and self._clients.get(client.name) is client:
+        del self._clients[client.name]
     call.changed.set()
     if freed:
       self._pump()
 
   def _pump(self) -> None:
-    """Round-robin: one prompt from each call with prompts left (and under `per_call` in the engine),
-    until the engine holds `window` (`_has_room`: scored-only prompts have their own room). The prompts
-    picked go to the engine together (`submit_many` where the engine has it), so it can admit them in one
-    step: one prefill program, not one per prompt."""
+    """Round-robin: one prompt from each client with prompts left (and room: `_has_room`), that client's
+    calls taking turns too, until the engine holds `window` (scored-only prompts have their own room). The
+    prompts picked go to the engine together (`submit_many` where the engine has it), so it can admit them
+    in one step: one prefill program, not one per prompt."""
     picked: list[tuple[Call, int]] = []
-    skipped = 0  # calls passed over in a row because they are at their limits: all of them -> stop
+    skipped = 0  # clients passed over in a row because they are at their limits: all of them -> stop
     most = self.window + self.scored_batch  # the most `_has_room` lets in (plain behind full scored room)
-    while self._in_engine < most and self._calls and skipped < len(self._calls):
-      call = self._calls.popleft()
-      if not call.pending:
-        continue
-      if not self._has_room(call, scored_only(call.requests[call.pending[0]])):
-        self._calls.append(call)
-        skipped += 1
+    while self._in_engine < most and self._turns and skipped < len(self._turns):
+      client = self._turns.popleft()
+      call = self._next_call(client)
+      if call is None:
+        if client.waiting:
+          self._turns.append(client)
+          skipped += 1
         continue
       skipped = 0
       i = call.pending.popleft()
+      if not call.pending:
+        client.waiting.remove(call)
       call.in_engine.add(i)  # counted now; taken back below if the engine refuses it
       self._in_engine += 1
-      self._scored_in_engine += scored_only(call.requests[i])
+      client.in_engine += 1
+      scored = scored_only(call.requests[i])
+      self._scored_in_engine += scored
+      client.scored_in_engine += scored
       picked.append((call, i))
-      if call.pending:
-        self._calls.append(call)
+      if client.waiting:
+        self._turns.append(client)
     if not picked:
       return
     requests = [call.requests[i] for call, i in picked]
@@ -192,20 +255,35 @@ class FairQueue:
       else:
         call.lives[i] = live
 
+  def _next_call(self, client: Client) -> Call | None:
+    """`client`'s next call in turn whose next prompt may go to the engine now (its turn passes on)."""
+    for _ in range(len(client.waiting)):
+      call = client.waiting[0]
+      client.waiting.rotate(-1)
+      if call.pending and self._has_room(call, scored_only(call.requests[call.pending[0]])):
+        return call
+    return None
+
   def _has_room(self, call: Call, scored: bool) -> bool:
     """Whether `call`'s next prompt (a scored_only one or not) may go to the engine now."""
+    client = call.client
     if not self.scored_batch:
-      return len(call.in_engine) < self.per_call and self._in_engine < self.window
-    if scored:
+      mine = len(call.in_engine) < self.per_call and client.in_engine < self.per_client
+      return mine and self._in_engine < self.window
+    if scored:  # no client cap: plain prompts never wait behind more than scored_batch of these (below)
       per_call = max(self.per_call, self.scored_batch)
       return len(call.in_engine) < per_call and self._in_engine < self.window + self.scored_batch - 1
     counted = self._in_engine - self._scored_in_engine + max(0, self._scored_in_engine - self.scored_batch)
-    return len(call.in_engine) < self.per_call and counted < self.window
+    client_plain = client.in_engine - client.scored_in_engine
+    return len(call.in_engine) < self.per_call and client_plain < self.per_client and counted < self.window
 
   def _leave(self, call: Call, i: int) -> None:
     call.in_engine.discard(i)
     self._in_engine -= 1
-    self._scored_in_engine -= scored_only(call.requests[i])
+    call.client.in_engine -= 1
+    scored = scored_only(call.requests[i])
+    self._scored_in_engine -= scored
+    call.client.scored_in_engine -= scored
 
 
 class LoopShare:

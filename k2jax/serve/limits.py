@@ -32,6 +32,11 @@ class RequestCaps:
   # Engine slots one request's prompts may hold at once; None: all but max(1, 1/8) of them, so a request
   # arriving behind a full batch (whose prompts start, and end, in lockstep) finds a slot at once.
   max_slots_per_request: int | None = None
+  # Engine slots one client's prompts (all its requests) may hold at once; None: as max_slots_per_request.
+  # A client is its API key when the server has keys, else its peer address (`k2jax.serve.fair`).
+  max_slots_per_client: int | None = None
+  # HTTP requests one client may have in flight (queued for their turn or running); 429 beyond.
+  max_requests_per_client: int = 1024
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -41,6 +46,11 @@ class RequestCaps:
   def slots_per_request(self, max_slots: int) -> int:
     default = max_slots - max(1, max_slots // 8)
     return max(1, min(max_slots, self.max_slots_per_request or default))
+
+  def slots_per_client(self, max_slots: int) -> int:
+    if self.max_slots_per_client is None:
+      return self.slots_per_request(max_slots)
+    return max(1, min(max_slots, self.max_slots_per_client))
 
   def batch(self, n: int, field: str) -> None:
     if n > self.max_batch_size:
@@ -68,14 +78,14 @@ class RequestCaps:
 
   def chat_bytes(self, messages: list, tools: list | None) -> None:
     """A chat's prompt text: every string in its messages and tool declarations."""
-    self.prompt_bytes([*_strings(messages), json.dumps(tools) if tools else ""], "messages")
+    self.prompt_bytes([*strings(messages), json.dumps(tools) if tools else ""], "messages")
 
 
 def _over(field: str, what: str, cap: str, value: int, unit: str) -> InvalidRequest:
   return InvalidRequest(field, f"{what} exceed the cap {cap}={value} {unit} (launch/serve.py --{cap})")
 
 
-def _strings(value: Any):
+def strings(value: Any):
   """Every string inside a JSON value (message contents may be strings or lists of parts)."""
   stack = [value]
   while stack:

@@ -22,8 +22,15 @@ from k2jax.data import chat
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.engine.base import GenerateRequest, GenerateResult, InvalidRequest, SamplingParams
 from k2jax.engine.inference import InferenceEngine
-from k2jax.serve import protocol
+from k2jax.serve import limits, protocol
 from k2jax.serve.limits import RequestCaps
+
+
+class StreamOptions(httpservice.StrictBody):
+  """OpenAI's `stream_options` (with `stream: true` only): `include_usage` adds a last chunk with the usage."""
+
+  include_usage: bool | None = None
+  continuous_usage_stats: bool | None = None  # SGLang's; accepted, usage comes in the last chunk only
 
 
 class _OpenAIBody(httpservice.StrictBody):
@@ -37,7 +44,7 @@ class _OpenAIBody(httpservice.StrictBody):
   stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
   seed: int | None = None
   stream: bool | None = None
-  stream_options: dict | None = None
+  stream_options: StreamOptions | None = None
   user: str | None = None
   presence_penalty: Literal[0, 0.0] | None = None
   frequency_penalty: Literal[0, 0.0] | None = None
@@ -78,6 +85,7 @@ class OpenAICall:
   respond: Callable[[list[GenerateResult]], dict]  # the whole (non-streaming) response body
   chunk: Callable[[str, str | None], dict]  # one SSE chunk: (text delta, finish_reason or None)
   stops: tuple[str, ...]  # stop strings: streamed text holds back what could still become one
+  include_usage: bool = False  # stream_options.include_usage: a last chunk with no choices and the usage
 
 
 def completions(
@@ -118,7 +126,7 @@ def completions(
   # echo with logprobs: the prompt's logprobs come from each request's prefill (logprob_start_len 0)
   start = 0 if echo and b.logprobs is not None else -1
   requests = _requests(engine, prompts, sampling, b, caps, start)
-  return OpenAICall(requests, bool(b.stream), respond, chunk, sampling.stop)
+  return OpenAICall(requests, bool(b.stream), respond, chunk, sampling.stop, _include_usage(b))
 
 
 def chat_completions(
@@ -129,6 +137,7 @@ def chat_completions(
     raise InvalidRequest("messages", "chat needs a tokenizer; this server has none")
   caps.tools(b.tools)
   caps.chat_bytes(b.messages, b.tools)
+  check_messages(b.messages, b.tools)
   try:
     ids, _ = chat.render_chat(b.messages, b.tools, tokenizer=tok, add_generation_prompt=True)
   except chat.ChatFormatError as e:
@@ -168,7 +177,24 @@ def chat_completions(
 
   if b.stream and parse_tools:
     raise InvalidRequest("stream", "streaming with tools is not supported; send stream: false to get tool_calls")
-  return OpenAICall(_requests(engine, [ids], sampling, b, caps), bool(b.stream), respond, chunk, sampling.stop)
+  requests = _requests(engine, [ids], sampling, b, caps)
+  return OpenAICall(requests, bool(b.stream), respond, chunk, sampling.stop, _include_usage(b))
+
+
+def check_messages(messages: list, tools: list | None) -> None:
+  """What OpenAI's and SGLang's validation refuse before rendering: a message without `content` (or with
+  `content: null`), unless it is an assistant turn carrying `tool_calls`; text that is not Unicode."""
+  for i, m in enumerate(messages):
+    if not isinstance(m, dict):
+      continue  # render_chat names it
+    if m.get("content") is None and not (m.get("role") == "assistant" and m.get("tool_calls")):
+      got = "is missing" if "content" not in m else "is null"
+      raise InvalidRequest(f"messages[{i}].content", f"{got}: give a string or a list of text parts")
+    for key, value in m.items():
+      for text in limits.strings(value):
+        protocol.check_unicode(text, f"messages[{i}].{key}")
+  for text in limits.strings(tools or []):
+    protocol.check_unicode(text, "tools")
 
 
 def _assistant_message(c: GenerateResult, tok: Tokenizer, parse_tools: bool) -> tuple[dict, str]:
@@ -192,9 +218,16 @@ def _parse(model, body: Any, caps: RequestCaps):
   stop, ids, tools = body.get("stop"), body.get("stop_token_ids"), body.get("tools")
   caps.stops(stop if isinstance(stop, list) else (), ids if isinstance(ids, list) else (), "")  # before validating
   caps.tools(tools if isinstance(tools, list) else None)
+  protocol.check_stop_unicode(stop, "stop")
   b = httpservice.validate(model, body, "")
   caps.stops((b.stop,) if isinstance(b.stop, str) else b.stop or (), b.stop_token_ids or (), "")
+  if b.stream_options is not None and b.stream_options.model_fields_set and not b.stream:  # as SGLang and vLLM
+    raise InvalidRequest("stream_options", "is only allowed with stream: true")
   return b
+
+
+def _include_usage(b: _OpenAIBody) -> bool:
+  return bool(b.stream_options is not None and b.stream_options.include_usage)
 
 
 def _sampling(b: _OpenAIBody, max_new: int | None, default_max: int) -> SamplingParams:
@@ -261,6 +294,8 @@ def _completion_prompts(prompt: Any, tok: Tokenizer | None, caps: RequestCaps) -
   if tok is None:
     raise InvalidRequest("prompt", "this server has no tokenizer; send token ids")
   caps.prompt_bytes(texts, "prompt")
+  for i, t in enumerate(texts):
+    protocol.check_unicode(t, "prompt" if isinstance(prompt, str) else f"prompt[{i}]")
   return [tok.encode_with_specials(t) for t in texts]
 
 

@@ -120,8 +120,11 @@ def parse_generate(
   g = httpservice.validate(GenerateBody, body, "")
   if isinstance(g.text, str):
     caps.prompt_bytes([g.text], "text")
+    check_unicode(g.text, "text")
   elif g.text is not None:
     caps.prompt_bytes(g.text, "text")
+    for i, t in enumerate(g.text):
+      check_unicode(t, f"text[{i}]")
   if g.top_logprobs_num > max_top:
     raise InvalidRequest("top_logprobs_num", f"must be in [0, {max_top}], got {g.top_logprobs_num}")
   prompts, batch = _prompts(g, tokenizer)
@@ -167,6 +170,7 @@ def parse_sampling(
   if isinstance(sp, dict):  # counts first: validating a million stop strings is itself the attack
     stop, ids = sp.get("stop"), sp.get("stop_token_ids")
     caps.stops(stop if isinstance(stop, list) else (), ids if isinstance(ids, list) else (), f"{field}.")
+    check_stop_unicode(stop, f"{field}.stop")  # before pydantic, whose message for it names no surrogate
   s = httpservice.validate(SamplingBody, sp, field)
   sampling = SamplingParams(
     max_new_tokens=s.max_new_tokens,
@@ -182,6 +186,23 @@ def parse_sampling(
     raise InvalidRequest(f"{field}.stop", "stop strings must be non-empty")
   caps.stops(sampling.stop, sampling.stop_token_ids, f"{field}.")
   return sampling, TextOptions(skip_special_tokens=s.skip_special_tokens, no_stop_trim=s.no_stop_trim)
+
+
+def check_unicode(text: str, field: str) -> None:
+  """400 for text that is not Unicode: a JSON `\\ud800`..`\\udfff` escape without its pair decodes to a lone
+  surrogate, which no tokenizer can encode (UTF-8 has no bytes for it); OpenAI and SGLang refuse it too."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    code = f"U+{ord(text[e.start]):04X}"
+    raise InvalidRequest(field, f"is not valid Unicode: a lone surrogate {code} at character {e.start}") from None
+
+
+def check_stop_unicode(stop: Any, field: str) -> None:
+  """`check_unicode` for a raw `stop` value (a string or a list of them; other types are pydantic's)."""
+  for i, text in enumerate([stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []):
+    if isinstance(text, str):
+      check_unicode(text, field if isinstance(stop, str) else f"{field}[{i}]")
 
 
 def finish_reason(c: GenerateResult) -> dict | None:

@@ -5,11 +5,14 @@ event loop: they submit to the engine, whose scheduler thread wakes them after e
 connection costs no thread and thousands can wait at once. When a client disconnects, its requests are
 aborted at once and their cache slots freed. `stream: true` on `/generate` and on the OpenAI endpoints
 answers with server-sent events. Errors answer 4xx with `{"error": {"message", "param", ...}}` naming
-the field; with an `api_key`, the routes that change state need `Authorization: Bearer <key>`.
+the field. With an `api_key`, every route but `/health` and `/health_generate` needs `Authorization:
+Bearer <key>`, as SGLang's `--api-key` guards every route but its health and metrics probes: generation,
+tokenizing and the info routes (which name the model's paths) included.
 
-Open routes are bounded (the server cannot be starved without a key): per-request caps
-(`limits.RequestCaps`), fair interleaving of a batch's prompts with other requests (`fair.FairQueue`),
-and header/idle timeouts with a connection limit below the fd limit (`httpservice.HttpLimits`).
+Routes are bounded (the server cannot be starved by one client, keyed or not): per-request caps
+(`limits.RequestCaps`), turns between clients and between one client's requests (`fair.FairQueue`; a
+client is its key, else its peer address: `client_id`), and header/idle timeouts with a connection
+limit below the fd limit (`httpservice.HttpLimits`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,18 @@ from k2jax.serve.limits import RequestCaps
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+OPEN_ROUTES = ("/health", "/health_generate")  # answer without the API key (as SGLang's /health*)
+
+
+def client_id(request: fastapi.Request) -> str:
+  """Who sent `request`, for fair turns: the API key it authenticated with (`require_api_key`), else its
+  peer address (host only: a client's many connections are one client)."""
+  index = getattr(request.state, "api_key_index", None)
+  if index is not None:
+    return f"key:{index}"
+  return f"peer:{request.client.host if request.client else 'unknown'}"
 
 
 class AbortBody(httpservice.StrictBody):
@@ -110,7 +125,14 @@ class Server:
     # Scored-only prompts (lm-eval's loglikelihood) may fill every slot and a second batch behind it: each
     # leaves after one prefill, so a newcomer waits about two prefills at most (`FairQueue.scored_batch`).
     window = slots + max(1, slots // 8)
-    self.fair = FairQueue(self.engine, window, caps.slots_per_request(slots), scored_batch=slots)
+    self.fair = FairQueue(
+      self.engine,
+      window,
+      caps.slots_per_request(slots),
+      scored_batch=slots,
+      per_client=caps.slots_per_client(slots),
+      max_calls_per_client=caps.max_requests_per_client,
+    )
     self.loop_share = LoopShare()
     self.app = self._routes(httpservice.make_app("k2jax", limits, field_errors=(InvalidRequest,)))
     self._http = httpservice.Service(self.app, host=host, port=port, limits=limits, name="k2jax-http")
@@ -138,23 +160,26 @@ class Server:
 
   # ---- routes ----------------------------------------------------------------------------------------
   def _routes(self, app: fastapi.FastAPI) -> fastapi.FastAPI:
+    """Every route needs the API key (when the server has one) but the liveness probes (`OPEN_ROUTES`)."""
     auth = [fastapi.Depends(httpservice.require_api_key)]
-    app.post("/generate")(self.generate)
-    app.post("/v1/completions")(self.completions)
-    app.post("/v1/chat/completions")(self.chat_completions)
-    app.post("/abort_request", dependencies=auth)(self.abort_request)
-    app.post("/update_weights_from_disk", dependencies=auth)(self.update_weights_from_disk)
+    post = lambda path: app.post(path, dependencies=auth)  # noqa: E731
+    get = lambda path: app.get(path, dependencies=auth)  # noqa: E731
+    post("/generate")(self.generate)
+    post("/v1/completions")(self.completions)
+    post("/v1/chat/completions")(self.chat_completions)
+    post("/abort_request")(self.abort_request)
+    post("/update_weights_from_disk")(self.update_weights_from_disk)
     app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=auth)(self.flush_cache)
-    for path in ("/health", "/health_generate"):
+    for path in OPEN_ROUTES:
       app.get(path)(self.health)
     for path in ("/get_model_info", "/model_info"):
-      app.get(path)(self.model_info)
+      get(path)(self.model_info)
     for path in ("/get_server_info", "/server_info"):
-      app.get(path)(self.server_info)
-    app.get("/v1/models")(self.list_models)
-    app.post("/tokenize")(self.tokenize)
-    app.post("/detokenize")(self.detokenize)
-    app.get("/tokenizer_info")(self.tokenizer_info)
+      get(path)(self.server_info)
+    get("/v1/models")(self.list_models)
+    post("/tokenize")(self.tokenize)
+    post("/detokenize")(self.detokenize)
+    get("/tokenizer_info")(self.tokenizer_info)
     return app
 
   async def generate(self, request: fastapi.Request):
@@ -169,7 +194,8 @@ class Server:
       (opts,) = call.options
       version = self.engine.weight_version
       render = lambda c: protocol.generate_response(c, opts, self.tokenizer, version)  # noqa: E731
-      return _sse(self._stream(self.fair.submit(call.requests), lambda c, done: [render(c)]))
+      queued = self.fair.submit(call.requests, client_id(request))
+      return _sse(self._stream(queued, lambda c, done: [render(c)]))
     results = await self._run(request, call.requests)
     version = self.engine.weight_version
     outs = [protocol.generate_response(c, o, self.tokenizer, version) for c, o in zip(results, call.options)]
@@ -196,6 +222,10 @@ class Server:
 
   async def update_weights_from_disk(self, request: fastapi.Request):
     body = httpservice.validate(UpdateWeightsBody, await httpservice.read_json(request))
+    try:
+      weight_files.check_model_path(body.model_path)
+    except weight_files.WeightFileError as e:
+      return _update_failed(e.status, str(e))
     path = os.path.realpath(body.model_path)
     if not weight_files.inside(path, self.weights_roots):
       roots = " or ".join(self.weights_roots)
@@ -248,6 +278,7 @@ class Server:
     add_special_tokens=False)[0]`, which must be the [EOS] id, not the first piece of the text "[EOS]"."""
     body = httpservice.validate(TokenizeBody, await httpservice.read_json(request))
     tok = self._need_tokenizer("prompt")
+    protocol.check_unicode(body.prompt, "prompt")
     if len(body.prompt.encode()) > self.caps.max_prompt_bytes:
       raise InvalidRequest("prompt", f"longer than {self.caps.max_prompt_bytes} bytes")
     ids = await asyncio.to_thread(tok.encode_with_specials, body.prompt)
@@ -330,7 +361,7 @@ class Server:
   async def _run(self, request: fastapi.Request, reqs: list[GenerateRequest]) -> list[GenerateResult]:
     """Runs `reqs` to completion, taking turns with other requests; aborts them all if the client goes
     away first. Raises RuntimeError when the engine failed on one of them (answered 500)."""
-    call = self.fair.submit(reqs)
+    call = self.fair.submit(reqs, client_id(request))
     watcher = asyncio.create_task(self._abort_on_disconnect(request, call))
     try:
       while not call.done:
@@ -371,11 +402,13 @@ class Server:
       if not done:
         delta = text.advance(c)
         return [call.chunk(delta, None)] if delta else []
-      final = call.respond([c])["choices"][0]
+      body = call.respond([c])
+      final = body["choices"][0]
       delta = text.finish(final.get("text", (final.get("message") or {}).get("content") or ""))
-      return ([call.chunk(delta, None)] if delta else []) + [call.chunk("", final["finish_reason"])]
+      usage = [{**call.chunk("", None), "choices": [], "usage": body["usage"]}] if call.include_usage else []
+      return ([call.chunk(delta, None)] if delta else []) + [call.chunk("", final["finish_reason"])] + usage
 
-    return _sse(self._stream(self.fair.submit(call.requests), render))
+    return _sse(self._stream(self.fair.submit(call.requests, client_id(request)), render))
 
   async def _abort_on_disconnect(self, request: fastapi.Request, call: Call) -> None:
     # The body has been read, so the next ASGI message can only be the client's disconnect.

@@ -213,7 +213,7 @@ def test_bad_request_never_affects_others(served):
     assert all(g.result()["output_ids"] == ref for g in good)
 
 
-def test_api_key_guards_state_changing_routes(served):
+def test_api_key_guards_state_changing_routes_and_generation(served):
   server = served.server
   limits = server.app.state.limits
   server.app.state.limits = dataclasses.replace(limits, api_key="s3cret")
@@ -227,7 +227,10 @@ def test_api_key_guards_state_changing_routes(served):
       assert r.status_code == 200, r.text
     r = requests.post(f"{server.url}/update_weights_from_disk", json={"model_path": served.hf_dir}, timeout=60)
     assert r.status_code == 401
-    assert _greedy(served, [1, 2], n=2)["meta_info"]["completion_tokens"] == 2  # generation needs no key
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+    assert requests.post(f"{server.url}/generate", json=body, timeout=60).status_code == 401  # generation too
+    r = requests.post(f"{server.url}/generate", json=body, headers={"Authorization": "Bearer s3cret"}, timeout=60)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2
   finally:
     server.app.state.limits = limits
 
