@@ -30,11 +30,11 @@ gathered is `cfg.cp_gather`:
           and v itself (2·S·Rkv·H·(Kn+V) FLOPs per layer, (c-1)/c of it redundant).
   heads   the per-head k_nope, the rope key and v after a local up-projection: H·(Kn+V) + Kr values per
           token, 16,448 for K2 (32,896 bytes in bf16; the kernels then broadcast the rope key per head).
-The default is 'latent': 28.6x fewer gathered bytes per layer (and as many fewer reduce-scattered
-gradient bytes in the backward pass) for an up-projection that costs (c-1)·Rkv·H·(Kn+V)/(S·H·(Kn+Kr+Kn))
-... of the causal attention FLOPs it sits next to: for K2 (c-1)·819/S, 7.5% at S = 32k with c = 4 and
-4.4% at 128k with c = 8, while the per-head gather moves 32.9 KB per token per layer over the ICI
-(tests/sharding/test_context_parallel.py measures both from the lowered HLO; docs/long-context.md quotes it).
+The default is 'latent': 28.6x fewer bytes gathered per layer (and as many fewer in the backward's gradient
+reduction), for an up-projection every device repeats for all S keys: (c-1)/c of 2·S·Rkv·H·(Kn+V) FLOPs, which
+relative to the causal attention it feeds is (c-1)·819/S for K2: 7.5% at S = 32k with c = 4, 4.4% at 128k with
+c = 8, and falling with S, while the per-head gather moves 32.9 KB per token per layer (bench/cp_gather.py measures
+both from the compiled HLO of one K2 layer; tests/sharding/test_context_parallel.py checks the ordering).
 The gathered keys are put back in natural order, so a query's causal limit is its global position; the
 per-head max logit is reduced over the context axis too (`sharded_flash_attention`; under jit the einsum
 path's max is global already), so QK-Clip sees the same maxima as without CP.
