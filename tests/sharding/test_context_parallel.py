@@ -135,6 +135,24 @@ def test_load_balanced_order_round_trips_and_balances_causal_work():
   np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
 
 
+@pytest.mark.parametrize("c", [2, 3, 8, 32])
+def test_ppermute_plans_realise_the_permutation(c):
+  """The static exchange plans, simulated in numpy: natural -> balanced gives `global_positions`, and back."""
+  g = 3
+  natural = np.arange(2 * c * g).reshape(c, 2, g)  # device r holds chunks 2r, 2r+1
+
+  def run(x, forward):
+    out = np.zeros_like(x)
+    for pairs, send_slot, recv_slot in context_parallel._plan(c, forward):
+      for src, dst in pairs:
+        out[dst, recv_slot[dst]] = x[src, send_slot[src]]
+    return out
+
+  balanced = run(natural, True)
+  np.testing.assert_array_equal(balanced.reshape(-1), context_parallel.global_positions(2 * c * g, c))
+  np.testing.assert_array_equal(run(balanced, False), natural)
+
+
 def test_bad_context_inputs_are_named():
   with pytest.raises(context_parallel.ContextParallelError, match="length 20 is not divisible by 8"):
     context_parallel.global_positions(20, 4)
