@@ -8,6 +8,7 @@ the same stacked parameters in a Python loop (used to check the scan, and for de
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -160,7 +161,8 @@ def embed_lookup(table_VD, ids_BT, dtype):
   embed_axes = tuple(ctx.rules["embed"])
   ids_spec = sharding_lib.logical_to_spec(("act_batch", "act_length"), ctx.preset)
   batch_axes = sharding_lib.spec_mesh_axes(ids_spec[0])
-  if not set(embed_axes) <= set(batch_axes) or ids_BT.shape[0] % ctx.axis_size("act_batch"):
+  row_shards = math.prod(ctx.mesh.shape[a] for a in batch_axes)  # under CP the sequence takes its axis
+  if not set(embed_axes) <= set(batch_axes) or ids_BT.shape[0] % row_shards:
     return gathered()
   axis = embed_axes[0] if len(embed_axes) == 1 else embed_axes
 
