@@ -5,6 +5,7 @@ docs/pretraining.md "The whole recipe", scripts/recipe.sh).
   python launch/train.py --config=configs/k2.py:tiny --workdir=/tmp/k2tiny
   python launch/train.py --config=configs/k2.py:tiny --workdir=W --config.steps=50 --config.optim.peak_lr=3e-3
   python launch/train.py --config=configs/k2.py:1t --dry_run            # counts + memory plan, no allocation
+  python launch/train.py --config=configs/k2.py:1t_32k --workdir=W32 --config.checkpoint.resume_from=W4k
   python launch/train.py --config=configs/k2.py:tiny --workdir=W --config.eval.fraction=0.02 --config.eval.every_steps=50
   python launch/sweep.py --config=configs/k2.py:tiny --sweep=lr --workdir=/tmp/sweeps
 
@@ -22,7 +23,7 @@ from ml_collections import config_dict
 
 from k2jax.train import config as train_config
 
-VARIANTS = ("tiny", "small", "1t", "sft_tiny", "recipe_pretrain", "recipe_sft")
+VARIANTS = ("tiny", "small", "1t", "1t_32k", "1t_128k", "sft_tiny", "recipe_pretrain", "recipe_sft")
 RECIPE_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "recipe")
 
 # K2 (arXiv 2507.20534 §2.5): 2^26 = 67M tokens per step, 10T tokens constant LR then 5.5T cosine.
@@ -35,7 +36,8 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
   if arg not in VARIANTS:
     raise ValueError(f"configs/k2.py: unknown variant {arg!r}; choose one of {VARIANTS}")
   c = _base()
-  presets = {"tiny": _tiny, "small": _small, "1t": _k2_1t, "sft_tiny": _sft_tiny}
+  presets = {"tiny": _tiny, "small": _small, "1t": _k2_1t, "1t_32k": _k2_1t_32k, "1t_128k": _k2_1t_128k}
+  presets.update(sft_tiny=_sft_tiny)
   presets.update(recipe_pretrain=_recipe_pretrain, recipe_sft=_recipe_sft)
   presets[arg](c)
   c.lock()
@@ -93,6 +95,41 @@ def _k2_1t(c):
   c.mesh.expert = 8  # EP 8 x FSDP 64 on v5p-1024 (MaxText's Kimi recipe)
   c.checkpoint.every_steps = 500
   c.log.every_steps = 1
+
+
+def _k2_long_context(c, seq_len: int, cp: int):
+  """A long-context stage of `1t`: the same 2^26 tokens per step in fewer, longer rows, the sequence sharded
+  over the expert axis (context parallelism, `fsdp_ep_cp`: every EP device holds 1/cp of each row), so each
+  device still holds 4,096 tokens per microbatch as at 4k. Start it from the 4k run's newest checkpoint
+  with its optimizer state: `--config.checkpoint.resume_from=<4k workdir>` (docs/long-context.md)."""
+  _k2_1t(c)
+  c.data.seq_len = seq_len
+  c.data.global_batch_size = 2**26 // seq_len
+  c.data.num_microbatches = 32  # 64 rows a microbatch = one row per fsdp group
+  c.mesh.rules = "fsdp_ep_cp"
+  c.mesh.expert = cp
+  c.model.cp_gather = "latent"  # model/mla.py: 28.6x fewer gathered bytes than per-head K/V
+  c.model.rope_factor = 32.0  # YaRN over original_max_position_embeddings 4096 (released config.json)
+  c.optim.warmup_steps = 0
+  c.optim.decay_fraction = 1.0
+  c.checkpoint.every_steps = 100
+
+
+def _k2_1t_32k(c):
+  """K2 §2.5's long-context activation: 60B tokens at 32k with LR 2e-5 -> 7e-6."""
+  _k2_long_context(c, 32768, cp=8)
+  c.steps = round(60e9 / 2**26)  # 894
+  c.optim.peak_lr = 2e-5
+  c.optim.final_lr = 7e-6
+
+
+def _k2_1t_128k(c):
+  """The YaRN extension to 128k (factor 32 over 4096: K2 §2.5 names no 128k training stage; this one is
+  short, 10B tokens, at the 32k stage's final LR). CP 32 x FSDP 16 on v5p-1024: 384 / 32 = 12 experts a device."""
+  _k2_long_context(c, 131072, cp=32)
+  c.steps = round(10e9 / 2**26)  # 149
+  c.optim.peak_lr = 7e-6
+  c.optim.final_lr = 7e-6
 
 
 def _sft_tiny(c):

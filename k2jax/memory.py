@@ -209,6 +209,9 @@ def activation_bytes(
                ragged c*(k*D + o*k*(D + 3F)), fixed c*o*k*(2D + 3F), o = the dropless worst-case rows
                over real rows of the receive buffer (`expert_parallel.padding_overhead`)
     dense FFN: c*(D + 3F_dense)
+    context parallelism (a `*_cp` preset over cp devices): each device's queries see the whole gathered
+               sequence, cp keys per local token: cp*c*((Rkv + Kr) + 2H(Kn + Kr + V)) for the gathered
+               latent (or per-head keys), the up-projected keys and values, and their gradients
   Remat: 'none' and 'dots' keep every layer; 'dots_no_batch' drops the attention score terms
   (batched dots); 'full' keeps only each layer's input (c*D) plus one layer recomputed in backward (with
   the backward's score rows).
@@ -223,6 +226,9 @@ def activation_bytes(
   ht = tp("q_heads")
   scores = 0 if flash else (4 + c) * H * seq_len / ht
   attn = c * (2 * D + 2 * Rq + 2 * H * (Kn + Kr) / ht + 2 * (Rkv + Kr) + H * (Kn + V + V) / ht)
+  cp = tp("act_length")
+  if cp > 1:
+    attn += cp * c * ((Rkv + Kr) + 2 * H * (Kn + Kr + V) / ht)
   ep = tp("experts")
   chunk = tokens // expert_parallel.num_chunks(tokens, cfg.moe_chunk_tokens) if ep > 1 else tokens
   o = (

@@ -8,6 +8,21 @@ axes; activations are constrained through `constrain(x, names)`. Presets (each a
   fsdp_ep      + routed experts over `expert` (tokens travel by all-to-all, expert_parallel.py)
   fsdp_ep_tp   + heads, FFN widths and vocab over `tensor` (Megatron-style column/row split)
 
+Context-parallel presets (`*_cp`): the same tables, plus the sequence (`act_length`) sharded over the
+`expert` axis everywhere outside the MoE core (k2jax/model/context_parallel.py):
+
+  fsdp_cp      fsdp + sequence over `expert` (experts replicated: no EP)
+  fsdp_ep_cp   fsdp_ep + sequence over `expert`: the EP devices are the CP devices (MaxText's ep-as-cp)
+  fsdp_ep_tp_cp  fsdp_ep_tp + sequence over `expert`
+
+Why the expert axis plays context, not a new `context` mesh axis: outside the MoE core the expert axis
+only splits the batch (no attention weight is sharded over it), so turning that split from rows into
+sequence chunks moves no weight bytes and keeps the MoE exactly as it was: a token is routed from the
+device that holds it, over the same all-to-all group. A separate `context` axis of size c at the same
+device count must either replicate the routed experts c times (K2: 1T parameters, c x the expert memory)
+or shard experts over (context, expert), which is this layout with a larger all-to-all group (MaxText's
+cp-as-ep). The CP axis is a property of the rules (`act_length`), so another axis is a one-line rule.
+
 Serving presets (the inference engine's layout, chosen independently of the trainer's; no FSDP: every
 weight is whole on the devices that use it, so a decode step gathers no weights):
 
@@ -62,7 +77,9 @@ PARAM_AXES = (
   "expert_mlp",
 )
 # Activations: act_batch is the (flattened) token/batch dim, the rest are feature dims.
-ACT_AXES = ("act_batch", "act_length", "act_embed", "act_heads", "act_mlp", "act_vocab")
+# act_kv_length: a key sequence gathered over the context axis: never sharded, but it keeps act_batch off
+# the context axis (MaxText's activation_kv_length).
+ACT_AXES = ("act_batch", "act_length", "act_kv_length", "act_embed", "act_heads", "act_mlp", "act_vocab")
 LOGICAL_AXES = PARAM_AXES + ACT_AXES
 
 # FSDP shards every large matrix on one dim: `embed` where it has one, else the LoRA rank (w_q_b,
@@ -100,6 +117,16 @@ _TP = {
   "act_mlp": ("tensor",),
   "act_vocab": ("tensor",),
 }
+# Context parallelism: `act_length` claims the CP axis before `act_batch` (logical_to_spec), so a [B, T]
+# activation has B over the other batch axes and T over the CP axis, while a flat [N] token dim (the MoE's)
+# keeps every batch axis. The CP axis is last in act_batch: a device's N block is then its own [B, T]
+# block flattened (context_parallel.tokens_to_rows).
+CP_AXIS = "expert"
+RULES.update(
+  fsdp_cp={**RULES["fsdp"], "act_batch": ("data", "fsdp", "tensor", CP_AXIS), "act_length": (CP_AXIS,)},
+  fsdp_ep_cp={**RULES["fsdp_ep"], "act_batch": ("data", "fsdp", "tensor", CP_AXIS), "act_length": (CP_AXIS,)},
+  fsdp_ep_tp_cp={**RULES["fsdp_ep_tp"], "act_length": (CP_AXIS,)},
+)
 SERVING_PRESETS = ("tp", "ep", "tp_ep")
 RULES.update(
   tp={**_BASE, **_TP, "act_batch": ("data",)},
@@ -175,16 +202,23 @@ def logical_to_spec(names: Sequence[str | None], preset: str) -> P:
   A mesh axis shards at most one dimension: a later dimension whose rule names an already used mesh
   axis drops it (e.g. `act_batch` takes `tensor` only where no feature dim does).
   """
-  table, used, out = rules(preset), set(), []
+  table, used, out = rules(preset), set(), [None] * len(names)
   for name in names:
-    if name is None:
-      out.append(None)
-      continue
-    if name not in table:
+    if name is not None and name not in table:
       raise ShardingError(f"logical axis {name!r} has no rule in preset {preset!r}; known: {sorted(table)}")
-    axes = tuple(a for a in (table[name] or ()) if a not in used)
+  # The sequence dim takes the context-parallel axis first (a gathered key sequence reserves it unsharded);
+  # then the others in order.
+  first = ("act_length", "act_kv_length")
+  order = [i for i, n in enumerate(names) if n in first] + [i for i, n in enumerate(names) if n not in first]
+  for i in order:
+    if names[i] is None:
+      continue
+    if names[i] == "act_kv_length":
+      used.update(table["act_length"] or ())
+      continue
+    axes = tuple(a for a in (table[names[i]] or ()) if a not in used)
     used.update(axes)
-    out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    out[i] = None if not axes else axes[0] if len(axes) == 1 else axes
   return P(*out)
 
 
@@ -294,8 +328,10 @@ def opt_state_shardings(abstract_opt_state, abstract_params, mesh: Mesh, preset:
 
 
 def batch_sharding(mesh: Mesh, preset: str, ndim: int = 2) -> NamedSharding:
-  """Sharding of a [B, ...] input batch (token ids, segment ids, positions)."""
-  return NamedSharding(mesh, logical_to_spec(("act_batch",) + (None,) * (ndim - 1), preset))
+  """Sharding of a [B, T, ...] input batch (token ids, segment ids, positions): rows over the batch axes,
+  and under a context-parallel preset the sequence over the CP axis (ndim >= 2)."""
+  names = ("act_batch",) if ndim == 1 else ("act_batch", "act_length") + (None,) * (ndim - 2)
+  return NamedSharding(mesh, logical_to_spec(names, preset))
 
 
 # ------------------------------------------------------------------------------ active context
@@ -310,6 +346,19 @@ class Context:
 
   def axis_size(self, logical: str) -> int:
     return math.prod(self.mesh.shape[a] for a in (self.rules[logical] or ()))
+
+  @property
+  def context_axis(self) -> str | None:
+    """The mesh axis that shards the sequence (context parallelism), or None when it has size 1."""
+    return context_axis(self.mesh, self.preset)
+
+
+def context_axis(mesh: Mesh, preset: str) -> str | None:
+  """The context-parallel mesh axis of (mesh, preset): its `act_length` axis when larger than 1, else None."""
+  axes = rules(preset)["act_length"] or ()
+  if len(axes) > 1:
+    raise ShardingError(f"rules preset {preset!r}: act_length -> {axes}; context parallelism takes one mesh axis")
+  return axes[0] if axes and mesh.shape[axes[0]] > 1 else None
 
 
 _CTX: contextvars.ContextVar[Context | None] = contextvars.ContextVar("k2jax_sharding", default=None)

@@ -64,16 +64,38 @@ class GpuAttentionError(ValueError):
   """The GPU attention kernel cannot serve this call (device, dtype, shape, install)."""
 
 
-def tokamax_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, *, scale, implementation="triton"):
+def tokamax_attention(
+  q_BTHK,
+  k_BTHK,
+  v_BTHV,
+  segment_ids_BT,
+  *,
+  scale,
+  implementation="triton",
+  kv_segment_ids_BS=None,
+  q_positions_BT=None,
+):
   """Causal packed-segment attention through tokamax: (out [B,T,H,V] in v's dtype, max_logit [H] float32).
 
   q, k: [B, T, H, Kq]; v: [B, T, H, V]; segment_ids: [B, T] int, contiguous runs (0 = padding).
   logits = scale * q.k. Differentiable in q, k, v; the max logit is a statistic (stop_gradient).
+  Context parallelism: k, v [B, S, ...] are the whole gathered sequence with segments kv_segment_ids [B, S]
+  and query t sits at key index q_positions[b, t]: its mask is the key range [its segment's first key,
+  its position] (tokamax's k_start / k_end, which the kernel also uses to skip kv blocks).
   """
-  _check(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, implementation)
-  op, mask_cls = _tokamax_op(implementation)
   seg_BT = segment_ids_BT.astype(jnp.int32)
-  mask = mask_cls(k_start=segment_starts(seg_BT)[:, None, :], is_causal=True)
+  if q_positions_BT is None:
+    _check(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, implementation)
+    mask_kw = {"k_start": segment_starts(seg_BT)[:, None, :], "is_causal": True}
+  else:
+    S = k_BTHK.shape[1]
+    _check(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, implementation, S=S)
+    pos_BT = q_positions_BT.astype(jnp.int32)
+    start_BT = jnp.take_along_axis(segment_starts(kv_segment_ids_BS.astype(jnp.int32)), pos_BT, axis=1)
+    start_BT = jnp.where(seg_BT > 0, start_BT, S)
+    mask_kw = {"k_start": start_BT[:, None, :], "k_end": (pos_BT + 1)[:, None, :]}
+  op, mask_cls = _tokamax_op(implementation)
+  mask = mask_cls(**mask_kw)
   out_BTHV, (m_BHT, _) = op(q_BTHK, k_BTHK, v_BTHV, mask=mask, logits_scale=float(scale), return_residuals=True)
   valid_BT = seg_BT > 0
   out_BTHV = jnp.where(valid_BT[:, :, None, None], out_BTHV, 0).astype(v_BTHV.dtype)
@@ -112,14 +134,15 @@ def check_device():
     )
 
 
-def _check(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, implementation):
+def _check(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, implementation, S=None):
   if implementation not in IMPLEMENTATIONS:
     raise GpuAttentionError(f"tokamax_attention: implementation one of {IMPLEMENTATIONS}, got {implementation!r}")
   B, T, H, Kq = q_BTHK.shape
-  if k_BTHK.shape != q_BTHK.shape:
-    raise GpuAttentionError(f"tokamax_attention: k has shape {k_BTHK.shape}, expected q's {q_BTHK.shape}")
-  if v_BTHV.shape[:3] != (B, T, H):
-    raise GpuAttentionError(f"tokamax_attention: v has shape {v_BTHV.shape}, expected [{B}, {T}, {H}, V]")
+  S = T if S is None else S
+  if k_BTHK.shape != (B, S, H, Kq):
+    raise GpuAttentionError(f"tokamax_attention: k has shape {k_BTHK.shape}, expected {(B, S, H, Kq)}")
+  if v_BTHV.shape[:3] != (B, S, H):
+    raise GpuAttentionError(f"tokamax_attention: v has shape {v_BTHV.shape}, expected [{B}, {S}, {H}, V]")
   if segment_ids_BT.shape != (B, T) or not jnp.issubdtype(segment_ids_BT.dtype, jnp.integer):
     raise GpuAttentionError(
       f"tokamax_attention: segment_ids must be an integer [{B}, {T}] array, got "

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k2jax import sharding as sharding_lib
+from k2jax.model import context_parallel as cp
 from k2jax.model.config import K2Config
 from k2jax.model.experts import Experts
 from k2jax.model.layers import RMSNorm, SwiGLU
@@ -35,15 +36,16 @@ class MoE(nnx.Module):
 
   def __call__(self, x_BTD, token_valid_BT):
     """Returns (out [B,T,D], expert token counts [E] int32 over valid tokens)."""
-    B, T, D = x_BTD.shape
-    # Tokens stay sharded over the batch axes through routing and into the EP dispatch.
-    x_ND = sharding_lib.constrain(x_BTD.reshape(B * T, D), ("act_batch", "act_embed"))
+    B, T, _ = x_BTD.shape
+    # Tokens stay sharded over the batch axes through routing and into the EP dispatch; under context
+    # parallelism a device's sequence chunk becomes its token block where it lies.
+    x_ND = sharding_lib.constrain(cp.tokens_to_rows(x_BTD), ("act_batch", "act_embed"))
     w_Nk, idx_Nk = self.router(x_ND)
     y_ND = self.experts(x_ND, w_Nk, idx_Nk)
     E = self.router.w.get_value().shape[-1]
-    valid_N = token_valid_BT.reshape(-1).astype(jnp.int32)
+    valid_N = cp.tokens_to_rows(token_valid_BT[..., None].astype(jnp.int32))[:, 0]  # idx_Nk's row order
     counts_E = jnp.zeros((E,), jnp.int32).at[idx_Nk.reshape(-1)].add(jnp.repeat(valid_N, idx_Nk.shape[1]))
-    out_BTD = y_ND.reshape(B, T, D)
+    out_BTD = cp.rows_to_tokens(y_ND, B, T)
     if self.shared is not None:
       out_BTD = out_BTD + self.shared(x_BTD)
     return out_BTD, counts_E

@@ -17,6 +17,8 @@ SUPPORTED_ROPE_TYPES = ("default", "yarn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # "auto": the Pallas flash kernel when compiling for TPU or GPU, the einsum path on CPU (model/mla.py).
 ATTENTION_KINDS = ("auto", "einsum", "flash", "flash_xla", "flash_triton")
+# What MLA gathers over the context-parallel axis (model/mla.py says why 'latent' is the default).
+CP_GATHERS = ("latent", "heads")
 MOE_DISPATCHES = ("auto", "fixed", "ragged")
 # The routed experts' grouped GEMM per compile target (model/moe_gemm.py documents each).
 MOE_GEMMS = ("auto", "ragged_dot", "tiled", "tokamax", "tokamax_triton", "jax_triton")
@@ -29,6 +31,7 @@ EXEC_FIELDS = (
   "scan_layers",
   "remat_policy",
   "attention",
+  "cp_gather",
   "moe_dispatch",
   "moe_chunk_tokens",
   "moe_gemm",
@@ -110,6 +113,9 @@ class K2Config:
   scan_layers: bool = True
   remat_policy: str = "none"
   attention: str = "auto"  # auto | einsum | flash | flash_xla | flash_triton (ATTENTION_KINDS)
+  # Context parallelism: gather MLA's compressed latent + shared rope key ('latent') or the per-head
+  # keys and values ('heads') over the context axis (CP_GATHERS; model/mla.py).
+  cp_gather: str = "latent"
   # Expert-parallel all-to-all (expert_parallel.py): 'ragged' sends exactly the routed rows (TPU/GPU),
   # 'fixed' a dropless worst-case buffer per destination (XLA:CPU has no ragged-all-to-all);
   # 'auto' picks ragged where the compile target's platform has it.
@@ -281,6 +287,7 @@ def validate(c: K2Config) -> None:
   _need(c.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
   _need(c.remat_policy in REMAT_POLICIES, "remat_policy", f"one of {REMAT_POLICIES}, got {c.remat_policy!r}")
   _need(c.attention in ATTENTION_KINDS, "attention", f"one of {ATTENTION_KINDS}, got {c.attention!r}")
+  _need(c.cp_gather in CP_GATHERS, "cp_gather", f"one of {CP_GATHERS}, got {c.cp_gather!r}")
   _need(c.moe_chunk_tokens >= 0, "moe_chunk_tokens", f">= 0 (0: one chunk), got {c.moe_chunk_tokens}")
   _need(c.moe_gemm in MOE_GEMMS, "moe_gemm", f"one of {MOE_GEMMS}, got {c.moe_gemm!r}")
   _need(c.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", f"one of {MOE_DISPATCHES}, got {c.moe_dispatch!r}")

@@ -8,6 +8,7 @@ the same stacked parameters in a Python loop (used to check the scan, and for de
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k2jax import sharding as sharding_lib
+from k2jax.model import context_parallel as cp
 from k2jax.model import rope as rope_lib
 from k2jax.model.block import Block
 from k2jax.model.config import K2Config
@@ -61,6 +63,9 @@ class K2Model(nnx.Module):
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cdt = jnp.dtype(cfg.compute_dtype)
+    # Context parallelism: every layer runs in the causally load-balanced order; positions and segments
+    # travel with their tokens (identity without a context axis).
+    input_ids_BT, segment_ids_BT, positions_BT = (cp.balance(a) for a in (input_ids_BT, segment_ids_BT, positions_BT))
     x_BTD = embed_lookup(self.embed.embedding[...], input_ids_BT, cdt)
     cos_BTk, sin_BTk = rope_lib.rope_cos_sin(cfg, positions_BT)
     token_valid_BT = segment_ids_BT > 0
@@ -74,7 +79,7 @@ class K2Model(nnx.Module):
       max_logits.append(m_LH)
     if counts is None:
       counts = jnp.zeros((0, cfg.n_routed_experts), jnp.int32)
-    x_BTD = self.final_norm(x_BTD)
+    x_BTD = self.final_norm(cp.restore(x_BTD))
     logits_BTS = jnp.dot(x_BTD, self.lm_head.w[...].astype(cdt), preferred_element_type=jnp.float32)
     return ModelOutput(logits_BTS.astype(jnp.float32), jnp.concatenate(max_logits, axis=0), counts)
 
@@ -154,9 +159,10 @@ def embed_lookup(table_VD, ids_BT, dtype):
   if ctx is None or ctx.rules["vocab"] or ctx.axis_size("embed") == 1:
     return gathered()
   embed_axes = tuple(ctx.rules["embed"])
-  ids_spec = sharding_lib.logical_to_spec(("act_batch", None), ctx.preset)
+  ids_spec = sharding_lib.logical_to_spec(("act_batch", "act_length"), ctx.preset)
   batch_axes = sharding_lib.spec_mesh_axes(ids_spec[0])
-  if not set(embed_axes) <= set(batch_axes) or ids_BT.shape[0] % ctx.axis_size("act_batch"):
+  row_shards = math.prod(ctx.mesh.shape[a] for a in batch_axes)  # under CP the sequence takes its axis
+  if not set(embed_axes) <= set(batch_axes) or ids_BT.shape[0] % row_shards:
     return gathered()
   axis = embed_axes[0] if len(embed_axes) == 1 else embed_axes
 
@@ -166,5 +172,5 @@ def embed_lookup(table_VD, ids_BT, dtype):
     return jax.lax.all_to_all(x_gTd, axis, 0, 2, tiled=True)  # [b, T, D]: own tokens, every D slice
 
   table_spec = jax.sharding.PartitionSpec(None, axis)
-  out_spec = jax.sharding.PartitionSpec(ids_spec[0], None, None)
+  out_spec = jax.sharding.PartitionSpec(ids_spec[0], ids_spec[1], None)
   return jax.shard_map(local, mesh=ctx.mesh, in_specs=(table_spec, ids_spec), out_specs=out_spec)(table_VD, ids_BT)

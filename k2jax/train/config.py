@@ -64,6 +64,12 @@ class ModelSpec:
   # auto = the Pallas flash kernel (linear memory in seq_len, returns QK-Clip's max logit) when compiling for
   # TPU (GPU: its plain-JAX blocked fallback), the einsum path on CPU.
   attention: str = knob("auto", "attention kernel: auto | einsum | flash")
+  cp_gather: str = knob(
+    "latent", "context parallelism: gather MLA's latent + rope key (latent) or per-head K/V (heads)"
+  )
+  rope_factor: float | None = knob(
+    None, f"YaRN factor over rope_scaling.original_max_position_embeddings; sets max_position_embeddings ({_NONE})"
+  )
   moe_dispatch: str = knob("auto", "EP all-to-all: auto (ragged on TPU/GPU, fixed on CPU) | fixed | ragged")
   moe_chunk_tokens: int = knob(0, "EP: tokens per device per dispatch chunk (0 = all at once; bounds EP buffers)")
   moe_gemm: str = knob(
@@ -131,7 +137,9 @@ def _axis(v: int) -> bool:
 class MeshSpec:
   """Device mesh and rules preset (the same keys for every loop); -1 = all remaining devices."""
 
-  rules: str = knob("fsdp", "k2jax.sharding rules preset: fsdp | fsdp_ep | fsdp_ep_tp")
+  rules: str = knob(
+    "fsdp", "k2jax.sharding rules preset: fsdp | fsdp_ep | fsdp_ep_tp (+ _cp: the sequence over `expert`)"
+  )
   data: int = knob(1, "data-parallel axis", check=_axis, rule="must be >= 1 or -1")
   fsdp: int = knob(-1, "FSDP axis (-1 = all remaining devices)", check=_axis, rule="must be >= 1 or -1")
   expert: int = knob(1, "expert-parallel axis", check=_axis, rule="must be >= 1 or -1")
@@ -148,6 +156,11 @@ class CheckpointSpec:
   keep: int = knob(3, "keep the last K checkpoints", **_POSITIVE)
   async_save: bool = knob(True, "write in the background while training continues")
   init_from: str = knob("", "workdir or HF dir whose weights start a fresh run ('' = random init)")
+  resume_from: str = knob(
+    "",
+    "workdir whose newest checkpoint (weights, optimizer state, routing bias) starts a fresh run at a new stage, "
+    "e.g. 32k after 4k; its data position is not carried and the step count restarts at 0 ('' = none)",
+  )
   read_budget_bytes: int = knob(
     2 << 30,
     "HF init_from: bytes of HF blocks each process holds in flight beyond its shards (orbax: 2 GiB)",
@@ -232,6 +245,8 @@ def model_config(m: ModelSpec) -> K2Config:
   """`model.preset` plus the non-None `model.*` fields -> frozen K2Config."""
   overrides = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "preset"}
   overrides = {k: v for k, v in overrides.items() if v is not None}
+  if "rope_factor" in overrides:
+    overrides.update(_yarn(m.preset, overrides.pop("rope_factor")))
   if "num_attention_heads" in overrides:  # MLA: kv heads always equal q heads.
     overrides["num_key_value_heads"] = overrides["num_attention_heads"]
   try:
@@ -243,6 +258,20 @@ def model_config(m: ModelSpec) -> K2Config:
     if field in {f.name for f in dataclasses.fields(K2Config)}:
       raise configlib.Invalid(field, why) from None
     raise configlib.Invalid("", str(e)) from None
+
+
+def _yarn(preset: str, factor: float) -> dict:
+  """The preset's YaRN rope_scaling with `factor`, and the context length it reaches."""
+  rope = dict(presets.get(preset).rope)
+  if rope["rope_type"] != "yarn":
+    raise configlib.Invalid("rope_factor", f"preset {preset!r} has rope_scaling type {rope['rope_type']!r}, not yarn")
+  if factor < 1:
+    raise configlib.Invalid("rope_factor", f"must be >= 1, got {factor}")
+  rope["factor"] = factor
+  return {
+    "rope_scaling": tuple(sorted(rope.items())),
+    "max_position_embeddings": int(factor * rope["original_max_position_embeddings"]),
+  }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +292,16 @@ class TrainConfig:
   eval: EvalSpec = section(EvalSpec, "held-out loss (off unless path or fraction) and benchmark tasks (eval.tasks)")
 
   def validate(self):
+    rope = self.model.rope
+    if rope["rope_type"] == "yarn" and rope.get("factor"):
+      reach = rope["factor"] * rope["original_max_position_embeddings"]
+      configlib.need(
+        self.data.seq_len <= reach,
+        "data.seq_len",
+        f"{self.data.seq_len} is past YaRN's reach: factor {rope['factor']} x original_max_position_embeddings "
+        f"{rope['original_max_position_embeddings']} = {reach:g} (set model.rope_factor >= "
+        f"{self.data.seq_len / rope['original_max_position_embeddings']:g})",
+      )
     configlib.need(
       self.data.seq_len <= self.model.max_position_embeddings,
       "data.seq_len",
@@ -294,6 +333,7 @@ def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[s
     n_devices,
     rows=micro,
     what=f"data.global_batch_size (a microbatch of {micro} rows = global_batch_size / num_microbatches)",
+    seq_len=tc.data.seq_len,
   )
   _need(
     tc.data.global_batch_size % process_count == 0,
@@ -318,6 +358,13 @@ def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[s
     _need(
       os.path.isdir(tc.checkpoint.init_from), "checkpoint.init_from", f"no directory at {tc.checkpoint.init_from!r}"
     )
+  if tc.checkpoint.resume_from:
+    _need(
+      os.path.isdir(tc.checkpoint.resume_from),
+      "checkpoint.resume_from",
+      f"no directory at {tc.checkpoint.resume_from!r}",
+    )
+    _need(not tc.checkpoint.init_from, "checkpoint.resume_from", "set resume_from or init_from, not both")
   return shape
 
 
@@ -326,19 +373,30 @@ def eval_rows(tc: TrainConfig) -> int:
   return tc.eval.batch_size or tc.data.global_batch_size // tc.data.num_microbatches
 
 
-def mesh_shape(spec: MeshSpec, model: K2Config, n_devices: int, *, rows: int, what: str) -> dict[str, int]:
+def mesh_shape(
+  spec: MeshSpec, model: K2Config, n_devices: int, *, rows: int, what: str, seq_len: int | None = None
+) -> dict[str, int]:
   """The mesh shape of `spec` on `n_devices`, checked against the model and a batch of `rows` rows
   (`what` names the config key that sets the rows). Shared by every loop's config boundary."""
   try:
     shape = sharding.resolve_mesh_shape({a: getattr(spec, a) for a in sharding.MESH_AXES}, n_devices)
   except sharding.ShardingError as e:
     raise ConfigError(f"mesh: {e}") from None
-  batch_axes = sharding.spec_mesh_axes(sharding.logical_to_spec(("act_batch",), spec.rules)[0])
+  # Rows split over the batch axes; under a context-parallel preset the CP axis splits each row instead.
+  row_spec = sharding.logical_to_spec(("act_batch", "act_length"), spec.rules)
+  batch_axes = sharding.spec_mesh_axes(row_spec[0])
   shards = math.prod(shape[a] for a in batch_axes)
   _need(
     rows % shards == 0,
     what,
     f"{rows} rows are not divisible by the {shards} batch shards (mesh axes {batch_axes} under mesh.rules={spec.rules!r})",
+  )
+  cp = math.prod(shape[a] for a in sharding.spec_mesh_axes(row_spec[1]))
+  _need(
+    seq_len is None or cp == 1 or seq_len % (2 * cp) == 0,
+    "data.seq_len",
+    f"{seq_len} is not divisible by 2 x the context-parallel degree {cp} = {2 * cp} (mesh.rules={spec.rules!r} "
+    f"shards the sequence over {row_spec[1]!r} in 2 x {cp} load-balanced chunks)",
   )
   _need(
     model.n_routed_experts % shape["expert"] == 0,

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -151,12 +152,16 @@ def build(
   on_unreadable: str,
   data_iter=None,
   offload_opt_state: bool = False,
+  resume_from: str = "",
 ) -> Core:
   """Mesh -> abstract state and shardings -> restore the newest readable checkpoint of `workdir` (or
   initialise: `init_from`'s weights, else random with `seed`). Nothing unsharded is ever allocated.
   `data_iter` (a grain iterator) is restored in place when the checkpoint holds its position.
   `on_unreadable`: when checkpoints exist but none restores, "error" raises `UnreadableCheckpoints`
-  before anything is moved; "fresh" moves them aside and initialises (`Checkpointer.restore_latest`)."""
+  before anything is moved; "fresh" moves them aside and initialises (`Checkpointer.restore_latest`).
+  `resume_from`: with no checkpoint in `workdir`, the newest checkpoint of that workdir starts the run
+  (a new stage, e.g. 32k after 4k): weights, optimizer state and routing bias carried, the step count reset
+  to 0 (the stage's own schedule), the data position not (the pipeline packs to the new length)."""
   mesh = sharding.make_mesh(mesh_shape)
   lay = layout(model, optimizer, mesh=mesh, preset=preset, seed=seed, offload_opt_state=offload_opt_state)
   with lay.use():
@@ -167,7 +172,15 @@ def build(
     restored = ckpt.restore_latest(
       abstract_like(lay.abstract_state, lay.device_shardings), data_iter, on_unreadable=on_unreadable
     )
-    if restored is None:
+    if restored is None and resume_from:
+      prior = Checkpointer(resume_from, keep=keep, async_save=False).restore_latest(
+        abstract_like(lay.abstract_state, lay.device_shardings), None, on_unreadable="error"
+      )
+      if prior is None:
+        raise FileNotFoundError(f"checkpoint.resume_from: no checkpoint under {resume_from!r}")
+      state = prior.state._replace(step=jnp.zeros_like(prior.state.step))
+      meta, step, data_ok = {}, None, False
+    elif restored is None:
       state = initial_state(model, init_from, lay.make, optimizer, lay.device_shardings, read_budget_bytes)
       meta, step, data_ok = {}, None, False
     else:

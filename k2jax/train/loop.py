@@ -76,6 +76,7 @@ def run(
     on_unreadable=tc.checkpoint.on_unreadable,
     data_iter=it,
     offload_opt_state=tc.optim.offload_state,
+    resume_from=tc.checkpoint.resume_from,
   )
   if c.restored_step is not None:
     say(f"resumed from {c.ckpt.directory}/{c.restored_step}")

@@ -82,3 +82,14 @@ def test_bf16_compute_copy_and_microbatch_gradient():
   )
   assert po["opt_bytes_per_device"] == 0 and po["host_opt_bytes_per_device"] == pa["opt_bytes_per_device"] > 0
   assert po["total_bytes_per_device"] == pa["total_bytes_per_device"] - pa["opt_bytes_per_device"]
+
+
+def test_context_parallel_plan_counts_the_gathered_keys():
+  """Under a `*_cp` preset each device's queries see the whole sequence: cp keys per local token, latent,
+  up-projected keys and values and their gradients; the rest of a layer's activations is per local token."""
+  cfg = presets.get("1t", compute_dtype="bfloat16", remat_policy="full", attention="flash")
+  mesh = {"fsdp": 64, "expert": 8}
+  base = memory.activation_bytes(cfg, mesh, "fsdp_ep", 4096, 32768, ragged=True, flash=True)
+  cp = memory.activation_bytes(cfg, mesh, "fsdp_ep_cp", 4096, 32768, ragged=True, flash=True)
+  per_token = 8 * 2 * ((512 + 64) + 2 * 64 * (128 + 64 + 128))  # cp * bf16 * (latent + 2 H (Kn + Kr + V))
+  assert cp - base == pytest.approx(4096 * per_token, rel=1e-9)
