@@ -57,7 +57,10 @@ def _math(doc: Doc, text: str) -> Verdict:
   got = extract_boxed(text)
   if got is None:
     return Verdict(0.0, None, "no \\boxed{} answer")
-  ok, why = equivalent(got, str(doc.data["answer"]))
+  try:
+    ok, why = equivalent(got, str(doc.data["answer"]))
+  except ValueError as e:  # a reference math-verify cannot read: the same for every sample
+    return Verdict(0.0, None, f"{UNGRADABLE}{e}")
   return Verdict(float(ok), got, why)  # maj@k groups answers by the grader (the format's `same`)
 
 
@@ -92,7 +95,7 @@ def _reward(kind: str, task: str, doc: Doc, text: str, finish_reason: str, code:
   except ValueError as e:  # e.g. a code test the splitter refuses
     return Verdict(0.0, None, f"{UNGRADABLE}{e}")
   if result.info.get("infra_error"):
-    raise RuntimeError(f"eval: the code sandbox could not run: {result.info['infra_error']}")
+    raise RuntimeError(f"eval: the {kind} grader could not grade: {result.info['infra_error']}")
   answer = None
   if kind == "exact":
     answer = text.strip()

@@ -89,6 +89,19 @@ class RewardSpec:
     "rubric reward judge's prompt layout, also the critic's: rubric (K2's, real judges) | short (a tiny judge)",
     choices=JUDGE_LAYOUTS,
   )
+  math_budget_s: float = knob(
+    300.0,
+    "seconds of math grading one batch may spend, summed over its samples; past it answers score 0 as timeouts"
+    " (bounds what slow expressions cost a rollout; 0 = unbounded)",
+    **_NON_NEGATIVE,
+  )
+  max_infra_error_frac: float = knob(
+    0.5,
+    "share of a batch's samples without a verdict (a grader failed: NaN reward) past which the run stops,"
+    " naming the causes (a grader failing on every sample would train on nothing for hours)",
+    check=lambda v: 0 <= v <= 1,
+    rule="must be in [0, 1]",
+  )
 
 
 @dataclasses.dataclass(frozen=True)

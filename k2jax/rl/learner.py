@@ -154,6 +154,7 @@ def from_config_dict(c, workdir: str, stop_ids: tuple[int, ...], *, check_files:
     top_p=r.top_p,
     stop_token_ids=tuple(stop_ids),
     max_concurrency=r.max_concurrency,
+    max_infra_error_frac=rc.reward.max_infra_error_frac,
   )
   loss = K2LossConfig(**dataclasses.asdict(rc.loss))
   ptx = PTXConfig(**dataclasses.asdict(rc.ptx)) if loss.ptx_coef > 0 else None
@@ -354,6 +355,7 @@ class Learner:
         self.critic.recording(self.runtime.reward_fn) if self.critic else self.runtime.reward_fn,
         decode=decode,
         episodes=self.runtime.episodes,
+        grading_budget=self.runtime.grading_budget,
         start_iteration=self.meta["iteration"],
         start_uid=self.meta["prompts_drawn"],
       )

@@ -34,6 +34,7 @@ from k2jax.data.sources import iter_jsonl_strict
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.model.config import ConfigError
 from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResult
+from k2jax.rl.rewards.math import GradingBudget
 from k2jax.rl.rewards.contract import (
   JUDGE_KINDS,
   REWARD_KINDS,
@@ -286,9 +287,12 @@ class TaskSet:
   def needs_judge(self) -> bool:
     return any(k in JUDGE_KINDS for k in self.reward_kinds.values())
 
-  def reward_fn(self, config: RewardConfig = RewardConfig(), judge: ChatJudge | None = None) -> GroupRewardFn:
-    """One group reward for the whole mix: each prompt is scored by its task's reward kind."""
-    by_task = {name: make_reward(kind, config, judge) for name, kind in self.reward_kinds.items()}
+  def reward_fn(
+    self, config: RewardConfig = RewardConfig(), judge: ChatJudge | None = None, budget: GradingBudget | None = None
+  ) -> GroupRewardFn:
+    """One group reward for the whole mix: each prompt is scored by its task's reward kind (the math kinds
+    share `budget`, the grading seconds of one batch)."""
+    by_task = {name: make_reward(kind, config, judge, budget) for name, kind in self.reward_kinds.items()}
 
     def reward(prompt: Prompt, completions: Sequence[Completion]) -> Sequence[RewardResult]:
       if prompt.task not in by_task:

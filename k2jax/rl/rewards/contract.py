@@ -3,7 +3,8 @@
 the prompt's task data, and a missing field is an error naming the prompt, the kind and the field:
 
   exact        data["answer"]: the stripped response equals it and the sample stopped (generated arithmetic)
-  math         data["answer"]: the last \\boxed{} answer is equivalent to it (rewards.math)
+  math         data["answer"]: the last \\boxed{} answer is equivalent to it (rewards.math); a reference
+               math-verify cannot read is bad data (ValueError); `info["timed_out"]` marks a timed-out grade
   code         data["tests"]: pass rate of the response's last fenced program in the sandbox (k2jax.sandbox)
   instruction  data["constraints"]: [{"kind": "word_count", "max_words": 50}, ...]; share met, 0 when the
                response claims compliance it lacks (rewards.instruction, K2 hack-check)
@@ -19,7 +20,8 @@ cannot split, an unknown constraint): that is the run's input, and it stops the 
 other exception is the grader failing (the parser, the sandbox, a judge endpoint that does not answer): an
 infrastructure verdict, reward NaN with `info["infra_error"]` saying why, for that completion (the whole group
 for the rubric kind), which the RL batch masks and counts (`dropped_reward`, `reward_infra_errors`), never a
-crash of the rollout.
+crash of the rollout; past `RolloutConfig.max_infra_error_frac` of a batch the rollout stops the run with
+the causes (a grader that fails on every sample leaves nothing to train on).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from k2jax.rl.rewards import instruction
 from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResult, per_sample
 from k2jax.rl.rewards.code import code_reward
 from k2jax.rl.rewards.judge import llm_judge_reward
-from k2jax.rl.rewards.math import math_reward
+from k2jax.rl.rewards.math import GradingBudget, math_reward
 from k2jax.rl.rewards.rubric import RubricRewardConfig, rubric_group_reward
 from k2jax.sandbox.code import CodeRewardConfig
 
@@ -59,8 +61,14 @@ class RewardConfig:
   judge_criteria: str = "The response is correct, helpful and answers the prompt directly."
 
 
-def make_reward(kind: str, config: RewardConfig = RewardConfig(), judge: ChatJudge | None = None) -> GroupRewardFn:
-  """The group reward of `kind` (one of REWARD_KINDS); `judge` is required by the judge and rubric kinds."""
+def make_reward(
+  kind: str,
+  config: RewardConfig = RewardConfig(),
+  judge: ChatJudge | None = None,
+  budget: GradingBudget | None = None,
+) -> GroupRewardFn:
+  """The group reward of `kind` (one of REWARD_KINDS); `judge` is required by the judge and rubric kinds;
+  `budget` bounds the math kind's grading seconds per RL batch (the rollout manager opens each batch)."""
   if kind not in REWARD_KINDS:
     raise ValueError(f"unknown reward kind {kind!r}; known: {REWARD_KINDS}")
   if kind in JUDGE_KINDS and judge is None:
@@ -70,7 +78,7 @@ def make_reward(kind: str, config: RewardConfig = RewardConfig(), judge: ChatJud
   needs = {"exact": "answer", "math": "answer", "code": "tests", "instruction": "constraints"}
   per_completion: dict[str, Callable[[Prompt, Completion], RewardResult]] = {
     "exact": exact_answer_reward,
-    "math": math_reward,
+    "math": lambda p, c: math_reward(p, c, budget),
     "code": lambda p, c: code_reward(p, c, config.code),
     "instruction": lambda p, c: instruction.instruction_reward(
       c.text, instruction.constraints_from_dicts(p.data["constraints"])

@@ -14,15 +14,22 @@ Where it runs: math-verify bounds its time with `signal.alarm`, which works only
 rewards run in threads and processes. Each grade goes to a worker process (`math_worker.py`, a small pool
 per process, started on first use) whose main thread runs math-verify with its timeouts on; the caller waits
 at most `_deadline(timeout)` for the reply and kills a worker that overruns it (a C call a signal cannot
-stop). So a grade never hangs a rollout and works from any thread; a timed-out grade is 0.0 with the reason.
-A worker that cannot start or dies raises `RuntimeError` (an infrastructure error for the reward contract,
-never a verdict).
+stop). So a grade never hangs a rollout and works from any thread; a timed-out grade is 0.0 with the reason
+and `info["timed_out"]`, and a `GradingBudget` bounds the seconds one RL batch spends grading.
+
+Nothing an answer holds may crash or hang the grader: the worker guards each step that sees the answer (an
+exception there, like sympy refusing to print `\\binom{20000}{10000}`'s 6,000 digits, grades the answer
+wrong), and a worker that dies on a request is replaced and asked once more (dying twice, the answer is
+graded wrong). What stays an error: a worker that cannot start or breaks the protocol raises `RuntimeError`
+(an infrastructure error for the reward contract, never a verdict), and a reference math-verify cannot read
+as mathematics raises `ValueError` (the task's data is wrong; it would score every sample 0).
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import re
 import select
@@ -32,98 +39,189 @@ import tempfile
 import threading
 import time
 from importlib.metadata import version
+from typing import NamedTuple
 
 from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
 
-GRADER_VERSION = f"math-verify {version('math-verify')}; k2jax letter-list rule 1"
+GRADER_VERSION = (
+  f"math-verify {version('math-verify')}; sympy {version('sympy')}; k2jax letter-list rule 1, boxed extraction 2"
+)
 TIMEOUT_S = 3  # math-verify's own limit per parse and per comparison (seconds, whole)
 _MAX_LEN = 1000  # longer answers are refused before parsing (no MATH answer comes close)
 _POOL_SIZE = max(1, min(4, os.cpu_count() or 1))
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "math_worker.py")
+_START_S = 120.0  # a worker's start (importing math-verify and sympy: ~1 s idle, far more on a loaded host)
+_MAX_LINE = 1 << 16  # bytes of one reply line; the worker cuts what it prints far below this
 
 
-def math_reward(prompt: Prompt, completion: Completion) -> RewardResult:
-  """1.0 if the last \\boxed{} answer equals `prompt.data['answer']`, else 0.0 with the reason."""
+class GradingBudget:
+  """Seconds of math grading one RL batch may spend, summed over its grades (threads grade in parallel).
+
+  A grade gets at most what is left (its math-verify limit and deadline shrink to fit); once none is left, an
+  answer is not graded and scores 0 as a timeout. So a policy that learns to write slow expressions costs
+  each batch at most `seconds` (plus the grades already running: `reward_workers` times one deadline), not
+  one timeout per completion. `start()` opens a new batch; `seconds=0` bounds nothing.
+  """
+
+  def __init__(self, seconds: float):
+    if seconds < 0:
+      raise ValueError(f"GradingBudget: seconds must be >= 0 (0 = unbounded), got {seconds}")
+    self.seconds = float(seconds)
+    self._lock = threading.Lock()
+    self.spent = 0.0
+
+  def start(self) -> None:
+    with self._lock:
+      self.spent = 0.0
+
+  def left(self) -> float:
+    with self._lock:
+      return math.inf if not self.seconds else self.seconds - self.spent
+
+  def spend(self, seconds: float) -> None:
+    with self._lock:
+      self.spent += seconds
+
+
+def math_reward(prompt: Prompt, completion: Completion, budget: GradingBudget | None = None) -> RewardResult:
+  """1.0 if the last \\boxed{} answer equals `prompt.data['answer']`, else 0.0 with the reason.
+  `info["timed_out"]` marks a grade that ran out of time (math-verify's limit, the deadline or `budget`);
+  a reference math-verify cannot read as mathematics raises ValueError (the task's data is wrong)."""
   if "answer" not in prompt.data:
     raise KeyError(f"math_reward: prompt {prompt.prompt_id} has no data['answer']")
   answer = extract_boxed(completion.text)
   if answer is None:
     return RewardResult(0.0, "no \\boxed{} answer")
-  ok, why = equivalent(answer, str(prompt.data["answer"]))
-  return RewardResult(float(ok), why, {"extracted": answer})
+  try:
+    grade = _equivalent(answer.strip(), str(prompt.data["answer"]).strip(), TIMEOUT_S, budget)
+  except ValueError as e:
+    raise ValueError(f"math_reward: prompt {prompt.prompt_id} (task {prompt.task!r}): {e}") from None
+  return RewardResult(float(grade.ok), grade.why, {"extracted": answer, "timed_out": grade.timed_out})
+
+
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 
 
 def extract_boxed(text: str) -> str | None:
-  """Content of the last \\boxed{...} or \\fbox{...}, braces balanced; None when absent or unbalanced."""
-  start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-  if start < 0:
-    return None
-  i = text.find("{", start)
-  if i < 0:
-    m = re.match(r"\\boxed\s+(\S+)", text[start:])  # \boxed 5
-    return m.group(1).rstrip("$.") if m else None
+  """Content of the last outermost \\boxed{...} or \\fbox{...}, braces balanced (`\\boxed 5` without braces:
+  its first word); None when absent or unbalanced. A box inside another is part of the outer one's content."""
+  found, pos = None, 0
+  while (m := _BOX.search(text, pos)) is not None:
+    i = m.end()
+    while i < len(text) and text[i] in " \t":
+      i += 1
+    if i < len(text) and text[i] == "{":
+      end = _closing_brace(text, i)
+      found = None if end is None else text[i + 1 : end].strip()
+      pos = len(text) if end is None else end + 1
+    else:  # \boxed 5. Check ... : the word after it, never a brace further on
+      word = re.match(r"\S+", text[i:]) if i > m.end() else None
+      found = word.group(0).rstrip("$.,") or None if word else None
+      pos = i + (word.end() if word else 0)
+  return found
+
+
+def _closing_brace(text: str, i: int) -> int | None:
   depth = 0
   for j in range(i, len(text)):
     depth += {"{": 1, "}": -1}.get(text[j], 0)
     if depth == 0:
-      return text[i + 1 : j].strip()
+      return j
   return None
 
 
-def equivalent(candidate: str, reference: str, timeout: int = TIMEOUT_S) -> tuple[bool, str]:
-  """(candidate's answer equals the reference, why): math-verify's verdict (the reference is its gold)."""
-  return _equivalent(candidate.strip(), reference.strip(), int(timeout))
+def equivalent(
+  candidate: str, reference: str, timeout: int = TIMEOUT_S, budget: GradingBudget | None = None
+) -> tuple[bool, str]:
+  """(candidate's answer equals the reference, why): math-verify's verdict (the reference is its gold).
+  ValueError when math-verify cannot read the reference as mathematics (bad task data)."""
+  grade = _equivalent(candidate.strip(), reference.strip(), int(timeout), budget)
+  return grade.ok, grade.why
 
 
 def same_answer(a: str, b: str) -> bool:
-  """Whether two extracted answers are one answer (maj@k's classes): each equals the other as a reference."""
-  return a.strip() == b.strip() or (equivalent(a, b)[0] and equivalent(b, a)[0])
+  """Whether two extracted answers are one answer (maj@k's classes): each equals the other as a reference
+  (an answer math-verify cannot read as a reference is only itself)."""
+  if a.strip() == b.strip():
+    return True
+  try:
+    return equivalent(a, b)[0] and equivalent(b, a)[0]
+  except ValueError:
+    return False
 
 
-def _equivalent(candidate: str, reference: str, timeout: int) -> tuple[bool, str]:
+class _Grade(NamedTuple):
+  ok: bool
+  why: str
+  timed_out: bool = False
+  bad_reference: str = ""  # why the reference is not mathematics math-verify reads ('' = it is)
+
+
+def _equivalent(candidate: str, reference: str, timeout: int, budget: GradingBudget | None = None) -> _Grade:
   key = (candidate, reference, timeout)
   hit = _CACHE.get(key)
   if hit is None:
-    hit = _grade(candidate, reference, timeout)
-    if not hit[2]:  # a timeout may be the machine's load, not the answer: asked again next time
+    hit = _grade(candidate, reference, timeout, budget)
+    if not hit.timed_out:  # a timeout may be the machine's load, not the answer: asked again next time
       with _CACHE_LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
           _CACHE.pop(next(iter(_CACHE)))  # the oldest entry
         _CACHE[key] = hit
-  return hit[0], hit[1]
+  if hit.bad_reference:
+    raise ValueError(hit.bad_reference)
+  return hit
 
 
-_CACHE: dict[tuple[str, str, int], tuple[bool, str, bool]] = {}
+_CACHE: dict[tuple[str, str, int], _Grade] = {}
 _CACHE_LOCK = threading.Lock()
 _CACHE_SIZE = 8192
 
 
-def _grade(candidate: str, reference: str, timeout: int) -> tuple[bool, str, bool]:
-  """(verdict, why, timed out)."""
+def _grade(candidate: str, reference: str, timeout: int, budget: GradingBudget | None) -> _Grade:
+  if not reference:
+    return _Grade(False, "", bad_reference="the reference answer is empty")
+  if len(reference) > _MAX_LEN:
+    return _Grade(False, "", bad_reference=f"the reference answer is longer than {_MAX_LEN} characters")
   if not candidate:
-    return False, "empty answer", False
-  if len(candidate) > _MAX_LEN or len(reference) > _MAX_LEN:
-    return False, f"answer or reference longer than {_MAX_LEN} characters", False
+    return _Grade(False, "empty answer")
+  if len(candidate) > _MAX_LEN:
+    return _Grade(False, f"answer longer than {_MAX_LEN} characters")
   letters = _letter_list(reference, in_text=True)
   if letters is not None:
     got = _letter_list(candidate, in_text=False)
     ok = got == letters
-    return ok, f"choice letters {sorted(got or ())} {'==' if ok else '!='} {sorted(letters)}", False
-  reply = _POOL.ask({"pred": candidate, "gold": reference, "timeout": timeout}, _deadline(timeout))
+    return _Grade(ok, f"choice letters {sorted(got or ())} {'==' if ok else '!='} {sorted(letters)}")
+  deadline = _deadline(timeout)
+  left = budget.left() if budget is not None else math.inf
+  if left <= 0:
+    return _Grade(False, f"not graded: the batch's math grading budget ({budget.seconds:g} s) is spent", True)
+  if left < deadline:  # the grade fits what is left of the budget
+    timeout = max(1, min(timeout, int(left // 6)))
+    deadline = left
+  t0 = time.monotonic()
+  try:
+    reply = _POOL.ask({"pred": candidate, "gold": reference, "timeout": timeout}, deadline)
+  finally:
+    if budget is not None:
+      budget.spend(time.monotonic() - t0)
   if reply is None:
-    return False, f"grader timed out ({_deadline(timeout):.0f} s, worker killed)", True
+    return _Grade(False, f"grader timed out ({deadline:.0f} s, worker killed)", True)
+  if reply["error"].startswith("gold"):
+    return _Grade(False, "", bad_reference=f"math-verify fails on the reference {reference!r}: {reply['error']}")
   if reply["timed_out"] and not reply["ok"]:
-    return False, f"grader timed out (math-verify's {timeout} s limit) on {candidate!r} vs {reference!r}", True
+    return _Grade(False, f"grader timed out (math-verify's {timeout} s limit) on {candidate!r} vs {reference!r}", True)
+  if not reply["gold_math"]:
+    return _Grade(False, "", bad_reference=f"math-verify cannot read the reference {reference!r} as mathematics")
+  if reply["error"]:  # the answer made math-verify or sympy raise: a wrong answer, not a grader failure
+    return _Grade(False, f"the grader fails on the answer {candidate[:100]!r}, graded wrong ({reply['error']})")
   if not reply["pred"]:
-    return False, f"could not parse the answer {candidate!r}", False
-  if not reply["gold"]:
-    return False, f"could not parse the reference {reference!r}", False
-  return reply["ok"], f"{reply['pred']} {'==' if reply['ok'] else '!='} {reply['gold']} (math-verify)", False
+    return _Grade(False, f"could not parse the answer {candidate!r}")
+  return _Grade(reply["ok"], f"{reply['pred']} {'==' if reply['ok'] else '!='} {reply['gold']} (math-verify)")
 
 
 def _deadline(timeout: int) -> float:
-  # Two parses and up to four comparisons (math-verify pairs each side's sympy and string forms), plus start-up.
-  return 6.0 * timeout + 10.0
+  # Two parses and up to four comparisons (math-verify pairs each side's sympy and string forms), plus slack.
+  return 6.0 * timeout + 2.0
 
 
 _LETTERS = re.compile(r"\(?[A-Z]\)?(?:\s*,\s*\(?[A-Z]\)?)*")
@@ -142,6 +240,10 @@ def _letter_list(s: str, in_text: bool) -> frozenset[str] | None:
   return frozenset(re.findall(r"[A-Z]", unwrapped))
 
 
+class _DiedOnRequest(Exception):
+  """The worker started (it said ready) and then exited while grading a request."""
+
+
 class _Worker:
   def __init__(self):
     self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close(), with the process
@@ -157,26 +259,58 @@ class _Worker:
       self.stderr.close()
       raise RuntimeError(f"math grader: could not start its worker ({sys.executable} {_WORKER}): {e}") from e
     self.buffer = b""
+    self.ready = False
 
   def ask(self, request: dict, deadline: float) -> dict | None:
-    """The reply, or None when `deadline` seconds pass first. RuntimeError when the worker died."""
+    """The reply, or None when `deadline` seconds pass first. RuntimeError when the worker cannot start or
+    breaks the protocol (infrastructure); `_DiedOnRequest` when it started and then died on this request."""
+    if not self.ready:
+      line = self._line(_START_S)
+      if line is None:
+        raise RuntimeError(f"math grader: its worker did not start within {_START_S:.0f} s")
+      if self._decode(line) != {"ready": True}:
+        raise RuntimeError(f"math grader: its worker did not say ready, it wrote {line[:200]!r}")
+      self.ready = True
     try:
       self.proc.stdin.write((json.dumps(request) + "\n").encode())
       self.proc.stdin.flush()
     except (BrokenPipeError, OSError):
-      raise RuntimeError(f"math grader: its worker exited: {self.died()}") from None
-    end = time.monotonic() + deadline
+      raise _DiedOnRequest(self.died()) from None
+    line = self._line(deadline)
+    if line is None:
+      return None
+    reply = self._decode(line)
+    if not (isinstance(reply, dict) and _REPLY_KEYS <= reply.keys()):
+      raise RuntimeError(f"math grader: its worker's reply lacks {sorted(_REPLY_KEYS)}: {line[:200]!r}")
+    return reply
+
+  def _line(self, seconds: float) -> bytes | None:
+    """One line from the worker, or None when `seconds` pass first."""
+    end = time.monotonic() + seconds
     fd = self.proc.stdout.fileno()
     while b"\n" not in self.buffer:
+      if len(self.buffer) > _MAX_LINE:
+        raise RuntimeError(f"math grader: its worker wrote a line over {_MAX_LINE} bytes: {self.buffer[:200]!r}")
       left = end - time.monotonic()
       if left <= 0 or not select.select([fd], [], [], left)[0]:
         return None
       chunk = os.read(fd, 65536)
       if not chunk:
-        raise RuntimeError(f"math grader: its worker exited: {self.died()}")
+        if self.ready:
+          raise _DiedOnRequest(self.died())
+        raise RuntimeError(f"math grader: its worker exited before it was ready: {self.died()}")
       self.buffer += chunk
     line, _, self.buffer = self.buffer.partition(b"\n")
-    return json.loads(line)
+    if len(line) > _MAX_LINE:
+      raise RuntimeError(f"math grader: its worker wrote a line over {_MAX_LINE} bytes: {line[:200]!r}")
+    return line
+
+  @staticmethod
+  def _decode(line: bytes):
+    try:
+      return json.loads(line)
+    except ValueError:  # a broken protocol is the grader's failure, never the task data's (json raises ValueError)
+      raise RuntimeError(f"math grader: its worker wrote a line that is not JSON: {line[:200]!r}") from None
 
   def died(self) -> str:
     code = self.proc.wait()
@@ -195,6 +329,9 @@ class _Worker:
         pass
 
 
+_REPLY_KEYS = frozenset({"ok", "timed_out", "pred", "gold", "gold_math", "error"})
+
+
 class _Pool:
   """Up to `_POOL_SIZE` workers shared by the process's threads; each request holds one worker."""
 
@@ -204,6 +341,19 @@ class _Pool:
     self.count = 0
 
   def ask(self, request: dict, deadline: float) -> dict | None:
+    """The reply, or None past `deadline`. A worker that dies on a request is replaced and asked once more;
+    when the second one dies too, the request is what kills them (a parse past the memory the machine has,
+    an interpreter crash in a C extension): the reply says so and the answer is graded wrong."""
+    deaths = []
+    while len(deaths) < 2:
+      try:
+        return self._ask_one(request, deadline)
+      except _DiedOnRequest as e:
+        deaths.append(str(e))
+    error = f"answer: the grader's worker died on it twice ({deaths[-1][:200]})"
+    return {"ok": False, "timed_out": False, "pred": "", "gold": "", "gold_math": True, "error": error}
+
+  def _ask_one(self, request: dict, deadline: float) -> dict | None:
     worker = self._take()
     try:
       reply = worker.ask(request, deadline)
