@@ -14,6 +14,7 @@ import time
 import pytest
 
 from k2jax.rl.rewards import math as grader
+from k2jax.rl.rewards import math_pool
 from k2jax.rl.rewards.base import Completion, Prompt
 from k2jax.rl.rewards.math import GRADER_VERSION, equivalent, math_reward, same_answer
 
@@ -174,7 +175,7 @@ def test_grades_from_many_threads_agree_with_one_thread():
     t.join()
   assert errors == []
   assert [results[i][0] for i in range(48)] == [serial[i % len(rows)][0] for i in range(48)]
-  assert grader._POOL.count <= grader._POOL_SIZE
+  assert math_pool.POOL.count <= math_pool.POOL_SIZE
 
 
 def test_a_hostile_answer_is_bounded_by_math_verifys_timeout():
@@ -187,28 +188,28 @@ def test_a_hostile_answer_is_bounded_by_math_verifys_timeout():
 
 def test_a_worker_that_stops_answering_is_killed_and_replaced():
   equivalent("1", "1")  # a worker exists
-  grader._POOL.close()
+  math_pool.POOL.close()
   equivalent("2", "2")
-  (worker,) = grader._POOL.idle
+  (worker,) = math_pool.POOL.idle
   os.kill(worker.proc.pid, signal.SIGSTOP)  # like a C call no signal interrupts
   try:
-    reply = grader._POOL.ask({"pred": "3", "gold": "3", "timeout": 1}, deadline=1.0)
+    reply = math_pool.POOL.ask({"pred": "3", "gold": "3", "timeout": 1}, deadline=1.0)
   finally:
     if worker.proc.poll() is None:
       os.kill(worker.proc.pid, signal.SIGCONT)
   assert reply is None and worker.proc.poll() is not None  # killed
-  assert worker not in grader._POOL.idle
+  assert worker not in math_pool.POOL.idle
   assert equivalent("4", "4.0") == (True, equivalent("4", "4.0")[1])  # a fresh worker answers
 
 
 def test_a_worker_that_cannot_start_is_an_error_naming_it(monkeypatch):
-  grader._POOL.close()
-  monkeypatch.setattr(grader, "_WORKER", "/nonexistent/math_worker.py")
+  math_pool.POOL.close()
+  monkeypatch.setattr(math_pool, "WORKER", "/nonexistent/math_worker.py")
   with pytest.raises(
     RuntimeError, match="math grader: its worker exited before it was ready: exit status 2.*nonexistent"
   ):
     equivalent("7", "8")
-  assert grader._POOL.count == 0 and grader._POOL.idle == []
+  assert math_pool.POOL.count == 0 and math_pool.POOL.idle == []
 
 
 def test_maj_at_k_of_the_math_formats_votes_over_the_graders_classes():
@@ -247,10 +248,10 @@ ADVERSARIAL = [
 
 def test_adversarial_answers_are_graded_and_never_crash_the_grader():
   equivalent("1", "1")
-  pids = {w.proc.pid for w in grader._POOL.idle}
+  pids = {w.proc.pid for w in math_pool.POOL.idle}
   wrong = [(a[:40], r, want, equivalent(a, r)) for a, r, want in ADVERSARIAL if equivalent(a, r)[0] != want]
   assert wrong == []
-  assert {w.proc.pid for w in grader._POOL.idle} >= pids  # no worker died: each step is guarded
+  assert {w.proc.pid for w in math_pool.POOL.idle} >= pids  # no worker died: each step is guarded
   ok, why = equivalent(r"\binom{20000}{10000}", "5")
   assert not ok and "does not print" in why
   assert "longer than 1000 characters" in equivalent("1" * 10_000, "5")[1]
@@ -318,12 +319,12 @@ def _fake_worker(tmp_path, body: str) -> str:
 
 
 def test_a_worker_that_dies_on_an_answer_twice_grades_it_wrong(tmp_path, monkeypatch):
-  grader._POOL.close()
+  math_pool.POOL.close()
   grader._CACHE.clear()
-  monkeypatch.setattr(grader, "_WORKER", _fake_worker(tmp_path, "sys.stdin.readline()\nsys.exit(3)\n"))
+  monkeypatch.setattr(math_pool, "WORKER", _fake_worker(tmp_path, "sys.stdin.readline()\nsys.exit(3)\n"))
   ok, why = equivalent("6", "5")
   assert not ok and "worker died on it twice (exit status 3)" in why
-  assert grader._POOL.count == 0
+  assert math_pool.POOL.count == 0
   grader._CACHE.clear()
 
 
@@ -338,12 +339,12 @@ def test_a_worker_that_dies_on_an_answer_twice_grades_it_wrong(tmp_path, monkeyp
 def test_a_worker_that_breaks_the_protocol_is_an_infrastructure_error(tmp_path, monkeypatch, body, error):
   from k2jax.rl.rewards import contract
 
-  grader._POOL.close()
+  math_pool.POOL.close()
   grader._CACHE.clear()
-  monkeypatch.setattr(grader, "_WORKER", _fake_worker(tmp_path, body))
+  monkeypatch.setattr(math_pool, "WORKER", _fake_worker(tmp_path, body))
   with pytest.raises(RuntimeError, match=error):  # never ValueError: that would read as bad task data
     equivalent("6", "5")
   prompt = Prompt("q", "math", (1,), data={"answer": "5"})
   (r,) = contract.make_reward("math")(prompt, [Completion((), r"\boxed{6}", "stop", truncated=False)])
   assert r.reward != r.reward and "math grader raised RuntimeError" in r.info["infra_error"]
-  grader._POOL.close()
+  math_pool.POOL.close()
