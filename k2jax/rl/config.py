@@ -188,7 +188,10 @@ class LossSpec:
 
   tau: float = knob(1.0, "regulariser tau of the K2 objective")
   old_logprobs: str = knob(
-    "trainer", "pi_old: 'trainer' (recomputed) or 'engine' (sampling logprobs)", choices=OLD_LOGPROBS
+    "trainer",
+    "pi_old: 'trainer' (recomputed) or 'engine' (sampling logprobs: the trainer/engine gap is a gradient, so a"
+    " batch of equal rewards still updates)",
+    choices=OLD_LOGPROBS,
   )
   ptx_coef: float = knob(0.002, "weight of the PTX NLL on the curated set (0 disables PTX)")
 
@@ -221,7 +224,14 @@ class RLOptimSpec:
   momentum: float = knob(0.95, "Muon momentum")
   qk_clip_tau: float = knob(100.0, "QK-Clip threshold on the forward's max logits (0 disables)")
   bias_update_rate: float = knob(0.0, "MoE balancing-bias step per update (0 keeps the bias fixed)")
-  updates_per_batch: int = knob(1, "optimizer steps per rollout batch (pi_old fixed across them)", **_POSITIVE)
+  updates_per_batch: int = knob(
+    1,
+    "optimizer steps per rollout batch (pi_old fixed across them). A step whose gradient is provably zero (every"
+    " group's rewards equal, pi_old the trainer's, no PTX or critic rows) is dropped: params and optimizer state"
+    " are kept, so the LR schedule and weight decay do not advance (they count applied updates), while the"
+    " balancing bias still moves; metrics updates_dropped / dropped_updates, apart from updates_nonfinite",
+    **_POSITIVE,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
