@@ -32,8 +32,8 @@ from k2jax.model import K2Model, presets  # noqa: E402
 from k2jax.optim import QKClipSpec, muonclip  # noqa: E402
 from k2jax.rl import critic as C  # noqa: E402
 from k2jax.rl import rl_step  # noqa: E402
-from k2jax.rl.rewards.base import Prompt  # noqa: E402
-from k2jax.rl.rewards.rubric import RubricRewardConfig, format_rubrics  # noqa: E402
+from k2jax.grading.base import Prompt  # noqa: E402
+from k2jax.grading.rubric import RubricRewardConfig, format_rubrics  # noqa: E402
 from k2jax.train.step import ModelDef, init_state  # noqa: E402
 
 _FORMAT = flags.DEFINE_enum("format", "judge", ["judge", "short", "mini"], "critic example layout (see the docstring)")

@@ -1,6 +1,6 @@
 """Grading one generated sample of a task: a score in [0, 1] (1 = correct), the answer maj@k votes on, a reason.
 
-Graders reuse the RL rewards: `\\boxed{}` extraction and equivalence of `rl/rewards/math.py`, the code verifier
+Graders reuse the RL rewards: `\\boxed{}` extraction and equivalence of `grading/math.py`, the code verifier
 `k2jax.sandbox.verify` (HumanEval, MBPP) and `make_reward` for `answer.KIND` tasks; swe episodes are graded
 by `k2jax.swe.grade` in `swe.py` (a `Verdict` too). HumanEval's `check(candidate)`
 and MBPP's asserts (after `test_setup_code`) run as trusted code in a sandbox of their own, calling the program,
@@ -16,9 +16,9 @@ import re
 from k2jax.eval.records import Doc, canonical_number
 from k2jax.eval.tasks import get_format
 from k2jax.eval.verdict import UNGRADABLE, Verdict
-from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.contract import RewardConfig, make_reward
-from k2jax.rl.rewards.math import equivalent, extract_boxed
+from k2jax.grading.base import Completion, Prompt
+from k2jax.grading.contract import RewardConfig, make_reward
+from k2jax.grading.math import equivalent, extract_boxed
 from k2jax.sandbox.code import CodeRewardConfig, extract_code
 from k2jax.sandbox.verify import is_infra_error, verify
 

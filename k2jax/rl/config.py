@@ -16,7 +16,7 @@ from ml_collections import config_dict as mlc
 from k2jax import configlib
 from k2jax.configlib import knob, section, sections
 from k2jax.data.eval_tasks import EvalTaskEntry, eval_task_section  # noqa: F401  (configs/rl.py's presets)
-from k2jax.rl.rewards.rubric import JUDGE_LAYOUTS
+from k2jax.grading.rubric import JUDGE_LAYOUTS
 from k2jax.train.config import ON_UNREADABLE, MeshSpec
 
 ROLLOUT_ENGINES = ("embedded", "sglang_jax_colocated")
@@ -67,7 +67,7 @@ class TaskEntry:
   """One `tasks.<name>` section of a mixed batch (kind 'arith' still reads task.a_min.. and task.template)."""
 
   kind: str = knob("jsonl", "arith | jsonl | agentic", choices=TASK_KINDS)
-  reward: str = knob("", "reward kind (k2jax/rl/rewards; '' = exact for arith, env for agentic)")
+  reward: str = knob("", "reward kind (k2jax/grading; '' = exact for arith, env for agentic)")
   path: str = knob("", "jsonl records of the task")
   env: str = knob("", "agentic: environment name")
   budget: int = knob(1, "response tokens per sample", **_POSITIVE)
@@ -76,7 +76,7 @@ class TaskEntry:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
-  """k2jax/rl/rewards/contract.py (the one reward contract)."""
+  """k2jax/grading/contract.py (the one reward contract)."""
 
   judge_url: str = knob(
     "", "OpenAI-compatible endpoint for judge/rubric rewards ('' = the rollout engine)", check=_urls

@@ -36,8 +36,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, SamplingParams
 from k2jax.rl.rollout_batch import RolloutBatch
-from k2jax.rl.rewards.base import GroupRewardFn, Prompt, RewardResult
-from k2jax.rl.rewards.math import GradingBudget
+from k2jax.grading.base import GroupRewardFn, Prompt, RewardResult
+from k2jax.grading.math import GradingBudget
 from k2jax.rl.samples import Group, Sample, build_batch, completion_of
 
 

@@ -18,17 +18,17 @@ from k2jax.data.tokenizer import Tokenizer
 from k2jax.llm_client import ChatClient, ChatConfig
 from k2jax.model.config import ConfigError
 from k2jax.engine.base import Engine
-from k2jax.rl.rewards.base import GroupRewardFn
-from k2jax.rl.rewards.contract import EngineJudge, RewardConfig
-from k2jax.rl.rewards.math import GradingBudget
-from k2jax.rl.rewards.rubric import RubricRewardConfig
+from k2jax.grading.base import GroupRewardFn
+from k2jax.grading.contract import EngineJudge, RewardConfig
+from k2jax.grading.math import GradingBudget
+from k2jax.grading.rubric import RubricRewardConfig
 from k2jax.rl.tasks import TaskSet
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskRuntimeConfig:
   reward: RewardConfig = RewardConfig()
-  math_budget_s: float = 0.0  # seconds of math grading per RL batch (rewards.math.GradingBudget; 0 = unbounded)
+  math_budget_s: float = 0.0  # seconds of math grading per RL batch (grading.math.GradingBudget; 0 = unbounded)
   judge_url: str = ""  # OpenAI-compatible endpoint root; "" = the rollout engine judges (greedy)
   judge_model: str = "default"
   judge_max_tokens: int = 64

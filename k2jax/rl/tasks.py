@@ -2,7 +2,7 @@
 that builds a run's task set (one task, or a mix of several task types in every batch).
 
 A task has `name` (its task type: selects its token budget, K2 §3.2.3, and names its metrics), `reward`
-(a kind of the one reward contract, `rewards.contract.REWARD_KINDS`), `prompts(start)` (an endless
+(a kind of the one reward contract, `grading.contract.REWARD_KINDS`), `prompts(start)` (an endless
 stream, resumable by index), `all_prompts()` (greedy evaluation) and `format_examples` (warm start).
 
 - `ArithmeticTask` generates digit arithmetic (`a+b=` by default) with an exact integer answer. Prompt i
@@ -33,9 +33,9 @@ from k2jax.data.chat import render_chat
 from k2jax.data.sources import iter_jsonl_strict
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.model.config import ConfigError
-from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResult
-from k2jax.rl.rewards.math import GradingBudget
-from k2jax.rl.rewards.contract import (
+from k2jax.grading.base import Completion, GroupRewardFn, Prompt, RewardResult
+from k2jax.grading.math import GradingBudget
+from k2jax.grading.contract import (
   JUDGE_KINDS,
   REWARD_KINDS,
   ChatJudge,

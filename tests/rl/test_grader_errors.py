@@ -14,9 +14,9 @@ from k2jax.agentic.envs.simulated import SimToolsEnv
 from k2jax.agentic.rollout import EpisodeRunner, MultiTurnConfig
 from k2jax.data.tokenizer import load_tokenizer
 from k2jax.rl import batching
-from k2jax.rl.rewards import contract
-from k2jax.rl.rewards import math as grader
-from k2jax.rl.rewards.base import Completion, Prompt
+from k2jax.grading import contract
+from k2jax.grading import math as grader
+from k2jax.grading.base import Completion, Prompt
 from k2jax.rl.rollout import RolloutConfig, RolloutManager
 from k2jax.rl.tasks import AgenticTask, JsonlTask, TaskSet
 from k2jax.sandbox import code

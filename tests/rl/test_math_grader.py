@@ -1,4 +1,4 @@
-"""The math grader (`k2jax.rl.rewards.math`, math-verify in worker processes) on MATH-500-shaped answers.
+"""The math grader (`k2jax.grading.math`, math-verify in worker processes) on MATH-500-shaped answers.
 
 CASES: (the response's boxed answer, the reference as MATH-500 writes it, the right verdict, the shape). Both
 false positives (a text answer that is not the reference, an approximation of pi) and false negatives (reordered
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from k2jax.rl.rewards import math as grader
-from k2jax.rl.rewards import math_pool
-from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.math import GRADER_VERSION, equivalent, math_reward, same_answer
+from k2jax.grading import math as grader
+from k2jax.grading import math_pool
+from k2jax.grading.base import Completion, Prompt
+from k2jax.grading.math import GRADER_VERSION, equivalent, math_reward, same_answer
 
 CASES = [
   # text answers and lettered choices
@@ -337,7 +337,7 @@ def test_a_worker_that_dies_on_an_answer_twice_grades_it_wrong(tmp_path, monkeyp
   ],
 )
 def test_a_worker_that_breaks_the_protocol_is_an_infrastructure_error(tmp_path, monkeypatch, body, error):
-  from k2jax.rl.rewards import contract
+  from k2jax.grading import contract
 
   math_pool.POOL.close()
   grader._CACHE.clear()

@@ -3,11 +3,11 @@
 the prompt's task data, and a missing field is an error naming the prompt, the kind and the field:
 
   exact        data["answer"]: the stripped response equals it and the sample stopped (generated arithmetic)
-  math         data["answer"]: the last \\boxed{} answer is equivalent to it (rewards.math); a reference
+  math         data["answer"]: the last \\boxed{} answer is equivalent to it (grading.math); a reference
                math-verify cannot read is bad data (ValueError); `info["timed_out"]` marks a timed-out grade
   code         data["tests"]: pass rate of the response's last fenced program in the sandbox (k2jax.sandbox)
   instruction  data["constraints"]: [{"kind": "word_count", "max_words": 50}, ...]; share met, 0 when the
-               response claims compliance it lacks (rewards.instruction, K2 hack-check)
+               response claims compliance it lacks (grading.instruction, K2 hack-check)
   judge        data["criteria"] (else `RewardConfig.judge_criteria`): an LLM judge's "SCORE: n/10" / 10
   rubric       data["rubrics"] (optional human rubrics): K2 self-critique pairwise ranking within the group
   env          completion.info["env_reward"]: the environment's reward at the end of a multi-turn episode
@@ -35,12 +35,12 @@ from typing import Callable, Protocol, Sequence
 from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
-from k2jax.rl.rewards import instruction
-from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResult, per_sample
-from k2jax.rl.rewards.code import code_reward
-from k2jax.rl.rewards.judge import llm_judge_reward
-from k2jax.rl.rewards.math import GradingBudget, math_reward
-from k2jax.rl.rewards.rubric import RubricRewardConfig, rubric_group_reward
+from k2jax.grading import instruction
+from k2jax.grading.base import Completion, GroupRewardFn, Prompt, RewardResult, per_sample
+from k2jax.grading.code import code_reward
+from k2jax.grading.judge import llm_judge_reward
+from k2jax.grading.math import GradingBudget, math_reward
+from k2jax.grading.rubric import RubricRewardConfig, rubric_group_reward
 from k2jax.sandbox.code import CodeRewardConfig
 
 REWARD_KINDS = ("exact", "math", "code", "instruction", "judge", "rubric", "env")

@@ -34,8 +34,8 @@ import time
 from importlib.metadata import version
 from typing import NamedTuple
 
-from k2jax.rl.rewards import math_pool
-from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
+from k2jax.grading import math_pool
+from k2jax.grading.base import Completion, Prompt, RewardResult
 
 GRADER_VERSION = (
   f"math-verify {version('math-verify')}; sympy {version('sympy')}; k2jax letter-list rule 1, boxed extraction 2"

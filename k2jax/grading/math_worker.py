@@ -1,7 +1,7 @@
 """The math grader's worker process: math-verify in a main thread, where its signal-based timeouts work.
 
 Run as a script (`python math_worker.py`, never imported as part of k2jax, so it starts in half a second with
-only math-verify loaded) by `k2jax.rl.rewards.math`. Protocol: once math-verify is imported, one line
+only math-verify loaded) by `k2jax.grading.math`. Protocol: once math-verify is imported, one line
 `{"ready": true}`; then one JSON request per line on stdin, `{"pred": <LaTeX>, "gold": <LaTeX>, "timeout":
 <seconds>}`, and one JSON reply per line on stdout:
 
