@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from k2jax.data.tokenizer import load_tokenizer  # noqa: E402
-from k2jax.rl.rewards.base import Prompt  # noqa: E402
+from k2jax.grading.base import Prompt  # noqa: E402
 from k2jax.rl.tasks import ArithmeticTask, strip_stop  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

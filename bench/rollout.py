@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from k2jax.engine.fake import FakeEngine, FakeEngineConfig
-from k2jax.rl.rewards.base import Prompt, RewardResult, per_sample
+from k2jax.grading.base import Prompt, RewardResult, per_sample
 from k2jax.rl.rollout import RolloutConfig, RolloutManager
 
 PROMPT_LEN = 16

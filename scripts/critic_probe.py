@@ -9,7 +9,8 @@ The pairs are every (right, wrong) digit pair of the tiny RL task's "1+b=" quest
 answer is the digit b+1, the wrong one any other digit), split by `critic.is_heldout` as in a run. `judge`
 is the critic's real example (k2jax/rl/critic.py: the rubric reward's pairwise prompt, `--rubrics` as
 `critic.rubrics`, '' = the rubric reward's own); `short` is the judge's short layout (`reward.judge_layout=short`,
-the rubric reward's other choice); `--task=zero` asks "0*b=" (answer 0) instead; `mini` is a diagnostic, not a product format: the question
+the rubric reward's other choice); `--task=zero` asks "0*b=" (answer 0) instead, `--task=product` "a*b="
+(a in [1, `--a_max`], products up to 9: an answer that varies with the question); `mini` is a diagnostic, not a product format: the question
 and the two answers with nothing else ("1+3=\\nA: 4\\nB: 7"), the same verdict. Prints, every `every` steps,
 the agreement and margin (critic.py's) on the held-out pairs and on 16 training pairs, and the verdict loss.
 """
@@ -31,12 +32,15 @@ from k2jax.model import K2Model, presets  # noqa: E402
 from k2jax.optim import QKClipSpec, muonclip  # noqa: E402
 from k2jax.rl import critic as C  # noqa: E402
 from k2jax.rl import rl_step  # noqa: E402
-from k2jax.rl.rewards.base import Prompt  # noqa: E402
-from k2jax.rl.rewards.rubric import RubricRewardConfig, format_rubrics  # noqa: E402
+from k2jax.grading.base import Prompt  # noqa: E402
+from k2jax.grading.rubric import RubricRewardConfig, format_rubrics  # noqa: E402
 from k2jax.train.step import ModelDef, init_state  # noqa: E402
 
 _FORMAT = flags.DEFINE_enum("format", "judge", ["judge", "short", "mini"], "critic example layout (see the docstring)")
-_TASK = flags.DEFINE_enum("task", "sum", ["sum", "zero"], "sum: 1+b= (answer b+1); zero: 0*b= (answer 0)")
+_TASK = flags.DEFINE_enum(
+  "task", "sum", ["sum", "zero", "product"], "sum: 1+b= (answer b+1); zero: 0*b= (answer 0); product: a*b="
+)
+_A_MAX = flags.DEFINE_integer("a_max", 1, "product: a in [1, a_max] (products above 9 are left out)")
 _RUBRICS = flags.DEFINE_string("rubrics", "The answer is correct.", "as critic.rubrics ('' = the rubric reward's)")
 _QUESTIONS = flags.DEFINE_integer("questions", 9, "distinct questions 1+b=, b in [0, questions)")
 _STEPS = flags.DEFINE_integer("steps", 300, "SFT steps")
@@ -69,9 +73,13 @@ def main(argv):
   rubrics = format_rubrics(rubric_config, ())
   messages = _mini_messages if _FORMAT.value == "mini" else C.verdict_messages
   pairs = []
-  for b in range(_QUESTIONS.value):
-    question, right = (f"1+{b}=", b + 1) if _TASK.value == "sum" else (f"0*{b}=", 0)
-    prompt = Prompt(f"arith/{b}", "arith", (), question, {})
+  questions = {"sum": [(f"1+{b}=", b + 1) for b in range(_QUESTIONS.value)]}
+  questions["zero"] = [(f"0*{b}=", 0) for b in range(_QUESTIONS.value)]
+  questions["product"] = [
+    (f"{a}*{b}=", a * b) for a in range(1, _A_MAX.value + 1) for b in range(_QUESTIONS.value) if a * b <= 9
+  ]
+  for question, right in questions[_TASK.value]:
+    prompt = Prompt(f"arith/{question}", "arith", (), question, {})
     for w in range(10):
       if w != right:
         pairs += C.group_pairs(prompt, [str(right), str(w)], [1.0, 0.0], rubrics, layout)

@@ -19,9 +19,9 @@ LAYERS = (
   ("convert", "optim", "swe"),  # swe: SWE tasks and grading over the sandbox
   ("api", "memory", "data"),
   ("engine", "train"),
-  # rl.rewards: the one reward contract (math, code, instruction, judge), graded by RL and by benchmarks alike
-  ("serve", "agentic", "rl.rewards"),
-  ("eval",),  # benchmarks: any engine (embedded or a URL) graded by the RL rewards; RL evaluates through it
+  # grading: the one reward contract (math, code, instruction, judge, rubric), graded by RL and benchmarks alike
+  ("serve", "agentic", "grading"),
+  ("eval",),  # benchmarks: any engine (embedded or a URL) graded by k2jax.grading; RL evaluates through it
   ("rl", "synth"),  # synthesis drives agentic tools and the multi-turn loop, like RL rollouts
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -107,7 +107,7 @@ def test_the_checker_resolves_relative_and_submodule_imports(tmp_path):
     "k2jax.synth.llm",
   }
   assert _layer_key("k2jax.synth.llm") == "synth" and _layer_key("k2jax.data.chat") == "data"
-  assert _layer_key("k2jax.rl.rewards.math") == "rl.rewards" and _layer_key("k2jax.rl.learner") == "rl"
+  assert _layer_key("k2jax.grading.math") == "grading" and _layer_key("k2jax.rl.learner") == "rl"
   assert _layer_key("k2jax") == "api" and _layer_key("k2jax.engine.http") == "engine"
 
 

@@ -1,6 +1,6 @@
 """Grading one generated sample of a task: a score in [0, 1] (1 = correct), the answer maj@k votes on, a reason.
 
-Graders reuse the RL rewards: `\\boxed{}` extraction and equivalence of `rl/rewards/math.py`, the code verifier
+Graders reuse the RL rewards: `\\boxed{}` extraction and equivalence of `grading/math.py`, the code verifier
 `k2jax.sandbox.verify` (HumanEval, MBPP) and `make_reward` for `answer.KIND` tasks; swe episodes are graded
 by `k2jax.swe.grade` in `swe.py` (a `Verdict` too). HumanEval's `check(candidate)`
 and MBPP's asserts (after `test_setup_code`) run as trusted code in a sandbox of their own, calling the program,
@@ -16,9 +16,9 @@ import re
 from k2jax.eval.records import Doc, canonical_number
 from k2jax.eval.tasks import get_format
 from k2jax.eval.verdict import UNGRADABLE, Verdict, math_timed_out
-from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.contract import RewardConfig, make_reward
-from k2jax.rl.rewards.math import equivalent, extract_boxed
+from k2jax.grading.base import Completion, Prompt
+from k2jax.grading.contract import RewardConfig, make_reward
+from k2jax.grading.math import equivalent, extract_boxed
 from k2jax.sandbox.code import CodeRewardConfig, extract_code
 from k2jax.sandbox.verify import is_infra_error, verify
 
@@ -59,8 +59,11 @@ def _math(doc: Doc, text: str) -> Verdict:
   got = extract_boxed(text)
   if got is None:
     return Verdict(0.0, None, "no \\boxed{} answer")
-  ok, why = equivalent(got, str(doc.data["answer"]))
-  return Verdict(float(ok), got, why, timed_out=math_timed_out(why))  # maj@k groups answers by the format's `same`
+  try:
+    ok, why = equivalent(got, str(doc.data["answer"]))
+  except ValueError as e:  # a reference math-verify cannot read: the same for every sample
+    return Verdict(0.0, None, f"{UNGRADABLE}{e}")
+  return Verdict(float(ok), got, why, timed_out=math_timed_out(why))  # maj@k groups by the format's `same`
 
 
 def _humaneval(doc: Doc, text: str, config: CodeRewardConfig) -> Verdict:
@@ -94,7 +97,7 @@ def _reward(kind: str, task: str, doc: Doc, text: str, finish_reason: str, code:
   except ValueError as e:  # e.g. a code test the splitter refuses
     return Verdict(0.0, None, f"{UNGRADABLE}{e}")
   if result.info.get("infra_error"):
-    raise RuntimeError(f"eval: the code sandbox could not run: {result.info['infra_error']}")
+    raise RuntimeError(f"eval: the {kind} grader could not grade: {result.info['infra_error']}")
   answer = None
   if kind == "exact":
     answer = text.strip()

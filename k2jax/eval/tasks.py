@@ -17,7 +17,7 @@ reads, and for multiple choice the continuations scored by log-likelihood.
   swe         instruction, instance_id, task_set     an agentic episode (k2jax.eval.swe): the agent fixes the
               (RL's rl_tasks.jsonl, launch/swe_build) repository with tools; 1.0 iff k2jax.swe.grade resolves it
   answer.KIND prompt, plus what reward KIND reads:   the prompt as is; graded by the RL reward of that kind
-              exact|math: answer; code: tests (a     (k2jax.rl.rewards.contract)
+              exact|math: answer; code: tests (a     (k2jax.grading.contract)
               list of asserts, or an object: a row in
               one of k2jax.sandbox.verify's formats);
               instruction: constraints
@@ -42,7 +42,7 @@ from k2jax.eval.formats import PARAMETRIZED as BENCHMARK_PARAMETRIZED
 from k2jax.eval.records import Doc, SkipRecord, TaskFormat, TaskFormatError, canonical_number, read_records
 from k2jax.eval.records import str_field as _str
 from k2jax.eval.records import str_list as _str_list
-from k2jax.rl.rewards.math import GRADER_VERSION, extract_boxed, same_answer
+from k2jax.grading.math import GRADER_VERSION, extract_boxed, same_answer
 from k2jax.sandbox.verify import parse_row
 
 # The format names are declared in the data layer (every loop's `eval.tasks.<name>.format` checks against

@@ -16,7 +16,7 @@ from ml_collections import config_dict as mlc
 from k2jax import configlib
 from k2jax.configlib import knob, section, sections
 from k2jax.data.eval_tasks import EvalTaskEntry, eval_task_section  # noqa: F401  (configs/rl.py's presets)
-from k2jax.rl.rewards.rubric import JUDGE_LAYOUTS
+from k2jax.grading.rubric import JUDGE_LAYOUTS
 from k2jax.train.config import ON_UNREADABLE, MeshSpec
 
 ROLLOUT_ENGINES = ("embedded", "sglang_jax_colocated")
@@ -67,7 +67,7 @@ class TaskEntry:
   """One `tasks.<name>` section of a mixed batch (kind 'arith' still reads task.a_min.. and task.template)."""
 
   kind: str = knob("jsonl", "arith | jsonl | agentic", choices=TASK_KINDS)
-  reward: str = knob("", "reward kind (k2jax/rl/rewards; '' = exact for arith, env for agentic)")
+  reward: str = knob("", "reward kind (k2jax/grading; '' = exact for arith, env for agentic)")
   path: str = knob("", "jsonl records of the task")
   env: str = knob("", "agentic: environment name")
   budget: int = knob(1, "response tokens per sample", **_POSITIVE)
@@ -76,7 +76,7 @@ class TaskEntry:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
-  """k2jax/rl/rewards/contract.py (the one reward contract)."""
+  """k2jax/grading/contract.py (the one reward contract)."""
 
   judge_url: str = knob(
     "", "OpenAI-compatible endpoint for judge/rubric rewards ('' = the rollout engine)", check=_urls
@@ -88,6 +88,19 @@ class RewardSpec:
     "rubric",
     "rubric reward judge's prompt layout, also the critic's: rubric (K2's, real judges) | short (a tiny judge)",
     choices=JUDGE_LAYOUTS,
+  )
+  math_budget_s: float = knob(
+    300.0,
+    "seconds of math grading one batch may spend, summed over its samples; past it answers score 0 as timeouts"
+    " (bounds what slow expressions cost a rollout; 0 = unbounded)",
+    **_NON_NEGATIVE,
+  )
+  max_infra_error_frac: float = knob(
+    0.5,
+    "share of a batch's samples without a verdict (a grader failed: NaN reward) past which the run stops,"
+    " naming the causes (a grader failing on every sample would train on nothing for hours)",
+    check=lambda v: 0 <= v <= 1,
+    rule="must be in [0, 1]",
   )
 
 
@@ -175,7 +188,10 @@ class LossSpec:
 
   tau: float = knob(1.0, "regulariser tau of the K2 objective")
   old_logprobs: str = knob(
-    "trainer", "pi_old: 'trainer' (recomputed) or 'engine' (sampling logprobs)", choices=OLD_LOGPROBS
+    "trainer",
+    "pi_old: 'trainer' (recomputed) or 'engine' (sampling logprobs: the trainer/engine gap is a gradient, so a"
+    " batch of equal rewards still updates)",
+    choices=OLD_LOGPROBS,
   )
   ptx_coef: float = knob(0.002, "weight of the PTX NLL on the curated set (0 disables PTX)")
 
@@ -208,7 +224,14 @@ class RLOptimSpec:
   momentum: float = knob(0.95, "Muon momentum")
   qk_clip_tau: float = knob(100.0, "QK-Clip threshold on the forward's max logits (0 disables)")
   bias_update_rate: float = knob(0.0, "MoE balancing-bias step per update (0 keeps the bias fixed)")
-  updates_per_batch: int = knob(1, "optimizer steps per rollout batch (pi_old fixed across them)", **_POSITIVE)
+  updates_per_batch: int = knob(
+    1,
+    "optimizer steps per rollout batch (pi_old fixed across them). A step whose gradient is provably zero (every"
+    " group's rewards equal, pi_old the trainer's, no PTX or critic rows) is dropped: params and optimizer state"
+    " are kept, so the LR schedule and weight decay do not advance (they count applied updates), while the"
+    " balancing bias still moves; metrics updates_dropped / dropped_updates, apart from updates_nonfinite",
+    **_POSITIVE,
+  )
 
 
 @dataclasses.dataclass(frozen=True)

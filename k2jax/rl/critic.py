@@ -4,8 +4,8 @@ trained on its own on-policy rollouts of prompts whose reward is verifiable.
 Each RL batch's groups of verifiable tasks (reward kinds in VERIFIABLE_KINDS: exact answers, math, code)
 give pairs: two responses to one prompt whose verifiable rewards differ (and whose texts differ; the judge
 only sees text). A pair becomes critic examples in the rubric reward's own pairwise format
-(`rewards.rubric.pairwise_messages`: the same prompt, rubrics and answer layout the policy-as-judge sees, in
-the chat template `rewards.contract.EngineJudge` renders), shown in both orders, with the verdict the
+(`grading.rubric.pairwise_messages`: the same prompt, rubrics and answer layout the policy-as-judge sees, in
+the chat template `grading.contract.EngineJudge` renders), shown in both orders, with the verdict the
 verifier implies, `[[A]]` or `[[B]]` (never `[[TIE]]`: the rewards differ), as the assistant's reply.
 With `critic.rubrics` the examples show those task-specific rubrics instead of the rubric reward's generic
 ones (same layout; the prompt's own rubrics still follow): 139 tokens instead of 316 on the tiny task.
@@ -50,8 +50,8 @@ import numpy as np
 
 from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import Tokenizer, load_tokenizer
-from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResult
-from k2jax.rl.rewards.rubric import RubricRewardConfig, format_rubrics, judged_question, pairwise_messages
+from k2jax.grading.base import Completion, GroupRewardFn, Prompt, RewardResult
+from k2jax.grading.rubric import RubricRewardConfig, format_rubrics, judged_question, pairwise_messages
 from k2jax.rl.rollout_batch import RolloutBatch
 
 VERIFIABLE_KINDS = ("exact", "math", "code")  # reward kinds whose value a program decides
@@ -100,7 +100,7 @@ class Pair:
   worse: str
   better_reward: float
   worse_reward: float
-  layout: str = "rubric"  # the judge's prompt layout (rewards.rubric.JUDGE_LAYOUTS), the rubric reward's
+  layout: str = "rubric"  # the judge's prompt layout (grading.rubric.JUDGE_LAYOUTS), the rubric reward's
 
   @functools.cached_property  # hashed once: prepare() and is_heldout() ask for it on every pair
   def key(self) -> str:

@@ -154,6 +154,7 @@ def from_config_dict(c, workdir: str, stop_ids: tuple[int, ...], *, check_files:
     top_p=r.top_p,
     stop_token_ids=tuple(stop_ids),
     max_concurrency=r.max_concurrency,
+    max_infra_error_frac=rc.reward.max_infra_error_frac,
   )
   loss = K2LossConfig(**dataclasses.asdict(rc.loss))
   ptx = PTXConfig(**dataclasses.asdict(rc.ptx)) if loss.ptx_coef > 0 else None
@@ -313,8 +314,11 @@ class Learner:
     )
     self.state = self.core.state
     self.meta = {"iteration": 0, "weight_version": 0, "prompts_drawn": 0, "warm_start_done": False}
+    # updates not applied, counted apart (rl_step.py): no signal (provably zero gradient), non-finite
+    self.meta.update(dropped_updates=0, nonfinite_updates=0)
     if self.core.restored_step is not None:
-      self.meta.update({k: self.core.meta[k] for k in self.meta})
+      counters = ("dropped_updates", "nonfinite_updates")  # 0 in a checkpoint written before they were counted
+      self.meta.update({k: self.core.meta.get(k, 0) if k in counters else self.core.meta[k] for k in self.meta})
       say(
         f"resumed RL from {self.core.ckpt.directory}/{self.core.restored_step} (weight version {self.meta['weight_version']})"
       )
@@ -354,6 +358,7 @@ class Learner:
         self.critic.recording(self.runtime.reward_fn) if self.critic else self.runtime.reward_fn,
         decode=decode,
         episodes=self.runtime.episodes,
+        grading_budget=self.runtime.grading_budget,
         start_iteration=self.meta["iteration"],
         start_uid=self.meta["prompts_drawn"],
       )
@@ -457,12 +462,21 @@ class Learner:
       share = lambda a: self._on_mesh(self._share(a))  # noqa: E731
       it = self.meta["iteration"]
       critic, crec = critic_lib.critic_step(self.critic, collected[0] if self.primary else None, it, share, score)
-    ptx = None
+    ptx, applied = None, []
     for _ in range(lc.updates_per_batch):
       if self.ptx is not None:
         ptx = self._on_mesh(self.ptx.batch(int(self.state.step)))
       self.state, metrics = self.rl_step(self.state, dev, old_BT, ptx, critic)
-    metrics = jax.device_get(metrics)
+      applied.append((metrics["dropped"], metrics["finite"]))
+    metrics, applied = jax.device_get((metrics, applied))
+    updates = {
+      "updates_dropped": sum(int(d) for d, _ in applied),  # no signal: provably zero gradient (rl_step.py)
+      "updates_nonfinite": sum(1 - int(f) for _, f in applied),
+    }
+    self.meta.update(
+      dropped_updates=self.meta["dropped_updates"] + updates["updates_dropped"],
+      nonfinite_updates=self.meta["nonfinite_updates"] + updates["updates_nonfinite"],
+    )
     t2 = time.perf_counter()
     new_version = self._push()
     t3 = time.perf_counter()
@@ -472,7 +486,8 @@ class Learner:
     evals = self._generate(self.evaluate, push_follows=False) if evaluate else None
     if not self.primary:
       return {}
-    rec = {k: v for k, v in metrics.items() if k not in ("finite", "max_attn_logit_per_layer")}
+    rec = {k: v for k, v in metrics.items() if k not in ("finite", "dropped", "max_attn_logit_per_layer")}
+    rec.update(updates, dropped_updates=self.meta["dropped_updates"], nonfinite_updates=self.meta["nonfinite_updates"])
     rec.update(rollout_metrics(batch), **batching.staleness(batch, version))
     if lc.loss.old_logprobs == "trainer" and jax.process_count() == 1:  # train/inference mismatch of the engine
       gap = batching.engine_logprob_gap(arrays, batch, jax.device_get(old_BT), version)

@@ -9,11 +9,17 @@
 The learner jits them through the training core (`k2jax.train.core`), sharded as pretraining. Each
 update feeds QK-Clip the max pre-softmax logits of every forward pass it ran (RL batch and PTX
 batch), updates the MoE balancing bias from their expert counts, and drops the whole update (params,
-optimizer state, bias) when the loss or gradients are not finite, counting it in `skipped_steps`. It also
-drops an update whose batch has no learning signal: every group's rewards equal (no sample's centred reward
-above `algo.REWARD_EPS`), no PTX and no critic rows. The K2 objective is then at its minimum at pi_old, and
-a Muon step on its zero (or rounding-level) gradient would still move the weights a full step along stale
-momentum, once per update of the batch (`train.step.apply_update`; metric `signal`).
+optimizer state, bias) when the loss or gradients are not finite (metric `nonfinite`). It also drops an
+update whose gradient is provably zero: every group's rewards equal (no sample's centred reward above
+`algo.REWARD_EPS`), no PTX and no critic rows, and pi_old the trainer's own recomputation at these params
+(`loss.old_logprobs=trainer`), so every residual of the K2 objective is zero in exact arithmetic. A Muon step
+on that zero (or rounding-level) gradient would still move the weights a full step along stale momentum,
+once per update of the batch (`train.step.apply_update`; metrics `signal`, `dropped`). With
+`loss.old_logprobs=engine` pi_old is the engine's sampling logprobs: the trainer/engine gap is a non-zero
+log-ratio whose gradient pulls the policy back to pi_old, so a flat batch is signal there unless every
+log-ratio is exactly 0. A dropped update keeps params and optimizer state (no weight decay; the LR schedule's
+count, kept in the optimizer state, does not advance: it counts applied updates) and still moves the
+balancing bias, which learns from the forward's expert load, not from rewards.
 """
 
 from __future__ import annotations
@@ -127,6 +133,8 @@ def make_rl_grads(mdef: ModelDef, loss_config: K2LossConfig, *, num_groups: int,
       loss = loss + critic_coef * aux["critic_loss"]
       aux["loss"] = loss
     signal = aux["signal_samples"] > 0
+    if loss_config.old_logprobs == "engine":  # the anchor is not this policy: any non-zero log-ratio has a gradient
+      signal = signal | (aux["log_ratio_abs_max"] > 0)
     for rows in (ptx, critic):  # an SFT-style term learns from any row it has
       if rows is not None:
         signal = signal | (jnp.sum(rows["loss_mask_BT"]) > 0)

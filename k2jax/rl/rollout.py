@@ -26,6 +26,7 @@ episode (environment or engine error) keeps no tokens, so the batch check drops 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
@@ -35,7 +36,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from k2jax.engine.base import Engine, GenerateRequest, GenerateResult, SamplingParams
 from k2jax.rl.rollout_batch import RolloutBatch
-from k2jax.rl.rewards.base import GroupRewardFn, Prompt, RewardResult
+from k2jax.grading.base import GroupRewardFn, Prompt, RewardResult
+from k2jax.grading.math import GradingBudget
 from k2jax.rl.samples import Group, Sample, build_batch, completion_of
 
 
@@ -67,12 +69,17 @@ class RolloutConfig:
   max_concurrency: int = 256  # worker threads = in-flight engine requests
   reward_workers: int = 4
   abort_poll_s: float = 0.02
+  # Share of a batch's samples whose grader failed (NaN reward, `info["infra_error"]`) past which `collect`
+  # raises with the causes: a grader failing on every sample would leave every update with nothing to learn.
+  max_infra_error_frac: float = 0.5
 
   def __post_init__(self):
     if not 0 < self.target_groups <= self.launch_groups:
       raise ValueError(
         f"RolloutConfig needs 0 < target_groups <= launch_groups, got {self.target_groups} and {self.launch_groups}"
       )
+    if not 0 <= self.max_infra_error_frac <= 1:
+      raise ValueError(f"RolloutConfig.max_infra_error_frac must be in [0, 1], got {self.max_infra_error_frac}")
     if self.group_size < 1 or self.max_staleness < 0:
       raise ValueError(f"RolloutConfig: bad group_size={self.group_size} or max_staleness={self.max_staleness}")
 
@@ -99,9 +106,11 @@ class RolloutManager:
     *,
     start_iteration: int = 0,
     start_uid: int = 0,
+    grading_budget: GradingBudget | None = None,
   ):
     """`start_iteration` / `start_uid` continue a resumed run's temperature schedule and sampling seeds
-    (a group's uid is the index of its prompt in the stream)."""
+    (a group's uid is the index of its prompt in the stream); `grading_budget`, the one `reward_fn` grades
+    math under, is opened anew by each `collect`."""
     self.config = config
     self.engine = engine
     self._episodes = episodes
@@ -115,6 +124,7 @@ class RolloutManager:
     self._active: set[str] = set()  # rids currently inside engine.generate
     self._stopping = threading.Event()
     self._rewards = ThreadPoolExecutor(config.reward_workers, thread_name_prefix="reward")
+    self._grading_budget = grading_budget
     self.iteration = start_iteration
 
   def close(self) -> None:
@@ -129,6 +139,8 @@ class RolloutManager:
     t0 = time.monotonic()
     temperature = self.config.temperature(self.iteration)
     stats = {"stale_tokens_dropped": 0, "stale_samples_restarted": 0}
+    if self._grading_budget is not None:
+      self._grading_budget.start()
     groups = self._gather_groups(weight_version, stats)
     done = [g for g in groups if g.complete]
     for g in done:
@@ -168,6 +180,7 @@ class RolloutManager:
     )
     stats.update(_episode_scores(batch_groups))
     stats.update(_no_verdicts(batch_groups, rewards))
+    _stop_past_infra_errors(batch_groups, rewards, self.config.max_infra_error_frac)
     stats.update(
       rollout_wall_s=time.monotonic() - t0,
       temperature=temperature,
@@ -358,11 +371,33 @@ def _episode_scores(groups: Sequence[Group]) -> dict[str, float]:
 
 def _no_verdicts(groups: Sequence[Group], rewards: Sequence[Sequence[RewardResult]]) -> dict[str, int]:
   """Samples of the batch without a verdict, masked by the batch check: the grader failed (NaN reward with
-  `info["infra_error"]`) or the episode's environment did (`env_error`: it keeps no tokens)."""
-  return {
+  `info["infra_error"]`) or the episode's environment did (`env_error`: it keeps no tokens); and grades that
+  ran out of time (`info["timed_out"]`: scored 0, a verdict), in all and per task."""
+  out = {
     "reward_infra_errors": sum(bool(r.info.get("infra_error")) for rs in rewards for r in rs),
     "episode_env_errors": sum(s.info.get("end") == "env_error" for g in groups for s in g.samples),
+    "reward_timeouts": sum(bool(r.info.get("timed_out")) for rs in rewards for r in rs),
   }
+  for g, rs in zip(groups, rewards):
+    key = f"reward_timeouts/{g.prompt.task}"
+    out[key] = out.get(key, 0) + sum(bool(r.info.get("timed_out")) for r in rs)
+  return out
+
+
+def _stop_past_infra_errors(groups: Sequence[Group], rewards: Sequence[Sequence[RewardResult]], frac: float) -> None:
+  """RuntimeError naming the causes when more than `frac` of the batch's samples have no verdict."""
+  failed = [
+    (g.prompt.task, r.info["infra_error"]) for g, rs in zip(groups, rewards) for r in rs if r.info.get("infra_error")
+  ]
+  total = sum(len(rs) for rs in rewards)
+  if not total or len(failed) <= frac * total:
+    return
+  causes = collections.Counter(failed).most_common(3)
+  named = "; ".join(f"{n} x task {task!r}: {why}" for (task, why), n in causes)
+  raise RuntimeError(
+    f"rollout: {len(failed)} of {total} samples have no verdict, past reward.max_infra_error_frac={frac} "
+    f"(a grader fails: nothing to train on). Causes: {named}"
+  )
 
 
 def _checked_rewards(fn: GroupRewardFn, prompt: Prompt, completions) -> list:

@@ -11,7 +11,7 @@ import numpy as np
 
 from k2jax.agentic.rollout import Trajectory
 from k2jax.rl.rollout_batch import RolloutBatch, pad_token_rows
-from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
+from k2jax.grading.base import Completion, Prompt, RewardResult
 
 
 @dataclasses.dataclass

@@ -18,15 +18,17 @@ from k2jax.data.tokenizer import Tokenizer
 from k2jax.llm_client import ChatClient, ChatConfig
 from k2jax.model.config import ConfigError
 from k2jax.engine.base import Engine
-from k2jax.rl.rewards.base import GroupRewardFn
-from k2jax.rl.rewards.contract import EngineJudge, RewardConfig
-from k2jax.rl.rewards.rubric import RubricRewardConfig
+from k2jax.grading.base import GroupRewardFn
+from k2jax.grading.contract import EngineJudge, RewardConfig
+from k2jax.grading.math import GradingBudget
+from k2jax.grading.rubric import RubricRewardConfig
 from k2jax.rl.tasks import TaskSet
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskRuntimeConfig:
   reward: RewardConfig = RewardConfig()
+  math_budget_s: float = 0.0  # seconds of math grading per RL batch (grading.math.GradingBudget; 0 = unbounded)
   judge_url: str = ""  # OpenAI-compatible endpoint root; "" = the rollout engine judges (greedy)
   judge_model: str = "default"
   judge_max_tokens: int = 64
@@ -55,6 +57,7 @@ def runtime_config(c: config_dict.ConfigDict) -> TaskRuntimeConfig:
       rubric=RubricRewardConfig(layout=r.judge_layout),
       judge_criteria=r.judge_criteria or RewardConfig.judge_criteria,
     ),
+    math_budget_s=r.math_budget_s,
     judge_url=r.judge_url,
     judge_model=r.judge_model,
     judge_max_tokens=r.judge_max_tokens,
@@ -83,7 +86,8 @@ class TaskRuntime:
         if config.judge_url
         else EngineJudge(engine, tokenizer, config.judge_max_tokens)
       )
-    self.reward_fn: GroupRewardFn = tasks.reward_fn(config.reward, judge)
+    self.grading_budget = GradingBudget(config.math_budget_s)  # the rollout manager opens each batch's
+    self.reward_fn: GroupRewardFn = tasks.reward_fn(config.reward, judge, self.grading_budget)
     self.services: EnvServices | None = None
     self.episodes: EpisodeRunner | None = None
     if tasks.envs:

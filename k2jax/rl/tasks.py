@@ -2,7 +2,7 @@
 that builds a run's task set (one task, or a mix of several task types in every batch).
 
 A task has `name` (its task type: selects its token budget, K2 §3.2.3, and names its metrics), `reward`
-(a kind of the one reward contract, `rewards.contract.REWARD_KINDS`), `prompts(start)` (an endless
+(a kind of the one reward contract, `grading.contract.REWARD_KINDS`), `prompts(start)` (an endless
 stream, resumable by index), `all_prompts()` (greedy evaluation) and `format_examples` (warm start).
 
 - `ArithmeticTask` generates digit arithmetic (`a+b=` by default) with an exact integer answer. Prompt i
@@ -33,8 +33,9 @@ from k2jax.data.chat import render_chat
 from k2jax.data.sources import iter_jsonl_strict
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.model.config import ConfigError
-from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResult
-from k2jax.rl.rewards.contract import (
+from k2jax.grading.base import Completion, GroupRewardFn, Prompt, RewardResult
+from k2jax.grading.math import GradingBudget
+from k2jax.grading.contract import (
   JUDGE_KINDS,
   REWARD_KINDS,
   ChatJudge,
@@ -286,9 +287,12 @@ class TaskSet:
   def needs_judge(self) -> bool:
     return any(k in JUDGE_KINDS for k in self.reward_kinds.values())
 
-  def reward_fn(self, config: RewardConfig = RewardConfig(), judge: ChatJudge | None = None) -> GroupRewardFn:
-    """One group reward for the whole mix: each prompt is scored by its task's reward kind."""
-    by_task = {name: make_reward(kind, config, judge) for name, kind in self.reward_kinds.items()}
+  def reward_fn(
+    self, config: RewardConfig = RewardConfig(), judge: ChatJudge | None = None, budget: GradingBudget | None = None
+  ) -> GroupRewardFn:
+    """One group reward for the whole mix: each prompt is scored by its task's reward kind (the math kinds
+    share `budget`, the grading seconds of one batch)."""
+    by_task = {name: make_reward(kind, config, judge, budget) for name, kind in self.reward_kinds.items()}
 
     def reward(prompt: Prompt, completions: Sequence[Completion]) -> Sequence[RewardResult]:
       if prompt.task not in by_task:

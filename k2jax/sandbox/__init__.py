@@ -2,7 +2,7 @@
 
 `k2jax.sandbox.verify.verify` grades a program against a dataset row in its published test format
 (APPS/TACO, LiveCodeBench, CodeContests, HumanEval, MBPP, KodCode). Lower than `rl` and `agentic`: rewards
-(`k2jax.rl.rewards`) and the code environment (`k2jax.agentic`) both use it.
+(`k2jax.grading`) and the code environment (`k2jax.agentic`) both use it.
 """
 
 from k2jax.sandbox.code import CodeRewardConfig, Graded, extract_code, run_tests, split_test

@@ -29,7 +29,9 @@ class TrainState(NamedTuple):
   params: dict  # pure dict of the model's nnx.Param leaves
   bias: dict  # pure dict of RouterBias leaves (never seen by the optimizer)
   opt_state: Any  # muonclip state over `params`
-  skipped_steps: jax.Array  # int32 []: steps whose update was dropped (non-finite loss/grads, or no signal)
+  # int32 []: steps whose update was not applied (non-finite loss/grads, or no signal: the RL metrics count the
+  # two apart as `nonfinite` and `dropped`); step - skipped_steps is the optimizer's own count of updates
+  skipped_steps: jax.Array
 
 
 class ModelDef(NamedTuple):
@@ -97,12 +99,15 @@ def apply_update(
 
   `aux` carries this step's forward side outputs: `max_logits` (QK-Clip inside MuonClip), `expert_counts`
   (balancing bias) and `tokens`. A non-finite loss or gradient keeps the old params, optimizer state and
-  bias, and counts the step in `skipped_steps`. So does `signal=False`: the caller knows the batch carries no
-  learning signal (RL: every group's rewards equal and no auxiliary rows), so the objective's gradient at
-  the old policy is zero up to rounding. Applying it anyway would not be a no-op: Muon's update has a fixed
-  RMS whatever the gradient's size, so it would step along the orthogonalised stale momentum (or rounding
-  noise) once per update of the batch (measured: 24 such updates took a tiny judge's held-out agreement from
-  1.0 to 0.5, bench/critic_loop.py). The metrics say which: `finite`, `signal`.
+  bias, and counts the step in `skipped_steps`. `signal=False` (the caller has proved the objective's gradient
+  at the old policy zero: RL's flat batch against the trainer's own pi_old) keeps params and optimizer state
+  too, counted in `skipped_steps` and in the metric `dropped`; the balancing bias still moves (it learns the
+  forward's expert load, not the objective). Applying such an update would not be a no-op: Muon's update has
+  a fixed RMS whatever the gradient's size, so it would step along the orthogonalised stale momentum (or
+  rounding noise) once per update of the batch (measured: 24 such updates took a tiny judge's held-out
+  agreement from 1.0 to 0.5, bench/critic_loop.py). A step not applied advances neither the optimizer's
+  schedule count nor its weight decay (both live in the kept optimizer state). Metrics: `finite`, `signal`,
+  `dropped`.
 
   The optimizer runs inside a `lax.cond` on that finite check (a skipped step applies a zero update and
   keeps the old state; one branch runs, not both and a select). An optimizer state held in host memory
@@ -136,7 +141,7 @@ def apply_update(
   new_state = TrainState(
     step=state.step + 1,
     params=keep(params, state.params),
-    bias=keep(bias, state.bias),
+    bias=jax.tree.map(lambda n, o: jnp.where(finite, n, o), bias, state.bias),
     opt_state=opt_state,
     skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32),
   )
@@ -154,6 +159,7 @@ def apply_update(
   )
   if signal is not None:
     metrics["signal"] = jnp.asarray(signal, jnp.int32)
+    metrics["dropped"] = (finite & ~signal).astype(jnp.int32)
   return new_state, metrics
 
 

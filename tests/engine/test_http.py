@@ -10,7 +10,7 @@ import pytest
 from k2jax.engine.base import UNKNOWN_VERSION, EngineCapabilities, EngineIncapable, GenerateRequest, SamplingParams
 from k2jax.engine.fake import FakeEngine, FakeEngineConfig
 from k2jax.engine.http import HttpEngine, HttpEngineConfig
-from k2jax.rl.rewards.base import Prompt, RewardResult, per_sample
+from k2jax.grading.base import Prompt, RewardResult, per_sample
 from k2jax.rl.rollout import RolloutConfig, RolloutManager
 from k2jax.transport import InvalidResponse, RequestRejected, RetryPolicy, ServiceUnreachable
 

@@ -7,7 +7,7 @@ import pytest
 
 from k2jax.eval.formats import ifeval as ifeval_format
 from k2jax.eval.records import Doc
-from k2jax.rl.rewards import ifeval
+from k2jax.grading import ifeval
 
 lm_utils = pytest.importorskip("lm_eval.tasks.ifeval.utils")
 

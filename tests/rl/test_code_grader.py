@@ -10,8 +10,8 @@ import tracemalloc
 
 import pytest
 
-from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.code import code_reward
+from k2jax.grading.base import Completion, Prompt
+from k2jax.grading.code import code_reward
 from k2jax.sandbox import expr, runner
 from k2jax.sandbox.code import CodeRewardConfig, extract_code, run_tests, split_test
 from k2jax.sandbox.runner import SandboxConfig

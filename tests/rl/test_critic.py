@@ -11,9 +11,9 @@ from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import load_tokenizer
 from k2jax.model.config import ConfigError
 from k2jax.rl import critic as C
-from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
-from k2jax.rl.rewards.contract import EngineJudge
-from k2jax.rl.rewards.rubric import RubricRewardConfig, format_rubrics, parse_verdict, rubric_group_reward
+from k2jax.grading.base import Completion, Prompt, RewardResult
+from k2jax.grading.contract import EngineJudge
+from k2jax.grading.rubric import RubricRewardConfig, format_rubrics, parse_verdict, rubric_group_reward
 from k2jax.rl.rollout_batch import RolloutBatch, pad_token_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

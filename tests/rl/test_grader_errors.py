@@ -14,8 +14,9 @@ from k2jax.agentic.envs.simulated import SimToolsEnv
 from k2jax.agentic.rollout import EpisodeRunner, MultiTurnConfig
 from k2jax.data.tokenizer import load_tokenizer
 from k2jax.rl import batching
-from k2jax.rl.rewards import contract
-from k2jax.rl.rewards.base import Completion, Prompt
+from k2jax.grading import contract
+from k2jax.grading import math as grader
+from k2jax.grading.base import Completion, Prompt
 from k2jax.rl.rollout import RolloutConfig, RolloutManager
 from k2jax.rl.tasks import AgenticTask, JsonlTask, TaskSet
 from k2jax.sandbox import code
@@ -33,10 +34,10 @@ def _c(text):
 def _math_that_fails_on(text):
   real = contract.math_reward
 
-  def math_reward(prompt, completion):
+  def math_reward(prompt, completion, budget=None):
     if text in completion.text:
       raise SystemError(MISMATCH)
-    return real(prompt, completion)
+    return real(prompt, completion, budget)
 
   return math_reward
 
@@ -129,3 +130,63 @@ def test_the_rollout_keeps_its_batch_when_graders_raise(tmp_path, monkeypatch):
   )
   assert dropped["samples"] == 4 and dropped["reward"] == 2 and dropped["span"] == 2
   assert not arrays["sample_mask_B"].any() and np.isfinite(arrays["rewards_B"]).all()
+
+
+def _math_rollout(tmp_path, reward_fn_of, **cfg):
+  """One batch of two math groups of two answering `\\boxed{2}` to `1+1?`, scored by `reward_fn_of(mix)`."""
+  math_path = tmp_path / "m.jsonl"
+  math_path.write_text(json.dumps({"question": "1+1?", "answer": 2}) + "\n")
+  mix = TaskSet([(JsonlTask("math", str(math_path), TOK, "math"), 1)])
+  engine = ScriptEngine(lambda req: TOK.encode_with_specials("1 + 1 = \\boxed{2}<|im_end|>"))
+  stop = (TOK.eos_id, TOK.special_ids["<|im_end|>"])
+  config = RolloutConfig(
+    group_size=2, target_groups=2, launch_groups=2, task_budgets=(("math", 16),), stop_token_ids=stop, **cfg
+  )
+  budget = grader.GradingBudget(5.0)
+  manager = RolloutManager(
+    config, engine, mix.prompts(0), reward_fn_of(mix, budget), decode=TOK.decode, grading_budget=budget
+  )
+  try:
+    return manager.collect(1), budget
+  finally:
+    manager.close()
+
+
+def test_a_grader_failing_on_every_sample_stops_the_run_naming_the_cause(tmp_path, monkeypatch):
+  monkeypatch.setattr(contract, "math_reward", _math_that_fails_on("boxed{2}"))
+  with pytest.raises(RuntimeError) as e:
+    _math_rollout(tmp_path, lambda mix, budget: mix.reward_fn(budget=budget))
+  message = str(e.value)
+  assert "4 of 4 samples have no verdict, past reward.max_infra_error_frac=0.5" in message
+  assert f"4 x task 'math': math grader raised SystemError: {MISMATCH}" in message
+  (batch, stats), _ = _math_rollout(tmp_path, lambda mix, budget: mix.reward_fn(budget=budget), max_infra_error_frac=1)
+  assert stats["reward_infra_errors"] == 4 and np.isnan(batch.rewards_B).all()  # allowed: masked and counted
+
+
+def test_timeouts_are_counted_per_task_and_the_budget_opens_with_each_batch(tmp_path):
+  def spent_reward(mix, budget):
+    inner = mix.reward_fn(budget=budget)
+
+    def reward(prompt, completions):
+      budget.spend(budget.left())  # the batch's budget is gone before this group is graded
+      return inner(prompt, completions)
+
+    return reward
+
+  grader._CACHE.clear()
+  (batch, stats), budget = _math_rollout(tmp_path, spent_reward)
+  assert stats["reward_timeouts"] == 4 and stats["reward_timeouts/math"] == 4
+  assert (batch.rewards_B == 0).all() and stats["reward_infra_errors"] == 0  # timeouts are verdicts: 0, trained
+  (batch, stats), _ = _math_rollout(tmp_path, lambda mix, budget: mix.reward_fn(budget=budget))
+  assert stats["reward_timeouts"] == 0 and (batch.rewards_B == 1).all()
+
+
+def test_a_math_grader_failure_in_evaluation_names_the_math_grader(monkeypatch):
+  from k2jax.eval import grading
+  from k2jax.eval.records import Doc
+  from k2jax.sandbox.code import CodeRewardConfig
+
+  monkeypatch.setattr(contract, "math_reward", _math_that_fails_on("boxed"))
+  doc = Doc("d", "1+1?", "", {"answer": "2"})
+  with pytest.raises(RuntimeError, match=f"eval: the math grader could not grade: math grader raised SystemError"):
+    grading.grade("answer.math", "t", doc, "\\boxed{2}", "stop", CodeRewardConfig())

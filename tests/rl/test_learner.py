@@ -84,8 +84,16 @@ def test_metrics_and_checkpoints(run):
     "rl_loss",
     "ptx_loss",
     "weight_version",
+    "updates_dropped",
+    "updates_nonfinite",
+    "dropped_updates",
+    "nonfinite_updates",
+    "rollout_reward_timeouts",
   ):
     assert all(np.isfinite(r[key]) for r in rl), key
+  # Drops (no signal) and non-finite skips are counted apart; together they are the steps not applied.
+  assert [r["dropped_updates"] for r in rl] == np.cumsum([r["updates_dropped"] for r in rl]).tolist()
+  assert rl[-1]["skipped_steps"] == rl[-1]["dropped_updates"] + rl[-1]["nonfinite_updates"]
   assert all(r["dropped_samples"] == 0 and r["samples_trained"] == learner.lc.rows for r in rl)
   assert all(0 < r["trainer_idle_fraction"] < 1 for r in rl)
   # Every update is pushed: versions rise by one per iteration and the engine serves the newest.
@@ -113,6 +121,7 @@ def test_resume_restores_state(run, tmp_path):
   again = _learner(_config(), workdir)
   try:
     assert again.meta["iteration"] == ITERATIONS and again.meta["warm_start_done"]
+    assert again.meta["dropped_updates"] == learner.meta["dropped_updates"]
     assert again.sync.version == learner.sync.version
     same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), again.state.params, learner.state.params)
     assert all(jax.tree.leaves(same))

@@ -13,7 +13,7 @@ from k2jax.rl import batching
 from k2jax.rl.rollout_batch import RolloutBatch
 from k2jax.rl.learner import from_config_dict
 from k2jax.rl.ptx import PTXConfig, PTXSet
-from k2jax.rl.rewards.base import Completion
+from k2jax.grading.base import Completion
 from k2jax.rl.tasks import ArithmeticTask, ArithmeticTaskConfig, MathJsonlTask, exact_answer_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

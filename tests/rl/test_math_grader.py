@@ -1,4 +1,4 @@
-"""The math grader (`k2jax.rl.rewards.math`, math-verify in worker processes) on MATH-500-shaped answers.
+"""The math grader (`k2jax.grading.math`, math-verify in worker processes) on MATH-500-shaped answers.
 
 CASES: (the response's boxed answer, the reference as MATH-500 writes it, the right verdict, the shape). Both
 false positives (a text answer that is not the reference, an approximation of pi) and false negatives (reordered
@@ -13,9 +13,10 @@ import time
 
 import pytest
 
-from k2jax.rl.rewards import math as grader
-from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.math import GRADER_VERSION, equivalent, math_reward, same_answer
+from k2jax.grading import math as grader
+from k2jax.grading import math_pool
+from k2jax.grading.base import Completion, Prompt
+from k2jax.grading.math import GRADER_VERSION, equivalent, math_reward, same_answer
 
 CASES = [
   # text answers and lettered choices
@@ -174,7 +175,7 @@ def test_grades_from_many_threads_agree_with_one_thread():
     t.join()
   assert errors == []
   assert [results[i][0] for i in range(48)] == [serial[i % len(rows)][0] for i in range(48)]
-  assert grader._POOL.count <= grader._POOL_SIZE
+  assert math_pool.POOL.count <= math_pool.POOL_SIZE
 
 
 def test_a_hostile_answer_is_bounded_by_math_verifys_timeout():
@@ -187,26 +188,28 @@ def test_a_hostile_answer_is_bounded_by_math_verifys_timeout():
 
 def test_a_worker_that_stops_answering_is_killed_and_replaced():
   equivalent("1", "1")  # a worker exists
-  grader._POOL.close()
+  math_pool.POOL.close()
   equivalent("2", "2")
-  (worker,) = grader._POOL.idle
+  (worker,) = math_pool.POOL.idle
   os.kill(worker.proc.pid, signal.SIGSTOP)  # like a C call no signal interrupts
   try:
-    reply = grader._POOL.ask({"pred": "3", "gold": "3", "timeout": 1}, deadline=1.0)
+    reply = math_pool.POOL.ask({"pred": "3", "gold": "3", "timeout": 1}, deadline=1.0)
   finally:
     if worker.proc.poll() is None:
       os.kill(worker.proc.pid, signal.SIGCONT)
   assert reply is None and worker.proc.poll() is not None  # killed
-  assert worker not in grader._POOL.idle
+  assert worker not in math_pool.POOL.idle
   assert equivalent("4", "4.0") == (True, equivalent("4", "4.0")[1])  # a fresh worker answers
 
 
 def test_a_worker_that_cannot_start_is_an_error_naming_it(monkeypatch):
-  grader._POOL.close()
-  monkeypatch.setattr(grader, "_WORKER", "/nonexistent/math_worker.py")
-  with pytest.raises(RuntimeError, match="math grader: its worker exited: exit status 2.*nonexistent"):
+  math_pool.POOL.close()
+  monkeypatch.setattr(math_pool, "WORKER", "/nonexistent/math_worker.py")
+  with pytest.raises(
+    RuntimeError, match="math grader: its worker exited before it was ready: exit status 2.*nonexistent"
+  ):
     equivalent("7", "8")
-  assert grader._POOL.count == 0 and grader._POOL.idle == []
+  assert math_pool.POOL.count == 0 and math_pool.POOL.idle == []
 
 
 def test_maj_at_k_of_the_math_formats_votes_over_the_graders_classes():
@@ -221,3 +224,127 @@ def test_maj_at_k_of_the_math_formats_votes_over_the_graders_classes():
   for fmt in (*FORMATS, get_format("math"), get_format("answer.math")):
     assert fmt.same is same_answer and fmt.version == GRADER_VERSION, fmt.name
     assert maj_at_k(answers, correct, 5, same=fmt.same) == 1.0  # {1/3: 2, 1/2: 3}
+
+
+# Answers a policy could learn to write. Each is graded (never an error, never a hang) and pinned either way.
+ADVERSARIAL = [
+  (r"\binom{20000}{10000}", "5", False),  # 6,000 digits: sympy refuses to print it (Python's digit limit)
+  (r"\binom{20000}{10000}", r"\binom{20000}{10000}", True),
+  (", ".join(str(i) for i in range(200)), "5", False),  # every candidate at once: a set, not 5
+  (r"\{" + ", ".join(str(i) for i in range(200)) + r"\}", "5", False),
+  (r"1 \text{ or } 2 \text{ or } 5", "5", False),
+  ("x=1=2=3", "3", True),  # a chain reads as its last side (as `x = 2+1 = 3` does), so it names one value
+  ("x=1=2=3", "1", False),
+  ("x=1=2=3", "2", False),
+  (r"\boxed{5}", "5", True),  # a box inside the box
+  (" ".join(rf"\boxed{{{i}}}" for i in range(10)), "5", False),  # boxes inside the box: a set again
+  ("3.141593", r"\pi", True),  # math-verify rounds to 6 decimals: pinned both ways
+  (r"\pi", "3.141593", True),
+  ("3.14159", r"\pi", False),
+  ("3.141592", r"\pi", False),
+  ("1" * 10_000, "5", False),  # refused before parsing
+]
+
+
+def test_adversarial_answers_are_graded_and_never_crash_the_grader():
+  equivalent("1", "1")
+  pids = {w.proc.pid for w in math_pool.POOL.idle}
+  wrong = [(a[:40], r, want, equivalent(a, r)) for a, r, want in ADVERSARIAL if equivalent(a, r)[0] != want]
+  assert wrong == []
+  assert {w.proc.pid for w in math_pool.POOL.idle} >= pids  # no worker died: each step is guarded
+  ok, why = equivalent(r"\binom{20000}{10000}", "5")
+  assert not ok and "does not print" in why
+  assert "longer than 1000 characters" in equivalent("1" * 10_000, "5")[1]
+
+
+def test_the_binomial_that_killed_the_worker_scores_zero_as_a_reward():
+  prompt = Prompt("q", "math", (1,), data={"answer": "5"})
+  text = r"The count is $\boxed{\binom{20000}{10000}}$."
+  result = math_reward(prompt, Completion((), text, "stop", truncated=False))
+  assert result.reward == 0.0 and result.info == {"extracted": r"\binom{20000}{10000}", "timed_out": False}
+  nested = math_reward(prompt, Completion((), r"\boxed{\boxed{5}}", "stop", truncated=False))
+  assert nested.reward == 1.0 and nested.info["extracted"] == r"\boxed{5}"
+
+
+def test_extract_boxed_reads_a_brace_free_box_and_the_last_outermost_box():
+  assert grader.extract_boxed(r"\boxed 5. Check \frac{1}{2}") == "5"
+  assert grader.extract_boxed(r"\boxed{3} then \boxed 7") == "7"
+  assert grader.extract_boxed(r"so \boxed {12}.") == "12"
+  assert grader.extract_boxed(r"a \boxed{3} b \boxed{4 \boxed{5}} c") == r"4 \boxed{5}"
+  assert grader.extract_boxed(r"\boxed{2} and then \boxed{") is None  # the last box is unbalanced
+  assert grader.extract_boxed(r"\boxedx{3}") is None and grader.extract_boxed(r"\fbox{7}") == "7"
+  prompt = Prompt("q", "math", (1,), data={"answer": "5"})
+  assert math_reward(prompt, Completion((), r"\boxed 5. Check \frac{1}{2}", "stop", truncated=False)).reward == 1.0
+
+
+@pytest.mark.parametrize("reference", [r"\frac{", "???", r"\sqrt{}", "", "1" * 1001])
+def test_a_reference_math_verify_cannot_read_is_bad_task_data(reference):
+  with pytest.raises(ValueError, match="reference"):
+    equivalent("5", reference)
+  prompt = Prompt("p7", "math", (1,), data={"answer": reference})
+  with pytest.raises(ValueError, match=r"math_reward: prompt p7 \(task 'math'\): .*reference"):
+    math_reward(prompt, Completion((), r"\boxed{5}", "stop", truncated=False))
+  assert not same_answer("5", reference)  # maj@k: an answer unreadable as a reference is only itself
+
+
+def test_a_spent_budget_grades_nothing_more_and_counts_timeouts():
+  budget = grader.GradingBudget(10.0)
+  prompt = Prompt("q", "math", (1,), data={"answer": "5"})
+  right = Completion((), r"\boxed{5.0}", "stop", truncated=False)
+  grader._CACHE.clear()
+  first = math_reward(prompt, right, budget)
+  assert first.reward == 1.0 and not first.info["timed_out"] and 0 < budget.spent < 10.0
+  grader._CACHE.clear()
+  budget.spend(10.0)
+  spent = math_reward(prompt, right, budget)
+  assert spent.reward == 0.0 and spent.info["timed_out"] and "budget (10 s) is spent" in spent.reason
+  budget.start()  # the next batch
+  grader._CACHE.clear()
+  assert math_reward(prompt, right, budget).reward == 1.0
+  assert grader.GradingBudget(0).left() == float("inf")
+  with pytest.raises(ValueError, match="seconds must be >= 0"):
+    grader.GradingBudget(-1)
+
+
+def test_a_budget_shorter_than_a_grade_bounds_the_grade():
+  budget = grader.GradingBudget(3.0)
+  ok, why = equivalent("9^{9^{9}}", "5", budget=budget)  # math-verify's 1 s limit, the deadline 3 s
+  assert not ok and "timed out" in why and budget.spent > 0
+
+
+def _fake_worker(tmp_path, body: str) -> str:
+  path = tmp_path / "worker.py"
+  path.write_text("import json, sys\nprint(json.dumps({'ready': True}), flush=True)\n" + body)
+  return str(path)
+
+
+def test_a_worker_that_dies_on_an_answer_twice_grades_it_wrong(tmp_path, monkeypatch):
+  math_pool.POOL.close()
+  grader._CACHE.clear()
+  monkeypatch.setattr(math_pool, "WORKER", _fake_worker(tmp_path, "sys.stdin.readline()\nsys.exit(3)\n"))
+  ok, why = equivalent("6", "5")
+  assert not ok and "worker died on it twice (exit status 3)" in why
+  assert math_pool.POOL.count == 0
+  grader._CACHE.clear()
+
+
+@pytest.mark.parametrize(
+  "body, error",
+  [
+    ("sys.stdin.readline()\nprint('Traceback: not json', flush=True)\n", "a line that is not JSON"),
+    ("sys.stdin.readline()\nprint(json.dumps({'ok': True}), flush=True)\n", "reply lacks"),
+    ("sys.stdin.readline()\nprint('x' * 70000, flush=True)\n", "a line over 65536 bytes"),
+  ],
+)
+def test_a_worker_that_breaks_the_protocol_is_an_infrastructure_error(tmp_path, monkeypatch, body, error):
+  from k2jax.grading import contract
+
+  math_pool.POOL.close()
+  grader._CACHE.clear()
+  monkeypatch.setattr(math_pool, "WORKER", _fake_worker(tmp_path, body))
+  with pytest.raises(RuntimeError, match=error):  # never ValueError: that would read as bad task data
+    equivalent("6", "5")
+  prompt = Prompt("q", "math", (1,), data={"answer": "5"})
+  (r,) = contract.make_reward("math")(prompt, [Completion((), r"\boxed{6}", "stop", truncated=False)])
+  assert r.reward != r.reward and "math grader raised RuntimeError" in r.info["infra_error"]
+  math_pool.POOL.close()

@@ -1,9 +1,10 @@
-"""An RL update whose batch carries no learning signal is not applied (k2jax/rl/rl_step.py, train.step.apply_update).
+"""An RL update whose gradient is provably zero is not applied (k2jax/rl/rl_step.py, train.step.apply_update).
 
-Every group's rewards equal, no PTX and no critic rows: the K2 objective is at its minimum at pi_old and its
-gradient there is zero. MuonClip would still move the weights: Muon's update has a fixed RMS whatever the
-gradient's size, so it steps along its (orthogonalised) stale momentum. The step keeps params, bias and
-optimizer state and reports `signal=0`; one sample off its group's mean reward, or one critic row, is signal.
+Every group's rewards equal, no PTX and no critic rows, pi_old the trainer's own: the K2 objective is at its
+minimum at pi_old and its gradient there is zero. MuonClip would still move the weights: Muon's update has a
+fixed RMS whatever the gradient's size, so it steps along its (orthogonalised) stale momentum. The step keeps
+params and optimizer state, reports `signal=0` and `dropped=1`, and still moves the balancing bias; one sample
+off its group's mean reward, one critic row, or an engine's pi_old that differs from the trainer's is signal.
 """
 
 import jax
@@ -67,7 +68,7 @@ def test_equal_rewards_keep_the_state_and_unequal_ones_update():
   flat = _batch([0.1, 0.1, 1.0, 1.0], 3)
   old_BT = lp(state.params, state.bias, flat["tokens_BT"], flat["segment_ids_BT"])
   new, m = step(state, flat, old_BT, None)
-  assert int(m["signal"]) == 0 and int(m["signal_samples"]) == 0 and bool(m["finite"])
+  assert int(m["signal"]) == 0 and int(m["signal_samples"]) == 0 and bool(m["finite"]) and int(m["dropped"]) == 1
   assert _same(state.params, new.params) and _same(state.opt_state, new.opt_state) and _same(state.bias, new.bias)
   assert int(new.skipped_steps) == 1 and int(new.step) == int(state.step) + 1
 
@@ -113,3 +114,64 @@ def test_critic_rows_are_signal_on_a_flat_batch():
   empty = {k: np.zeros_like(v) for k, v in rows.items()}  # the learner's padding when no pair is left
   new, m = step(state, flat, old, None, empty)
   assert int(m["signal"]) == 0 and _same(state.params, new.params)
+
+
+def test_a_flat_batch_against_the_engines_logprobs_is_signal():
+  """With `old_logprobs=engine` the trainer/engine gap is a non-zero log-ratio: its gradient is real, the
+  update is applied. Only an exactly zero log-ratio (pi_old the same numbers) is dropped there."""
+  mdef, opt, state = _setup()
+  engine_loss = K2LossConfig(old_logprobs="engine")
+  step = jax.jit(
+    rl_step.make_rl_step(
+      mdef, opt, optax.constant_schedule(1e-2), engine_loss, num_groups=2, bias_update_rate=0.0, qk_clip_tau=None
+    )
+  )
+  flat = _batch([1.0, 1.0, 0.0, 0.0], 6)
+  trainer_BT = np.asarray(
+    rl_step.make_logprobs_fn(mdef)(state.params, state.bias, flat["tokens_BT"], flat["segment_ids_BT"])
+  )
+  engine_BT = trainer_BT + 0.01 * flat["loss_mask_BT"]  # an engine whose numbers differ a little (bf16, kernels)
+  grads_fn = jax.jit(rl_step.make_rl_grads(mdef, engine_loss, num_groups=2))
+  loss, aux, grads = grads_fn(state.params, state.bias, flat, engine_BT, None)
+  assert int(aux["signal_samples"]) == 0 and float(aux["log_ratio_abs_max"]) > 0.03
+  assert float(optax.tree.norm(grads)) > 1e-3  # the gap's gradient: what a drop would throw away
+  new, m = step(state, flat, engine_BT, None)
+  assert int(m["signal"]) == 1 and int(m["dropped"]) == 0 and not _same(state.params, new.params)
+  assert int(new.skipped_steps) == 0
+  # The same batch against the trainer's pi_old is dropped (its gradient is zero up to rounding).
+  trainer_step = jax.jit(
+    rl_step.make_rl_step(
+      mdef, opt, optax.constant_schedule(1e-2), K2LossConfig(), num_groups=2, bias_update_rate=0.0, qk_clip_tau=None
+    )
+  )
+  kept, m = trainer_step(state, flat, trainer_BT, None)
+  assert int(m["dropped"]) == 1 and _same(state.params, kept.params)
+
+
+def test_a_dropped_update_keeps_params_and_moves_the_balancing_bias():
+  """The balancing bias learns the forward's expert load, not the objective: a dropped update moves it, a
+  non-finite one does not; neither advances the LR schedule, which counts applied updates (a toy state: one
+  weight, one MoE layer of 4 experts, SGD on a schedule 0.1 * (n + 1))."""
+  import jax.numpy as jnp
+
+  from k2jax.train.step import TrainState
+
+  schedule = lambda n: 0.1 * (n + 1)  # noqa: E731
+  opt = optax.sgd(schedule)
+  params, bias = {"w": jnp.ones((2, 2))}, {"b": jnp.zeros((1, 4))}
+  state = TrainState(jnp.zeros([], jnp.int32), params, bias, opt.init(params), jnp.zeros([], jnp.int32))
+  aux = {"max_logits": jnp.zeros((1, 1)), "expert_counts": jnp.array([[1, 2, 3, 6]]), "tokens": jnp.ones([])}
+  grads = {"w": jnp.full((2, 2), 0.5)}
+
+  def update(state, loss, signal):
+    kw = {"bias_update_rate": 0.1, "qk_clip_tau": None, "signal": jnp.array(signal)}
+    return apply_update(state, grads, jnp.asarray(loss, jnp.float32), aux, opt, schedule, **kw)
+
+  dropped, m = update(state, 1.0, False)
+  assert int(m["dropped"]) == 1 and _same(dropped.params, params) and int(dropped.skipped_steps) == 1
+  np.testing.assert_allclose(np.asarray(dropped.bias["b"]), [[0.1, 0.1, 0.0, -0.1]])  # mean load 3
+  bad, m = update(state, np.nan, False)
+  assert int(m["dropped"]) == 0 and not bool(m["finite"]) and _same(bad.bias, bias) and _same(bad.params, params)
+  applied, m = update(dropped, 1.0, True)  # the first applied update: schedule index 0 (lr 0.1), not 1
+  np.testing.assert_allclose(float(m["lr"]), 0.1, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(applied.params["w"]), 1 - 0.1 * 0.5, rtol=1e-6)

@@ -13,8 +13,8 @@ from k2jax.agentic.rollout import EpisodeRunner, MultiTurnConfig
 from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import load_tokenizer
 from k2jax.engine.base import Engine, GenerateResult
-from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.contract import REWARD_KINDS, EngineJudge, RewardConfig, make_reward
+from k2jax.grading.base import Completion, Prompt
+from k2jax.grading.contract import REWARD_KINDS, EngineJudge, RewardConfig, make_reward
 from k2jax.rl.rollout import RolloutConfig, RolloutManager
 from k2jax.rl.tasks import AgenticTask, JsonlTask, TaskSet, make_tasks, task_budgets
 

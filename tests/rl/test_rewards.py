@@ -4,11 +4,11 @@ import re
 
 import pytest
 
-from k2jax.rl.rewards import instruction as ifc
-from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.judge import llm_judge_reward
-from k2jax.rl.rewards.math import equivalent, extract_boxed, math_reward
-from k2jax.rl.rewards.rubric import RubricRewardConfig, rubric_group_reward
+from k2jax.grading import instruction as ifc
+from k2jax.grading.base import Completion, Prompt
+from k2jax.grading.judge import llm_judge_reward
+from k2jax.grading.math import equivalent, extract_boxed, math_reward
+from k2jax.grading.rubric import RubricRewardConfig, rubric_group_reward
 from k2jax.llm_client import ChatClient, ChatConfig
 
 from .fake_openai_server import FakeOpenAIServer

@@ -8,7 +8,7 @@ import pytest
 from k2jax.engine.base import Engine
 from k2jax.engine.fake import FakeEngine, FakeEngineConfig, token_at
 from k2jax.engine.http import HttpEngine, HttpEngineConfig
-from k2jax.rl.rewards.base import Prompt, RewardResult, per_sample
+from k2jax.grading.base import Prompt, RewardResult, per_sample
 from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
 
 from tests.engine.fake_sglang_server import FakeSglangServer

@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.code import code_reward
+from k2jax.grading.base import Completion, Prompt
+from k2jax.grading.code import code_reward
 from k2jax.sandbox import runner as sandbox
 from k2jax.sandbox.code import CodeRewardConfig, run_tests, split_test
 from k2jax.sandbox.runner import SandboxConfig, SandboxUnavailable, run_python

@@ -464,8 +464,8 @@ def test_eval_grading_uses_the_verifier_exit_status_decides_nothing():
 
 @needs_isolation
 def test_code_reward_takes_dataset_rows_and_keeps_assert_lists():
-  from k2jax.rl.rewards.base import Completion, Prompt
-  from k2jax.rl.rewards.code import code_reward
+  from k2jax.grading.base import Completion, Prompt
+  from k2jax.grading.code import code_reward
 
   def reward(tests, text):
     return code_reward(Prompt("p", "code", (), data={"tests": tests}), Completion((), text, "stop", False), CFG)

@@ -5,7 +5,7 @@ import threading
 
 from k2jax.engine.base import EngineCapabilities, GenerateRequest, SamplingParams
 from k2jax.engine.http import HttpEngine, HttpEngineConfig
-from k2jax.rl.rewards.base import Prompt, RewardResult
+from k2jax.grading.base import Prompt, RewardResult
 from k2jax.rl.rollout import RolloutConfig, RolloutManager
 
 BUDGET = 32

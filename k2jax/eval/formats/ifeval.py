@@ -1,5 +1,5 @@
 """IFEval (google/IFEval: key, prompt, instruction_id_list, kwargs) graded by its verifiable instructions
-(`k2jax.rl.rewards.ifeval`, shared with the RL instruction reward), with lm-evaluation-harness's four metrics:
+(`k2jax.grading.ifeval`, shared with the RL instruction reward), with lm-evaluation-harness's four metrics:
 prompt_level_strict_acc (a sample's score: every instruction followed), inst_level_strict_acc (instructions
 followed over all instructions), and both again loose (the response's loose variants). K2 reports
 prompt-level strict.
@@ -15,7 +15,7 @@ from typing import Any
 
 from k2jax.eval.records import Doc, TaskFormat, record_id, str_field
 from k2jax.eval.verdict import Verdict
-from k2jax.rl.rewards import ifeval
+from k2jax.grading import ifeval
 
 METRICS = ("prompt_level_strict_acc", "inst_level_strict_acc", "prompt_level_loose_acc", "inst_level_loose_acc")
 

@@ -8,7 +8,7 @@
 
 The prompt is the problem followed by the reasoning instruction of the DeepSeek-R1 / Qwen math evaluations
 ("Please reason step by step, and put your final answer within \\boxed{}."), for chat models as K2 reports
-them; the verdict is `k2jax.rl.rewards.math.math_reward` on the response (the last `\\boxed{}` against the
+them; the verdict is `k2jax.grading.math.math_reward` on the response (the last `\\boxed{}` against the
 answer: the one math grader of RL and evaluation, math-verify), and maj@k votes on the extracted answers'
 classes under that grader (`same_answer`: `\\frac12` and `0.5` are one answer).
 """
@@ -20,8 +20,8 @@ from typing import Any
 
 from k2jax.eval.records import Doc, TaskFormat, first_field, record_id, str_field
 from k2jax.eval.verdict import Verdict, math_timed_out
-from k2jax.rl.rewards.base import Completion, Prompt
-from k2jax.rl.rewards.math import GRADER_VERSION, math_reward, same_answer
+from k2jax.grading.base import Completion, Prompt
+from k2jax.grading.math import GRADER_VERSION, math_reward, same_answer
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any, Mapping, Protocol, Sequence
 
-from k2jax.rl.rewards.base import RewardResult
+from k2jax.grading.base import RewardResult
 
 _CLAIM = re.compile(
   r"(word count\s*[:=]|\(\s*\d+\s+words\s*\)|i (have )?(followed|complied with|met) (all )?"

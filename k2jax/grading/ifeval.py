@@ -1,7 +1,7 @@
 """IFEval's verifiable instructions (Zhou et al. 2023, google-research `instruction_following_eval`), as
 lm-evaluation-harness's `ifeval` task checks them (`lm_eval/tasks/ifeval/instructions.py`, 0.4.x): one
 implementation for the benchmark (`k2jax.eval.formats.ifeval`) and the RL instruction reward
-(`rewards.instruction`, whose constraint kinds include every instruction id here).
+(`grading.instruction`, whose constraint kinds include every instruction id here).
 
 `check(instruction_id, kwargs, prompt, response)` says whether `response` follows one instruction; `follows`
 runs a row's list strictly or loosely (the loose variants: the response without its first and/or last line
@@ -74,7 +74,7 @@ def known(instruction_id: str) -> bool:
   return instruction_id in _INSTRUCTIONS
 
 
-# ---- counting helpers (shared with rewards.instruction) -------------------------------------------------
+# ---- counting helpers (shared with grading.instruction) -------------------------------------------------
 def count_words(text: str) -> int:
   """IFEval's word count: runs of `\\w` (NLTK's RegexpTokenizer(r"\\w+"))."""
   return len(re.findall(r"\w+", text))

@@ -3,10 +3,11 @@
 the prompt's task data, and a missing field is an error naming the prompt, the kind and the field:
 
   exact        data["answer"]: the stripped response equals it and the sample stopped (generated arithmetic)
-  math         data["answer"]: the last \\boxed{} answer is equivalent to it (rewards.math)
+  math         data["answer"]: the last \\boxed{} answer is equivalent to it (grading.math); a reference
+               math-verify cannot read is bad data (ValueError); `info["timed_out"]` marks a timed-out grade
   code         data["tests"]: pass rate of the response's last fenced program in the sandbox (k2jax.sandbox)
   instruction  data["constraints"]: [{"kind": "word_count", "max_words": 50}, ...]; share met, 0 when the
-               response claims compliance it lacks (rewards.instruction, K2 hack-check)
+               response claims compliance it lacks (grading.instruction, K2 hack-check)
   judge        data["criteria"] (else `RewardConfig.judge_criteria`): an LLM judge's "SCORE: n/10" / 10
   rubric       data["rubrics"] (optional human rubrics): K2 self-critique pairwise ranking within the group
   env          completion.info["env_reward"]: the environment's reward at the end of a multi-turn episode
@@ -19,7 +20,8 @@ cannot split, an unknown constraint): that is the run's input, and it stops the 
 other exception is the grader failing (the parser, the sandbox, a judge endpoint that does not answer): an
 infrastructure verdict, reward NaN with `info["infra_error"]` saying why, for that completion (the whole group
 for the rubric kind), which the RL batch masks and counts (`dropped_reward`, `reward_infra_errors`), never a
-crash of the rollout.
+crash of the rollout; past `RolloutConfig.max_infra_error_frac` of a batch the rollout stops the run with
+the causes (a grader that fails on every sample leaves nothing to train on).
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ from typing import Callable, Protocol, Sequence
 from k2jax.data.chat import render_chat
 from k2jax.data.tokenizer import Tokenizer
 from k2jax.engine.base import Engine, GenerateRequest, SamplingParams
-from k2jax.rl.rewards import instruction
-from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResult, per_sample
-from k2jax.rl.rewards.code import code_reward
-from k2jax.rl.rewards.judge import llm_judge_reward
-from k2jax.rl.rewards.math import math_reward
-from k2jax.rl.rewards.rubric import RubricRewardConfig, rubric_group_reward
+from k2jax.grading import instruction
+from k2jax.grading.base import Completion, GroupRewardFn, Prompt, RewardResult, per_sample
+from k2jax.grading.code import code_reward
+from k2jax.grading.judge import llm_judge_reward
+from k2jax.grading.math import GradingBudget, math_reward
+from k2jax.grading.rubric import RubricRewardConfig, rubric_group_reward
 from k2jax.sandbox.code import CodeRewardConfig
 
 REWARD_KINDS = ("exact", "math", "code", "instruction", "judge", "rubric", "env")
@@ -59,8 +61,14 @@ class RewardConfig:
   judge_criteria: str = "The response is correct, helpful and answers the prompt directly."
 
 
-def make_reward(kind: str, config: RewardConfig = RewardConfig(), judge: ChatJudge | None = None) -> GroupRewardFn:
-  """The group reward of `kind` (one of REWARD_KINDS); `judge` is required by the judge and rubric kinds."""
+def make_reward(
+  kind: str,
+  config: RewardConfig = RewardConfig(),
+  judge: ChatJudge | None = None,
+  budget: GradingBudget | None = None,
+) -> GroupRewardFn:
+  """The group reward of `kind` (one of REWARD_KINDS); `judge` is required by the judge and rubric kinds;
+  `budget` bounds the math kind's grading seconds per RL batch (the rollout manager opens each batch)."""
   if kind not in REWARD_KINDS:
     raise ValueError(f"unknown reward kind {kind!r}; known: {REWARD_KINDS}")
   if kind in JUDGE_KINDS and judge is None:
@@ -70,7 +78,7 @@ def make_reward(kind: str, config: RewardConfig = RewardConfig(), judge: ChatJud
   needs = {"exact": "answer", "math": "answer", "code": "tests", "instruction": "constraints"}
   per_completion: dict[str, Callable[[Prompt, Completion], RewardResult]] = {
     "exact": exact_answer_reward,
-    "math": math_reward,
+    "math": lambda p, c: math_reward(p, c, budget),
     "code": lambda p, c: code_reward(p, c, config.code),
     "instruction": lambda p, c: instruction.instruction_reward(
       c.text, instruction.constraints_from_dicts(p.data["constraints"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from k2jax.rl.rewards.base import Completion, Prompt, RewardResult
+from k2jax.grading.base import Completion, Prompt, RewardResult
 from k2jax.sandbox.code import CodeRewardConfig, extract_code, run_tests
 from k2jax.sandbox.verify import verify
 

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from k2jax.llm_client import ChatClient
-from k2jax.rl.rewards.base import Completion, GroupRewardFn, Prompt, RewardResult
+from k2jax.grading.base import Completion, GroupRewardFn, Prompt, RewardResult
 
 CORE_RUBRICS = (  # K2 Appendix F.1, paraphrased
   "Clarity and relevance: the answer is concise, addresses the user's intent and stays on topic.",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from k2jax.llm_client import ChatClient
-from k2jax.rl.rewards.base import RewardResult
+from k2jax.grading.base import RewardResult
 
 _SCORE = re.compile(r"SCORE:\s*(\d+(?:\.\d+)?)\s*/\s*10", re.IGNORECASE)
 
