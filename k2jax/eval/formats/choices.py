@@ -1,4 +1,4 @@
-"""GPQA-Diamond and MMLU-Pro, generative (the letter extracted from a generated answer, as K2 reports them)
+r"""GPQA-Diamond and MMLU-Pro, generative (the letter extracted from a generated answer, as K2 reports them)
 and by log-likelihood of each choice (as lm-evaluation-harness scores multiple choice: acc, acc_norm).
 
   gpqa, gpqa.ll           Question, Correct Answer, Incorrect Answer 1, 2, 3, Record ID (optional): the
