@@ -319,13 +319,12 @@ def child(cap_last, plan):
     status.write(f"SETUP {e}\n")
     os._exit(2)
   os.close(cfg["report_fd"])
-  supervisor = None
   if listener is not None:
-    supervisor = _confine.Supervisor(listener, cfg["syscall_names"])
-    supervisor.start()  # after the fork: a forked copy of a running thread's lock state is never made
-  _, st = os.waitpid(pid, 0)
+    st, denied = _confine.supervise(listener, cfg["syscall_names"], pid)
+  else:
+    st, denied = os.waitpid(pid, 0)[1], []
   full = _full(cfg["workdir"]) if cfg["kernel_limits"] else "-"
-  full = ",".join(x for x in [*full.split(","), *_wall_flags(supervisor)] if x != "-") or "-"
+  full = ",".join(x for x in [*full.split(","), *_wall_flags(listener is not None, denied)] if x != "-") or "-"
   status.write(f"SIGNAL {os.WTERMSIG(st)} {full}\n" if os.WIFSIGNALED(st) else f"EXIT {os.WEXITSTATUS(st)} {full}\n")
   os._exit(0)  # PID 1 exits: the kernel kills whatever the program left behind
 
@@ -344,12 +343,10 @@ def walls():
   return _confine.load_filter(cfg["seccomp_bpf"]) if cfg["seccomp_bpf"] else None
 
 
-def _wall_flags(supervisor):
-  flags = ["seccomp"] if supervisor is not None else []
+def _wall_flags(filtered, denied):
+  flags = ["seccomp"] if filtered else []
   flags += ["landlock"] if WALLS["landlock_abi"] >= 1 else []
-  if supervisor is not None and supervisor.denied:
-    flags.append("denied=" + "+".join(supervisor.denied))
-  return flags
+  return flags + (["denied=" + "+".join(denied)] if denied else [])
 
 
 def _landlock():

@@ -3,7 +3,7 @@
 Imported by `_child.py` (copied beside it into the run's root-owned dir). The sandbox's PID 1 loads the
 system-call filter that `syscalls.py` compiled (raw BPF, passed in hex) with seccomp(2) and
 SECCOMP_FILTER_FLAG_NEW_LISTENER: the filter's default action is SECCOMP_RET_USER_NOTIF, so each refused
-call blocks until PID 1's `Supervisor` thread, holding the listener, records the call's name and answers
+call blocks until PID 1 (`supervise`), holding the listener, records the call's name and answers
 EPERM. The program (forked after the load, so it inherits the filter; PID 1 keeps the only listener)
 restricts itself with Landlock just before exec, where the kernel has it: read and execute under the new
 root, everything under the run's dir and writable binds, read/write on the /dev nodes, no TCP (ABI 4),
@@ -14,13 +14,13 @@ from ptrace-class access (/proc/1/mem) to PID 1, which sits outside it.
 import ctypes
 import errno
 import os
-import threading
+import select
 
 SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER = 1, 1 << 3
 NOTIF_RECV, NOTIF_SEND = 0xC0502100, 0xC0182101  # _IOWR('!', 0|1, struct seccomp_notif (80 B) | _resp (24 B))
 NR = {"x86_64": {"seccomp": 317}, "aarch64": {"seccomp": 277}}  # landlock_* are 444-446 on every arch
 LANDLOCK_CREATE, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT = 444, 445, 446
-MAX_NAMED = 32  # distinct refused calls kept per run
+MAX_NAMED = 64  # distinct refused calls kept per run (every family listed in syscalls.REFUSED fits)
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -75,25 +75,31 @@ def load_filter(bpf_hex: str) -> int:
   return fd
 
 
-class Supervisor(threading.Thread):
-  """Answers every refused call with EPERM and keeps the names of the first MAX_NAMED distinct ones."""
-
-  def __init__(self, fd: int, names: dict):
-    super().__init__(daemon=True)
-    self.fd, self.names, self.denied = fd, names, []
-
-  def run(self):
+def supervise(fd: int, names: dict, pid: int) -> tuple[int, list]:
+  """PID 1's loop until its child `pid` ends: answers every refused call with EPERM, keeping the names of the
+  first MAX_NAMED distinct ones. No thread: a thread would count against the run's cgroup task cap."""
+  denied = []
+  child = os.pidfd_open(pid)
+  try:
     while True:
-      note = _Notif()  # the kernel wants it zeroed
-      if libc.ioctl(self.fd, NOTIF_RECV, ctypes.byref(note)) != 0:
-        if ctypes.get_errno() in (errno.EINTR, errno.ENOENT):  # ENOENT: the caller died before we read it
-          continue
-        return
-      name = self.names.get(str(note.nr), f"syscall_{note.nr}")
-      if name not in self.denied and len(self.denied) < MAX_NAMED:
-        self.denied.append(name)
-      resp = _Resp(note.id, 0, -errno.EPERM, 0)
-      libc.ioctl(self.fd, NOTIF_SEND, ctypes.byref(resp))  # ENOENT when the caller died meanwhile: nothing to do
+      ready, _, _ = select.select([fd, child], [], [])
+      if fd in ready:
+        _answer(fd, names, denied)
+      if child in ready:
+        return os.waitpid(pid, 0)[1], denied
+  finally:
+    os.close(child)
+
+
+def _answer(fd: int, names: dict, denied: list) -> None:
+  note = _Notif()  # the kernel wants it zeroed
+  if libc.ioctl(fd, NOTIF_RECV, ctypes.byref(note)) != 0:
+    return  # ENOENT: the caller died before we read it; EINTR: select again
+  name = names.get(str(note.nr), f"syscall_{note.nr}")
+  if name not in denied and len(denied) < MAX_NAMED:
+    denied.append(name)
+  resp = _Resp(note.id, 0, -errno.EPERM, 0)
+  libc.ioctl(fd, NOTIF_SEND, ctypes.byref(resp))  # ENOENT when the caller died meanwhile: nothing to answer
 
 
 def landlock_abi() -> int:
