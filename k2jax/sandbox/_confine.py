@@ -6,8 +6,7 @@ SECCOMP_FILTER_FLAG_NEW_LISTENER: the filter's default action is SECCOMP_RET_USE
 call blocks until PID 1 (`supervise`), holding the listener, records the call's name and answers
 EPERM. The program (forked after the load, so it inherits the filter; PID 1 keeps the only listener)
 restricts itself with Landlock just before exec, where the kernel has it: read and execute under the new
-root, everything under the run's dir and writable binds, read/write on the /dev nodes, no TCP (ABI 4),
-no signals or abstract unix sockets out of its domain (ABI 6). Landlock's domain also bars the program
+root, everything under the run's dir and writable binds, read/write on the /dev nodes. Landlock's domain also bars the program
 from ptrace-class access (/proc/1/mem) to PID 1, which sits outside it.
 """
 
@@ -112,12 +111,9 @@ def landlock(abi: int, writable: list, devices: list) -> None:
   """Restricts this process and what it execs: read/execute under /, all rights under `writable` dirs,
   read/write on `devices`; handles every right `abi` knows, so whatever is not granted is refused."""
   fs_all = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1  # REFER (v2), TRUNCATE (v3), IOCTL_DEV (v5)
-  attr = [fs_all]
-  if abi >= 4:
-    attr.append(0b11)  # BIND_TCP | CONNECT_TCP: no TCP at all (beside the empty network namespace)
-  if abi >= 6:
-    attr.append(0b11)  # scoped: ABSTRACT_UNIX_SOCKET | SIGNAL
-  ruleset = (ctypes.c_uint64 * len(attr))(*attr)
+  # Files only: TCP (ABI 4) and signal/abstract-socket scopes (ABI 6) are the empty network and PID namespaces'
+  # already, and a second refusal there would only change the errors programs see.
+  ruleset = (ctypes.c_uint64 * 1)(fs_all)
   fd = libc.syscall(LANDLOCK_CREATE, ctypes.byref(ruleset), ctypes.sizeof(ruleset), 0)
   if fd < 0:
     raise ConfineError(f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")

@@ -27,7 +27,7 @@ them with unshare(2); no privilege needed where unprivileged user namespaces are
   what a grader never needs; new namespaces, mounts, ptrace, bpf, perf, keys, userfaultfd, io_uring, kexec,
   file handles refused with EPERM, clone3 with ENOSYS); each refused call is named in `denied`;
 - Landlock, where the kernel has it: a second wall on the file system (read and execute under the new
-  root, writes only in the run's dir and writable binds) and on TCP and out-of-domain signals.
+  root, writes only in the run's dir and writable binds).
 Nothing relies on Python-level checks inside the process: the program may rewrite its own interpreter.
 
 Where the kernel refuses (user namespaces disabled, or a container seccomp profile that blocks
