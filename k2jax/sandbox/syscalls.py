@@ -122,6 +122,41 @@ def filter_program() -> tuple[bytes, dict[int, str]]:
   return bpf, names
 
 
+# The pod's seccomp profile (deploy/seccomp/k2jax-sandbox.json, `python -m k2jax.sandbox.syscalls`): the inner
+# filter's allow list plus what the sandbox's setup does outside it (_child.py): unshare with exactly the
+# namespace sets it asks for, mount with no flag beyond those it uses (no MS_SHARED/MS_SLAVE propagation),
+# chroot into the new root. Everything else the inner filter refuses stays refused for the whole pod.
+SETUP_UNSHARE = (
+  0x00020000,  # CLONE_NEWNS: root stages its binds (a root-run service only)
+  0x18000000,  # CLONE_NEWUSER | CLONE_NEWIPC: the outer user namespace and the run's IPC namespace
+  0x10000000,  # CLONE_NEWUSER: the inner user namespace
+  0x66020000,  # CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWPID | CLONE_NEWNET
+  0x7E020000,  # all of the above at once (SandboxConfig(kernel_limits=False))
+)
+# MS_RDONLY NOSUID NODEV NOEXEC REMOUNT NOATIME NODIRATIME BIND MOVE REC PRIVATE RELATIME
+SETUP_MOUNT_FLAGS = 0x1 | 0x2 | 0x4 | 0x8 | 0x20 | 0x400 | 0x800 | 0x1000 | 0x2000 | 0x4000 | 0x40000 | 0x200000
+
+
+def pod_profile() -> dict:
+  """The container runtime's seccomp profile (OCI / Docker JSON) for pods that run the sandbox."""
+  rule = lambda names, **kw: {"names": list(names), "action": "SCMP_ACT_ALLOW", **kw}  # noqa: E731
+  arg = lambda i, op, v, v2=0: {"index": i, "value": v, "valueTwo": v2, "op": op}  # noqa: E731
+  return {
+    "defaultAction": "SCMP_ACT_ERRNO",
+    "defaultErrnoRet": 1,
+    "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_AARCH64"],
+    "syscalls": [
+      rule(ALLOWED + ["chroot"]),
+      rule(["clone"], args=[arg(0, "SCMP_CMP_MASKED_EQ", CLONE_NAMESPACE_FLAGS)]),
+      {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38},
+      rule(["socket"], args=[arg(0, "SCMP_CMP_NE", AF_VSOCK)]),
+      *(rule(["personality"], args=[arg(0, "SCMP_CMP_EQ", p)]) for p in PERSONALITIES),
+      *(rule(["unshare"], args=[arg(0, "SCMP_CMP_EQ", flags)]) for flags in SETUP_UNSHARE),
+      rule(["mount"], args=[arg(3, "SCMP_CMP_MASKED_EQ", ~SETUP_MOUNT_FLAGS & (2**64 - 1), 0)]),
+    ],
+  }
+
+
 def filter_error() -> str | None:
   """None when the filter builds here, else why not (for `SandboxUnavailable` and tests)."""
   try:
@@ -145,3 +180,9 @@ def landlock_abi() -> int:
   libc = ctypes.CDLL(None, use_errno=True)
   nr = {"x86_64": 444, "aarch64": 444}.get(os.uname().machine)
   return max(libc.syscall(nr, None, 0, 1), 0) if nr is not None else 0
+
+
+if __name__ == "__main__":
+  import json
+
+  print(json.dumps(pod_profile(), indent=1))
