@@ -354,7 +354,8 @@ def _landlock():
   if WALLS["landlock_abi"] < 1:
     return
   writable = [cfg["workdir"], *(dst for _, dst, read_only in cfg["binds"] if not read_only)]
-  _confine.landlock(WALLS["landlock_abi"], writable, ["/dev/" + d for d in DEVICES])
+  read_only = [dst for _, dst, ro in cfg["binds"] if ro]
+  _confine.landlock(WALLS["landlock_abi"], writable, ["/dev/" + d for d in DEVICES], read_only)
 
 
 def program():

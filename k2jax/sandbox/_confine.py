@@ -107,9 +107,12 @@ def landlock_abi() -> int:
   return max(int(v), 0)
 
 
-def landlock(abi: int, writable: list, devices: list) -> None:
+def landlock(abi: int, writable: list, devices: list, read_only_binds: list) -> None:
   """Restricts this process and what it execs: read/execute under /, all rights under `writable` dirs,
-  read/write on `devices`; handles every right `abi` knows, so whatever is not granted is refused."""
+  read/write on `devices`, and under `read_only_binds` read/execute plus writing files already there: the
+  mount refuses writes to regular files (EROFS) but not to FIFOs (the verifier's channels between its
+  sandboxes are FIFOs in a read-only bind). Handles every right `abi` knows: whatever is not granted is
+  refused."""
   fs_all = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1  # REFER (v2), TRUNCATE (v3), IOCTL_DEV (v5)
   # Files only: TCP (ABI 4) and signal/abstract-socket scopes (ABI 6) are the empty network and PID namespaces'
   # already, and a second refusal there would only change the errors programs see.
@@ -120,7 +123,9 @@ def landlock(abi: int, writable: list, devices: list) -> None:
   try:
     read_exec = 0b1101  # EXECUTE | READ_FILE | READ_DIR
     dev = 0b0110 | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)  # WRITE/READ_FILE, TRUNCATE, IOCTL
-    for path, rights in [("/", read_exec), *((p, fs_all) for p in writable), *((p, dev) for p in devices)]:
+    rules = [("/", read_exec), *((p, fs_all) for p in writable), *((p, dev) for p in devices)]
+    rules += [(p, read_exec | 0b0010) for p in read_only_binds]  # | WRITE_FILE
+    for path, rights in rules:
       _add_rule(fd, path, rights)
     if libc.syscall(LANDLOCK_RESTRICT, fd, 0) != 0:
       raise ConfineError(f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}")
