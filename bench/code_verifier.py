@@ -9,6 +9,8 @@
    sandbox's, so the baseline pays no site import), compared by the same `compare_output`. Lower is cheaper;
    the target is <= 1.5 at 10 and 100 cases. `verify_over_unisolated_N`: the same verifier path with the kernel
    isolation off (`unsafe_no_isolation`), i.e. what the namespaces and limits themselves cost.
+   `verify_over_no_walls_N`: the same isolated path with the system-call filter and Landlock off
+   (`SandboxConfig(seccomp='off', landlock='off')`), i.e. what those two walls cost.
    Modes interleaved A B C A B C ..., `reps` rounds of `samples` samples each; the ratio is the median of the
    per-round ratios, [min,max] beside it.
 2. `humaneval_problems_per_s`: HumanEval's 164 problems (canonical solutions) graded by `verify_batch`
@@ -19,6 +21,7 @@
 """
 
 import concurrent.futures
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -77,9 +80,12 @@ def _unisolated(row: dict, config: CodeRewardConfig) -> float:
     return verify(PROGRAM, row, config).reward
 
 
-def _unsafe_run_python(files, entry, config, stdin=""):
-  import dataclasses
+def _no_walls(row: dict, config: CodeRewardConfig) -> float:
+  sandbox = dataclasses.replace(config.sandbox, seccomp="off", landlock="off")
+  return verify(PROGRAM, row, dataclasses.replace(config, sandbox=sandbox)).reward
 
+
+def _unsafe_run_python(files, entry, config, stdin=""):
   # Unisolated, RLIMIT_NPROC counts every process of the uid on the host (not of a namespace): room for them.
   cfg = dataclasses.replace(config, unsafe_no_isolation=True, max_processes=max(config.max_processes, 512))
   with mock.patch.object(runner, "isolation_error", lambda config=None: "benchmark baseline: isolation off"):
@@ -99,6 +105,7 @@ def _stdin_sizes(config: CodeRewardConfig) -> None:
     "verify": lambda row, cfg: verify(PROGRAM, row, cfg).reward,
     "direct": _direct,
     "unisolated": _unisolated,
+    "no_walls": _no_walls,
   }
   for n in (1, 10, 100):
     row = _row(n)
@@ -111,7 +118,7 @@ def _stdin_sizes(config: CodeRewardConfig) -> None:
     for name, t in times.items():
       rate = [1 / x for x in t]
       print(f"n={n} {name}_samples_per_s={statistics.median(rate):.2f} (min {min(rate):.2f}, max {max(rate):.2f})")
-    for base in ("direct", "unisolated"):
+    for base in ("direct", "unisolated", "no_walls"):
       r = [a / b for a, b in zip(times["verify"], times[base], strict=True)]
       print(f"verify_over_{base}_{n}={statistics.median(r):.3f} spread=[{min(r):.3f},{max(r):.3f}] reps={_REPS.value}")
 

@@ -3,7 +3,8 @@
 `Guard.run(tool, call, fn)` is the only way a tool implementation is executed:
 1. Impact: a tool above `GuardConfig.max_unconfirmed_impact` runs only if the `confirm` callback says
    yes. The default callback denies (training has nobody to ask). Every decision is logged.
-2. Network: the implementation gets a `Net` handle that reaches only the tool's declared `targets`;
+2. Network: the implementation gets a `Net` handle that reaches only the tool's declared `targets`
+   (redirects are not followed and environment proxies not used: a request goes to the target checked);
    every request waits for the target's rate limiter and the global concurrency cap, so a thousand
    parallel agents cannot flood one external service. No targets = no network.
 3. Errors raised by the implementation become `ToolError("tool_failed")`, never a crash.
@@ -109,13 +110,33 @@ class Net:
     try:
       data = None if payload is None else json.dumps(payload).encode()
       req = urllib.request.Request(f"http://{target}{path}", data=data, headers={"Content-Type": "application/json"})
-      with urllib.request.urlopen(req, timeout=cfg.request_timeout_s) as resp:
+      with _OPENER.open(req, timeout=cfg.request_timeout_s) as resp:
         body = resp.read()
       return json.loads(body) if body else None
+    except urllib.error.HTTPError as e:
+      location = e.headers.get("Location") if 300 <= e.code < 400 else None
+      if location is not None:  # the check above was for `target` only: a redirect would leave it
+        g.audit("redirect_refused", self._tool.name, {"target": target, "path": path, "location": location})
+        raise ToolFailure(
+          "no_network", f"{target}{path} redirected (HTTP {e.code}) to {location!r}: redirects are not followed"
+        ) from None
+      raise ToolFailure("tool_failed", f"request to {target}{path} failed: {e}") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
       raise ToolFailure("tool_failed", f"request to {target}{path} failed: {e}") from None
     finally:
       g._inflight.release()
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+  """urllib follows 3xx by default, past the per-target check: here a 3xx stays an HTTPError."""
+
+  def redirect_request(self, req, fp, code, msg, headers, newurl):
+    return None
+
+
+# No redirects, and no proxy from the environment (HTTP_PROXY would carry every request to one host the
+# tool never declared).
+_OPENER = urllib.request.build_opener(_NoRedirect(), urllib.request.ProxyHandler({}))
 
 
 class ToolFailure(Exception):

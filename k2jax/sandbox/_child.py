@@ -20,11 +20,14 @@ the caller's permissions changes. Isolated runs:
    path a private tmpfs of `scratch_bytes` at the run's dir, filled with a copy of its files (disk writes
    never reach the host; /dev/shm links there, so POSIX shm counts too); it moves that root over / and
    chroots into it (the caller's files are not in the view at all);
-4. capability bounding set emptied, no_new_privs; PID 1 forks the program, which takes a new session,
-   sets rlimits (CPU, address space, file size, open files, processes of this user namespace, no core)
-   and execs the interpreter on the entry file.
+4. capability bounding set emptied, no_new_privs; PID 1 makes itself non-dumpable (its memory and /proc
+   files out of the program's reach), loads the system-call filter (`_confine.py`, `syscalls.py`) and
+   forks the program, which takes a new session, sets rlimits (CPU, address space, file size, open files,
+   processes of this user namespace, no core), restricts itself with Landlock where the kernel has it,
+   and execs the interpreter on the entry file. PID 1 answers the filter's refusals and names them.
 PID 1 waits and reports `EXIT n FLAGS` / `SIGNAL n FLAGS` (or `SETUP why` when isolation failed) on a
-status pipe the program never holds, FLAGS naming the limits found full (`scratch`, `shm`), then exits,
+status pipe the program never holds, FLAGS naming the limits found full (`scratch`, `shm`), the walls
+that held (`seccomp`, `landlock`) and the refused calls (`denied=a+b`), then exits,
 which ends the namespace. When the caller put the launcher in a cgroup it first waits for a byte on
 `go_fd`, so nothing runs before the cgroup's limits apply. Unisolated runs (the explicit unsafe
 mode) skip steps 1 and 3, and the launcher's child is the program.
@@ -36,6 +39,9 @@ import os
 import resource
 import signal
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _confine.py, copied beside this file
+import _confine  # noqa: E402
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x2000000, 0x4000000, 0x8000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -53,6 +59,7 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 
 INNER_ID = 1000
 DEVICES = ("null", "zero", "random", "urandom")
 NO_IPC_LIMITS = []  # the IPC sysctl this kernel refused to the namespace, if any
+WALLS = {"landlock_abi": 0}  # PID 1's: the Landlock ABI the program will use (0: none)
 STAGED = {}  # host dir -> the bind of it root made under stage_dir (where the sandbox uid reaches it)
 
 cfg = json.loads(sys.argv[1])
@@ -300,28 +307,66 @@ def child(cap_last, plan):
       program()
     build_root(plan)
     drop_privileges(cap_last)
+    listener = walls()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the program may signal PID 1 only where it has a handler
     pid = os.fork()
     if pid == 0:
+      if listener is not None:
+        os.close(listener)  # PID 1 holds the only one: the program cannot answer its own refused calls
       os.setsid()  # kill(0, ...) from the program reaches only its own session
       program()
-  except (SetupError, OSError, ValueError) as e:
+  except (SetupError, _confine.ConfineError, OSError, ValueError) as e:
     status.write(f"SETUP {e}\n")
     os._exit(2)
   os.close(cfg["report_fd"])
-  _, st = os.waitpid(pid, 0)
+  if listener is not None:
+    st, denied = _confine.supervise(listener, cfg["syscall_names"], pid)
+  else:
+    st, denied = os.waitpid(pid, 0)[1], []
   full = _full(cfg["workdir"]) if cfg["kernel_limits"] else "-"
+  full = ",".join(x for x in [*full.split(","), *_wall_flags(listener is not None, denied)] if x != "-") or "-"
   status.write(f"SIGNAL {os.WTERMSIG(st)} {full}\n" if os.WIFSIGNALED(st) else f"EXIT {os.WEXITSTATUS(st)} {full}\n")
   os._exit(0)  # PID 1 exits: the kernel kills whatever the program left behind
+
+
+def walls():
+  """PID 1, isolated, after no_new_privs: non-dumpable, the Landlock ABI found (or refused by config), the
+  system-call filter loaded. Returns the filter's listener fd (None when the filter is off by config)."""
+  _check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "non-dumpable")
+  if cfg["landlock"] != "off":
+    WALLS["landlock_abi"] = _confine.landlock_abi()
+    if WALLS["landlock_abi"] < 1 and cfg["landlock"] == "required":
+      raise SetupError(
+        "SandboxConfig(landlock='required'): this kernel has no Landlock (CONFIG_SECURITY_LANDLOCK, 'landlock' in "
+        "the lsm= boot list; Linux >= 5.13)"
+      )
+  return _confine.load_filter(cfg["seccomp_bpf"]) if cfg["seccomp_bpf"] else None
+
+
+def _wall_flags(filtered, denied):
+  flags = ["seccomp"] if filtered else []
+  flags += ["landlock"] if WALLS["landlock_abi"] >= 1 else []
+  return flags + (["denied=" + "+".join(denied)] if denied else [])
+
+
+def _landlock():
+  """The program restricts itself (PID 1 stays outside its domain); a no-op where PID 1 found no Landlock."""
+  if WALLS["landlock_abi"] < 1:
+    return
+  writable = [cfg["workdir"], *(dst for _, dst, read_only in cfg["binds"] if not read_only)]
+  read_only = [dst for _, dst, ro in cfg["binds"] if ro]
+  _confine.landlock(WALLS["landlock_abi"], writable, ["/dev/" + d for d in DEVICES], read_only)
 
 
 def program():
   try:
     os.chdir(cfg["workdir"])
     set_limits()
+    if cfg["isolate"]:
+      _landlock()
     exe = os.path.realpath(sys.executable)  # a venv's symlink may point outside the new root's view
     os.execve(exe, [exe, *cfg["argv"][1:]], cfg["env"])
-  except (OSError, ValueError) as e:
+  except (OSError, ValueError, _confine.ConfineError) as e:
     status.write(f"SETUP {e}\n")
     os._exit(2)
 

@@ -120,6 +120,7 @@ def run_tests(code: str, tests: Sequence[str], config: CodeRewardConfig = CodeRe
     "layers": result.layers,
     "elapsed_s": result.elapsed_s,
     "stderr": result.stderr[-500:],
+    "denied_syscalls": result.denied,  # refused by the sandbox's filter (EPERM), by name
   }
   if result.reason != "ok":
     return Graded(0.0, result.reason, info)

@@ -22,7 +22,12 @@ them with unshare(2); no privilege needed where unprivileged user namespaces are
   SysV shm), no nested user
   namespaces (so no tmpfs of its own), and, where this host lets the caller make a cgroup (v2, or v1
   on hybrid hosts; `cgroup`), `total_memory_bytes` and a task cap over everything the run holds
-  together (memfd, kernel memory included). A run killed by a limit says which in `reason`.
+  together (memfd, kernel memory included). A run killed by a limit says which in `reason`;
+- system calls: a seccomp filter built with libseccomp (`syscalls.py`: Docker's default allow list less
+  what a grader never needs; new namespaces, mounts, ptrace, bpf, perf, keys, userfaultfd, io_uring, kexec,
+  file handles refused with EPERM, clone3 with ENOSYS); each refused call is named in `denied`;
+- Landlock, where the kernel has it: a second wall on the file system (read and execute under the new
+  root, writes only in the run's dir and writable binds).
 Nothing relies on Python-level checks inside the process: the program may rewrite its own interpreter.
 
 Where the kernel refuses (user namespaces disabled, or a container seccomp profile that blocks
@@ -47,10 +52,12 @@ import tempfile
 import threading
 import time
 
-from k2jax.sandbox import _cgroup
+from k2jax.sandbox import _cgroup, syscalls
 
 _CHILD = pathlib.Path(__file__).with_name("_child.py")
+_CONFINE = pathlib.Path(__file__).with_name("_confine.py")
 ISOLATED_LAYERS = ("userns", "mountns", "pidns", "netns", "ipcns", "readonly_root", "no_caps", "rlimits")
+WALL_FLAGS = ("seccomp", "landlock")  # reported by the sandbox's PID 1 when they were applied
 LIMIT_LAYERS = ("scratch_tmpfs", "ipc_limits", "no_nested_userns")
 
 
@@ -85,6 +92,11 @@ class SandboxConfig:
   # Extra bind mounts into the new root, (host path, path inside, read_only): a workspace read-write at a
   # fixed path, a venv's site-packages read-only (k2jax/sandbox/workspace.py). Isolated runs only.
   binds: tuple[tuple[str, str, bool], ...] = ()
+  # The system-call filter: "required" (no libseccomp, or a kernel without seccomp user notification,
+  # raises SandboxUnavailable) or "off" (the named fallback: runs without it, and `layers` lacks "seccomp").
+  seccomp: str = "required"
+  # Landlock: "auto" (where the kernel has it; `layers` says "landlock" when it held), "required", "off".
+  landlock: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +111,7 @@ class SandboxResult:
   workdir: str  # already deleted; kept for checks and logs
   report: str = ""  # what the program wrote to $K2JAX_REPORT_FD (capped)
   full: tuple[str, ...] = ()  # limits found (nearly) exhausted at the end: "scratch", "shm=BYTES", "cgroup_memory"
+  denied: tuple[str, ...] = ()  # system calls the filter refused (EPERM), by name, in the order first made
 
 
 def run_python(
@@ -107,8 +120,11 @@ def run_python(
   """Writes `files` into a fresh temp dir, runs `entry` there isolated and limited, deletes the dir."""
   if entry not in files:
     raise ValueError(f"run_python: entry {entry!r} is not among the files {sorted(files)}")
-  if config.cgroup not in ("auto", "required", "off"):
-    raise ValueError(f"SandboxConfig.cgroup: {config.cgroup!r} is not 'auto', 'required' or 'off'")
+  for field, allowed in (("cgroup", ("auto", "required", "off")), ("seccomp", ("required", "off"))):
+    if getattr(config, field) not in allowed:
+      raise ValueError(f"SandboxConfig.{field}: {getattr(config, field)!r} is not one of {allowed}")
+  if config.landlock not in ("auto", "required", "off"):
+    raise ValueError(f"SandboxConfig.landlock: {config.landlock!r} is not one of ('auto', 'required', 'off')")
   size = sum(len(t.encode()) for t in files.values())
   if config.kernel_limits and size > config.scratch_bytes // 2:
     raise ValueError(f"run_python: the files take {size} bytes, over half of scratch_bytes={config.scratch_bytes}")
@@ -129,12 +145,13 @@ def run_python(
 def isolation_error(config: SandboxConfig = SandboxConfig()) -> str | None:
   """None when runs can be isolated here, else the reason (probed once per uid and interpreter)."""
   uid = config.uid if os.geteuid() == 0 else None
-  return _probe(uid, config.python or _python_for(uid))
+  return _probe(uid, config.python or _python_for(uid), config.seccomp, config.landlock)
 
 
 @functools.lru_cache(maxsize=None)
-def _probe(uid: int | None, python: str) -> str | None:
+def _probe(uid: int | None, python: str, seccomp: str = "required", landlock: str = "auto") -> str | None:
   cfg = SandboxConfig(cpu_time_s=10, wall_time_s=60.0, uid=65534 if uid is None else uid, python=python)
+  cfg = dataclasses.replace(cfg, seccomp=seccomp, landlock=landlock)
   try:
     r = _execute({"main.py": "print('isolated')"}, "main.py", cfg, "", isolate=True)
   except SandboxUnavailable as e:
@@ -158,6 +175,7 @@ def _execute(files: dict[str, str], entry: str, config: SandboxConfig, stdin: st
     os.mkdir(os.path.join(io_dir, "root"))
     os.mkdir(os.path.join(io_dir, "stage"))  # root's binds of what the sandbox uid cannot reach (_child.stage)
     shutil.copy(_CHILD, os.path.join(io_dir, "launcher.py"))
+    shutil.copy(_CONFINE, os.path.join(io_dir, "_confine.py"))
     if uid is not None:
       for d, dirs, names in os.walk(work):
         for p in [d, *(os.path.join(d, n) for n in dirs + names)]:
@@ -188,6 +206,7 @@ def _io_parent(uid: int | None) -> str | None:
 
 
 def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) -> SandboxResult:
+  bpf, names = _filter(config) if isolate else (b"", {})
   report_r, report_w = os.pipe()
   status_r, status_w = os.pipe()
   cgroup = _run_cgroup(config) if isolate and config.kernel_limits else None
@@ -223,6 +242,9 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
     "binds": [[os.path.realpath(src), dst, bool(ro)] for src, dst, ro in config.binds],
     "drop_uid": uid,  # root: the launcher stages the binds while root, then drops to this uid itself
     "stage_dir": os.path.join(io_dir, "stage"),
+    "seccomp_bpf": bpf.hex(),  # "": no filter (unisolated, or seccomp='off')
+    "syscall_names": {str(nr): name for nr, name in names.items()},
+    "landlock": config.landlock,
   }
   report = _Drain(report_r, config.max_output_bytes)
   start = time.monotonic()
@@ -292,14 +314,27 @@ def _launch(python, work, io_dir, entry, config: SandboxConfig, uid, isolate) ->
     full += tuple(f for f in flags.strip().split(",") if f not in ("", "-"))
   else:
     code = proc.returncode  # the launcher itself was killed (deadline)
-  layers = ISOLATED_LAYERS if isolate else ("rlimits",)
+  denied = next((tuple(f[7:].split("+")) for f in full if f.startswith("denied=")), ())
+  walls = tuple(w for w in WALL_FLAGS if w in full)
+  full = tuple(f for f in full if f not in WALL_FLAGS and not f.startswith("denied="))
+  layers = (*ISOLATED_LAYERS, *walls) if isolate else ("rlimits",)
   limits = [x for x in LIMIT_LAYERS if x != "ipc_limits" or "no_ipc_limits" not in full]
   layers = (*layers, *(limits if isolate and config.kernel_limits else ()))
   full = tuple(f for f in full if f != "no_ipc_limits")
   layers = (*layers, *(["cgroup"] if cgroup is not None else []), *(["uid"] if uid is not None else []))
   reason = _reason(code, timed_out, err, config, full)
   elapsed = time.monotonic() - start
-  return SandboxResult(code, out, err, reason, timed_out, layers, elapsed, work, report.text(), full)
+  return SandboxResult(code, out, err, reason, timed_out, layers, elapsed, work, report.text(), full, denied)
+
+
+def _filter(config: SandboxConfig) -> tuple[bytes, dict[int, str]]:
+  """The compiled system-call filter and its names, or none when the config turns it off."""
+  if config.seccomp == "off":
+    return b"", {}
+  try:
+    return syscalls.filter_program()
+  except syscalls.FilterUnavailable as e:
+    raise SandboxUnavailable(f"sandbox: refusing to run untrusted code without its system-call filter: {e}") from e
 
 
 def _ipc_sysctls(config: SandboxConfig) -> dict[str, str | int]:

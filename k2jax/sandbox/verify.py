@@ -252,7 +252,12 @@ def call_results(
 
 def _run_cases(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[tuple[bool, str]], dict]:
   cases, result = _launch_cases(code, p, config, CALL_PRELUDE if p.kind == "call" else "")
-  info = {"sandbox_reason": result.reason, "layers": result.layers, "elapsed_s": result.elapsed_s}
+  info = {
+    "sandbox_reason": result.reason,
+    "layers": result.layers,
+    "elapsed_s": result.elapsed_s,
+    "denied_syscalls": result.denied,  # refused by the sandbox's filter (EPERM), by name
+  }
   outcomes: list[tuple[bool, str] | None] = []
   to_check = []
   for i, rec in enumerate(cases):
@@ -378,8 +383,14 @@ def _run_module(code: str, p: Problem, config: CodeRewardConfig) -> tuple[list[t
     "test_sandbox_reason": results["test"].reason,
     "layers": results["test"].layers,
     "elapsed_s": max(r.elapsed_s for r in results.values()),
+    "denied_syscalls": _denied(results["solution"], results["test"]),
   }
   return _module_outcomes(p, recs, info, config)
+
+
+def _denied(*results: SandboxResult) -> tuple[str, ...]:
+  """System calls the filter refused in any of the run's sandboxes, by name, first made first."""
+  return tuple(dict.fromkeys(n for r in results for n in r.denied))
 
 
 def _common_plan(config: CodeRewardConfig) -> dict:
@@ -495,6 +506,7 @@ def _run_module_batch(
       "test_sandbox_reason": test_result.reason,
       "layers": sol.layers,
       "elapsed_s": sol.elapsed_s,
+      "denied_syscalls": _denied(sol, test_result),
     }
     outcomes, info = _module_outcomes(p, mine, info, config)
     out.append(_graded(p, outcomes, info, config))

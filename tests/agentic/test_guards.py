@@ -143,3 +143,36 @@ print(json.dumps([get("{srv.target}"), get("{other.target}")]))
   finally:
     srv.close()
     other.close()
+
+
+def test_a_redirect_to_an_unchecked_target_is_not_followed():
+  """urllib would follow a 302 from an allowed target to any host, past the per-target check."""
+  other = _Target()
+  hits = []
+
+  class Redirect(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+      pass
+
+    def do_POST(self):
+      hits.append(self.path)
+      self.send_response(302)
+      self.send_header("Location", f"http://{other.target}/elsewhere")
+      self.send_header("Content-Length", "0")
+      self.end_headers()
+
+  redirector = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+  threading.Thread(target=redirector.serve_forever, daemon=True).start()
+  target = f"127.0.0.1:{redirector.server_address[1]}"
+  try:
+    guard = Guard()
+    tool = ToolSpec("api", "", SCHEMA, impact=Impact.READ_ONLY, targets=(target,))
+    err = guard.run(tool, _call("api"), lambda a, net: net.request_json(target, "/start", {}))
+    assert isinstance(err, ToolError) and err.kind == "no_network", err
+    assert other.target in err.message and "not followed" in err.message
+    assert hits == ["/start"] and other.times == []  # the redirect's target was never reached
+    assert guard.audit_log[-1]["event"] == "redirect_refused"
+  finally:
+    redirector.shutdown()
+    redirector.server_close()
+    other.close()

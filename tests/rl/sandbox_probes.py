@@ -177,6 +177,7 @@ def main(package_root):
   """As a script: load k2jax's sandbox modules alone (no jax) from `package_root` and run every probe."""
   import types
 
+  sys.path.insert(0, package_root)  # pyseccomp (one module) beside the package copy; -I left the dir off
   for name in ("k2jax", "k2jax.sandbox"):
     mod = types.ModuleType(name)
     mod.__path__ = [os.path.join(package_root, *name.split("."))]

@@ -132,6 +132,9 @@ def test_probes_as_an_unprivileged_caller(open_dir):
   for name in sorted(outside):
     shutil.copy(src_dir.parent / f"{name}.py", pkg / "k2jax" / f"{name}.py")
   shutil.copy(sandbox_probes.__file__, pkg / "sandbox_probes.py")
+  import pyseccomp  # the system-call filter's libseccomp binding: one module, as a venv would hold it
+
+  shutil.copy(pyseccomp.__file__, pkg / "pyseccomp.py")
   for d, _, names in os.walk(tmp_path):
     os.chmod(d, 0o755)
     for n in names:
@@ -311,7 +314,11 @@ def test_scratch_is_a_private_tmpfs_and_no_nested_namespaces():
   r = run_python({"main.py": code}, "main.py", LIMITS)
   mounts, userns, mount = r.stdout.splitlines()
   assert r.reason == "ok" and mounts == "['tmpfs']", r  # the program's writes never reach the host's disk
-  assert userns == "-1 28" and mount == "-1 1", r  # ENOSPC: max_user_namespaces is 0; EPERM: no caps
+  assert userns == "-1 1" and mount == "-1 1" and r.denied == ("unshare", "mount"), r  # the system-call filter
+  # Under the filter, the layers it covers still hold on their own.
+  r = run_python({"main.py": code}, "main.py", dataclasses.replace(LIMITS, seccomp="off"))
+  mounts, userns, mount = r.stdout.splitlines()
+  assert userns == "-1 28" and mount == "-1 1" and r.denied == (), r  # ENOSPC: max_user_namespaces is 0; EPERM: no caps
 
 
 CGROUP_ERROR = sandbox.cgroup_error(LIMITS) if NOT_ISOLATED is None else NOT_ISOLATED
