@@ -33,11 +33,11 @@ setup(
     "uvicorn>=0.30,<0.56",  # k2jax.httpservice subclasses its H11 protocol (a private API): capped below the next minor
     "pydantic>=2.7",
     "openai>=1.50",  # k2jax.llm_client: rephrasing, synthesis, the RL judge
-    "langdetect>=1.0.9,<2",  # IFEval's language instructions (k2jax.rl.rewards.ifeval; profiles ship inside)
-    # IFEval's sentence and word counts (k2jax.rl.rewards.ifeval); its punkt data is a download the reward names
+    "langdetect>=1.0.9,<2",  # IFEval's language instructions (k2jax.grading.ifeval; profiles ship inside)
+    # IFEval's sentence and word counts (k2jax.grading.ifeval); its punkt data is a download the reward names
     # when missing (`python -m nltk.downloader punkt punkt_tab`).
     "nltk>=3.9,<4",
-    # The math grader of RL and eval (k2jax/rl/rewards/math.py) and what decides its verdicts, all pinned: the
+    # The math grader of RL and eval (k2jax/grading/math.py) and what decides its verdicts, all pinned: the
     # verdicts are in every eval sample's fingerprint (GRADER_VERSION) and in tests/rl/test_math_grader.
     # math-verify 0.9.0 pins latex2sympy2_extended 1.11.0; sympy does the comparing, antlr runs the LaTeX parser.
     "math-verify==0.9.0",
