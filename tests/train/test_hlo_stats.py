@@ -108,3 +108,22 @@ def test_convolution_counts_only_taps_on_the_input():
   # .3: the other form, a size-4 input dilated by 4 under a stride-3 window: again one real tap per output.
   s = hlo_stats.hlo_stats(CONV)
   assert s["matmul_flops"] == 2 * 8 * 32 * 16 * 4 + 2 * 8 * 32 * 16 * 8 * 3 + 2 * 8 * 32 * 16 * 4
+
+
+MEGASCALE_HLO = """HloModule m
+
+ENTRY %main (p0: f32[256]) -> f32[256] {
+  %p0 = f32[256]{0} parameter(0)
+  %after-all = token[] after-all()
+  %send = (f32[256]{0}, u32[], token[]) send(%p0, %after-all), channel_id=4, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_reduce_operation="SUM",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %send-done = token[] send-done(%send), channel_id=4, is_host_transfer=true
+  ROOT %r = f32[256]{0} copy(%p0)
+}
+"""
+
+
+def test_dcn_bytes_count_the_megascale_sends_of_per_slice_programs():
+  """XLA:TPU's multislice programs are per slice: the cross-slice reduction is a host-transfer send."""
+  out = hlo_stats.hlo_stats(MEGASCALE_HLO, slice_of=[0, 0, 1, 1])
+  assert out["dcn_bytes"] == out["dcn_megascale_all_reduce_bytes"] == 256 * 4
+  assert "dcn_bytes" not in hlo_stats.hlo_stats(MEGASCALE_HLO)
