@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from k2jax.model import expert_parallel
+from k2jax.model import expert_parallel, int4
 from k2jax.model.config import K2Config
 from k2jax.model.layers import make_param
 
@@ -22,6 +22,7 @@ class Experts(nnx.Module):
     self.dispatch = cfg.moe_dispatch
     self.chunk_tokens = cfg.moe_chunk_tokens
     self.gemm = cfg.moe_gemm
+    self.qat = cfg.expert_qat
     self.w_gate = make_param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), stack=stack, std=std, dtype=dt)
     self.w_up = make_param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), stack=stack, std=std, dtype=dt)
     self.w_down = make_param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), stack=stack, std=std, dtype=dt)
@@ -29,6 +30,8 @@ class Experts(nnx.Module):
   def __call__(self, x_ND, weights_Nk, idx_Nk):
     """Σ_k weights[n,k] · Expert_{idx[n,k]}(x[n]) for every token n. Returns [N, D] in x's dtype."""
     weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    if self.qat == "int4":  # on the weights, before any grouped GEMM: every MoE path sees the same grid
+      weights = tuple(int4.fake_quant(w) for w in weights)
     return expert_parallel.routed_experts(
       x_ND, weights_Nk, idx_Nk, *weights, dispatch=self.dispatch, chunk_tokens=self.chunk_tokens, gemm=self.gemm
     )
