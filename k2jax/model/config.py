@@ -23,6 +23,9 @@ MOE_GEMMS = ("auto", "ragged_dot", "tiled", "tokamax", "tokamax_triton", "jax_tr
 # Quantization-aware training of the routed experts (model/int4.py): "none", or "int4" = the forward pass
 # sees each expert weight on Kimi-K2-Thinking's INT4 grid (group 32, amax/7) with a straight-through gradient.
 EXPERT_QATS = ("none", "int4")
+# How the routed experts' weights are held: "float" (param_dtype), or "int4" = packed codes + bf16 scales on the
+# same grid, dequantized per layer (serving only: an engine holding INT4 experts; model/int4.py).
+EXPERT_STORAGES = ("float", "int4")
 
 # Execution knobs: how to run the architecture, never written to config.json. A key of that name in a
 # config.json is not one of ours: it is kept verbatim in `extra` like any unknown HF key.
@@ -36,6 +39,7 @@ EXEC_FIELDS = (
   "moe_chunk_tokens",
   "moe_gemm",
   "expert_qat",
+  "expert_storage",
 )
 _K2JAX_FIELDS = EXEC_FIELDS + ("extra",)
 # HF keys derived from others or meaningless here; accepted on input, not kept in `extra`.
@@ -130,6 +134,11 @@ class K2Config:
   # on the grid the INT4 release serves. Attention, shared experts, dense layers, router, embeddings and
   # head stay in full precision. Off by default.
   expert_qat: str = "none"
+  # Serving: hold the routed experts as INT4 (EXPERT_STORAGES): packed codes two per byte and bf16 scales,
+  # about 0.56 bytes per weight, each layer's experts dequantized when it runs. Pushed float weights are
+  # quantized on arrival (`int4.served_params`), so an engine serves what an expert_qat='int4' trainer
+  # trains on. Not trainable.
+  expert_storage: str = "float"
   extra: tuple[tuple[str, str], ...] = ()  # unknown HF keys -> JSON-encoded values
 
   def __post_init__(self):
@@ -297,6 +306,12 @@ def validate(c: K2Config) -> None:
     "expert_qat",
     f"{c.expert_qat!r} quantizes routed experts and this model has none (first_k_dense_replace="
     f"{c.first_k_dense_replace} >= num_hidden_layers={c.num_hidden_layers}: every layer is a dense MLP)",
+  )
+  _need(c.expert_storage in EXPERT_STORAGES, "expert_storage", f"one of {EXPERT_STORAGES}, got {c.expert_storage!r}")
+  _need(
+    c.expert_storage == "float" or c.num_moe_layers > 0,
+    "expert_storage",
+    f"{c.expert_storage!r} stores routed experts and this model has none (every layer is a dense MLP)",
   )
   _need(c.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", f"one of {MOE_DISPATCHES}, got {c.moe_dispatch!r}")
   for name in ("param_dtype", "compute_dtype"):

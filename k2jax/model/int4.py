@@ -92,3 +92,55 @@ def _fake_quant_bwd(_, g_IO):
 
 
 fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
+
+
+# ------------------------------------------------------------------------------ serving packed weights
+# An engine serving INT4 experts (`K2Config.expert_storage='int4'`) holds per expert weight its codes two to a
+# byte along the input axis (uint8 [..., ceil(in/2), out]: element 2i in the low nibble, 2i+1 in the high one,
+# each as q + 8) and its bf16 scales [..., ceil(in/32), out]; a layer dequantizes its own experts when it runs.
+PACKED = "_int4"  # served leaf names: w_gate -> w_gate_int4 (codes) and w_gate_scale (scales)
+SCALE = "_scale"
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def pack_codes(q_IO):
+  """int8 codes [..., in, out] -> uint8 [..., ceil(in/2), out], two per byte along the input axis."""
+  if q_IO.shape[-2] % 2:
+    q_IO = jnp.pad(q_IO, [(0, 0)] * (q_IO.ndim - 2) + [(0, 1), (0, 0)])
+  nib = (q_IO.astype(jnp.int32) + 8).astype(jnp.uint8)
+  return nib[..., 0::2, :] | (nib[..., 1::2, :] << 4)
+
+
+def unpack_codes(p_HO, n_in: int):
+  """uint8 [..., ceil(in/2), out] -> int8 codes [..., n_in, out]."""
+  lo = (p_HO & 0xF).astype(jnp.int8) - 8
+  hi = (p_HO >> 4).astype(jnp.int8) - 8
+  q = jnp.stack([lo, hi], axis=-2)  # [..., H, 2, out]
+  return q.reshape(*p_HO.shape[:-2], -1, p_HO.shape[-1])[..., :n_in, :]
+
+
+def to_served(w_IO):
+  """(packed codes, scales) an INT4-serving engine holds for float expert weights `w` (the QAT grid)."""
+  q_IO, scale_GO = quantize(w_IO)
+  return pack_codes(q_IO), scale_GO
+
+
+def served_weight(p_HO, scale_GO, n_in: int, dtype):
+  """The weights [..., n_in, out] in `dtype` of served (packed codes, scales): what the QAT forward sees."""
+  return dequantize(unpack_codes(p_HO, n_in), scale_GO, dtype)
+
+
+def served_params(params: dict, abstract: dict) -> dict:
+  """`params` (a pure state dict) with every float routed-expert triplet that `abstract` (the served state)
+  holds as INT4 replaced by its packed codes and scales, quantized where the weights are (jit)."""
+  if not isinstance(params, dict) or not isinstance(abstract, dict):
+    return params
+  out = {k: served_params(v, abstract[k]) if k in abstract else v for k, v in params.items()}
+  if all(w in params for w in EXPERT_WEIGHTS) and all(w + PACKED in abstract for w in EXPERT_WEIGHTS):
+    for w in EXPERT_WEIGHTS:
+      x = out.pop(w)
+      out[w + PACKED], out[w + SCALE] = _to_served_jit(x)
+  return out
+
+
+_to_served_jit = jax.jit(to_served)

@@ -170,3 +170,12 @@ def test_gpu_qat_layer_fake_quantizes_before_the_tokamax_kernels():
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(state, x).lower(lowering_platforms=("cuda",)).as_text()
   assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 9
   assert len(re.findall(r"call @round(?:_\d+)?\b", text)) == 3 and "stablehlo.round_nearest_even" in text
+
+
+@pytest.mark.parametrize("n_in", [64, 41])  # 41: an odd input length and a ragged last group
+def test_served_packed_codes_dequantize_to_the_fake_quantized_weights(n_in):
+  w = jax.random.normal(jax.random.key(5), (2, 3, n_in, 8), jnp.float32)
+  p, s = int4.to_served(w)
+  assert p.dtype == jnp.uint8 and p.shape == (2, 3, (n_in + 1) // 2, 8) and s.shape == (2, 3, -(-n_in // 32), 8)
+  np.testing.assert_array_equal(np.asarray(int4.unpack_codes(p, n_in)), np.asarray(int4.quantize(w)[0]))
+  np.testing.assert_array_equal(np.asarray(int4.served_weight(p, s, n_in, jnp.float32)), np.asarray(int4.fake_quant(w)))
