@@ -2,6 +2,9 @@
 arrival to the grid an `expert_qat='int4'` trainer trains on, held packed, and its rollout logprobs equal
 the QAT trainer's forward pass on the same tokens."""
 
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,3 +62,26 @@ def test_rollout_logprobs_equal_the_qat_trainer_forward(served):
 def test_int4_storage_needs_routed_experts():
   with pytest.raises(ConfigError, match="expert_storage: 'int4' stores routed experts and this model has none"):
     presets.get("tiny", expert_storage="int4", first_k_dense_replace=2, num_hidden_layers=2)
+
+
+def test_an_int4_release_loads_into_the_int4_engine_as_the_pushed_weights(served, tmp_path):
+  """The QAT trainer exported in the release's INT4 layout and read back by the engine (dequantized exactly,
+  quantized on arrival) serves the same packed codes and scales as a push of the trainer's weights; a
+  weight-sync delta is refused."""
+  from k2jax.convert import writer
+
+  trainer, engine = served
+  pushed = jax.tree.map(np.asarray, engine._runner.params())
+  writer.save_hf(trainer.cfg, nnx.to_pure_dict(nnx.state(trainer)), str(tmp_path / "int4"), dtype="int4")
+  engine.update_weights(str(tmp_path / "int4"))
+  read = jax.tree.map(np.asarray, engine._runner.params())
+  experts = lambda p: p["moe_layers"]["moe"]["experts"]  # noqa: E731
+  for a, b in zip(jax.tree.leaves(experts(pushed)), jax.tree.leaves(experts(read))):
+    np.testing.assert_array_equal(a, b)
+  # the rest of the export is bf16 (the router bias float32): the pushed float32 weights rounded once
+  np.testing.assert_array_equal(read["lm_head"]["w"], pushed["lm_head"]["w"].astype(jnp.bfloat16).astype(np.float32))
+  delta = tmp_path / "delta"  # a weight-sync delta: an index and shards, no config.json
+  shutil.copytree(tmp_path / "int4", delta)
+  os.remove(delta / "config.json")
+  with pytest.raises(ValueError, match="a weight-sync delta; an engine serving INT4 experts"):
+    engine.update_weights(str(delta))

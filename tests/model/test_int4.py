@@ -179,3 +179,31 @@ def test_served_packed_codes_dequantize_to_the_fake_quantized_weights(n_in):
   assert p.dtype == jnp.uint8 and p.shape == (2, 3, (n_in + 1) // 2, 8) and s.shape == (2, 3, -(-n_in // 32), 8)
   np.testing.assert_array_equal(np.asarray(int4.unpack_codes(p, n_in)), np.asarray(int4.quantize(w)[0]))
   np.testing.assert_array_equal(np.asarray(int4.served_weight(p, s, n_in, jnp.float32)), np.asarray(int4.fake_quant(w)))
+
+
+def test_qat_model_in_bf16_fake_quantizes_the_float32_masters_not_their_bf16_copy():
+  """The whole model with bf16 compute (the layer stack's compute copy): the QAT forward and its expert
+  gradients are the plain model's on the float32 masters' fake-quantized values, as an INT4 export stores."""
+  from k2jax.model import K2Model
+
+  cfg = presets.get("tiny", compute_dtype="bfloat16")
+  graphdef_q, state = nnx.split(K2Model(cfg.replace(expert_qat="int4"), rngs=nnx.Rngs(0)))
+  graphdef_p = nnx.graphdef(K2Model(cfg, rngs=nnx.Rngs(0)))
+  on_grid = jax.tree.map(lambda x: x, state)
+  for name in ("w_gate", "w_up", "w_down"):
+    on_grid["moe_layers"]["moe"]["experts"][name].set_value(
+      int4.fake_quant(state["moe_layers"]["moe"]["experts"][name].get_value())
+    )
+  ids = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.vocab_size)
+
+  def loss(graphdef, state):
+    return jnp.sum(nnx.merge(graphdef, state)(ids).logits * jnp.cos(jnp.arange(cfg.vocab_size)))
+
+  (lq, gq), (lp, gp) = (
+    jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(g, s)
+    for g, s in ((graphdef_q, state), (graphdef_p, on_grid))
+  )
+  assert float(lq) == float(lp)
+  for name in ("w_gate", "w_up", "w_down"):
+    a, b = (g["moe_layers"]["moe"]["experts"][name].get_value() for g in (gq, gp))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
