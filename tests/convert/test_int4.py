@@ -246,3 +246,23 @@ def test_convert_cli_round_trips_the_int4_layout_through_a_sharded_workdir(expor
   a, b = _tensors(hf), _tensors(export)
   assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in b)
   assert json.load(open(os.path.join(hf, "config.json")))["quantization_config"] == int4.release_config()
+
+
+@pytest.mark.slow
+def test_the_export_loads_in_transformers_with_its_experts_decompressed(export):
+  """transformers 5.x (compressed-tensors' CPU decompression, fused DeepseekV3Experts) loads the INT4 export:
+  every routed expert equals k2jax's dequantization rounded to bf16 (the scale dtype), and it runs."""
+  transformers = pytest.importorskip("transformers")
+  import torch
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
+  _, state = load_hf(export)
+  experts = state["moe_layers"]["moe"]["experts"]
+  bf16 = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+  for l in range(CFG.num_moe_layers):
+    tf = model.model.layers[CFG.num_dense_layers + l].mlp.experts
+    gate_up = np.concatenate([experts["w_gate"][l], experts["w_up"][l]], axis=-1).transpose(0, 2, 1)
+    np.testing.assert_array_equal(tf.gate_up_proj.detach().float().numpy(), bf16(gate_up))
+    np.testing.assert_array_equal(tf.down_proj.detach().float().numpy(), bf16(experts["w_down"][l].transpose(0, 2, 1)))
+  logits = model(torch.tensor([[1, 2, 3, 4]])).logits
+  assert logits.shape == (1, 4, CFG.vocab_size) and bool(torch.isfinite(logits).all())
