@@ -14,7 +14,9 @@ of 32 ends in a ragged last group: it is padded with zeros (which leave its amax
 `fake_quant(w)` is `dequantize(*quantize(w), w.dtype)` in the forward pass with the identity (straight-through)
 gradient to the full-precision master weights, as slime and SkyRL train Kimi's experts. It is applied to the
 expert weight arrays themselves, before whichever grouped GEMM runs (moe_cpu's kernel, tokamax, ragged_dot, the
-expert-parallel shard_map), so every MoE path sees the same fake-quantized weights.
+expert-parallel shard_map), so every MoE path sees the same fake-quantized weights. Under QAT `K2Model` leaves the
+experts out of the layer stack's bf16 compute copy (`transformer.compute_copy`), so the grid is computed from the
+float32 masters, as an export quantizes them, not from a bf16 copy (which can round a scale or a code differently).
 
 Why not qwix (0.1.8, which MaxText uses): its QAT provider intercepts `jax.lax.ragged_dot` through
 `qwix/_src/core/ragged_dot_qt.py`, which quantizes the expert weights with `channelwise_axes=[2]` (one scale per
