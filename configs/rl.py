@@ -15,6 +15,11 @@ changed tensors after every update. With `engine.sharding` (tp | ep | tp_ep) and
 serves on a mesh over all the trainer's devices, on one process or many (colocated phases: `colocate.*`). The policy is sharded like pretraining: the same `mesh.*` keys and
 rules presets as configs/k2.py, and the same multi-process launch (launch/slurm_gpu.sh, tpu_pod.sh).
 
+K2-Thinking-style INT4 (docs/int4.md): `--config.model.expert_qat=int4` trains on the INT4 release's grid (routed
+experts fake-quantized in every forward pass, straight-through gradients to the float32 masters); the embedded
+engine serves the same grid, `--config.sync.dtype=int4` pushes INT4 to remote SGLang workers, and
+`--config.model.init_from` may be the INT4 release itself (its experts dequantized into the masters exactly).
+
 `1t` is Kimi K2 itself (init_from the released checkpoint) on a TPU pod, colocated as K2 §3.3: the embedded
 engine on the trainer's 512 chips (`--config.rollout.engine_url=http://sglang-router:30000`: SGLang workers
 instead); its `--dry_run` prints parameter counts and the per-device memory plan of the RL update, and
@@ -112,6 +117,7 @@ def _k2_1t(c):
   c.model.param_dtype = "float32"
   c.model.compute_dtype = "bfloat16"
   c.model.remat_policy = "full"
+  c.model.expert_qat = "none"  # "int4": K2 Thinking's QAT of the routed experts (with sync.dtype "int4")
   c.mesh.rules = "fsdp_ep"
   c.mesh.expert = 8
   c.task.kind = "math_jsonl"

@@ -1,19 +1,22 @@
 """Convert between a Hugging Face Kimi-K2 directory and a k2jax workdir (direction from `--src`).
 
   python launch/convert.py --src=HF_DIR --dst=WORKDIR                     # HF -> k2jax workdir
-  python launch/convert.py --src=WORKDIR --dst=HF_DIR [--dtype=bfloat16|fp8]  # k2jax -> HF safetensors
+  python launch/convert.py --src=WORKDIR --dst=HF_DIR [--dtype=bfloat16|fp8|int4]  # k2jax -> HF safetensors
 
 HF -> WORKDIR runs on any number of processes (--coordinator_address/--num_processes/--process_id, or
 the cluster's own environment on a TPU pod): the model is laid out over all devices (--mesh, --rules),
 each process reads only the byte ranges of its own slices (`k2jax.convert.reader`; the release's
-block-FP8 is dequantized on the way, into --dtype or the source's dtype) and writes its own orbax
+block-FP8 and the INT4 release's packed experts are dequantized on the way, into --dtype or the source's
+dtype; float32 keeps INT4 codes exact, so a later int4 export re-quantizes to the same bytes) and writes its own orbax
 shards; process 0 swaps the workdir into place. --dst must be on a filesystem every process shares.
 
 WORKDIR -> HF runs the same way: the latest checkpoint is restored over all devices, each process writes
 the HF tensors its devices hold (`k2jax.convert.writer`) and process 0 the index, config.json and
 tokenizer, then swaps the export into place. --dtype=fp8 writes the release's block-FP8 layout (what
 SGLang and vLLM serve): F8_E4M3 projections with float32 128x128 `weight_scale_inv`, bf16 embeddings,
-lm_head, norms and router, float32 router bias.
+lm_head, norms and router, float32 router bias. --dtype=int4 writes Kimi-K2-Thinking's layout: the routed
+experts as compressed-tensors pack-quantized int4 (group 32, bf16 scale amax/7, the grid `expert_qat='int4'`
+trains on), everything else bf16 and listed in quantization_config's `ignore`.
 
 The HF side is the published layout (DeepseekV3ForCausalLM, per-expert keys, sharded safetensors
 with model.safetensors.index.json), loadable by transformers, SGLang and vLLM. A workdir converts
@@ -33,7 +36,10 @@ from absl import app, flags, logging  # noqa: E402
 flags.DEFINE_string("src", None, "HF directory (has config.json) or k2jax workdir (has model_config.json).")
 flags.DEFINE_string("dst", None, "Output directory (k2jax workdir or HF directory).")
 flags.DEFINE_enum(
-  "dtype", None, ["float32", "bfloat16", "fp8"], "Weight dtype written (default: the source's; fp8: HF exports)."
+  "dtype",
+  None,
+  ["float32", "bfloat16", "fp8", "int4"],
+  "Weight dtype written (default: the source's; fp8, int4: HF exports).",
 )
 flags.DEFINE_string("mesh", "fsdp=-1", "Mesh axes, e.g. 'fsdp=-1' or 'fsdp=64,expert=8'.")
 flags.DEFINE_string("rules", "fsdp", "k2jax.sharding rules preset (fsdp | fsdp_ep | fsdp_ep_tp).")
@@ -63,8 +69,10 @@ def main(argv):
     check_destination(dst, src)  # before the (long) load: fail fast, touch nothing
   except ExportError as e:
     sys.exit(f"convert: {e}")
-  if FLAGS.dtype == "fp8" and not wd.is_workdir(src):
-    raise app.UsageError("--dtype=fp8 is an export format (WORKDIR -> HF); an HF source is read as it is stored")
+  if FLAGS.dtype in ("fp8", "int4") and not wd.is_workdir(src):
+    raise app.UsageError(
+      f"--dtype={FLAGS.dtype} is an export format (WORKDIR -> HF); an HF source is read as it is stored"
+    )
   if wd.is_workdir(src):
     try:
       _workdir_to_hf(src, dst)

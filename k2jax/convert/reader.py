@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from k2jax.convert import blockops, fp8, pool
+from k2jax.convert import blockops, fp8, int4, pool
 from k2jax.convert.errors import CheckpointError
 from k2jax.convert.hf_dir import INDEX, abstract_state, check_unexpected, get_path, read_config, set_path, weight_map
 from k2jax.convert.layout import Entry, entries, hf_shape
@@ -92,8 +92,11 @@ class Quant:
 
   block: tuple[int, int]
   skip: tuple[str, ...]  # modules_to_not_convert / ignored_layers (module names, no `.weight`)
+  int4: bool = False  # the Kimi-K2-Thinking INT4 layout (`int4.py`): routed experts packed, the rest bf16
 
   def quantizes(self, key: str) -> bool:
+    if self.int4:
+      return int4.is_int4_key(key)
     module = key.rsplit(".", 1)[0]
     skipped = any(module == m or module.endswith("." + m) or module.startswith(m + ".") for m in self.skip)
     return fp8.is_quantized_key(key) and not skipped
@@ -135,6 +138,13 @@ class Checkpoint:
     inner = bounds[n_lead:]
     hf_bounds = inner[::-1] if entry.transpose else inner
     leads = itertools.product(*(range(lo, hi) for lo, hi in bounds[:n_lead]))
+    if self._int4(entry):  # dequantized per slice from its packed words and scales (`int4.read_slice`)
+      read = functools.partial(_read_named, files, self.tensors)
+      for j, i in enumerate(leads):
+        packed = self.tensors[int4.triplet(keys[i])[0]]
+        with _naming(packed):
+          _put(flat[j], int4.read_slice(read, keys[i], *hf_bounds, leaf.dtype), entry.transpose)
+      return out
     infos = [self.tensors[keys[i]] for i in leads]
     per_tensor = int(np.prod([hi - lo for lo, hi in hf_bounds]))
     j = 0
@@ -153,6 +163,10 @@ class Checkpoint:
           _put(flat[j + g], group[g], entry.transpose)
       j += n
     return out
+
+  def _int4(self, entry: Entry) -> bool:
+    """Whether `entry`'s tensors are stored as INT4 triplets (the routed experts of an INT4 release)."""
+    return self.quant is not None and self.quant.int4 and entry.kind == "expert"
 
   def _fill(self, files: ShardFiles, t: TensorInfo, hf_bounds, dst: np.ndarray, transpose: bool) -> None:
     """dst = block `hf_bounds` of tensor `t`, converted: read straight into `dst` when it keeps the file
@@ -197,6 +211,8 @@ class Checkpoint:
     """The bytes behind the block `bounds` of leaf `entry` as stored (HF orientation, file dtype, stacked
     over the leading axes; FP8 with its stacked scale sub-grid), for `blockops.convert` on the device.
     None when the leaf's tensors do not share one dtype (then `leaf_block` converts on the host)."""
+    if self._int4(entry):
+      return None  # dequantized on the host, per slice
     n_lead = _LEAD[entry.kind]
     keys = dict(entry.keys(self.cfg))
     lead = list(itertools.product(*(range(lo, hi) for lo, hi in bounds[:n_lead])))
@@ -232,6 +248,10 @@ class Checkpoint:
     return fp8.dequantize(w, s, self.quant.block, origin=origin)
 
 
+def _read_named(files: ShardFiles, tensors: dict[str, TensorInfo], name: str, bounds) -> np.ndarray:
+  return read_block(files, tensors[name], bounds)
+
+
 @contextlib.contextmanager
 def _naming(*infos: TensorInfo):
   """A failure reading or converting these tensors (on a reader thread) as one naming the tensor and its
@@ -263,6 +283,9 @@ def open_checkpoint(path: str, cfg: K2Config) -> Checkpoint:
   for entry in entries(cfg):
     want = hf_shape(get_path(abstract, entry.path).shape, entry)
     for _, key in entry.keys(cfg):
+      if quant is not None and quant.int4 and entry.kind == "expert":
+        known.update(_check_int4(tensors, key, want))
+        continue
       if key not in tensors:
         raise CheckpointError(f"{path}: tensor {key!r} is missing (needed for k2jax {'.'.join(entry.path)})")
       known.add(key)
@@ -283,6 +306,9 @@ def read_quant(path: str) -> Quant | None:
   qc = raw.get("quantization_config") if isinstance(raw, dict) else None
   if qc is None:
     return None
+  if int4.is_release_config(qc):
+    int4.check_config(qc, cfg_path)
+    return Quant((0, 0), (), int4=True)
   block = fp8.QuantConfig.from_hf(qc, cfg_path).block
   skip = tuple(qc.get("modules_to_not_convert") or ()) + tuple(qc.get("ignored_layers") or ())
   return Quant(block, skip)
@@ -505,3 +531,24 @@ def _check_tensor(tensors: dict[str, TensorInfo], quant: Quant | None, key: str,
     why = "config.json has no quantization_config" if quant is None else "the block-FP8 layout keeps it unquantized"
     raise CheckpointError(f"{t.file}: tensor {key!r} is {t.dtype}, but {why} (expected one of {list(_FLOAT)})")
   return False
+
+
+def _check_int4(tensors: dict[str, TensorInfo], key: str, want: tuple[int, ...]) -> tuple[str, ...]:
+  """The INT4 triplet standing for routed expert weight `key` (HF shape `want`): present, dtypes and shapes
+  as the release stores them; returns its keys."""
+  keys = int4.triplet(key)
+  expected = [("I32", int4.packed_shape(want)), ("BF16", int4.scale_shape(want)), ("I32|I64", (2,))]
+  for k, (dtype, shape) in zip(keys, expected):
+    if k not in tensors:
+      where = tensors[key].file if key in tensors else "the index"
+      raise CheckpointError(
+        f"{where}: tensor {k!r} is missing: config.json's quantization_config stores routed expert {key!r} "
+        "as the INT4 triplet weight_packed / weight_scale / weight_shape"
+      )
+    t = tensors[k]
+    if t.dtype not in dtype.split("|") or t.shape != shape:
+      raise CheckpointError(
+        f"{t.file}: tensor {k!r} is {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)} for a [out, in] = "
+        f"{list(want)} weight (int4 in groups of {int4.GROUP}, {int4.PER_WORD} codes per int32)"
+      )
+  return keys

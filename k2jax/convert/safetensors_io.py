@@ -33,6 +33,8 @@ DTYPES = {
   "F16": np.dtype(np.float16),
   "BF16": np.dtype(ml_dtypes.bfloat16),
   "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+  "I32": np.dtype(np.int32),  # the INT4 release's packed words and weight_shape (convert/int4.py)
+  "I64": np.dtype(np.int64),  # weight_shape as compressed-tensors itself writes it
 }
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header (MAX_HEADER_SIZE)
 # Values are checked finite as they are read (`read_into`): a NaN or Inf weight would serve garbage (greedy

@@ -35,12 +35,13 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from k2jax.convert import blockops, fp8
+from k2jax.convert import blockops, fp8, int4
 from k2jax.convert.errors import CheckpointError
 from k2jax.convert.pool import Workers
 
 ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32", "float8_e4m3fn": "F8_E4M3"}
 OUT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "fp8": fp8.E4M3}
+OUT_DTYPES["int4"] = int4.INT4  # routed experts as the release's INT4 triplet (`int4.py`), the rest bf16
 FP8_BLOCK = (128, 128)  # the release's weight_block_size
 BLOCK_BYTES = 256 << 10  # rows transposed and cast per worker job (~10x what a hand-off to a thread costs)
 FP8_JOB_ELEMS = 1 << 20  # elements quantized per worker job (at least one 128-row slab)
@@ -59,6 +60,12 @@ class Record:
 def records(name: str, hf_shape: tuple[int, ...], out: np.dtype) -> list[Record]:
   """What writing one HF tensor in dtype `out` stores: the tensor, and its scale grid when FP8."""
   n = math.prod(hf_shape)
+  if out == int4.INT4:
+    packed, scale, shape = int4.triplet(name)
+    pw, sg = int4.packed_shape(hf_shape), int4.scale_shape(hf_shape)
+    return [Record(packed, "I32", pw, math.prod(pw) * 4), Record(scale, "BF16", sg, math.prod(sg) * 2)] + [
+      Record(shape, "I32", (2,), 8)
+    ]
   recs = [Record(name, ST_DTYPES[out.name], tuple(hf_shape), n * out.itemsize)]
   if out == fp8.E4M3:
     grid = fp8.scale_shape(hf_shape, FP8_BLOCK)
@@ -93,6 +100,8 @@ class SafetensorsStream:
     shape2 = (hf_shape[0], int(np.prod(hf_shape[1:]))) if len(hf_shape) > 1 else (1, int(np.prod(hf_shape)))
     if out == fp8.E4M3:
       self._write_fp8(name, a, transpose, shape2, then)
+    elif out == int4.INT4:
+      self._write_int4(name, a, transpose, shape2, then)
     else:
       self._write_rows(name, a, transpose, shape2, out, [(name, hf_shape, a.size * out.itemsize)], then)
 
@@ -139,6 +148,30 @@ class SafetensorsStream:
     for i in starts:
       end = min(i + rows, shape2[0])
       job = functools.partial(_quantize_rows, name, self._f.name, a, transpose, i, end)
+      self._workers.submit((end - i) * shape2[1], job, functools.partial(done, i))
+
+  def _write_int4(self, name: str, a: np.ndarray, transpose: bool, shape2: tuple[int, int], then) -> None:
+    """The INT4 triplet: row blocks (groups run along the columns, so any rows are whole groups) transposed,
+    quantized and packed on the workers' threads, the packed words written in order; the bf16 scales and
+    the int32 shape follow."""
+    recs = [(r.name, r.shape, r.nbytes) for r in records(name, shape2, int4.INT4)]
+    grid = np.empty(recs[1][1], int4.BF16)
+    rows = max(1, FP8_JOB_ELEMS // max(1, shape2[1]))
+    crc, starts = 0, range(0, shape2[0], rows)
+
+    def done(i: int, ps: tuple[np.ndarray, np.ndarray]) -> None:
+      nonlocal crc
+      grid[i : i + len(ps[1])] = ps[1]
+      crc = self._submit(ps[0].reshape(-1).view(np.uint8), crc)
+      if i == starts[-1]:
+        crc = self._submit(grid.reshape(-1).view(np.uint8), crc)
+        crc = self._submit(np.asarray(shape2, np.int32).view(np.uint8), crc)
+        self._written.append(recs)
+        then(crc)
+
+    for i in starts:
+      end = min(i + rows, shape2[0])
+      job = functools.partial(_int4_rows, name, self._f.name, a, transpose, i, end)
       self._workers.submit((end - i) * shape2[1], job, functools.partial(done, i))
 
   def _submit(self, block: np.ndarray, crc: int) -> int:
@@ -202,6 +235,17 @@ def _quantize_rows(
     raise CheckpointError(
       f"tensor {name!r}: rows {i}..{end - 1} hold NaN or inf; block-FP8 cannot represent them ({e}); export refused"
     ) from e
+  except Exception as e:
+    raise RuntimeError(f"writing {name} to {file}: quantizing rows {i}..{end - 1}: {type(e).__name__}: {e}") from e
+
+
+def _int4_rows(name: str, file: str, a: np.ndarray, transpose: bool, i: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+  """(packed words, bf16 scale rows) of HF rows i..end of `a` (on a worker thread)."""
+  try:
+    q, scale = int4.quantize(hf_rows(a, transpose, i, end, a.dtype).reshape(end - i, -1))
+    return int4.pack(q), scale
+  except ValueError as e:  # NaN / inf
+    raise CheckpointError(f"tensor {name!r}: rows {i}..{end - 1}: {e}; export refused") from e
   except Exception as e:
     raise RuntimeError(f"writing {name} to {file}: quantizing rows {i}..{end - 1}: {type(e).__name__}: {e}") from e
 

@@ -25,7 +25,9 @@ path; a process that cannot see it fails the export (nothing is swapped in).
 dtype: None (the param dtype), "float32", "bfloat16", or "fp8": the release's block-FP8 layout (reference
 §1.2): F8_E4M3 weights + float32 `weight_scale_inv` [ceil(out/128), ceil(in/128)] for every projection
 (`fp8.is_quantized_key`), bf16 embeddings, lm_head, norms and router weight; the router's
-`e_score_correction_bias` is float32 whenever a dtype is given (a bf16 bias routes wrongly).
+`e_score_correction_bias` is float32 whenever a dtype is given (a bf16 bias routes wrongly). "int4": the
+Kimi-K2-Thinking layout (`int4.py`): routed experts as compressed-tensors pack-quantized triplets on the
+QAT grid, everything else bf16.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k2jax.convert import fp8, pool
+from k2jax.convert import fp8, int4, pool
 from k2jax.convert.errors import CheckpointError
 from k2jax.convert.export_dir import broadcast_text, decode_text, encode_text, write_export
 from k2jax.convert.layout import Entry, entries
@@ -73,6 +75,8 @@ def out_dtype(entry: Entry, key: str, leaf_dtype, dtype: str | None) -> np.dtype
     return np.dtype(leaf_dtype)
   if dtype == "fp8":
     return fp8.E4M3 if fp8.is_quantized_key(key) else OUT_DTYPES["bfloat16"]
+  if dtype == "int4":
+    return int4.INT4 if int4.is_int4_key(key) else OUT_DTYPES["bfloat16"]
   return OUT_DTYPES[dtype]
 
 
@@ -289,9 +293,11 @@ def hf_config(cfg: K2Config, dtype: str | None) -> dict:
   `modules_to_not_convert`: every linear is quantized (the router is not a Linear in the engines)."""
   out = cfg.to_hf_dict()
   out.pop("quantization_config", None)
-  out["torch_dtype"] = "bfloat16" if dtype == "fp8" else dtype or cfg.param_dtype
+  out["torch_dtype"] = "bfloat16" if dtype in ("fp8", "int4") else dtype or cfg.param_dtype
   if dtype == "fp8":
     out["quantization_config"] = fp8.QuantConfig(FP8_BLOCK).to_hf()
+  if dtype == "int4":  # the routed experts packed, everything else bf16 and listed in `ignore`
+    out["quantization_config"] = int4.release_config()
   return out
 
 
@@ -383,8 +389,8 @@ def plan_files(plan: list[Source], max_shard_bytes: int, naming: str) -> dict[in
 def iter_hf_tensors(cfg: K2Config, state: Mapping, dtype: str | None) -> Iterator[tuple[str, np.ndarray]]:
   """(HF key, numpy tensor) in HF order, one at a time: the plain reading of the layout that tests
   compare the writer against (float32 / bfloat16 / None; FP8 has two tensors per key, see `Writer`)."""
-  if dtype == "fp8":
-    raise ValueError("iter_hf_tensors: FP8 is a weight plus its scale grid per key; write it with `Writer`")
+  if dtype in ("fp8", "int4"):
+    raise ValueError(f"iter_hf_tensors: {dtype} stores several tensors per key; write it with `Writer`")
   for entry in entries(cfg):
     leaf = get_path(state, entry.path)
     for idx, key in entry.keys(cfg):

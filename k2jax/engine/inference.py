@@ -225,13 +225,24 @@ class InferenceEngine(Admission, Engine):
 
   def _read_weights(self, path: str) -> dict:
     """The weights in `path` on the served shardings (this process reads only its own shards)."""
+    int4_served = self.cfg.expert_storage == "int4"
     if overlay.is_partial_hf_dir(path):
+      if int4_served:
+        raise ValueError(
+          f"{path}: a weight-sync delta; an engine serving INT4 experts (expert_storage='int4') takes whole "
+          "checkpoints or pushed params (update_weights_from_params)"
+        )
       return overlay.overlay_hf_tensors(self.cfg, self._runner.params(), path)
     recover(path)  # an export that died between its two renames (as k2jax.load)
-    cfg = api.source_config(path, param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype)
-    if cfg.replace(extra=()) != self.cfg.replace(extra=()):
+    # INT4-served experts are read as float (an INT4 release dequantized exactly) and quantized on arrival
+    # (`ModelRunner.set_params`): the same codes, as the release is on the grid
+    exec_fields = dict(
+      param_dtype=self.cfg.param_dtype, compute_dtype=self.cfg.compute_dtype, expert_qat=self.cfg.expert_qat
+    )
+    cfg = api.source_config(path, **exec_fields)
+    if cfg.replace(extra=(), expert_storage=self.cfg.expert_storage) != self.cfg.replace(extra=()):
       raise ValueError("its config.json describes a different architecture than the served model")
-    shardings = self._runner._pure_shardings()
+    shardings = None if int4_served else self._runner._pure_shardings()
     return api.source_state(path, cfg, shardings if isinstance(shardings, dict) else None)
 
   def _update_everywhere(self, path: str, version: int, flush_cache: bool) -> int:

@@ -27,6 +27,7 @@ from k2jax.engine import decode
 from k2jax.engine.placement import Placement, place
 from k2jax.engine.sampling import Sampled, SamplingArrays, sample, sampling_arrays  # rl.aot reads the last here
 from k2jax.engine.scored import jit_scored
+from k2jax.model import int4
 from k2jax.model.transformer import K2Model
 
 
@@ -152,6 +153,9 @@ class ModelRunner:
     bf16 before they move: half the bytes), then placed where the served weights go (`jax.device_put`:
     the arrays themselves when they are there already, no copy; on a serving mesh a device-to-device
     reshard from the trainer's layout) and swapped into the model's state; the model is not rebuilt."""
+    # INT4-served experts (`expert_storage='int4'`) from pushed float weights: quantized where they are, in
+    # the trainer's dtype, so the codes are those its expert_qat='int4' forward pass used
+    params = int4.served_params(params, nnx.to_pure_dict(self._abstract))
     params = _cast_like(params, nnx.to_pure_dict(self._abstract))
     want, got = self._served_signature(), _signature(params)
     for path in sorted(want.keys() | got.keys()):

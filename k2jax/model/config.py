@@ -22,6 +22,12 @@ CP_GATHERS = ("latent", "heads")
 MOE_DISPATCHES = ("auto", "fixed", "ragged")
 # The routed experts' grouped GEMM per compile target (model/moe_gemm.py documents each).
 MOE_GEMMS = ("auto", "ragged_dot", "tiled", "tokamax", "tokamax_triton", "jax_triton")
+# Quantization-aware training of the routed experts (model/int4.py): "none", or "int4" = the forward pass
+# sees each expert weight on Kimi-K2-Thinking's INT4 grid (group 32, amax/7) with a straight-through gradient.
+EXPERT_QATS = ("none", "int4")
+# How the routed experts' weights are held: "float" (param_dtype), or "int4" = packed codes + bf16 scales on the
+# same grid, dequantized per layer (serving only: an engine holding INT4 experts; model/int4.py).
+EXPERT_STORAGES = ("float", "int4")
 
 # Execution knobs: how to run the architecture, never written to config.json. A key of that name in a
 # config.json is not one of ours: it is kept verbatim in `extra` like any unknown HF key.
@@ -35,6 +41,8 @@ EXEC_FIELDS = (
   "moe_dispatch",
   "moe_chunk_tokens",
   "moe_gemm",
+  "expert_qat",
+  "expert_storage",
 )
 _K2JAX_FIELDS = EXEC_FIELDS + ("extra",)
 # HF keys derived from others or meaningless here; accepted on input, not kept in `extra`.
@@ -128,6 +136,15 @@ class K2Config:
   # The grouped GEMM of the routed experts: auto = the CPU kernel on CPU, tokamax's kernels on GPU,
   # XLA's native ragged_dot on TPU (MOE_GEMMS; model/moe_gemm.py).
   moe_gemm: str = "auto"
+  # Fake-quantize the routed experts' weights in the forward pass (EXPERT_QATS; model/int4.py): "int4" trains
+  # on the grid the INT4 release serves. Attention, shared experts, dense layers, router, embeddings and
+  # head stay in full precision. Off by default.
+  expert_qat: str = "none"
+  # Serving: hold the routed experts as INT4 (EXPERT_STORAGES): packed codes two per byte and bf16 scales,
+  # about 0.56 bytes per weight, each layer's experts dequantized when it runs. Pushed float weights are
+  # quantized on arrival (`int4.served_params`), so an engine serves what an expert_qat='int4' trainer
+  # trains on. Not trainable.
+  expert_storage: str = "float"
   extra: tuple[tuple[str, str], ...] = ()  # unknown HF keys -> JSON-encoded values
 
   def __post_init__(self):
@@ -290,6 +307,19 @@ def validate(c: K2Config) -> None:
   _need(c.cp_gather in CP_GATHERS, "cp_gather", f"one of {CP_GATHERS}, got {c.cp_gather!r}")
   _need(c.moe_chunk_tokens >= 0, "moe_chunk_tokens", f">= 0 (0: one chunk), got {c.moe_chunk_tokens}")
   _need(c.moe_gemm in MOE_GEMMS, "moe_gemm", f"one of {MOE_GEMMS}, got {c.moe_gemm!r}")
+  _need(c.expert_qat in EXPERT_QATS, "expert_qat", f"one of {EXPERT_QATS}, got {c.expert_qat!r}")
+  _need(
+    c.expert_qat == "none" or c.num_moe_layers > 0,
+    "expert_qat",
+    f"{c.expert_qat!r} quantizes routed experts and this model has none (first_k_dense_replace="
+    f"{c.first_k_dense_replace} >= num_hidden_layers={c.num_hidden_layers}: every layer is a dense MLP)",
+  )
+  _need(c.expert_storage in EXPERT_STORAGES, "expert_storage", f"one of {EXPERT_STORAGES}, got {c.expert_storage!r}")
+  _need(
+    c.expert_storage == "float" or c.num_moe_layers > 0,
+    "expert_storage",
+    f"{c.expert_storage!r} stores routed experts and this model has none (every layer is a dense MLP)",
+  )
   _need(c.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", f"one of {MOE_DISPATCHES}, got {c.moe_dispatch!r}")
   for name in ("param_dtype", "compute_dtype"):
     _need(getattr(c, name) in ("float32", "bfloat16"), name, f"float32 or bfloat16, got {getattr(c, name)!r}")

@@ -10,9 +10,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from k2jax.model import expert_parallel
+from k2jax.model import expert_parallel, int4
 from k2jax.model.config import K2Config
 from k2jax.model.layers import make_param
+
+
+class ServedInt4(nnx.Variable):
+  """An INT4-serving engine's expert codes or scales (`K2Config.expert_storage='int4'`): not trained."""
 
 
 class Experts(nnx.Module):
@@ -22,13 +26,34 @@ class Experts(nnx.Module):
     self.dispatch = cfg.moe_dispatch
     self.chunk_tokens = cfg.moe_chunk_tokens
     self.gemm = cfg.moe_gemm
-    self.w_gate = make_param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), stack=stack, std=std, dtype=dt)
-    self.w_up = make_param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), stack=stack, std=std, dtype=dt)
-    self.w_down = make_param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), stack=stack, std=std, dtype=dt)
+    self.qat, self.storage, self.dtype = cfg.expert_qat, cfg.expert_storage, dt
+    self.n_in = (D, D, F)  # each weight's input (group) axis length
+    gate_up, down = ((E, D, F), ("experts", "embed", "expert_mlp")), ((E, F, D), ("experts", "expert_mlp", "embed"))
+    for name, (shape, axes) in zip(int4.EXPERT_WEIGHTS, (gate_up, gate_up, down)):
+      if self.storage == "int4":  # zeros until weights are set (`int4.served_params` of float ones)
+        *lead, n_in, n_out = shape
+        zeros = dict(stack=stack, std=0.0, kind=ServedInt4)
+        packed = make_param(rngs, (*lead, -(-n_in // 2), n_out), axes, dtype=jnp.uint8, **zeros)
+        setattr(self, name + int4.PACKED, packed)
+        setattr(
+          self,
+          name + int4.SCALE,
+          make_param(rngs, (*lead, int4.num_groups(n_in), n_out), axes, dtype=int4.SCALE_DTYPE, **zeros),
+        )
+      else:
+        setattr(self, name, make_param(rngs, shape, axes, stack=stack, std=std, dtype=dt))
 
   def __call__(self, x_ND, weights_Nk, idx_Nk):
     """Σ_k weights[n,k] · Expert_{idx[n,k]}(x[n]) for every token n. Returns [N, D] in x's dtype."""
-    weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    if self.storage == "int4":  # this layer's experts dequantized now (one layer's floats live at a time)
+      weights = tuple(
+        int4.served_weight(getattr(self, name + int4.PACKED)[...], getattr(self, name + int4.SCALE)[...], n, self.dtype)
+        for name, n in zip(int4.EXPERT_WEIGHTS, self.n_in)
+      )
+    else:
+      weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    if self.qat == "int4" and self.storage == "float":  # before any grouped GEMM: every MoE path sees the grid
+      weights = tuple(int4.fake_quant(w) for w in weights)
     return expert_parallel.routed_experts(
       x_ND, weights_Nk, idx_Nk, *weights, dispatch=self.dispatch, chunk_tokens=self.chunk_tokens, gemm=self.gemm
     )

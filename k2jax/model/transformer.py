@@ -85,7 +85,8 @@ class K2Model(nnx.Module):
 
   def _run_stack(self, stack: Block, x_BTD, side):
     graphdef, state = nnx.split(stack)
-    state = compute_copy(state, x_BTD.dtype)
+    # QAT fake-quantizes the routed experts' float32 masters (model/int4.py), not a bf16 copy of them
+    state = compute_copy(state, x_BTD.dtype, skip=("experts",) if self.cfg.expert_qat != "none" else ())
 
     def body(x, layer_state):
       x, m_H, c_E = nnx.merge(graphdef, layer_state)(x, *side)
@@ -125,9 +126,9 @@ def param_logical_axes() -> dict[str, tuple[str, ...]]:
   }
 
 
-def compute_copy(state, dtype):
+def compute_copy(state, dtype, skip: tuple[str, ...] = ()):
   """The stacked layer weights that the layers cast to the compute dtype (every `w_*` matrix except the
-  float32 router's), cast once for the whole stack before the layer scan.
+  float32 router's, and those under a `skip` name), cast once for the whole stack before the layer scan.
 
   The same values reach every matmul; what changes is where the cast's transpose runs: the scan's
   stacked weight gradients come out in the compute dtype (bf16: half the float32 buffer, K2 1t: 3.7
@@ -138,7 +139,7 @@ def compute_copy(state, dtype):
     names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
     if names and names[-1] == "value":
       names = names[:-1]
-    matrix = bool(names) and names[-1].startswith("w_") and "router" not in names
+    matrix = bool(names) and names[-1].startswith("w_") and "router" not in names and not set(skip) & set(names)
     return x.astype(dtype) if matrix and jnp.issubdtype(x.dtype, jnp.floating) else x
 
   return jax.tree_util.tree_map_with_path(cast, state)

@@ -44,6 +44,7 @@ class RLModelSpec:
   scan_layers: bool = knob(True, "lax.scan over stacked layers")
   remat_policy: str = knob("none", "none | full | dots | dots_no_batch")
   attention: str = knob("auto", "attention kernel, as configs/k2.py: auto | einsum | flash")
+  expert_qat: str = knob("none", "routed experts' QAT: none | int4 (the INT4 release's grid; rollouts serve it)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +246,7 @@ class SyncSpec:
 
   root: str = knob("", "shared dir for HF safetensors pushes ('' = WORKDIR/weights)")
   keep_last: int = knob(2, "pushed version directories kept on disk")
-  dtype: str = knob("", "remote pushes: '' (param dtype) | bfloat16 | float32 | fp8 (the release's block-FP8)")
+  dtype: str = knob("", "remote pushes: '' (param dtype) | bfloat16 | float32 | fp8 (block-FP8) | int4 (K2-Thinking)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,6 +77,7 @@ class ModelSpec:
     "routed-expert grouped GEMM: auto (cpu: tiled, gpu: tokamax, tpu: ragged_dot) | ragged_dot | tiled | "
     "tokamax | tokamax_triton | jax_triton",
   )
+  expert_qat: str = knob("none", "routed experts' QAT: none | int4 (Kimi-K2-Thinking's INT4 grid, model/int4.py)")
 
 
 @dataclasses.dataclass(frozen=True)
