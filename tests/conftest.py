@@ -60,20 +60,21 @@ def _on_event(event, **kwargs):
 monitoring.register_event_duration_secs_listener(_on_duration)
 monitoring.register_event_listener(_on_event)
 
-# The heaviest files first, heaviest at the top: seconds of each file's tests in one suite run (`--durations=0`,
-# 2 workers on 2 cores, another job beside them for the first half; 1787 s in all). scripts/test.sh runs
-# `-n 2 --dist loadfile --no-loadscope-reorder`: xdist hands out whole files in this order as workers free up.
-# Its default order (most tests per file first) put these one- and two-test files last, so one worker ran them
-# alone while the other sat idle.
+# The heaviest files first, heaviest at the top: seconds of each file's tests in a suite run (`--durations=0`,
+# 2 workers on 2 cores): from a fresh clone with cold caches (1832 s in all, 2026-12-06) where given as "cold",
+# the others from an earlier run with another job beside it for the first half (1787 s in all). scripts/test.sh
+# runs `-n 2 --dist loadfile --no-loadscope-reorder`: xdist hands out whole files in this order as workers free
+# up. Its default order (most tests per file first) put these one- and two-test files last, so one worker ran
+# them alone while the other sat idle.
 HEAVY_FIRST = (
-  "tests/test_recipe.py",  # 718: the whole recipe (pretrain, SFT, RL, three evals)
-  "tests/rl/test_rl_colocated.py",  # 432: four RL runs, one of them 2-process
-  "tests/rl/test_rl_processes.py",  # 237
+  "tests/test_recipe.py",  # 402 cold: the whole recipe (pretrain, SFT, RL, three evals)
+  "tests/rl/test_rl_colocated.py",  # 247 cold: four RL runs, one of them 2-process
+  "tests/rl/test_critic_loop.py",  # 164 cold: a 12-iteration RL run with the critic (bench/critic_loop.py)
+  "tests/rl/test_rl_processes.py",  # 137 cold
   "tests/engine/test_engine_mesh.py",  # 135
+  "tests/rl/test_learner.py",  # 125 cold: its module fixture
   "tests/train/test_loss.py",  # 123: the README demo's 300 steps
-  "tests/rl/test_learner.py",  # 120
-  "tests/rl/test_critic_loop.py",  # 197 CPU-s: a 12-iteration RL run with the critic (bench/critic_loop.py)
-  "tests/train/test_multihost.py",  # 92 alone: its 2-process run carries the eval.tasks checks too
+  "tests/train/test_multihost.py",  # 105 cold: its 2-process run carries the eval.tasks checks too
   "tests/serve/test_serve_processes.py",  # 83
   "tests/train/test_resume.py",  # 77
   "tests/rl/test_rl_mesh.py",  # 64

@@ -9,6 +9,14 @@ default, and its first four stages 252 s against 136 s, while tests/train/test_r
 (compile-bound; cold caches both) took 188 CPU-s at level 0 against 280 at the default. Both levels compute the same floats (LLVM does not reassociate
 them without fast-math: the tiny run's loss printed equal to the last digit, 8.28056812286377), and every child
 gets the same flags as the test that compares against it, so bitwise checks compare like with like.
+
+Per stage of tests/test_recipe.py's scripts/recipe.sh (user + sys CPU seconds from `/usr/bin/time`, each run on a
+fresh compile cache, 2026-12-06, a 2-core AMD EPYC shared with other jobs, jax 0.10.2), none of which pays for a
+per-stage level: the RL stage (40 iterations from the SFT workdir) took 179 CPU-s at level 0 against 167 at the
+default; `launch/eval.py` on the SFT model (1800 answers, compile-bound: 64 or 2048 cache positions cost the same,
+59 against 60, with the same 1800 answers) 53 against 60, and only the first of the recipe's three evaluations
+compiles (the later two load its programs). Single-threaded dots (SECOND_HOST below) cost more CPU, not less: the
+tiny config's 300 steps (tests/train/test_loss.py's run) took 81 CPU-s against 68 multi-threaded.
 """
 
 import os

@@ -164,11 +164,11 @@ def test_two_processes_train_checkpoint_push_then_one_resumes_past_a_truncated_l
       f.truncate(os.path.getsize(victim) // 2)
     out = _run(
       workdir,
-      *_flags(iterations=3, **{"sync.keep_last": 100}),
+      *_flags(iterations=2, **{"sync.keep_last": 100}),
       f"--config.rollout.engine_url={server.url}",
       env=_env(cache),
     )
   assert f"resumed RL from {os.path.join(workdir, 'checkpoints')}/1" in out.stdout
   assert "unreadable" in out.stderr and os.path.isdir(os.path.join(workdir, "checkpoints_corrupt", "2"))
-  assert [r["step"] for r in _metrics(workdir) if "phase" not in r] == [1, 2, 3]
+  assert [r["step"] for r in _metrics(workdir) if "phase" not in r] == [1, 2]  # iteration 2 redone, logged once
   served.close()
