@@ -25,7 +25,7 @@ from ml_collections import config_dict
 
 from k2jax import memory, sharding
 from k2jax.train import hlo_stats
-from k2jax.train.config import TrainConfig, check_runtime, from_config_dict
+from k2jax.train.config import TrainConfig, check_runtime, from_config_dict, pipeline_spec
 from k2jax.train.step import BATCH_KEYS
 
 GIB = 2**30
@@ -143,12 +143,19 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
   preset = tc.mesh.rules
   t0 = time.perf_counter()
   optimizer, schedule = loop.make_optimizer(tc)
+  pipeline = pipeline_spec(tc, mesh_shape)
   lay = core.layout(
-    tc.model, optimizer, mesh=mesh, preset=preset, seed=tc.seed, offload_opt_state=tc.optim.offload_state
+    tc.model,
+    optimizer,
+    mesh=mesh,
+    preset=preset,
+    seed=tc.seed,
+    offload_opt_state=tc.optim.offload_state,
+    pipeline=pipeline,
   )
   with lay.use():
     state = _abstract_with_shardings(lay.abstract_state, lay.shardings)
-    step_fn = lay.jitted(loop.make_step(tc, lay.mdef, optimizer, schedule))
+    step_fn = lay.jitted(loop.make_step(tc, lay.mdef, optimizer, schedule, pipeline=pipeline))
     lowered = step_fn.lower(state, _abstract_batch(tc, lay.batch_sharding))
   report = {
     "slice": slice_name,
@@ -267,17 +274,23 @@ def format_report(report: dict) -> str:
   return "\n".join(f"{k}={fmt(v)}" for k, v in report.items() if k != "hlo" and not isinstance(v, dict))
 
 
-def lower_step_for_gpu(config: config_dict.ConfigDict):
-  """`run()`'s train step of `config` lowered for CUDA on this host (any host: no GPU needed), on a
-  one-device mesh, with every kernel chosen for a GPU target (`sharding.target_platform`). Returns
-  jax's `Lowered`; `.as_text()` is the StableHLO a GPU would compile (tests check which kernels are in it)."""
+def lower_step_for_gpu(config: config_dict.ConfigDict, num_devices: int = 1):
+  """`run()`'s train step of `config` lowered for CUDA on this host (any host: no GPU needed), on a mesh of
+  `num_devices` of this host's devices (the config's `mesh.*` and `pipeline.*` over them), with every kernel chosen
+  for a GPU target (`sharding.target_platform`). Returns jax's `Lowered`; `.as_text()` is the StableHLO a GPU
+  would compile (tests check which kernels and collectives are in it)."""
   from k2jax.train import core, loop  # noqa: PLC0415
 
   tc = from_config_dict(config)
-  mesh = sharding.make_mesh(check_runtime(tc, 1, 1), devices=jax.devices()[:1])
+  devices = jax.devices()[:num_devices]
+  shape = check_runtime(tc, len(devices), 1)
+  mesh = sharding.make_mesh(shape, devices=devices)
+  pipeline = pipeline_spec(tc, shape)
   optimizer, schedule = loop.make_optimizer(tc)
-  lay = core.layout(tc.model, optimizer, mesh=mesh, preset=tc.mesh.rules, seed=tc.seed, offload_opt_state=False)
+  lay = core.layout(
+    tc.model, optimizer, mesh=mesh, preset=tc.mesh.rules, seed=tc.seed, offload_opt_state=False, pipeline=pipeline
+  )
   with sharding.target_platform("gpu"), lay.use():
     state = _abstract_with_shardings(lay.abstract_state, lay.shardings)
-    step_fn = lay.jitted(loop.make_step(tc, lay.mdef, optimizer, schedule))
+    step_fn = lay.jitted(loop.make_step(tc, lay.mdef, optimizer, schedule, pipeline=pipeline))
     return step_fn.trace(state, _abstract_batch(tc, lay.batch_sharding)).lower(lowering_platforms=("cuda",))

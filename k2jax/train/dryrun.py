@@ -6,6 +6,7 @@ from __future__ import annotations
 from ml_collections import config_dict
 
 from k2jax import memory
+from k2jax.model import pipeline as pipeline_lib
 from k2jax.model.config import ConfigError, K2Config
 from k2jax.sharding import MESH_AXES
 from k2jax.train.config import MeshSpec, from_config_dict
@@ -17,7 +18,7 @@ def report(config: config_dict.ConfigDict) -> str:
   memory plan for `config.topology` (when set) on the configured mesh and rules preset."""
   tc = from_config_dict(config)
   micro_rows = tc.data.global_batch_size // tc.data.num_microbatches
-  return plan_report(
+  return pipeline_report(tc) + plan_report(
     tc.model,
     tc.mesh,
     tc.topology,
@@ -27,6 +28,36 @@ def report(config: config_dict.ConfigDict) -> str:
     num_microbatches=tc.data.num_microbatches,
     offload_opt_state=tc.optim.offload_state,
   )
+
+
+def pipeline_report(tc) -> str:
+  """The mesh and pipeline knobs as configured, and (at `mesh.stage` > 1) the schedule: layers per stage, the
+  layers outside the pipeline, iterations and bubble fraction (p - 1) / (v * m + p - 1); '' lines when off."""
+  lines = [f"mesh_{a}={getattr(tc.mesh, a)}" for a in MESH_AXES] + [f"mesh_rules={tc.mesh.rules}"]
+  p = tc.mesh.stage
+  if p > 1:
+    k = tc.pipeline
+    spec = pipeline_lib.PipelineSpec(p, repeats=k.repeats, microbatches=k.microbatches, layers=k.layers)
+    cfg = tc.model
+    stack = "moe" if cfg.num_moe_layers else "dense"
+    try:
+      pl = pipeline_lib.plan(spec, cfg.num_moe_layers or cfg.num_dense_layers)
+    except pipeline_lib.PipelineError as e:
+      raise ConfigError(str(e)) from None
+    lines += [
+      f"pipeline_stages={pl.stages}",
+      f"pipeline_repeats={pl.repeats}",
+      f"pipeline_microbatches={pl.microbatches}",
+      f"pipeline_stack={stack}",
+      f"pipeline_layers={pl.pipelined}",
+      f"pipeline_layers_per_stage_per_repeat={pl.per_stage}",
+      f"pipeline_layers_before={pl.outside + (cfg.num_dense_layers if stack == 'moe' else 0)}",
+      f"pipeline_iterations={pl.iterations}",
+      f"pipeline_bubble_fraction={pl.bubble_fraction:.4f}",
+    ]
+  else:
+    lines.append("pipeline_stages=1")
+  return "\n".join(lines) + "\n"
 
 
 def plan_report(
