@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -22,6 +23,7 @@ import jax
 import optax
 from ml_collections import config_dict
 
+from k2jax import distributed
 from k2jax.optim import QKClipSpec, muonclip, wsd_schedule
 from k2jax.data.corpus import BUNDLED_CORPUS
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER
@@ -53,6 +55,7 @@ def run(
   tc = from_config_dict(config)
   tc = dataclasses.replace(tc, model=model_config_for_run(tc, workdir))
   mesh_shape = check_runtime(tc, jax.device_count(), jax.process_count())
+  distributed.check_slices(math.prod(tc.mesh.dcn_shape.values()), jax.default_backend())
   if tc.eval.has_tasks and task_eval is None:
     raise ConfigError("eval.tasks: benchmark tasks need an evaluator: run launch/train.py (it builds one)")
   tasks = task_eval(tc, workdir) if tc.eval.has_tasks else None

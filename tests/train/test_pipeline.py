@@ -4,7 +4,7 @@ Loss, gradients, QK-Clip's max logits, the balancing counts and the whole MuonCl
 state) under 2 and 4 stages, with repeats and with layers left outside the pipeline, against one device without
 a pipeline, float32 to 1e-5. One tiny model (1 dense + 4 MoE layers) and one reference step serve every case."""
 
-import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +19,9 @@ from k2jax.model import K2Model, presets
 from k2jax.model.config import ConfigError
 from k2jax.model.pipeline import PipelineError, PipelineSpec, bubble_fraction, plan
 from k2jax.optim import QKClipSpec, muonclip
-from k2jax.train import core
+from k2jax.train import aot, core
 from k2jax.train.step import accumulate_grads, init_state, make_train_step
+from tests.cross_lowering import NEEDS_GPU_MESH
 
 # ragged_dot: the CPU default grouped GEMM ('tiled') cannot run inside stages on a stage mesh (transformer.py).
 CFG = presets.get("tiny", num_hidden_layers=5, moe_gemm="ragged_dot")
@@ -61,14 +62,18 @@ def batch():
 
 
 @pytest.fixture(scope="module")
-def reference(batch):
+def state0():
+  """The initial TrainState (host arrays) every layout starts from."""
+  return jax.tree.map(np.asarray, init_state(K2Model(CFG, rngs=nnx.Rngs(0)), _optimizer()))
+
+
+@pytest.fixture(scope="module")
+def reference(state0, batch):
   """The unpipelined step on one device: (state, (grads, loss, aux, new_state, metrics))."""
-  model = K2Model(CFG, rngs=nnx.Rngs(0))
   opt = _optimizer()
-  state = init_state(model, opt)
-  lay_mdef = core.layout(CFG, opt, mesh=sharding.make_mesh({}, devices=jax.devices()[:1]), preset="fsdp", seed=0).mdef
-  out = jax.jit(_step_and_grads(lay_mdef, opt, None))(state, batch)
-  return jax.tree.map(np.asarray, state), jax.tree.map(np.asarray, out)
+  mdef = core.layout(CFG, opt, mesh=sharding.make_mesh({}, devices=jax.devices()[:1]), preset="fsdp", seed=0).mdef
+  out = jax.jit(_step_and_grads(mdef, opt, None))(jax.tree.map(jnp.asarray, state0), batch)
+  return state0, jax.tree.map(np.asarray, out)
 
 
 def _assert_close(got, want, what):
@@ -152,3 +157,92 @@ def test_plan_refuses_what_cannot_work():
   assert (p.outside, p.per_stage, p.iterations) == (12, 1, 3 * 32 + 15)
   # The reference's K2-shaped examples: p=16, v=3, m=32 -> 13.5%; p=4, v=15, m=8 -> 2.4%.
   assert round(100 * bubble_fraction(16, 3, 32), 1) == 13.5 and round(100 * bubble_fraction(4, 15, 8), 1) == 2.4
+
+
+def _config(**kw):
+  from configs import k2
+
+  c = k2.get_config("tiny")
+  with c.unlocked():
+    c.model.num_hidden_layers = 5
+    for key, v in kw.items():
+      section, name = key.split(".")
+      c[section][name] = v
+  return c
+
+
+def test_config_refusals_name_the_knob():
+  from k2jax.train.config import check_runtime, from_config_dict
+
+  def refused(match, **kw):
+    with pytest.raises(ConfigError, match=match):
+      check_runtime(from_config_dict(_config(**kw)), 8, 1)
+
+  refused(
+    r"4 pipelined layers are not divisible by mesh.stage \(2\) x pipeline.repeats \(4\)",
+    **{"mesh.stage": 2, "pipeline.repeats": 4},
+  )
+  refused(r"pipeline.microbatches: 1 < 2 stages", **{"mesh.stage": 2, "pipeline.microbatches": 1})
+  refused(r"product 16 != 8 devices", **{"mesh.stage": 2, "mesh.fsdp": 8})
+  refused(r"pipeline.layers: 6 > the 4 layers", **{"mesh.stage": 2, "pipeline.layers": 6})
+  refused(
+    r"pipeline.microbatches: 8 pipeline microbatches of 2 rows: not divisible by the 4 batch shards",
+    **{"mesh.stage": 2, "pipeline.microbatches": 8},
+  )
+  shape = check_runtime(from_config_dict(_config(**{"mesh.stage": 2})), 8, 1)
+  assert shape == {"stage": 2, "data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
+
+
+def test_dry_run_prints_the_schedule_and_bubble():
+  from k2jax.train import dryrun
+
+  out = dryrun.report(_config(**{"mesh.stage": 2, "pipeline.repeats": 2, "pipeline.microbatches": 4}))
+  lines = dict(line.split("=", 1) for line in out.splitlines())
+  assert lines["pipeline_stages"] == "2" and lines["pipeline_repeats"] == "2" and lines["pipeline_microbatches"] == "4"
+  assert lines["pipeline_layers"] == "4" and lines["pipeline_layers_before"] == "1"  # the dense first layer
+  assert lines["pipeline_iterations"] == str(2 * 4 + 1)
+  assert lines["pipeline_bubble_fraction"] == f"{1 / 9:.4f}"
+  assert lines["mesh_stage"] == "2" and lines["mesh_dcn_data"] == "1"
+
+
+def test_checkpoint_restores_across_stage_layouts(state0, tmp_path):
+  """Saved with the MoE stack stored over 2 stages (and 2 repeats), restored with no stage axis and with 4
+  stages: the same values (layers keep their natural order in every layout)."""
+  from k2jax.train.checkpoint import Checkpointer, abstract_like
+
+  opt = _optimizer()
+
+  def layout(mesh_shape, spec):
+    return core.layout(CFG, opt, mesh=sharding.make_mesh(mesh_shape), preset="fsdp", seed=0, pipeline=spec)
+
+  saved = layout({"stage": 2, "fsdp": 4}, PipelineSpec(2, repeats=2, microbatches=4))
+  with saved.use():
+    state = jax.device_put(jax.tree.map(jnp.asarray, state0), saved.shardings)
+    assert jax.tree.leaves(state.params["moe_layers"])[0].sharding.spec[0] == "stage"
+    ckpt = Checkpointer(str(tmp_path), keep=1, async_save=False)
+    ckpt.save(1, state, None, {})
+    ckpt.close()
+  for mesh_shape, spec in (({"fsdp": 8}, None), ({"stage": 4, "fsdp": 2}, PipelineSpec(4))):
+    lay = layout(mesh_shape, spec)
+    with lay.use():
+      ckpt = Checkpointer(str(tmp_path), keep=1, async_save=False)
+      restored = ckpt.restore_latest(abstract_like(lay.abstract_state, lay.shardings), on_unreadable="error")
+      ckpt.close()
+    leaf = jax.tree.leaves(restored.state.params["moe_layers"])[0]
+    assert (leaf.sharding.spec[0] == "stage") == (spec is not None)
+    for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state0)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@NEEDS_GPU_MESH
+def test_step_lowers_for_gpu_with_stages_and_ep_tp_inside():
+  """The pipelined step lowered for CUDA on an 8-device mesh: 2 stages (across hosts), EP 2 x TP 2 inside each
+  (the GPU kernels chosen, the experts' all-to-all inside the stages, arrays sharded over `stage`)."""
+  pytest.importorskip("tokamax")
+  c = _config(**{"mesh.stage": 2, "mesh.expert": 2, "mesh.tensor": 2, "mesh.fsdp": 1, "mesh.rules": "fsdp_ep_tp"})
+  with c.unlocked():
+    c.model.compute_dtype = "bfloat16"
+  text = aot.lower_step_for_gpu(c, num_devices=8).as_text()
+  assert re.search(r"custom_call @__gpu\$xla\.gpu\.triton", text)  # tokamax's grouped GEMM / attention kernels
+  assert "all_to_all" in text  # expert parallelism inside each stage
+  assert '{"stage"}' in text  # the stage-sharded layer stack and pipeline buffers
