@@ -209,7 +209,8 @@ def dcn_slices(dcn_shape: Mapping[str, int] | None) -> int:
 
 
 def _has_slice_index(devices) -> bool:
-  return all(getattr(d, "slice_index", None) is not None for d in devices)
+  """TPU devices name their slice (`slice_index`); CPU devices of several processes say 0 for all."""
+  return all(d.platform == "tpu" and getattr(d, "slice_index", None) is not None for d in devices)
 
 
 def slice_count(devices) -> int:

@@ -25,6 +25,7 @@ from ml_collections import config_dict
 
 from k2jax import memory, sharding
 from k2jax.train import hlo_stats
+from k2jax.model.config import ConfigError
 from k2jax.train.config import TrainConfig, check_runtime, from_config_dict, pipeline_spec
 from k2jax.train.step import BATCH_KEYS
 
@@ -86,15 +87,25 @@ def tpu_slice(name: str) -> TpuSlice:
   raise ValueError(f"--aot: unknown TPU slice {name!r}; known: {', '.join(known)}")
 
 
-def slice_devices(s: TpuSlice) -> list:
-  """Compile-only devices of slice `s`, wired as the hardware is (`s.wrap`; no TPU needed, libtpu must import)."""
+def parse_target(name: str) -> tuple[int, TpuSlice]:
+  """'v5p-1024' -> (1, its TpuSlice); '2xv5p-1024' -> (2, ...): that many slices joined over DCN."""
+  m = re.fullmatch(r"(\d+)x(.+)", name)
+  n = int(m.group(1)) if m else 1
+  if n < 1:
+    raise ValueError(f"--aot: {name!r} names {n} slices")
+  return n, tpu_slice(m.group(2) if m else name)
+
+
+def slice_devices(s: TpuSlice, num_slices: int = 1) -> list:
+  """Compile-only devices of `num_slices` slices `s`, wired as the hardware is (`s.wrap`; no TPU needed, libtpu
+  must import); with several, each device's `slice_index` names its slice."""
   # Compiling only: another process holding libtpu's lockfile (a TPU job, a second compile) is fine.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # noqa: PLC0415 (initialises the TPU plugin)
 
   bounds = (1, 1, 1) if s.num_devices == 1 else (2, 2, 1)
   desc = topologies.get_topology_desc(
-    s.topology, "tpu", chip_config_name=s.chip_config, chips_per_host_bounds=bounds, num_slices=1, wrap=s.wrap
+    s.topology, "tpu", chip_config_name=s.chip_config, chips_per_host_bounds=bounds, num_slices=num_slices, wrap=s.wrap
   )
   return list(desc.devices)
 
@@ -136,10 +147,16 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
   from k2jax.train import core, loop  # noqa: PLC0415 (they pull in checkpointing and data: only when compiling)
 
   tc = from_config_dict(config)
-  s = tpu_slice(slice_name)
-  devices = slice_devices(s)
+  num_slices, s = parse_target(slice_name)
+  dcn = tc.mesh.dcn_shape
+  if math.prod(dcn.values()) != num_slices:
+    raise ConfigError(
+      f"--aot={slice_name}: {num_slices} slice(s), but the mesh's DCN level (mesh.dcn_*) spans "
+      f"{math.prod(dcn.values())}: set e.g. --config.mesh.dcn_data={num_slices}"
+    )
+  devices = slice_devices(s, num_slices)
   mesh_shape = check_runtime(tc, len(devices), 1)
-  mesh = sharding.make_mesh(mesh_shape, devices=devices)
+  mesh = sharding.make_mesh({a: n // dcn[a] for a, n in mesh_shape.items()}, devices=devices, dcn_shape=dcn)
   preset = tc.mesh.rules
   t0 = time.perf_counter()
   optimizer, schedule = loop.make_optimizer(tc)
@@ -159,6 +176,7 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
     lowered = step_fn.lower(state, _abstract_batch(tc, lay.batch_sharding))
   report = {
     "slice": slice_name,
+    "slices": num_slices,
     "topology": s.topology,
     "wrap": ",".join(str(w).lower() for w in s.wrap),  # what the compile was told: the hardware's wiring
     "wiring": s.wiring,
@@ -200,12 +218,18 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   report["xla_cost_flops_loop_bodies_once"] = float(cost.get("flops", 0.0))
   report["xla_cost_bytes_accessed_loop_bodies_once"] = float(cost.get("bytes accessed", 0.0))
-  stats = hlo_stats.hlo_stats(compiled.as_text())
+  # The program's device d is the mesh's d-th device: replica groups spanning slices cross DCN.
+  slice_of = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat] if num_slices > 1 else None
+  stats = hlo_stats.hlo_stats(compiled.as_text(), slice_of=slice_of)
   report["unknown_trip_counts"] = stats.pop("unknown_trip_counts")
   report["flops_per_device"] = stats.pop("matmul_flops")
   report["custom_call_flops_per_device"] = stats.pop("custom_call_flops")
   for kind in hlo_stats.COLLECTIVES:
     report[f"{kind}_bytes_per_device"] = stats.pop(f"{kind}_bytes")
+  if slice_of is not None:
+    report["dcn_bytes_per_device"] = stats.pop("dcn_bytes")
+    for kind in hlo_stats.COLLECTIVES:
+      report[f"dcn_{kind}_bytes_per_device"] = stats.pop(f"dcn_{kind}_bytes")
   if keep_hlo:
     report["hlo"] = compiled.as_text()
   report["headroom_gib_per_device"] = round((s.hbm_bytes - peak) / GIB, 2)
