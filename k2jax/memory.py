@@ -142,7 +142,7 @@ def plan(
   total = params_bytes + grads_bytes + grad_accum + opt_bytes - host_opt + copy_bytes + gathered + act
   return dict(
     num_devices=n_dev,
-    mesh=",".join(f"{a}={s}" for a, s in sizes.items()),
+    mesh=sharding_lib.mesh_text(sizes),
     rules_preset=rules_preset,
     batch_per_device_tokens=batch_per_device_tokens,
     seq_len=seq_len,

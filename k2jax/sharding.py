@@ -198,6 +198,11 @@ def make_mesh(
   return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
+def mesh_text(sizes: Mapping[str, int]) -> str:
+  """'data=1,fsdp=64,expert=8,tensor=1' for reports: every axis, `stage` only when pipelining (size > 1)."""
+  return ",".join(f"{a}={n}" for a, n in sizes.items() if a != "stage" or n != 1)
+
+
 def dcn_slices(dcn_shape: Mapping[str, int] | None) -> int:
   """The number of slices a DCN shape spans (1: no DCN level); unknown axes and sizes < 1 are refused."""
   if not dcn_shape:

@@ -181,7 +181,7 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
     "wrap": ",".join(str(w).lower() for w in s.wrap),  # what the compile was told: the hardware's wiring
     "wiring": s.wiring,
     "num_devices": len(devices),
-    "mesh": ",".join(f"{a}={n}" for a, n in mesh_shape.items()),
+    "mesh": sharding.mesh_text(mesh_shape),
     "rules_preset": preset,
     "platform": sharding.platform(mesh),
     "num_layers": tc.model.num_hidden_layers,
