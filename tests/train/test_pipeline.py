@@ -103,6 +103,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipelined_step_equals_unpipelined(case, reference, batch):
   state0, (g_ref, loss_ref, aux_ref, new_ref, m_ref) = reference
