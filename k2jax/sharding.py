@@ -194,6 +194,8 @@ def make_mesh(
     tuple(dcn[a] for a in MESH_AXES),
     devices,
     process_is_granule=not _has_slice_index(devices),
+    # As jax.make_mesh does on one slice: an ICI axis may span part of a physical axis (fsdp 128 on 16x16).
+    allow_split_physical_axes=True,
   )
   return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
