@@ -230,6 +230,8 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
     report["dcn_bytes_per_device"] = stats.pop("dcn_bytes")
     for kind in hlo_stats.COLLECTIVES:
       report[f"dcn_{kind}_bytes_per_device"] = stats.pop(f"dcn_{kind}_bytes")
+    for key in sorted(k for k in stats if k.startswith("dcn_megascale_")):
+      report[key.removesuffix("_bytes") + "_bytes_per_device"] = stats.pop(key)
   if keep_hlo:
     report["hlo"] = compiled.as_text()
   report["headroom_gib_per_device"] = round((s.hbm_bytes - peak) / GIB, 2)

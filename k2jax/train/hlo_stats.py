@@ -262,6 +262,9 @@ def _taps_on_input(size: int, outs: int, k: int, stride: int, lo: int, dilate: i
   return sum(1 for o in range(outs) for t in range(k) if 0 <= (p := o * stride + t - lo) <= last and p % dilate == 0)
 
 
+_MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+
+
 def device_groups(args: str, num_devices: int) -> list[list[int]]:
   """The device groups of one collective's attributes: `source_target_pairs={{0,1},...}` (collective-permute),
   `replica_groups={{0,1},{2,3}}`, the iota form `replica_groups=[G,S]<=[dims]T(perm)` (arange(prod(dims))
@@ -287,9 +290,10 @@ def hlo_stats(hlo_text: str, slice_of: list[int] | None = None) -> dict:
   'custom_call_flops', 'unknown_trip_counts'} of a compiled module's `as_text()`.
 
   `slice_of[d]`: the slice of the program's device `d` (its index in the compile's device assignment, the mesh's
-  devices in order). With it, `dcn_bytes` (and `dcn_<kind>_bytes`) total the per-device bytes of the collectives
-  whose device groups span more than one slice: what crosses the data-center network, per device per step
-  (XLA splits a multislice reduction into in-slice steps and one across slices; the latter is counted)."""
+  devices in order). With it, `dcn_bytes` totals what crosses the data-center network per device per step: the
+  collectives whose device groups span more than one slice (`dcn_<kind>_bytes`; one program over all slices, as
+  on GPU hosts), plus the buffers XLA:TPU's per-slice programs hand to the megascale runtime
+  (`dcn_megascale_<transfer type>_bytes`, e.g. all_reduce: the buffer each device reduces across slices)."""
   comps, entry, shapes = parse(hlo_text)
   mult, unknown = multiplicities(comps, entry)
   out = {f"{kind}_bytes": 0 for kind in COLLECTIVES}
@@ -307,6 +311,15 @@ def hlo_stats(hlo_text: str, slice_of: list[int] | None = None) -> dict:
       elif op == "custom-call":
         m = _COST_FLOPS.search(ins.args)
         custom_flops += times * float(m.group(1)) if m else 0.0
+      if op == "send" and slice_of is not None and "xla_megascale_runtime" in ins.args:
+        # XLA:TPU compiles one program per slice; what crosses slices is a host-transfer `send` to the megascale
+        # runtime (`_xla_megascale_transfer_type`: ALL_REDUCE, ...) of this device's buffer.
+        kind = _MEGASCALE_TYPE.search(ins.args)
+        key = f"dcn_megascale_{(kind.group(1) if kind else 'unknown').lower()}_bytes"
+        nbytes = sum(shape_bytes(shapes.get(o, "")) for o in _operand_names(ins.args)[:1])
+        out[key] = out.get(key, 0) + times * nbytes
+        out["dcn_bytes"] += times * nbytes
+        continue
       if op not in COLLECTIVES:
         continue
       operands = [shape_bytes(shapes.get(o, "")) for o in _operand_names(ins.args)]
