@@ -134,3 +134,22 @@ def test_dcn_bytes_count_the_collectives_whose_groups_span_slices():
   # Slices {0, 2} and {1, 3}: now the reduce-scatter, all-gather and permute cross, the all-reduce does not.
   assert hlo_stats.hlo_stats(DCN_HLO, slice_of=[0, 1, 0, 1])["dcn_bytes"] == 3 * 1024 * 4
   assert "dcn_bytes" not in hlo_stats.hlo_stats(DCN_HLO)
+
+
+MEGASCALE_HLO = """HloModule m
+
+ENTRY %main (p0: f32[256]) -> f32[256] {
+  %p0 = f32[256]{0} parameter(0)
+  %after-all = token[] after-all()
+  %send = (f32[256]{0}, u32[], token[]) send(%p0, %after-all), channel_id=4, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_reduce_operation="SUM",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %send-done = token[] send-done(%send), channel_id=4, is_host_transfer=true
+  ROOT %r = f32[256]{0} copy(%p0)
+}
+"""
+
+
+def test_dcn_bytes_count_the_megascale_sends_of_per_slice_programs():
+  """XLA:TPU's multislice programs are per slice: the cross-slice reduction is a host-transfer send."""
+  out = hlo_stats.hlo_stats(MEGASCALE_HLO, slice_of=[0, 0, 1, 1])
+  assert out["dcn_bytes"] == out["dcn_megascale_all_reduce_bytes"] == 256 * 4
+  assert "dcn_bytes" not in hlo_stats.hlo_stats(MEGASCALE_HLO)
