@@ -3,7 +3,8 @@
   python multislice_worker.py <port> <process_id> <out_json>
 Each process owns 4 fake CPU devices (one "slice"); the mesh has a DCN level of `data: 2` over the processes
 (jax's hybrid device mesh, process granules) and `fsdp: 4` inside each. One MuonClip train step of the tiny
-model; process 0 writes the loss, the gradient norm and the new parameters' sums.
+model; process 0 writes the loss, the gradient norm and the new parameters' sums; both save the new state in
+one checkpoint beside the output file.
 """
 
 import json
@@ -29,6 +30,7 @@ def main(port: str, process_id: str, out_path: str):
 
   from k2jax import sharding  # noqa: PLC0415
   from k2jax.train import core  # noqa: PLC0415
+  from k2jax.train.checkpoint import Checkpointer  # noqa: PLC0415
 
   assert jax.process_count() == 2 and jax.device_count() == 8
   mesh = sharding.make_mesh({"fsdp": 4}, dcn_shape={"data": 2})
@@ -45,6 +47,10 @@ def main(port: str, process_id: str, out_path: str):
     b = distributed.global_batch(local, lay.batch_sharding, batch["input_ids"].shape[0])
     new, metrics = jax.jit(step_fn(lay.mdef, opt))(state, b)
     out = summarize(new, metrics, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    # The two slices' state, checkpointed together: the test restores it in one process on one device.
+    ckpt = Checkpointer(os.path.join(os.path.dirname(out_path), "ckpt"), keep=1, async_save=False)
+    ckpt.save(1, new, None, {})
+    ckpt.close()
   if jax.process_index() == 0:
     with open(out_path, "w") as f:
       json.dump({**out, "rows": [rows.start, rows.stop]}, f)

@@ -1,6 +1,6 @@
 """Multislice: a DCN level in the mesh (jax's hybrid device mesh). Two CPU processes stand in for two slices
-(`data: 2` over DCN, `fsdp: 4` inside each); their MuonClip train step equals one process's on one device. The
-refusals: a DCN level the devices cannot form, expert parallelism over DCN unless asked."""
+(`data: 2` over DCN, `fsdp: 4` inside each); their MuonClip train step equals one process's on one device, and
+their checkpoint restores on one device. The refusals: a DCN level the devices cannot form, expert parallelism over DCN unless asked."""
 
 import json
 import os
@@ -10,12 +10,15 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from multislice_common import reference_inputs, step_fn, summarize
 
 from k2jax import sharding
 from k2jax.model.config import ConfigError
 from k2jax.train import config as train_config
+from k2jax.train import core
+from k2jax.train.checkpoint import Checkpointer, abstract_like
 from k2jax.train.step import ModelDef
 
 WORKER = pathlib.Path(__file__).parent / "multislice_worker.py"
@@ -71,6 +74,15 @@ def test_two_slices_over_dcn_equal_one_process(tmp_path):
   assert got["param_sums"].keys() == want["param_sums"].keys()
   for k, v in want["param_sums"].items():
     assert abs(got["param_sums"][k] - v) <= 1e-5 * max(1.0, abs(v)), (k, got["param_sums"][k], v)
+  # The checkpoint the two slices saved restores in one process on one device: the one-process step's state.
+  lay = core.layout(cfg, opt, mesh=sharding.make_mesh({}, devices=jax.devices()[:1]), preset="fsdp", seed=0)
+  with lay.use():
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=1, async_save=False)
+    restored = ckpt.restore_latest(abstract_like(lay.abstract_state, lay.shardings), on_unreadable="error").state
+    ckpt.close()
+  assert int(restored.step) == 1
+  for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(new.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
 def test_dcn_level_refusals():
