@@ -24,7 +24,18 @@ from ml_collections import config_dict
 
 from k2jax.train import config as train_config
 
-VARIANTS = ("tiny", "small", "1t", "1t_32k", "1t_128k", "sft_tiny", "recipe_pretrain", "recipe_sft")
+VARIANTS = (
+  "tiny",
+  "small",
+  "1t",
+  "1t_32k",
+  "1t_128k",
+  "1t_multislice",
+  "1t_pipeline",
+  "sft_tiny",
+  "recipe_pretrain",
+  "recipe_sft",
+)
 RECIPE_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "recipe")
 
 # K2 (arXiv 2507.20534 §2.5): 2^26 = 67M tokens per step, 10T tokens constant LR then 5.5T cosine.
@@ -38,7 +49,7 @@ def get_config(arg: str = "tiny") -> config_dict.ConfigDict:
     raise ValueError(f"configs/k2.py: unknown variant {arg!r}; choose one of {VARIANTS}")
   c = _base()
   presets = {"tiny": _tiny, "small": _small, "1t": _k2_1t, "1t_32k": _k2_1t_32k, "1t_128k": _k2_1t_128k}
-  presets.update(sft_tiny=_sft_tiny)
+  presets.update({"1t_multislice": _k2_1t_multislice, "1t_pipeline": _k2_1t_pipeline, "sft_tiny": _sft_tiny})
   presets.update(recipe_pretrain=_recipe_pretrain, recipe_sft=_recipe_sft)
   presets[arg](c)
   c.lock()
@@ -131,6 +142,25 @@ def _k2_1t_128k(c):
   c.steps = round(10e9 / 2**26)  # 149
   c.optim.peak_lr = 7e-6
   c.optim.final_lr = 7e-6
+
+
+def _k2_1t_multislice(c):
+  """1t on two v5p-1024 slices over DCN: only data parallelism (and so the gradient reduction) crosses slices;
+  EP 8 x FSDP 64 inside each slice, as `1t` on one. Half the microbatches: each slice takes half the batch."""
+  _k2_1t(c)
+  c.mesh.dcn_data = 2
+  c.data.num_microbatches = 16
+
+
+def _k2_1t_pipeline(c):
+  """1t with the 60 MoE layers in a 4-stage circular pipeline (15 repeats of one layer per stage, 8 microbatches:
+  bubble 3/123 = 2.4%), EP 8 inside each stage, FSDP over the rest: the GPU-cluster layout (stages across
+  nodes, EP inside a node), here on 512 devices. The dense first layer, embedding and head run outside."""
+  _k2_1t(c)
+  c.mesh.stage = 4
+  c.pipeline.repeats = 15
+  c.pipeline.microbatches = 8
+  c.data.num_microbatches = 16  # 1024 rows per pass, 128 per pipeline microbatch: one per batch shard
 
 
 def _sft_tiny(c):

@@ -182,6 +182,40 @@ def global_batch(local_tree, sharding: NamedSharding, global_batch_size: int):
   return jax.tree.map(one, local_tree)
 
 
+# The TPU runtime's multislice environment (ray `get_tpu_coordinator_env_vars`, xpk's JobSet template): on every
+# host of every slice, before the TPU backend starts. GKE and queued resources set them; a hand-made JobSet must.
+MEGASCALE_PORT = "8081"
+
+
+def megascale_env(coordinator_host: str, num_slices: int, slice_id: int, port: str = MEGASCALE_PORT) -> dict[str, str]:
+  """The MEGASCALE_* variables one host of slice `slice_id` (0-based) of `num_slices` needs; the coordinator is
+  a host of slice 0."""
+  if not 0 <= slice_id < num_slices:
+    raise ValueError(f"megascale_env: slice_id={slice_id} is not in [0, {num_slices})")
+  return {
+    "MEGASCALE_COORDINATOR_ADDRESS": coordinator_host,
+    "MEGASCALE_PORT": str(port),
+    "MEGASCALE_NUM_SLICES": str(num_slices),
+    "MEGASCALE_SLICE_ID": str(slice_id),
+  }
+
+
+def check_slices(slices: int, platform: str, env: Mapping[str, str] | None = None) -> None:
+  """A mesh with a DCN level of `slices` slices on TPU needs the runtime to have been told the same number:
+  a clear error before any compile when MEGASCALE_NUM_SLICES is missing or differs (the slices would otherwise
+  each form their own runtime, or hang waiting for one another)."""
+  env = os.environ if env is None else env
+  if slices == 1 or platform != "tpu":
+    return
+  got = env.get("MEGASCALE_NUM_SLICES")
+  if got != str(slices):
+    raise ValueError(
+      f"mesh.dcn_*: {slices} slices, but MEGASCALE_NUM_SLICES={got!r} on this host; every host needs "
+      "MEGASCALE_COORDINATOR_ADDRESS, MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID (launch/tpu_multislice.sh, "
+      "launch/multislice_jobset.yaml)"
+    )
+
+
 def _int_env(env: Mapping[str, str], key: str) -> int | None:
   value = env.get(key)
   if value in (None, ""):

@@ -19,6 +19,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from k2jax import sharding as sharding_lib
 from k2jax.model import K2Config, K2Model, expert_parallel
@@ -70,6 +71,7 @@ def plan(
   num_microbatches: int = 1,
   accelerator: bool | None = None,
   offload_opt_state: bool = False,
+  stage_sharded: str | None = None,
 ) -> dict:
   """Per-device memory of training `model_cfg` under `rules_preset` on a mesh of `mesh_shape`.
 
@@ -85,6 +87,9 @@ def plan(
       when `topology` is given, else this host's backend.
     offload_opt_state: the optimizer state waits in host memory (`optim.offload_state`; TPU/GPU only):
       its bytes are reported as `host_opt_bytes_per_device` and leave the device total.
+    stage_sharded: the layer stack ('moe_layers' / 'dense_layers') whose `layers` dim a pipeline stores over
+      the `stage` axis (k2jax.train.partition.pipelined_stack): its params, grads and optimizer state shrink by
+      the stage count. Activations are planned as without a pipeline.
   Returns a dict of ints (bytes per device, parameter counts) plus `fits` (bool or None when no
   device memory is known).
   """
@@ -99,6 +104,8 @@ def plan(
     sharding_lib.param_specs(state, rules_preset), is_leaf=lambda x: isinstance(x, nnx.Variable)
   )[0]:
     specs[path_name(path)] = var.get_value()
+  over_stages = lambda name: stage_sharded is not None and name.startswith(stage_sharded + ".")  # noqa: E731
+  specs = {n: P("stage", *tuple(sp)[1:]) if over_stages(n) else sp for n, sp in specs.items()}
   shapes = {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
   params_bytes = sum(_shard_bytes(x, specs[n], sizes, n) for n, x in shapes.items())
   trained = nnx.state(abstract, nnx.Param)
@@ -107,7 +114,7 @@ def plan(
   mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
   opt_shardings = sharding_lib.opt_state_shardings(opt_state, trained, mesh, rules_preset)
   opt_bytes = sum(
-    _shard_bytes(x, s.spec, sizes, path_name(p))
+    _shard_bytes(x, _opt_spec(path_name(p), x, s.spec, specs, shapes), sizes, path_name(p))
     for (p, x), s in zip(jax.tree_util.tree_flatten_with_path(opt_state)[0], jax.tree.leaves(opt_shardings))
   )
   grads_bytes = sum(
@@ -135,7 +142,7 @@ def plan(
   total = params_bytes + grads_bytes + grad_accum + opt_bytes - host_opt + copy_bytes + gathered + act
   return dict(
     num_devices=n_dev,
-    mesh=",".join(f"{a}={s}" for a, s in sizes.items()),
+    mesh=sharding_lib.mesh_text(sizes),
     rules_preset=rules_preset,
     batch_per_device_tokens=batch_per_device_tokens,
     seq_len=seq_len,
@@ -258,6 +265,15 @@ def _compute_copied(name: str) -> bool:
   """Whether param `name` is a stacked layer matrix the layer scan reads in the compute dtype."""
   parts = name.split(".")
   return parts[0] in ("dense_layers", "moe_layers") and parts[-1].startswith("w_") and "router" not in parts
+
+
+def _opt_spec(name: str, x, spec, param_specs: dict, shapes: dict):
+  """An optimizer-state leaf's spec: its parameter's (as `opt_state_shardings` matches them: path suffix and
+  shape), so a stage-sharded stack's moments are counted over stages too."""
+  for pname, pspec in param_specs.items():
+    if (name == pname or name.endswith("." + pname)) and tuple(shapes[pname].shape) == tuple(x.shape):
+      return pspec
+  return spec
 
 
 def _shard_bytes(x, spec, sizes, name) -> int:

@@ -1,4 +1,7 @@
-"""Meshes and sharding rules: logical axis names -> the four mesh axes `data, fsdp, expert, tensor`.
+"""Meshes and sharding rules: logical axis names -> the mesh axes `stage, data, fsdp, expert, tensor`.
+
+`stage` is the pipeline axis (k2jax.model.pipeline): no logical name maps to it; the pipeline spreads its
+stages over it and the trainer shards a pipelined stack's layers over it (k2jax.train.partition).
 
 Sharding is declared once: every model variable carries `axes` metadata (logical names, e.g.
 ('layers', 'experts', 'embed', 'expert_mlp')); a named rules preset maps each logical name to mesh
@@ -58,7 +61,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# Outermost first: `stage` before `data` (MaxText's order), so consecutive stages sit on different hosts.
+MESH_AXES = ("stage", "data", "fsdp", "expert", "tensor")
 
 PARAM_AXES = (
   "layers",
@@ -160,7 +164,7 @@ def rules(preset: str) -> dict[str, tuple[str, ...] | None]:
 
 # ----------------------------------------------------------------------------------------- meshes
 def resolve_mesh_shape(mesh_shape: Mapping[str, int] | Sequence[int], num_devices: int) -> dict[str, int]:
-  """{axis: size} for all four mesh axes; a dict may omit axes (size 1); one size may be -1 (the rest)."""
+  """{axis: size} for every mesh axis; a dict may omit axes (size 1); one size may be -1 (the rest)."""
   if isinstance(mesh_shape, Mapping):
     unknown = set(mesh_shape) - set(MESH_AXES)
     if unknown:
@@ -187,12 +191,68 @@ def resolve_mesh_shape(mesh_shape: Mapping[str, int] | Sequence[int], num_device
   return shape
 
 
-def make_mesh(mesh_shape: Mapping[str, int] | Sequence[int], devices=None) -> Mesh:
-  """A `jax.sharding.Mesh` with axes `data, fsdp, expert, tensor` over `devices` (default: all)."""
+def make_mesh(
+  mesh_shape: Mapping[str, int] | Sequence[int], devices=None, *, dcn_shape: Mapping[str, int] | None = None
+) -> Mesh:
+  """A `jax.sharding.Mesh` with axes MESH_AXES over `devices` (default: all).
+
+  `dcn_shape` ({axis: slices}, product = the number of slices) adds a level over the data-center network: each
+  axis's size is then `mesh_shape[a] * dcn_shape[a]`, `mesh_shape` laid out inside each slice (ICI) and
+  `dcn_shape` across slices (jax's hybrid device mesh), so only the axes named in `dcn_shape` cross DCN."""
   devices = jax.devices() if devices is None else list(devices)
-  shape = resolve_mesh_shape(mesh_shape, len(devices))
   axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-  return jax.make_mesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES, axis_types=axis_types, devices=devices)
+  slices = dcn_slices(dcn_shape)
+  if slices == 1:
+    shape = resolve_mesh_shape(mesh_shape, len(devices))
+    return jax.make_mesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES, axis_types=axis_types, devices=devices)
+  from jax.experimental import mesh_utils  # noqa: PLC0415
+
+  granules = slice_count(devices)
+  if granules != slices:
+    raise ShardingError(
+      f"mesh dcn_shape {dict(dcn_shape)}: {slices} slices asked for, the devices form {granules} "
+      f"({'slice_index' if _has_slice_index(devices) else 'process'} groups); a DCN level needs one slice per "
+      "entry of the DCN product"
+    )
+  ici = resolve_mesh_shape(mesh_shape, len(devices) // slices)
+  dcn = {a: int(dcn_shape.get(a, 1)) for a in MESH_AXES}
+  grid = mesh_utils.create_hybrid_device_mesh(
+    tuple(ici[a] for a in MESH_AXES),
+    tuple(dcn[a] for a in MESH_AXES),
+    devices,
+    process_is_granule=not _has_slice_index(devices),
+    # As jax.make_mesh does on one slice: an ICI axis may span part of a physical axis (fsdp 128 on 16x16).
+    allow_split_physical_axes=True,
+  )
+  return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def mesh_text(sizes: Mapping[str, int]) -> str:
+  """'data=1,fsdp=64,expert=8,tensor=1' for reports: every axis, `stage` only when pipelining (size > 1)."""
+  return ",".join(f"{a}={n}" for a, n in sizes.items() if a != "stage" or n != 1)
+
+
+def dcn_slices(dcn_shape: Mapping[str, int] | None) -> int:
+  """The number of slices a DCN shape spans (1: no DCN level); unknown axes and sizes < 1 are refused."""
+  if not dcn_shape:
+    return 1
+  unknown = set(dcn_shape) - set(MESH_AXES)
+  if unknown or any(int(v) < 1 for v in dcn_shape.values()):
+    raise ShardingError(f"dcn_shape {dict(dcn_shape)}: axes must be in {MESH_AXES} with sizes >= 1")
+  return math.prod(int(v) for v in dcn_shape.values())
+
+
+def _has_slice_index(devices) -> bool:
+  """TPU devices name their slice (`slice_index`); CPU devices of several processes say 0 for all."""
+  return all(d.platform == "tpu" and getattr(d, "slice_index", None) is not None for d in devices)
+
+
+def slice_count(devices) -> int:
+  """Slices among `devices`: distinct `slice_index` values (TPU), else distinct processes (the granule jax's
+  hybrid mesh falls back to: one process per slice)."""
+  if _has_slice_index(devices):
+    return len({d.slice_index for d in devices})
+  return len({d.process_index for d in devices})
 
 
 # ------------------------------------------------------------------------------ logical -> spec

@@ -17,9 +17,10 @@ from flax import nnx
 
 from k2jax import sharding as sharding_lib
 from k2jax.model import context_parallel as cp
+from k2jax.model import pipeline as pipeline_lib
 from k2jax.model import rope as rope_lib
 from k2jax.model.block import Block
-from k2jax.model.config import K2Config
+from k2jax.model.config import ConfigError, K2Config
 from k2jax.model.layers import RMSNorm, make_param
 
 REMAT = {
@@ -55,7 +56,11 @@ class K2Model(nnx.Module):
       rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), stack=None, std=cfg.initializer_range, dtype=dt
     )
 
-  def __call__(self, input_ids_BT, segment_ids_BT=None, positions_BT=None) -> ModelOutput:
+  def __call__(
+    self, input_ids_BT, segment_ids_BT=None, positions_BT=None, *, pipeline: pipeline_lib.PipelineSpec | None = None
+  ) -> ModelOutput:
+    """`pipeline`: run the MoE stack (the dense stack when there is no MoE layer) as a pipeline over the
+    `stage` mesh axis (k2jax.model.pipeline); the same outputs as without it."""
     cfg = self.cfg
     B, T = input_ids_BT.shape
     if segment_ids_BT is None:
@@ -71,11 +76,12 @@ class K2Model(nnx.Module):
     token_valid_BT = segment_ids_BT > 0
     side = (cos_BTk, sin_BTk, segment_ids_BT, token_valid_BT)
     max_logits, counts = [], None
+    piped = "moe" if cfg.num_moe_layers else "dense"
     if cfg.num_dense_layers:
-      x_BTD, m_LH, _ = self._run_stack(self.dense_layers, x_BTD, side)
+      x_BTD, m_LH, _ = self._run_stack(self.dense_layers, x_BTD, side, pipeline if piped == "dense" else None)
       max_logits.append(m_LH)
     if cfg.num_moe_layers:
-      x_BTD, m_LH, counts = self._run_stack(self.moe_layers, x_BTD, side)
+      x_BTD, m_LH, counts = self._run_stack(self.moe_layers, x_BTD, side, pipeline)
       max_logits.append(m_LH)
     if counts is None:
       counts = jnp.zeros((0, cfg.n_routed_experts), jnp.int32)
@@ -83,28 +89,63 @@ class K2Model(nnx.Module):
     logits_BTS = jnp.dot(x_BTD, self.lm_head.w[...].astype(cdt), preferred_element_type=jnp.float32)
     return ModelOutput(logits_BTS.astype(jnp.float32), jnp.concatenate(max_logits, axis=0), counts)
 
-  def _run_stack(self, stack: Block, x_BTD, side):
+  def _run_stack(self, stack: Block, x_BTD, side, pipeline: pipeline_lib.PipelineSpec | None = None):
     graphdef, state = nnx.split(stack)
     # QAT fake-quantizes the routed experts' float32 masters (model/int4.py), not a bf16 copy of them
     state = compute_copy(state, x_BTD.dtype, skip=("experts",) if self.cfg.expert_qat != "none" else ())
 
-    def body(x, layer_state):
+    def layer(x, layer_state, side):
       x, m_H, c_E = nnx.merge(graphdef, layer_state)(x, *side)
       return x, (m_H, c_E)
 
     if self.cfg.remat_policy != "none":
-      body = jax.checkpoint(body, policy=REMAT[self.cfg.remat_policy], prevent_cse=not self.cfg.scan_layers)
-    if self.cfg.scan_layers:
-      x_BTD, (m_LH, c_LE) = jax.lax.scan(body, x_BTD, state)
-      return x_BTD, m_LH, c_LE
+      layer = jax.checkpoint(layer, policy=REMAT[self.cfg.remat_policy], prevent_cse=not self.cfg.scan_layers)
     n = jax.tree.leaves(state)[0].shape[0]
+    if pipeline is None:
+      return _scan_layers(layer, state, x_BTD, side, self.cfg.scan_layers)
+    pl = pipeline_lib.plan(pipeline, n, rows=x_BTD.shape[0])
+    _check_stage_kernels(self.cfg, pipeline, moe=hasattr(stack, "moe"))
     outs = []
-    for i in range(n):
-      x_BTD, out = body(x_BTD, jax.tree.map(lambda a, i=i: a[i], state))
-      outs.append(out)
-    m_LH = jnp.stack([o[0] for o in outs])
-    c_LE = None if outs[0][1] is None else jnp.stack([o[1] for o in outs])
+    if pl.outside:  # The leading layers that are not pipelined run first, as a plain scan.
+      before = jax.tree.map(lambda a: a[: pl.outside], state)
+      x_BTD, m_LH, c_LE = _scan_layers(layer, before, x_BTD, side, self.cfg.scan_layers)
+      outs.append((m_LH, c_LE))
+    piped = jax.tree.map(lambda a: a[pl.outside :], state)
+    x_BTD, m_LH, c_LE = pipeline_lib.run(layer, piped, x_BTD, side, pl)
+    outs.append((m_LH, c_LE))
+    m_LH = jnp.concatenate([o[0] for o in outs])
+    c_LE = None if c_LE is None else jnp.concatenate([o[1] for o in outs])
     return x_BTD, m_LH, c_LE
+
+
+def _check_stage_kernels(cfg: K2Config, pipeline: pipeline_lib.PipelineSpec, *, moe: bool) -> None:
+  """The CPU grouped GEMM ('tiled', a while loop) inside the expert-parallel shard_map cannot be vmapped over a
+  stage mesh axis while shard_map checks varying axes (jax 0.10: AssertionError in `pvary` of the loop's carry)."""
+  ctx = sharding_lib.current()
+  if not moe or ctx is None or pipeline.stages == 1 or dict(ctx.mesh.shape).get("stage", 1) == 1:
+    return
+  from k2jax.model import expert_parallel, moe_gemm  # noqa: PLC0415 (the MoE kernels, only to name the conflict)
+
+  if expert_parallel.CHECK_VMA and moe_gemm.resolve(cfg.moe_gemm) == "tiled":
+    raise ConfigError(
+      "moe_gemm: the CPU kernel 'tiled' (moe_gemm=auto on CPU) cannot run inside pipeline stages spread over a "
+      "mesh 'stage' axis; set model.moe_gemm=ragged_dot for pipelined runs on CPU"
+    )
+
+
+def _scan_layers(layer, state, x_BTD, side, scan: bool):
+  """(x, max_logits [L, H], counts [L, E] or None) of the stacked layers in order (lax.scan, or a Python loop)."""
+  if scan:
+    x_BTD, (m_LH, c_LE) = jax.lax.scan(lambda x, w: layer(x, w, side), x_BTD, state)
+    return x_BTD, m_LH, c_LE
+  n = jax.tree.leaves(state)[0].shape[0]
+  outs = []
+  for i in range(n):
+    x_BTD, out = layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], state), side)
+    outs.append(out)
+  m_LH = jnp.stack([o[0] for o in outs])
+  c_LE = None if outs[0][1] is None else jnp.stack([o[1] for o in outs])
+  return x_BTD, m_LH, c_LE
 
 
 @functools.cache

@@ -75,7 +75,7 @@ def compile_rl(config: config_dict.ConfigDict, slice_name: str, progress=lambda 
     "wrap": ",".join(str(w).lower() for w in s.wrap),  # compiled as the slice is wired
     "wiring": s.wiring,
     "num_devices": len(devices),
-    "trainer_mesh": ",".join(f"{a}={n}" for a, n in shape.items()),
+    "trainer_mesh": sharding.mesh_text(shape),
     "trainer_rules": lc.mesh.rules,
     "platform": sharding.platform(lay.mesh),
     "num_layers": lc.model.num_hidden_layers,
@@ -146,7 +146,7 @@ def _generation(lc, devices, state, hbm: int) -> dict:
   trainer = _trainer_resident(lc, state)
   r = {
     "engine_sharding": lc.engine.sharding,
-    "engine_mesh": ",".join(f"{a}={k}" for a, k in placement.mesh.shape.items()),
+    "engine_mesh": sharding.mesh_text(placement.mesh.shape),
     "engine_slots": n,
     "engine_max_seq_len": max_len,
     "engine_weights_gib_per_device": round(aot.shard_bytes(weights) / GIB, 2),

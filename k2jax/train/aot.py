@@ -25,7 +25,8 @@ from ml_collections import config_dict
 
 from k2jax import memory, sharding
 from k2jax.train import hlo_stats
-from k2jax.train.config import TrainConfig, check_runtime, from_config_dict
+from k2jax.model.config import ConfigError
+from k2jax.train.config import TrainConfig, check_runtime, from_config_dict, pipeline_spec
 from k2jax.train.step import BATCH_KEYS
 
 GIB = 2**30
@@ -86,15 +87,25 @@ def tpu_slice(name: str) -> TpuSlice:
   raise ValueError(f"--aot: unknown TPU slice {name!r}; known: {', '.join(known)}")
 
 
-def slice_devices(s: TpuSlice) -> list:
-  """Compile-only devices of slice `s`, wired as the hardware is (`s.wrap`; no TPU needed, libtpu must import)."""
+def parse_target(name: str) -> tuple[int, TpuSlice]:
+  """'v5p-1024' -> (1, its TpuSlice); '2xv5p-1024' -> (2, ...): that many slices joined over DCN."""
+  m = re.fullmatch(r"(\d+)x(.+)", name)
+  n = int(m.group(1)) if m else 1
+  if n < 1:
+    raise ValueError(f"--aot: {name!r} names {n} slices")
+  return n, tpu_slice(m.group(2) if m else name)
+
+
+def slice_devices(s: TpuSlice, num_slices: int = 1) -> list:
+  """Compile-only devices of `num_slices` slices `s`, wired as the hardware is (`s.wrap`; no TPU needed, libtpu
+  must import); with several, each device's `slice_index` names its slice."""
   # Compiling only: another process holding libtpu's lockfile (a TPU job, a second compile) is fine.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # noqa: PLC0415 (initialises the TPU plugin)
 
   bounds = (1, 1, 1) if s.num_devices == 1 else (2, 2, 1)
   desc = topologies.get_topology_desc(
-    s.topology, "tpu", chip_config_name=s.chip_config, chips_per_host_bounds=bounds, num_slices=1, wrap=s.wrap
+    s.topology, "tpu", chip_config_name=s.chip_config, chips_per_host_bounds=bounds, num_slices=num_slices, wrap=s.wrap
   )
   return list(desc.devices)
 
@@ -136,27 +147,41 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
   from k2jax.train import core, loop  # noqa: PLC0415 (they pull in checkpointing and data: only when compiling)
 
   tc = from_config_dict(config)
-  s = tpu_slice(slice_name)
-  devices = slice_devices(s)
+  num_slices, s = parse_target(slice_name)
+  dcn = tc.mesh.dcn_shape
+  if math.prod(dcn.values()) != num_slices:
+    raise ConfigError(
+      f"--aot={slice_name}: {num_slices} slice(s), but the mesh's DCN level (mesh.dcn_*) spans "
+      f"{math.prod(dcn.values())}: set e.g. --config.mesh.dcn_data={num_slices}"
+    )
+  devices = slice_devices(s, num_slices)
   mesh_shape = check_runtime(tc, len(devices), 1)
-  mesh = sharding.make_mesh(mesh_shape, devices=devices)
+  mesh = sharding.make_mesh({a: n // dcn[a] for a, n in mesh_shape.items()}, devices=devices, dcn_shape=dcn)
   preset = tc.mesh.rules
   t0 = time.perf_counter()
   optimizer, schedule = loop.make_optimizer(tc)
+  pipeline = pipeline_spec(tc, mesh_shape)
   lay = core.layout(
-    tc.model, optimizer, mesh=mesh, preset=preset, seed=tc.seed, offload_opt_state=tc.optim.offload_state
+    tc.model,
+    optimizer,
+    mesh=mesh,
+    preset=preset,
+    seed=tc.seed,
+    offload_opt_state=tc.optim.offload_state,
+    pipeline=pipeline,
   )
   with lay.use():
     state = _abstract_with_shardings(lay.abstract_state, lay.shardings)
-    step_fn = lay.jitted(loop.make_step(tc, lay.mdef, optimizer, schedule))
+    step_fn = lay.jitted(loop.make_step(tc, lay.mdef, optimizer, schedule, pipeline=pipeline))
     lowered = step_fn.lower(state, _abstract_batch(tc, lay.batch_sharding))
   report = {
     "slice": slice_name,
+    "slices": num_slices,
     "topology": s.topology,
     "wrap": ",".join(str(w).lower() for w in s.wrap),  # what the compile was told: the hardware's wiring
     "wiring": s.wiring,
     "num_devices": len(devices),
-    "mesh": ",".join(f"{a}={n}" for a, n in mesh_shape.items()),
+    "mesh": sharding.mesh_text(mesh_shape),
     "rules_preset": preset,
     "platform": sharding.platform(mesh),
     "num_layers": tc.model.num_hidden_layers,
@@ -193,12 +218,20 @@ def compile_step(config: config_dict.ConfigDict, slice_name: str, *, keep_hlo: b
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   report["xla_cost_flops_loop_bodies_once"] = float(cost.get("flops", 0.0))
   report["xla_cost_bytes_accessed_loop_bodies_once"] = float(cost.get("bytes accessed", 0.0))
-  stats = hlo_stats.hlo_stats(compiled.as_text())
+  # The program's device d is the mesh's d-th device: replica groups spanning slices cross DCN.
+  slice_of = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat] if num_slices > 1 else None
+  stats = hlo_stats.hlo_stats(compiled.as_text(), slice_of=slice_of)
   report["unknown_trip_counts"] = stats.pop("unknown_trip_counts")
   report["flops_per_device"] = stats.pop("matmul_flops")
   report["custom_call_flops_per_device"] = stats.pop("custom_call_flops")
   for kind in hlo_stats.COLLECTIVES:
     report[f"{kind}_bytes_per_device"] = stats.pop(f"{kind}_bytes")
+  if slice_of is not None:
+    report["dcn_bytes_per_device"] = stats.pop("dcn_bytes")
+    for kind in hlo_stats.COLLECTIVES:
+      report[f"dcn_{kind}_bytes_per_device"] = stats.pop(f"dcn_{kind}_bytes")
+    for key in sorted(k for k in stats if k.startswith("dcn_megascale_")):
+      report[key.removesuffix("_bytes") + "_bytes_per_device"] = stats.pop(key)
   if keep_hlo:
     report["hlo"] = compiled.as_text()
   report["headroom_gib_per_device"] = round((s.hbm_bytes - peak) / GIB, 2)
@@ -267,17 +300,23 @@ def format_report(report: dict) -> str:
   return "\n".join(f"{k}={fmt(v)}" for k, v in report.items() if k != "hlo" and not isinstance(v, dict))
 
 
-def lower_step_for_gpu(config: config_dict.ConfigDict):
-  """`run()`'s train step of `config` lowered for CUDA on this host (any host: no GPU needed), on a
-  one-device mesh, with every kernel chosen for a GPU target (`sharding.target_platform`). Returns
-  jax's `Lowered`; `.as_text()` is the StableHLO a GPU would compile (tests check which kernels are in it)."""
+def lower_step_for_gpu(config: config_dict.ConfigDict, num_devices: int = 1):
+  """`run()`'s train step of `config` lowered for CUDA on this host (any host: no GPU needed), on a mesh of
+  `num_devices` of this host's devices (the config's `mesh.*` and `pipeline.*` over them), with every kernel chosen
+  for a GPU target (`sharding.target_platform`). Returns jax's `Lowered`; `.as_text()` is the StableHLO a GPU
+  would compile (tests check which kernels and collectives are in it)."""
   from k2jax.train import core, loop  # noqa: PLC0415
 
   tc = from_config_dict(config)
-  mesh = sharding.make_mesh(check_runtime(tc, 1, 1), devices=jax.devices()[:1])
+  devices = jax.devices()[:num_devices]
+  shape = check_runtime(tc, len(devices), 1)
+  mesh = sharding.make_mesh(shape, devices=devices)
+  pipeline = pipeline_spec(tc, shape)
   optimizer, schedule = loop.make_optimizer(tc)
-  lay = core.layout(tc.model, optimizer, mesh=mesh, preset=tc.mesh.rules, seed=tc.seed, offload_opt_state=False)
+  lay = core.layout(
+    tc.model, optimizer, mesh=mesh, preset=tc.mesh.rules, seed=tc.seed, offload_opt_state=False, pipeline=pipeline
+  )
   with sharding.target_platform("gpu"), lay.use():
     state = _abstract_with_shardings(lay.abstract_state, lay.shardings)
-    step_fn = lay.jitted(loop.make_step(tc, lay.mdef, optimizer, schedule))
+    step_fn = lay.jitted(loop.make_step(tc, lay.mdef, optimizer, schedule, pipeline=pipeline))
     return step_fn.trace(state, _abstract_batch(tc, lay.batch_sharding)).lower(lowering_platforms=("cuda",))

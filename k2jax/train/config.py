@@ -20,13 +20,16 @@ from ml_collections import config_dict as mlc
 from k2jax import configlib, sharding
 from k2jax.configlib import knob, section, sections
 from k2jax.data.eval_tasks import EvalTaskEntry
+from k2jax.model import pipeline as pipeline_lib
 from k2jax.model import presets
 from k2jax.model.config import ConfigError, K2Config
+from k2jax.model.pipeline import PipelineSpec
 
 ON_UNREADABLE = ("error", "fresh")  # checkpoint.on_unreadable (k2jax.train.checkpoint.restore_latest)
 
 DATA_KINDS = ("pretrain", "sft")
 _POSITIVE = {"check": lambda v: v >= 1, "rule": "must be >= 1"}
+_NONNEG_PIPE = {"check": lambda v: v >= 0, "rule": "must be >= 0"}
 _NONE = "None = the preset's value"
 
 
@@ -141,14 +144,51 @@ class MeshSpec:
   rules: str = knob(
     "fsdp", "k2jax.sharding rules preset: fsdp | fsdp_ep | fsdp_ep_tp (+ _cp: the sequence over `expert`)"
   )
+  stage: int = knob(
+    1, "pipeline stages (k2jax.model.pipeline; the `pipeline.*` knobs)", check=_axis, rule="must be >= 1 or -1"
+  )
   data: int = knob(1, "data-parallel axis", check=_axis, rule="must be >= 1 or -1")
   fsdp: int = knob(-1, "FSDP axis (-1 = all remaining devices)", check=_axis, rule="must be >= 1 or -1")
   expert: int = knob(1, "expert-parallel axis", check=_axis, rule="must be >= 1 or -1")
   tensor: int = knob(1, "tensor-parallel axis", check=_axis, rule="must be >= 1 or -1")
 
+  # The DCN level (multislice): slices per axis; the axes above are then sizes inside one slice (ICI).
+  dcn_stage: int = knob(1, "pipeline stages across slices (DCN)", **_POSITIVE)
+  dcn_data: int = knob(1, "data parallelism across slices (DCN): the gradient all-reduce crosses slices", **_POSITIVE)
+  dcn_fsdp: int = knob(1, "FSDP across slices (DCN): weight gathers cross slices every layer", **_POSITIVE)
+  dcn_expert: int = knob(1, "expert parallelism across slices (needs mesh.dcn_allow_expert)", **_POSITIVE)
+  dcn_tensor: int = knob(1, "tensor parallelism across slices (DCN)", **_POSITIVE)
+  dcn_allow_expert: bool = knob(False, "allow mesh.dcn_expert > 1: every MoE layer's all-to-all then crosses DCN")
+
   def validate(self):
     configlib.need(self.rules in sharding.RULES, "rules", f"one of {sorted(sharding.RULES)}, got {self.rules!r}")
     configlib.need(sum(getattr(self, a) == -1 for a in sharding.MESH_AXES) <= 1, "", "at most one axis may be -1")
+    configlib.need(
+      self.dcn_expert == 1 or self.dcn_allow_expert,
+      "dcn_expert",
+      f"{self.dcn_expert}: expert parallelism across slices puts two all-to-alls per MoE layer on DCN "
+      "(~229 KB per token per layer for K2); keep experts inside a slice, or set mesh.dcn_allow_expert=True",
+    )
+
+  @property
+  def dcn_shape(self) -> dict[str, int]:
+    """{axis: slices} of the DCN level (all 1: one slice)."""
+    return {a: getattr(self, "dcn_" + a) for a in sharding.MESH_AXES}
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineKnobs:
+  """`pipeline.*`: the circular pipeline over `mesh.stage` stages (k2jax.model.pipeline; on when mesh.stage > 1).
+  The pipelined stack is the MoE stack (the dense one in a model without MoE layers); the dense first layers,
+  the stack's non-pipelined leading layers, the embedding and the head run before/after it on every stage."""
+
+  repeats: int = knob(1, "virtual stages: each stage runs this many non-adjacent layer groups", **_POSITIVE)
+  microbatches: int = knob(
+    0, "microbatches each (gradient) microbatch is split into (0 = mesh.stage; >= stages)", **_NONNEG_PIPE
+  )
+  layers: int = knob(
+    0, "layers of the stack pipelined, counted from its end (0 = all); the rest run before", **_NONNEG_PIPE
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +328,7 @@ class TrainConfig:
   data: DataSpec = section(DataSpec, "data pipeline")
   optim: OptimSpec = section(OptimSpec, "MuonClip + WSD schedule")
   mesh: MeshSpec = section(MeshSpec, "device mesh; -1 = all remaining devices")
+  pipeline: PipelineKnobs = section(PipelineKnobs, "pipeline parallelism over mesh.stage (off at stage 1)")
   checkpoint: CheckpointSpec = section(CheckpointSpec, "orbax checkpoints and init_from")
   log: LogSpec = section(LogSpec, "metrics, progress and spike logging")
   eval: EvalSpec = section(EvalSpec, "held-out loss (off unless path or fraction) and benchmark tasks (eval.tasks)")
@@ -341,6 +382,7 @@ def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[s
     "data.global_batch_size",
     f"{tc.data.global_batch_size} is not divisible by the {process_count} processes",
   )
+  pipeline_spec(tc, shape)  # checks the layout against the layers and rows
   if tc.data.path:
     found = glob.glob(tc.data.path) if glob.has_magic(tc.data.path) else [tc.data.path]
     _need(bool(found) and all(os.path.isfile(p) for p in found), "data.path", f"no data file at {tc.data.path!r}")
@@ -369,6 +411,33 @@ def check_runtime(tc: TrainConfig, n_devices: int, process_count: int) -> dict[s
   return shape
 
 
+def pipeline_spec(tc: TrainConfig, shape: dict[str, int]) -> PipelineSpec | None:
+  """The run's pipeline on a mesh of `shape` (None at one stage), checked against the model's layers and the
+  rows of a (gradient) microbatch: every error names the `pipeline.*` or `mesh.*` key."""
+  p = shape.get("stage", 1)
+  if p == 1:
+    return None
+  k = tc.pipeline
+  spec = PipelineSpec(p, repeats=k.repeats, microbatches=k.microbatches, layers=k.layers)
+  cfg = tc.model
+  stack = cfg.num_moe_layers or cfg.num_dense_layers
+  micro = tc.data.global_batch_size // tc.data.num_microbatches
+  try:
+    pl = pipeline_lib.plan(spec, stack, rows=micro)
+  except pipeline_lib.PipelineError as e:
+    raise ConfigError(str(e)) from None
+  batch_axes = sharding.spec_mesh_axes(sharding.logical_to_spec(("act_batch",), tc.mesh.rules)[0])
+  shards = math.prod(shape[a] for a in batch_axes)
+  rows = micro // pl.microbatches
+  _need(
+    rows % shards == 0,
+    "pipeline.microbatches",
+    f"{pl.microbatches} pipeline microbatches of {rows} rows: not divisible by the {shards} batch shards "
+    f"(mesh axes {batch_axes})",
+  )
+  return spec
+
+
 def eval_rows(tc: TrainConfig) -> int:
   """Global rows of an eval batch: `eval.batch_size`, else one training microbatch."""
   return tc.eval.batch_size or tc.data.global_batch_size // tc.data.num_microbatches
@@ -379,10 +448,19 @@ def mesh_shape(
 ) -> dict[str, int]:
   """The mesh shape of `spec` on `n_devices`, checked against the model and a batch of `rows` rows
   (`what` names the config key that sets the rows). Shared by every loop's config boundary."""
+  dcn = spec.dcn_shape
+  slices = math.prod(dcn.values())
+  _need(
+    n_devices % slices == 0,
+    "mesh.dcn_*",
+    f"{slices} slices (the DCN product {dcn}) do not divide the {n_devices} devices",
+  )
   try:
-    shape = sharding.resolve_mesh_shape({a: getattr(spec, a) for a in sharding.MESH_AXES}, n_devices)
+    ici = sharding.resolve_mesh_shape({a: getattr(spec, a) for a in sharding.MESH_AXES}, n_devices // slices)
   except sharding.ShardingError as e:
-    raise ConfigError(f"mesh: {e}") from None
+    where = f" (per slice: {n_devices // slices} devices in each of {slices} slices)" if slices > 1 else ""
+    raise ConfigError(f"mesh: {e}{where}") from None
+  shape = {a: ici[a] * dcn[a] for a in sharding.MESH_AXES}
   # Rows split over the batch axes; under a context-parallel preset the CP axis splits each row instead.
   row_spec = sharding.logical_to_spec(("act_batch", "act_length"), spec.rules)
   batch_axes = sharding.spec_mesh_axes(row_spec[0])

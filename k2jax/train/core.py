@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from k2jax import distributed, sharding
 from k2jax.convert import workdir as wd
 from k2jax.model.config import K2Config
+from k2jax.model.pipeline import PipelineSpec
 from k2jax.model.transformer import K2Model
 from k2jax.train.checkpoint import Checkpointer, abstract_like
 from k2jax.train.init_from import initial_state
@@ -124,8 +125,10 @@ def layout(
   preset: str,
   seed: int,
   offload_opt_state: bool = False,
+  pipeline: PipelineSpec | None = None,
 ) -> Layout:
   """The abstract sharded state of `model` trained by `optimizer` on `mesh` (allocates nothing).
+  `pipeline`: the pipelined stack's layers are stored sharded over the `stage` axis (`partition`).
   `offload_opt_state`: the optimizer state lives in pinned host memory between steps (TPU/GPU meshes; on
   CPU, device memory is host memory and the flag changes nothing)."""
   offload = offload_opt_state and sharding.platform(mesh) != "cpu"
@@ -133,7 +136,9 @@ def layout(
     make = lambda: K2Model(model, rngs=nnx.Rngs(seed))  # noqa: E731
     abstract_model = nnx.eval_shape(make)
     abstract_state = jax.eval_shape(lambda: init_state(make(), optimizer))
-    shardings = state_shardings(abstract_model, abstract_state, mesh, preset, offload_opt_state=offload)
+    shardings = state_shardings(
+      abstract_model, abstract_state, mesh, preset, offload_opt_state=offload, pipeline=pipeline
+    )
   return Layout(mesh, preset, model, optimizer, make, ModelDef.from_model(abstract_model), abstract_state, shardings)
 
 
@@ -153,6 +158,8 @@ def build(
   data_iter=None,
   offload_opt_state: bool = False,
   resume_from: str = "",
+  pipeline: PipelineSpec | None = None,
+  dcn_shape: dict[str, int] | None = None,
 ) -> Core:
   """Mesh -> abstract state and shardings -> restore the newest readable checkpoint of `workdir` (or
   initialise: `init_from`'s weights, else random with `seed`). Nothing unsharded is ever allocated.
@@ -161,9 +168,14 @@ def build(
   before anything is moved; "fresh" moves them aside and initialises (`Checkpointer.restore_latest`).
   `resume_from`: with no checkpoint in `workdir`, the newest checkpoint of that workdir starts the run
   (a new stage, e.g. 32k after 4k): weights, optimizer state and routing bias carried, the step count reset
-  to 0 (the stage's own schedule), the data position not (the pipeline packs to the new length)."""
-  mesh = sharding.make_mesh(mesh_shape)
-  lay = layout(model, optimizer, mesh=mesh, preset=preset, seed=seed, offload_opt_state=offload_opt_state)
+  to 0 (the stage's own schedule), the data position not (the pipeline packs to the new length).
+  `dcn_shape`: slices per axis (multislice); `mesh_shape` is then the whole mesh (ICI size x DCN size per axis)."""
+  dcn = dcn_shape or {}
+  ici = {a: n // dcn.get(a, 1) for a, n in mesh_shape.items()}
+  mesh = sharding.make_mesh(ici, dcn_shape=dcn_shape)
+  lay = layout(
+    model, optimizer, mesh=mesh, preset=preset, seed=seed, offload_opt_state=offload_opt_state, pipeline=pipeline
+  )
   with lay.use():
     if jax.process_index() == 0:
       wd.write_model_config(model, workdir)

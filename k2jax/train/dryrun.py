@@ -3,9 +3,12 @@ shapes alone."""
 
 from __future__ import annotations
 
+import math
+
 from ml_collections import config_dict
 
 from k2jax import memory
+from k2jax.model import pipeline as pipeline_lib
 from k2jax.model.config import ConfigError, K2Config
 from k2jax.sharding import MESH_AXES
 from k2jax.train.config import MeshSpec, from_config_dict
@@ -17,7 +20,7 @@ def report(config: config_dict.ConfigDict) -> str:
   memory plan for `config.topology` (when set) on the configured mesh and rules preset."""
   tc = from_config_dict(config)
   micro_rows = tc.data.global_batch_size // tc.data.num_microbatches
-  return plan_report(
+  return pipeline_report(tc) + plan_report(
     tc.model,
     tc.mesh,
     tc.topology,
@@ -26,7 +29,47 @@ def report(config: config_dict.ConfigDict) -> str:
     tokens_per_pass=micro_rows * tc.data.seq_len,
     num_microbatches=tc.data.num_microbatches,
     offload_opt_state=tc.optim.offload_state,
+    stage_sharded=_stage_sharded(tc),
   )
+
+
+def _stage_sharded(tc) -> str | None:
+  """The stack the trainer stores over `stage` (k2jax.train.partition.pipelined_stack's rule), or None."""
+  cfg, k = tc.model, tc.pipeline
+  if tc.mesh.stage <= 1 or k.layers not in (0, cfg.num_moe_layers or cfg.num_dense_layers):
+    return None
+  return "moe_layers" if cfg.num_moe_layers else "dense_layers"
+
+
+def pipeline_report(tc) -> str:
+  """The mesh and pipeline knobs as configured, and (at `mesh.stage` > 1) the schedule: layers per stage, the
+  layers outside the pipeline, iterations and bubble fraction (p - 1) / (v * m + p - 1); '' lines when off."""
+  lines = [f"mesh_{a}={getattr(tc.mesh, a)}" for a in MESH_AXES] + [f"mesh_rules={tc.mesh.rules}"]
+  lines += [f"mesh_dcn_{a}={n}" for a, n in tc.mesh.dcn_shape.items()]
+  p = tc.mesh.stage
+  if p > 1:
+    k = tc.pipeline
+    spec = pipeline_lib.PipelineSpec(p, repeats=k.repeats, microbatches=k.microbatches, layers=k.layers)
+    cfg = tc.model
+    stack = "moe" if cfg.num_moe_layers else "dense"
+    try:
+      pl = pipeline_lib.plan(spec, cfg.num_moe_layers or cfg.num_dense_layers)
+    except pipeline_lib.PipelineError as e:
+      raise ConfigError(str(e)) from None
+    lines += [
+      f"pipeline_stages={pl.stages}",
+      f"pipeline_repeats={pl.repeats}",
+      f"pipeline_microbatches={pl.microbatches}",
+      f"pipeline_stack={stack}",
+      f"pipeline_layers={pl.pipelined}",
+      f"pipeline_layers_per_stage_per_repeat={pl.per_stage}",
+      f"pipeline_layers_before={pl.outside + (cfg.num_dense_layers if stack == 'moe' else 0)}",
+      f"pipeline_iterations={pl.iterations}",
+      f"pipeline_bubble_fraction={pl.bubble_fraction:.4f}",
+    ]
+  else:
+    lines.append("pipeline_stages=1")
+  return "\n".join(lines) + "\n"
 
 
 def plan_report(
@@ -39,6 +82,7 @@ def plan_report(
   tokens_per_pass: int,
   num_microbatches: int = 1,
   offload_opt_state: bool = False,
+  stage_sharded: str | None = None,
 ) -> str:
   """Counts and (with a topology) the per-device memory plan of one forward/backward over
   `tokens_per_pass` tokens (all rows whose activations live at once), shared by every loop."""
@@ -53,16 +97,26 @@ def plan_report(
     if topology not in memory.TOPOLOGIES:
       raise ConfigError(f"topology: unknown {topology!r}; known: {sorted(memory.TOPOLOGIES)}")
     n_dev = memory.TOPOLOGIES[topology].num_devices
+    slices = math.prod(mesh.dcn_shape.values())  # `topology` is one slice; the mesh.* sizes are per slice
     plan = memory.plan(
       model,
       {a: getattr(mesh, a) for a in MESH_AXES},
       mesh.rules,
-      tokens_per_pass // n_dev,
+      tokens_per_pass // (n_dev * slices),
       seq_len=seq_len,
       topology=topology,
       num_microbatches=num_microbatches,
       offload_opt_state=offload_opt_state,
+      stage_sharded=stage_sharded,
     )
     lines.append(f"topology={topology}")
+    lines.append(f"slices={slices}")
     lines.append(memory.format_plan(plan))
+    if mesh.dcn_data > 1:
+      # Data parallelism across n slices: each device's gradient shard is all-reduced over the slices once per
+      # step (reduce-scatter in the slice, all-reduce across, all-gather in the slice): 2 (n - 1) / n of its
+      # bytes cross DCN (reference scale.md §4.2). An estimate from the plan; `--aot` measures the compiled step.
+      n = mesh.dcn_data
+      dcn = 2 * (n - 1) / n * plan["grads_bytes_per_device"]
+      lines.append(f"dcn_grad_allreduce_bytes_per_device_per_step_estimate={dcn:.0f}")
   return "\n".join(lines)

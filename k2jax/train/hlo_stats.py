@@ -262,12 +262,43 @@ def _taps_on_input(size: int, outs: int, k: int, stride: int, lo: int, dilate: i
   return sum(1 for o in range(outs) for t in range(k) if 0 <= (p := o * stride + t - lo) <= last and p % dilate == 0)
 
 
-def hlo_stats(hlo_text: str) -> dict:
+_MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+
+
+def device_groups(args: str, num_devices: int) -> list[list[int]]:
+  """The device groups of one collective's attributes: `source_target_pairs={{0,1},...}` (collective-permute),
+  `replica_groups={{0,1},{2,3}}`, the iota form `replica_groups=[G,S]<=[dims]T(perm)` (arange(prod(dims))
+  reshaped to dims, transposed by perm, read as G groups of S), or `{}` / none: every device in one group."""
+  m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,\s]*\},?\s*)*)\}", args)
+  if m:
+    groups = [[int(v) for v in g.split(",") if v.strip()] for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+    return [g for g in groups if g] or [list(range(num_devices))]
+  m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", args)
+  if m:
+    import numpy as np  # noqa: PLC0415
+
+    shape = [int(v) for v in m.group(1).split(",")]
+    ids = np.arange(math.prod(int(v) for v in m.group(2).split(","))).reshape([int(v) for v in m.group(2).split(",")])
+    if m.group(3):
+      ids = ids.transpose([int(v) for v in m.group(3).split(",")])
+    return ids.reshape(shape[0], -1).tolist()
+  return [list(range(num_devices))]
+
+
+def hlo_stats(hlo_text: str, slice_of: list[int] | None = None) -> dict:
   """{'<kind>_bytes': per-device bytes per step for each COLLECTIVES kind, 'matmul_flops',
-  'custom_call_flops', 'unknown_trip_counts'} of a compiled module's `as_text()`."""
+  'custom_call_flops', 'unknown_trip_counts'} of a compiled module's `as_text()`.
+
+  `slice_of[d]`: the slice of the program's device `d` (its index in the compile's device assignment, the mesh's
+  devices in order). With it, `dcn_bytes` totals what crosses the data-center network per device per step: the
+  collectives whose device groups span more than one slice (`dcn_<kind>_bytes`; one program over all slices, as
+  on GPU hosts), plus the buffers XLA:TPU's per-slice programs hand to the megascale runtime
+  (`dcn_megascale_<transfer type>_bytes`, e.g. all_reduce: the buffer each device reduces across slices)."""
   comps, entry, shapes = parse(hlo_text)
   mult, unknown = multiplicities(comps, entry)
   out = {f"{kind}_bytes": 0 for kind in COLLECTIVES}
+  if slice_of is not None:
+    out.update({f"dcn_{kind}_bytes": 0 for kind in COLLECTIVES}, dcn_bytes=0)
   flops = custom_flops = 0.0
   for name, instrs in comps.items():
     times = mult.get(name, 0)
@@ -280,6 +311,15 @@ def hlo_stats(hlo_text: str) -> dict:
       elif op == "custom-call":
         m = _COST_FLOPS.search(ins.args)
         custom_flops += times * float(m.group(1)) if m else 0.0
+      if op == "send" and slice_of is not None and "xla_megascale_runtime" in ins.args:
+        # XLA:TPU compiles one program per slice; what crosses slices is a host-transfer `send` to the megascale
+        # runtime (`_xla_megascale_transfer_type`: ALL_REDUCE, ...) of this device's buffer.
+        kind = _MEGASCALE_TYPE.search(ins.args)
+        key = f"dcn_megascale_{(kind.group(1) if kind else 'unknown').lower()}_bytes"
+        nbytes = sum(shape_bytes(shapes.get(o, "")) for o in _operand_names(ins.args)[:1])
+        out[key] = out.get(key, 0) + times * nbytes
+        out["dcn_bytes"] += times * nbytes
+        continue
       if op not in COLLECTIVES:
         continue
       operands = [shape_bytes(shapes.get(o, "")) for o in _operand_names(ins.args)]
@@ -292,6 +332,11 @@ def hlo_stats(hlo_text: str) -> dict:
       else:
         nbytes = sum(operands)
       out[f"{op}_bytes"] += times * nbytes
+      if slice_of is not None:
+        groups = device_groups(ins.args, len(slice_of))
+        if any(len({slice_of[d] for d in g}) > 1 for g in groups):
+          out[f"dcn_{op}_bytes"] += times * nbytes
+          out["dcn_bytes"] += times * nbytes
   out["matmul_flops"] = flops
   out["custom_call_flops"] = custom_flops
   out["unknown_trip_counts"] = unknown

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -22,13 +23,14 @@ import jax
 import optax
 from ml_collections import config_dict
 
+from k2jax import distributed
 from k2jax.optim import QKClipSpec, muonclip, wsd_schedule
 from k2jax.data.corpus import BUNDLED_CORPUS
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER
 from k2jax.train import core, heldout, inputs
 from k2jax.model.config import ConfigError
 from k2jax.train.checkpoint import Checkpointer, merge_dicts
-from k2jax.train.config import TrainConfig, check_runtime, eval_rows, from_config_dict
+from k2jax.train.config import TrainConfig, check_runtime, eval_rows, from_config_dict, pipeline_spec
 from k2jax.train.counting import flops_per_token
 from k2jax.train.init_from import model_config_for_run
 from k2jax.train.metrics import MetricsLogger, SpikeDetector, measure_peak_flops, say, to_record
@@ -53,6 +55,7 @@ def run(
   tc = from_config_dict(config)
   tc = dataclasses.replace(tc, model=model_config_for_run(tc, workdir))
   mesh_shape = check_runtime(tc, jax.device_count(), jax.process_count())
+  distributed.check_slices(math.prod(tc.mesh.dcn_shape.values()), jax.default_backend())
   if tc.eval.has_tasks and task_eval is None:
     raise ConfigError("eval.tasks: benchmark tasks need an evaluator: run launch/train.py (it builds one)")
   tasks = task_eval(tc, workdir) if tc.eval.has_tasks else None
@@ -77,13 +80,15 @@ def run(
     data_iter=it,
     offload_opt_state=tc.optim.offload_state,
     resume_from=tc.checkpoint.resume_from,
+    pipeline=pipeline_spec(tc, mesh_shape),
+    dcn_shape=tc.mesh.dcn_shape,
   )
   if c.restored_step is not None:
     say(f"resumed from {c.ckpt.directory}/{c.restored_step}")
     if not c.data_restored:
       it = inputs.make_iterator(tc.data, tc.model.vocab_size, seed_offset=int(c.state.step), holdout=holdout)
   # Step and loop.
-  step_fn = c.jit(make_step(tc, c.mdef, optimizer, schedule))
+  step_fn = c.jit(make_step(tc, c.mdef, optimizer, schedule, pipeline=pipeline_spec(tc, mesh_shape)))
   evaluator = make_evaluator(tc, c) if tc.eval.enabled else None
   if evaluator is not None and tasks is not None:
     same = set(getattr(tasks, "names", ())) & {s.name for s in evaluator.sources}
@@ -127,9 +132,9 @@ def make_optimizer(tc: TrainConfig) -> tuple[optax.GradientTransformationExtraAr
   return optimizer, schedule
 
 
-def make_step(tc: TrainConfig, mdef, optimizer, schedule) -> Callable:
+def make_step(tc: TrainConfig, mdef, optimizer, schedule, *, pipeline=None) -> Callable:
   """The (unjitted) pretraining / SFT step of `run()`; `launch/train.py --aot` compiles exactly this for a
-  TPU topology (k2jax.train.aot)."""
+  TPU topology (k2jax.train.aot). `pipeline`: `config.pipeline_spec` on the run's mesh."""
   return make_train_step(
     mdef,
     optimizer,
@@ -137,6 +142,7 @@ def make_step(tc: TrainConfig, mdef, optimizer, schedule) -> Callable:
     num_microbatches=tc.data.num_microbatches,
     bias_update_rate=tc.optim.bias_update_rate,
     qk_clip_tau=_qk_clip_tau(tc),
+    pipeline=pipeline,
   )
 
 

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from k2jax.model.layers import RouterBias
+from k2jax.model.pipeline import PipelineSpec
 from k2jax.model.transformer import K2Model
 
 MODEL_INPUTS = ("input_ids", "segment_ids", "positions")
@@ -71,11 +72,13 @@ def make_train_step(
   num_microbatches: int,
   bias_update_rate: float,
   qk_clip_tau: float | None,
+  pipeline: PipelineSpec | None = None,
 ) -> Callable:
-  """The (unjitted) pure step function; the loop jits it with shardings and donation."""
+  """The (unjitted) pure step function; the loop jits it with shardings and donation. `pipeline`: each
+  (gradient-accumulation) microbatch's forward and backward run as a pipeline (k2jax.model.pipeline)."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    grads, loss, aux = accumulate_grads(mdef, state.params, state.bias, batch, num_microbatches)
+    grads, loss, aux = accumulate_grads(mdef, state.params, state.bias, batch, num_microbatches, pipeline=pipeline)
     return apply_update(
       state, grads, loss, aux, optimizer, schedule, bias_update_rate=bias_update_rate, qk_clip_tau=qk_clip_tau
     )
@@ -169,13 +172,16 @@ def _in_host_memory(tree) -> bool:
   return bool(host) and all(host)
 
 
-def accumulate_grads(mdef: ModelDef, params: dict, bias: dict, batch: dict, num_microbatches: int):
+def accumulate_grads(
+  mdef: ModelDef, params: dict, bias: dict, batch: dict, num_microbatches: int, *, pipeline: PipelineSpec | None = None
+):
   """(grads, loss, aux) of the token-mean cross entropy over the whole batch.
 
   Microbatch m takes rows m, m+M, m+2M, ...: each device's contiguous rows split evenly over the
   microbatches, so a batch sharded on rows stays sharded the same way inside every microbatch.
   """
-  grad_fn = jax.grad(_loss_sum, argnums=1, has_aux=True)
+  loss_sum = lambda mdef, params, bias, batch: _loss_sum(mdef, params, bias, batch, pipeline=pipeline)  # noqa: E731
+  grad_fn = jax.grad(loss_sum, argnums=1, has_aux=True)
   if num_microbatches == 1:
     grads, aux = grad_fn(mdef, params, bias, batch)
   else:
@@ -208,10 +214,10 @@ def _split_rows(x_BT, m: int):
   return jnp.swapaxes(x_BT.reshape(b // m, m, *x_BT.shape[1:]), 0, 1)
 
 
-def _loss_sum(mdef: ModelDef, params: dict, bias: dict, batch: dict):
+def _loss_sum(mdef: ModelDef, params: dict, bias: dict, batch: dict, *, pipeline: PipelineSpec | None = None):
   """Sum of next-token cross entropy over loss_mask (float32), plus forward-pass side outputs."""
   model = mdef.bind(params, bias)
-  out = model(*(batch[k] for k in MODEL_INPUTS))
+  out = model(*(batch[k] for k in MODEL_INPUTS), pipeline=pipeline)
   ce_BT = optax.softmax_cross_entropy_with_integer_labels(out.logits, batch["targets"])
   mask_BT = batch["loss_mask"].astype(jnp.float32)
   aux = {

@@ -41,10 +41,10 @@ def test_presets_are_complete_tables():
 
 
 def test_mesh_shape_rest_and_errors():
-  assert sharding.resolve_mesh_shape({"fsdp": -1, "expert": 4}, 8) == dict(data=1, fsdp=2, expert=4, tensor=1)
-  assert sharding.resolve_mesh_shape((1, 2, 2, 2), 8)["tensor"] == 2
+  assert sharding.resolve_mesh_shape({"fsdp": -1, "expert": 4}, 8) == dict(stage=1, data=1, fsdp=2, expert=4, tensor=1)
+  assert sharding.resolve_mesh_shape((1, 1, 2, 2, 2), 8)["tensor"] == 2
   mesh = sharding.make_mesh({"expert": -1})
-  assert dict(mesh.shape) == dict(data=1, fsdp=1, expert=8, tensor=1)
+  assert dict(mesh.shape) == dict(stage=1, data=1, fsdp=1, expert=8, tensor=1)
   with pytest.raises(sharding.ShardingError, match="product 4 != 8 devices"):
     sharding.make_mesh({"fsdp": 4})
   with pytest.raises(sharding.ShardingError, match="not divisible by 3"):

@@ -93,3 +93,16 @@ def test_slice_devices_carry_the_wraparound_links():
 
   ours = _jax.get_topology_for_devices(aot.slice_devices(aot.tpu_slice("v5p-128"))).serialize()
   assert ours == serialized((True, True, True)) != serialized((False, False, False))
+
+
+def test_two_slices_put_only_the_gradient_reduction_on_dcn():
+  """2 x v5p-8 with data over DCN: the cross-slice collectives are the gradient (and loss/statistics)
+  all-reduces; no weight gather or expert all-to-all crosses slices. Refused when --aot and mesh.dcn_* disagree."""
+  r = aot.compile_step(_tiny(**{"mesh.rules": "fsdp_ep", "mesh.expert": 2, "mesh.dcn_data": 2}), "2xv5p-8")
+  assert r["slices"] == 2 and r["num_devices"] == 8 and r["mesh"] == "data=2,fsdp=2,expert=2,tensor=1"
+  # XLA:TPU compiles one program per slice: what crosses is the megascale runtime's all-reduce, nothing else.
+  assert r["dcn_bytes_per_device"] == r["dcn_megascale_all_reduce_bytes_per_device"] > 0
+  assert not [k for k in r if k.startswith("dcn_megascale_") and "all_reduce" not in k]
+  assert r["dcn_all-gather_bytes_per_device"] == r["dcn_ragged-all-to-all_bytes_per_device"] == 0
+  with pytest.raises(ValueError, match=r"--aot=2xv5p-8: 2 slice\(s\), but the mesh's DCN level"):
+    aot.compile_step(_tiny(), "2xv5p-8")

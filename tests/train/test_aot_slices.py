@@ -21,3 +21,11 @@ from k2jax.train import aot
 def test_slices_are_wired_as_cloud_tpu_builds_them(name, topology, devices, wrap, wiring):
   s = aot.tpu_slice(name)
   assert (s.topology, s.num_devices, s.wrap, s.wiring) == (topology, devices, wrap, wiring)
+
+
+def test_multislice_targets_name_the_slice_count():
+  assert aot.parse_target("v5p-1024")[0] == 1
+  n, s = aot.parse_target("4xv6e-256")
+  assert n == 4 and (s.topology, s.num_devices) == ("v6e:16x16", 256)
+  with pytest.raises(ValueError, match="unknown TPU slice 'v5p-7'"):
+    aot.parse_target("2xv5p-7")

@@ -58,7 +58,7 @@ def test_unknown_key_and_type(tmp_path):
 
 def test_mesh_resolution():
   tc = from_config_dict(_util.tiny_config(**{"mesh.fsdp": 4, "mesh.data": -1}))
-  assert check_runtime(tc, 8, 1) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+  assert check_runtime(tc, 8, 1) == {"stage": 1, "data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
   with pytest.raises(ConfigError, match="data.global_batch_size"):
     check_runtime(tc, 8, 3)  # 16 rows over 3 processes
 

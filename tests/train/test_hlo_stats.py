@@ -110,6 +110,32 @@ def test_convolution_counts_only_taps_on_the_input():
   assert s["matmul_flops"] == 2 * 8 * 32 * 16 * 4 + 2 * 8 * 32 * 16 * 8 * 3 + 2 * 8 * 32 * 16 * 4
 
 
+DCN_HLO = """HloModule m
+
+ENTRY %main (p0: f32[1024]) -> f32[1024] {
+  %p0 = f32[1024]{0} parameter(0)
+  %rs = f32[512]{0} reduce-scatter(%p0), replica_groups={{0,1},{2,3}}, dimensions={0}, to_apply=%add
+  %ar = f32[512]{0} all-reduce(%rs), replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add
+  %ag = f32[1024]{0} all-gather(%ar), replica_groups={{0,1},{2,3}}, dimensions={0}
+  ROOT %cp = f32[1024]{0} collective-permute(%ag), source_target_pairs={{0,1},{1,0},{2,3},{3,2}}
+}
+"""
+
+
+def test_dcn_bytes_count_the_collectives_whose_groups_span_slices():
+  """Two slices of two devices: the hierarchical gradient reduction's middle step (groups {0,2}, {1,3}, the iota
+  form) crosses slices; the in-slice reduce-scatter, all-gather and permute do not."""
+  assert hlo_stats.device_groups("replica_groups=[2,2]<=[2,2]T(1,0)", 4) == [[0, 2], [1, 3]]
+  assert hlo_stats.device_groups("replica_groups={}", 3) == [[0, 1, 2]]
+  out = hlo_stats.hlo_stats(DCN_HLO, slice_of=[0, 0, 1, 1])
+  assert out["dcn_bytes"] == out["dcn_all-reduce_bytes"] == 512 * 4
+  assert out["all-reduce_bytes"] == 512 * 4 and out["reduce-scatter_bytes"] == 1024 * 4
+  assert out["dcn_reduce-scatter_bytes"] == out["dcn_all-gather_bytes"] == out["dcn_collective-permute_bytes"] == 0
+  # Slices {0, 2} and {1, 3}: now the reduce-scatter, all-gather and permute cross, the all-reduce does not.
+  assert hlo_stats.hlo_stats(DCN_HLO, slice_of=[0, 1, 0, 1])["dcn_bytes"] == 3 * 1024 * 4
+  assert "dcn_bytes" not in hlo_stats.hlo_stats(DCN_HLO)
+
+
 MEGASCALE_HLO = """HloModule m
 
 ENTRY %main (p0: f32[256]) -> f32[256] {
