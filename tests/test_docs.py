@@ -27,13 +27,6 @@ DOCS = [
   *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))),
 ]
 
-# Guides written in parallel with these ones and merged beside them; links to them are allowed to dangle until
-# then. Empty this once they are in the tree.
-PENDING_GUIDES = frozenset(
-  f"docs/{name}.md"
-  for name in ("serving", "sandbox", "long-context", "pipelines-and-multislice", "int4", "grading", "verdicts")
-)
-
 # Commands run by this test: the exact command as the docs write it -> a regex its output must match.
 RUN = {
   "python launch/train.py --config=configs/k2.py:1t --dry_run": r"params_total=1026408209408[\s\S]*fits=True",
@@ -161,8 +154,6 @@ def test_relative_links_resolve(doc):
       continue
     path, _, anchor = target.partition("#")
     rel = os.path.normpath(os.path.join(os.path.dirname(doc), path)) if path else doc
-    if rel in PENDING_GUIDES:
-      continue
     if not os.path.exists(os.path.join(ROOT, rel)):
       bad.append(f"{target}: no file {rel}")
     elif anchor and rel.endswith(".md") and anchor not in _anchors(rel):
@@ -175,8 +166,6 @@ def test_named_paths_and_modules_exist(doc):
   text, bad = _text(doc), []
   for path in sorted(set(_PATH.findall(text))):
     path = path.rstrip("/")
-    if path in PENDING_GUIDES:
-      continue
     if "*" in path:
       if not glob.glob(os.path.join(ROOT, path)):
         bad.append(f"{path}: matches nothing")
