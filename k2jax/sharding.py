@@ -202,10 +202,18 @@ def make_mesh(
   devices = jax.devices() if devices is None else list(devices)
   axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
   slices = dcn_slices(dcn_shape)
+  from jax.experimental import mesh_utils  # noqa: PLC0415
+
   if slices == 1:
     shape = resolve_mesh_shape(mesh_shape, len(devices))
-    return jax.make_mesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES, axis_types=axis_types, devices=devices)
-  from jax.experimental import mesh_utils  # noqa: PLC0415
+    sizes = tuple(shape[a] for a in MESH_AXES)
+    try:
+      return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+      # jax.make_mesh splits a physical axis only on v5e: on a v5p 8x8x8 torus a 32-way axis (1t_128k's context
+      # degree) needs one, and the topology-aware mapper lays it out when allowed to.
+      grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+      return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
   granules = slice_count(devices)
   if granules != slices:
@@ -221,7 +229,7 @@ def make_mesh(
     tuple(dcn[a] for a in MESH_AXES),
     devices,
     process_is_granule=not _has_slice_index(devices),
-    # As jax.make_mesh does on one slice: an ICI axis may span part of a physical axis (fsdp 128 on 16x16).
+    # As make_mesh above on one slice: an ICI axis may span part of a physical axis (fsdp 128 on 16x16).
     allow_split_physical_axes=True,
   )
   return Mesh(grid, MESH_AXES, axis_types=axis_types)

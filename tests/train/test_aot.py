@@ -106,3 +106,14 @@ def test_two_slices_put_only_the_gradient_reduction_on_dcn():
   assert r["dcn_all-gather_bytes_per_device"] == r["dcn_ragged-all-to-all_bytes_per_device"] == 0
   with pytest.raises(ValueError, match=r"--aot=2xv5p-8: 2 slice\(s\), but the mesh's DCN level"):
     aot.compile_step(_tiny(), "2xv5p-8")
+
+
+def test_a_32_way_axis_lays_out_on_the_v5p_1024_torus():
+  """1t_128k's context degree (expert 32 x fsdp 16) splits a physical axis of the 8x8x8 torus, which
+  jax.make_mesh refuses on v5p; k2jax.sharding.make_mesh lays it out through the topology-aware mapper."""
+  from k2jax import sharding  # noqa: PLC0415
+
+  devices = aot.slice_devices(aot.tpu_slice("v5p-1024"))
+  mesh = sharding.make_mesh({"fsdp": 16, "expert": 32}, devices)
+  assert dict(mesh.shape) == {"stage": 1, "data": 1, "fsdp": 16, "expert": 32, "tensor": 1}
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
