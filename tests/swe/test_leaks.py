@@ -3,6 +3,7 @@ copy that fails midway, the pool closed while a copy is being made. After each: 
 dir, no process left (what bench/swe_env.py counts as leaked_workspaces / leaked_dirs / leaked_procs)."""
 
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -37,16 +38,29 @@ def tmp(tmp_path, monkeypatch):
 
 
 def _procs(marker: str) -> list[str]:
+  """Live processes whose command line holds `marker`. A process already sent SIGKILL (the kernel's teardown of
+  a PID namespace whose init died) or already exiting is not counted: it cannot run again, and on a loaded
+  machine it may not have been scheduled to finish dying by the time the grader returns."""
   out = []
   for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
       with open(f"/proc/{pid}/cmdline", "rb") as f:
         cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+      doomed = marker in cmd and _doomed(pid)
     except OSError:
       continue
-    if marker in cmd and str(os.getpid()) != pid:
+    if marker in cmd and str(os.getpid()) != pid and not doomed:
       out.append(f"{pid}: {cmd[:200]}")
   return out
+
+
+def _doomed(pid: str) -> bool:
+  """SIGKILL pending for the thread or its group, or the process is a zombie / dead."""
+  with open(f"/proc/{pid}/status") as f:
+    fields = dict(line.split(":", 1) for line in f if ":" in line)
+  sigkill = 1 << (signal.SIGKILL - 1)
+  pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+  return bool(pending & sigkill) or fields["State"].strip()[:1] in ("Z", "X")
 
 
 def _task(inst):
