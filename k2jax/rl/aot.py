@@ -61,6 +61,11 @@ def compile_rl(config: config_dict.ConfigDict, slice_name: str, progress=lambda 
       f"serving mesh over the trainer's devices), this config has engine.sharding={lc.engine.sharding!r} and "
       f"rollout.engine_url={lc.engine_url!r}; set engine.sharding=tp|ep|tp_ep and rollout.engine_url=''"
     )
+  if math.prod(lc.mesh.dcn_shape.values()) > 1:
+    raise ConfigError(
+      f"mesh.dcn_*: {lc.mesh.dcn_shape}: RL's --aot compiles the colocated iteration for one slice "
+      f"({slice_name}); compile the multislice trainer step with launch/train.py --aot=NxSLICE"
+    )
   s = aot.tpu_slice(slice_name)
   devices = aot.slice_devices(s)
   optimizer, schedule = make_optimizer(lc)

@@ -303,6 +303,7 @@ class Learner:
       lc.model,
       self.optimizer,
       mesh_shape=shape,
+      dcn_shape=lc.mesh.dcn_shape,  # multislice: the slices' devices laid out as launch/train.py lays them
       preset=lc.mesh.rules,
       seed=lc.seed,
       init_from=lc.init_from,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import optax
 
-from k2jax.model.config import K2Config
+from k2jax.model.config import ConfigError, K2Config
 from k2jax.optim import QKClipSpec, muonclip
 from k2jax.rl import rl_step
 from k2jax.train.config import mesh_shape
@@ -48,7 +48,14 @@ def make_update(lc, mdef, optimizer, schedule):
 
 
 def trainer_mesh_shape(lc, num_devices: int) -> dict[str, int]:
-  """The trainer's mesh shape on `num_devices`, checked against every batch it steps on."""
+  """The trainer's mesh shape on `num_devices` (the whole mesh: ICI x DCN per axis), checked against every batch
+  it steps on. The RL update does not pipeline: a stage axis would only replicate the model over it."""
+  if lc.mesh.stage != 1 or lc.mesh.dcn_stage != 1:
+    raise ConfigError(
+      f"mesh.stage / mesh.dcn_stage: {lc.mesh.stage} / {lc.mesh.dcn_stage}: the RL update runs the layer stack "
+      "unpipelined (pipeline stages are launch/train.py's); set both to 1 and give the devices to fsdp, expert "
+      "or data"
+    )
   shape = mesh_shape(lc.mesh, lc.model, num_devices, rows=lc.rows, what="rollout.target_groups")
   if lc.ptx:
     mesh_shape(lc.mesh, lc.model, num_devices, rows=lc.ptx.batch_size, what="ptx.batch_size")

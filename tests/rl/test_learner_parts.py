@@ -60,6 +60,20 @@ def test_config_boundary(tmp_path):
     from_config_dict(_config(**{"rollout.launch_groups": 4}), str(tmp_path), (1,))
 
 
+def test_mesh_levels_reach_the_trainer(tmp_path):
+  """Stages are refused (the RL update does not pipeline); the DCN level reaches the mesh builder: on one
+  process (one slice) two slices cannot form, where a flat mesh would have hidden the layout."""
+  from k2jax import sharding
+  from k2jax.rl.learner import Learner
+
+  tok = load_tokenizer()
+  task = ArithmeticTask(ArithmeticTaskConfig(1, 1, 0, 8, seed=3, template="{a}+{b}"), tok.encode, tok.eos_id)
+  with pytest.raises(ConfigError, match=r"mesh.stage / mesh.dcn_stage: 2 / 1: the RL update runs"):
+    Learner(from_config_dict(_config(**{"mesh.stage": 2}), str(tmp_path), (1,)), str(tmp_path), task, None)
+  with pytest.raises(sharding.ShardingError, match=r"2 slices asked for, the devices form 1"):
+    Learner(from_config_dict(_config(**{"mesh.dcn_data": 2}), str(tmp_path), (1,)), str(tmp_path), task, None)
+
+
 def _batch():
   """Two samples: prompt [5, 6] + response [7, 8] and prompt [5] + response [9]."""
   tokens = np.array([[5, 6, 7, 8], [5, 9, 0, 0]], np.int32)

@@ -81,6 +81,8 @@ def test_receive_bytes_match_a_set_count_on_fake_devices():
 def test_aot_names_the_missing_serving_mesh():
   with pytest.raises(ConfigError, match="engine.sharding"):
     rl_aot.compile_rl(_tiny(), "v5p-8")  # no engine.sharding: nothing colocated to compile
+  with pytest.raises(ConfigError, match=r"mesh.dcn_\*: .*one slice"):
+    rl_aot.compile_rl(_tiny(**COLOCATED, **{"mesh.dcn_data": 2}), "v5p-8")  # multislice: launch/train.py's --aot
 
 
 @pytest.fixture(scope="module")
