@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 
 from k2jax import sharding as sharding_lib
 from k2jax.model import grouped_matmul
@@ -90,6 +91,8 @@ def grouped_dot(x_MD, w_EDF, group_sizes_E, impl: str = "auto"):
       x_MD, w_EDF, group_sizes_E, grouped_matmul.default_tile(x_MD.shape[0], w_EDF.shape[0])
     )
   if name == "ragged_dot":
+    if _staged():
+      return _unbatched_ragged_dot(x_MD, w_EDF, group_sizes_E)
     return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E, precision=_precision(x_MD, w_EDF))
   if name == "jax_triton":
     if not jax.config.jax_ragged_dot_use_gpu_pallas_triton_lowering:
@@ -102,6 +105,48 @@ def grouped_dot(x_MD, w_EDF, group_sizes_E, impl: str = "auto"):
     return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
   check_gpu_capability(name)
   return _tokamax_ragged_dot(x_MD, w_EDF, group_sizes_E, _TOKAMAX_ORDER[name][sharding_lib.platform()])
+
+
+def _staged() -> bool:
+  """Whether the active mesh has pipeline stages (k2jax/model/pipeline.py vmaps the layer stack over them)."""
+  ctx = sharding_lib.current()
+  return ctx is not None and dict(ctx.mesh.shape).get("stage", 1) > 1
+
+
+# Inside pipeline stages the layer stack runs under `jax.vmap(spmd_axis_name="stage")`: a vmapped ragged_dot
+# becomes a ragged dot with a batch dimension, which XLA:TPU refuses ("Failed to create RaggedConvSpec",
+# libtpu 0.0.50, lowering 1t_pipeline for v5p-1024). Each device holds one stage's slice of that dimension, so
+# these run it as a loop over the (local, size-1) batch instead, forward and both transposes: custom_vjp keeps
+# autodiff away from the custom_vmap (which reverse mode cannot cross), and its backward pass is two more loops.
+@jax.custom_batching.sequential_vmap
+def _looped_ragged_dot(x_MD, w_EDF, group_sizes_E):
+  return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E, precision=_precision(x_MD, w_EDF))
+
+
+@jax.custom_batching.sequential_vmap
+def _looped_ragged_dot_dw(x_MD, g_MF, group_sizes_E, w_EDF):
+  """d(x @ w per group)/dw applied to g: [E, D, F], ragged_dot's own transpose."""
+  fwd = lambda w: jax.lax.ragged_dot(x_MD, w, group_sizes_E, precision=_precision(x_MD, w_EDF))  # noqa: E731
+  return jax.linear_transpose(fwd, jax.ShapeDtypeStruct(w_EDF.shape, w_EDF.dtype))(g_MF.astype(x_MD.dtype))[0]
+
+
+@jax.custom_vjp
+def _unbatched_ragged_dot(x_MD, w_EDF, group_sizes_E):
+  return _looped_ragged_dot(x_MD, w_EDF, group_sizes_E)
+
+
+def _unbatched_fwd(x_MD, w_EDF, group_sizes_E):
+  return _looped_ragged_dot(x_MD, w_EDF, group_sizes_E), (x_MD, w_EDF, group_sizes_E)
+
+
+def _unbatched_bwd(res, g_MF):
+  x_MD, w_EDF, group_sizes_E = res
+  dx_MD = _looped_ragged_dot(g_MF.astype(x_MD.dtype), jnp.swapaxes(w_EDF, 1, 2), group_sizes_E)
+  dw_EDF = _looped_ragged_dot_dw(x_MD, g_MF, group_sizes_E, w_EDF)
+  return dx_MD.astype(x_MD.dtype), dw_EDF.astype(w_EDF.dtype), None
+
+
+_unbatched_ragged_dot.defvjp(_unbatched_fwd, _unbatched_bwd)
 
 
 def _precision(x, w):

@@ -117,3 +117,25 @@ def test_a_32_way_axis_lays_out_on_the_v5p_1024_torus():
   mesh = sharding.make_mesh({"fsdp": 16, "expert": 32}, devices)
   assert dict(mesh.shape) == {"stage": 1, "data": 1, "fsdp": 16, "expert": 32, "tensor": 1}
   assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+
+
+def test_pipelined_step_with_expert_parallelism_compiles_for_tpu():
+  """2 stages x 2 repeats with EP 2 inside each stage: the stage vmap's batch dimension would reach
+  ragged_dot, which XLA:TPU cannot compile (k2jax/model/moe_gemm.py runs it as a loop over the local stage)."""
+  r = aot.compile_step(
+    _tiny(
+      **{
+        "model.num_hidden_layers": 5,
+        "mesh.stage": 2,
+        "mesh.rules": "fsdp_ep",
+        "mesh.expert": 2,
+        "pipeline.repeats": 2,
+        "pipeline.microbatches": 4,
+      }
+    ),
+    "v5p-8",
+    keep_hlo=True,
+  )
+  assert r["platform"] == "tpu" and r["fits"] is True and r["mesh"].startswith("stage=2,")
+  assert r["ragged-all-to-all_bytes_per_device"] > 0 and r["collective-permute_bytes_per_device"] > 0
+  assert "ragged-dot" in r["hlo"] or r["custom_call_flops_per_device"] > 0
