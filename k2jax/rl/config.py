@@ -356,6 +356,14 @@ class RLConfig:
       f"rollout.quantization='int4' pushes INT4 to the remote engine; sync.dtype must be '' or 'int4', got"
       f" {self.sync.dtype!r}",
     )
+    # The INT4-serving engine's packed codes and scales take the float experts' logical axes, and a serving
+    # mesh splits their (halved, /32) input axes too: tiny's [.., 1, ..] scales of w_down do not divide.
+    configlib.need(
+      not int4 or self.rollout.engine_url or not self.engine.sharding,
+      "rollout.quantization",
+      f"'int4' rollouts run the embedded engine on one device; a serving mesh (engine.sharding="
+      f"{self.engine.sharding!r}) does not shard INT4 experts: set engine.sharding='' or rollout.engine_url",
+    )
 
 
 def config_dict() -> mlc.ConfigDict:

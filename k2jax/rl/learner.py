@@ -277,12 +277,12 @@ def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
     # It starts from the architecture alone (config.json + tokenizer); the first push brings the weights.
     model_dir = write_model_dir(lc.model, os.path.join(lc.sync.root, "sglang_jax_model"))
     return SglangJaxEngine(lc.model, model_dir, lc.sglang_jax)
-  cfg = rollout_model_config(lc)
   if lc.engine.sharding:  # every process: the serving mesh spans them all; paused until the first phase
-    cfg = serving_config(cfg)
-    model = model_from_state(cfg, _serving_dtype(cfg, _int4_experts(cfg, state)))
+    served = _serving_dtype(lc.model, state)
+    model = model_from_state(serving_config(lc.model), served)
     return InferenceEngine(model, lc.engine, eos_token_ids=lc.rollout.stop_token_ids, paused=True)
   served = jax.device_put(state, SingleDeviceSharding(jax.local_devices()[0]))  # no copy when already there
+  cfg = rollout_model_config(lc)  # INT4 rollouts: one device (RLConfig.validate refuses a serving mesh)
   model = model_from_state(cfg, _int4_experts(cfg, served))
   return InferenceEngine(model, lc.engine, eos_token_ids=lc.rollout.stop_token_ids)
 
@@ -299,12 +299,12 @@ def _int4_experts(cfg: K2Config, state: dict) -> dict:
 def _serving_dtype(cfg: K2Config, state: dict) -> dict:
   """The model state as the engine serves it: float weights in the compute dtype (K2 serves bf16 from
   float32 master weights); the router's balancing bias stays float32 (it only selects experts, and a
-  rounded bias would select others than the trainer), and INT4 experts' scales stay bf16 (the release's)."""
+  rounded bias would select others than the trainer)."""
   cdt = np.dtype(cfg.compute_dtype)
 
   def cast(path, x):
-    keep = any(getattr(k, "key", None) == "bias" or str(getattr(k, "key", "")).endswith(int4.SCALE) for k in path)
-    return x if keep or not np.issubdtype(x.dtype, np.floating) else x.astype(cdt)
+    bias = any(getattr(k, "key", None) == "bias" for k in path)
+    return x if bias or not np.issubdtype(x.dtype, np.floating) else x.astype(cdt)
 
   return jax.tree_util.tree_map_with_path(cast, state)
 

@@ -81,6 +81,7 @@ def test_int4_rollouts_refuse_what_cannot_serve_them(tmp_path, monkeypatch):
   cases = (
     ({"rollout.engine": "sglang_jax_colocated"}, "rollout.quantization: 'int4' rollouts need the embedded engine"),
     ({"rollout.engine_url": "http://sglang:30000", "sync.dtype": "fp8"}, "sync.dtype: rollout.quantization='int4'"),
+    ({"engine.sharding": "ep"}, "rollout.quantization: 'int4' rollouts run the embedded engine on one device"),
   )
   for overrides, match in cases:
     with pytest.raises(ConfigError, match=match):
