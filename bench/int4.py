@@ -2,6 +2,7 @@
 
     python bench/int4.py [--preset=tiny] [--seeds=5] [--steps=20] [--gen=24] [--reps=5] [--part=all|mismatch|serving|rl]
     python bench/int4.py --part=rl [--seeds=5] [--iterations=30] [--window=10]
+    python bench/int4.py --preset=small --layers=3 [--optimizer=adam|sgd]  # small's widths, fewer layers
 
 Per seed: one model is initialised, then trained --steps Adam steps on next-token loss over random tokens
 twice from that init, (a) plainly (float experts, compute in bf16) and (b) with `expert_qat='int4'`; each is
