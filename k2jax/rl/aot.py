@@ -61,11 +61,6 @@ def compile_rl(config: config_dict.ConfigDict, slice_name: str, progress=lambda 
       f"serving mesh over the trainer's devices), this config has engine.sharding={lc.engine.sharding!r} and "
       f"rollout.engine_url={lc.engine_url!r}; set engine.sharding=tp|ep|tp_ep and rollout.engine_url=''"
     )
-  if lc.spec.rollout.quantization:  # the engine program and the push below are the float-expert ones
-    raise ConfigError(
-      f"rollout.quantization: --aot compiles the engine with float routed experts, this config serves them as "
-      f"{lc.spec.rollout.quantization!r}; compile with rollout.quantization=''"
-    )
   s = aot.tpu_slice(slice_name)
   devices = aot.slice_devices(s)
   optimizer, schedule = make_optimizer(lc)
