@@ -16,9 +16,11 @@ serves on a mesh over all the trainer's devices, on one process or many (colocat
 rules presets as configs/k2.py, and the same multi-process launch (launch/slurm_gpu.sh, tpu_pod.sh).
 
 K2-Thinking-style INT4 (docs/int4.md): `--config.model.expert_qat=int4` trains on the INT4 release's grid (routed
-experts fake-quantized in every forward pass, straight-through gradients to the float32 masters); the embedded
-engine serves the same grid, `--config.sync.dtype=int4` pushes INT4 to remote SGLang workers, and
+experts fake-quantized in every forward pass, straight-through gradients to the float32 masters);
+`--config.rollout.quantization=int4` serves the rollouts at INT4 whatever the trainer does (the embedded engine
+holds the experts packed and quantizes each push on arrival; a remote SGLang engine gets INT4 pushes), and
 `--config.model.init_from` may be the INT4 release itself (its experts dequantized into the masters exactly).
+Without `rollout.quantization` the embedded engine serves what the trainer computes (QAT's grid, fake-quantized).
 
 `1t` is Kimi K2 itself (init_from the released checkpoint) on a TPU pod, colocated as K2 §3.3: the embedded
 engine on the trainer's 512 chips (`--config.rollout.engine_url=http://sglang-router:30000`: SGLang workers
@@ -117,7 +119,8 @@ def _k2_1t(c):
   c.model.param_dtype = "float32"
   c.model.compute_dtype = "bfloat16"
   c.model.remat_policy = "full"
-  c.model.expert_qat = "none"  # "int4": K2 Thinking's QAT of the routed experts (with sync.dtype "int4")
+  # "int4": K2 Thinking's QAT of the routed experts (INT4 rollouts: rollout.quantization and sync.dtype "int4")
+  c.model.expert_qat = "none"
   c.mesh.rules = "fsdp_ep"
   c.mesh.expert = 8
   c.task.kind = "math_jsonl"

@@ -22,6 +22,7 @@ from k2jax.train.config import ON_UNREADABLE, MeshSpec
 ROLLOUT_ENGINES = ("embedded", "sglang_jax_colocated")
 TASK_KINDS = ("arith", "jsonl", "agentic")  # a tasks.<name> section's kind (k2jax/rl/tasks.py:task_specs)
 OLD_LOGPROBS = ("trainer", "engine")
+ROLLOUT_QUANTIZATIONS = ("", "int4")
 _POSITIVE = {"check": lambda v: v >= 1, "rule": "must be >= 1"}
 _NON_NEGATIVE = {"check": lambda v: v >= 0, "rule": "must be >= 0"}
 
@@ -44,7 +45,9 @@ class RLModelSpec:
   scan_layers: bool = knob(True, "lax.scan over stacked layers")
   remat_policy: str = knob("none", "none | full | dots | dots_no_batch")
   attention: str = knob("auto", "attention kernel, as configs/k2.py: auto | einsum | flash")
-  expert_qat: str = knob("none", "routed experts' QAT: none | int4 (the INT4 release's grid; rollouts serve it)")
+  expert_qat: str = knob(
+    "none", "routed experts' QAT: none | int4 (the INT4 release's grid; rollout.quantization picks what rollouts serve)"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +134,13 @@ class RolloutSpec:
   temperature_half_life: float = knob(100.0, "iterations")
   top_p: float = knob(1.0, "nucleus sampling (1 = off)")
   max_concurrency: int = knob(64, "rollout threads = in-flight engine requests")
+  quantization: str = knob(
+    "",
+    "rollout weights: '' (as the trainer computes them: model.expert_qat's grid) | int4 (routed experts served as"
+    " the INT4 release whatever model.expert_qat: the embedded engine holds them packed and quantizes each push on"
+    " arrival; a remote engine gets INT4 pushes)",
+    choices=ROLLOUT_QUANTIZATIONS,
+  )
 
   def validate(self):
     bad = [u for u in (self.engine_url, *self.worker_urls.split(",")) if u and not _urls(u)]
@@ -138,6 +148,12 @@ class RolloutSpec:
     configlib.need(not self.worker_urls or bool(self.engine_url), "worker_urls", "need rollout.engine_url (a router)")
     configlib.need(
       self.engine == "embedded" or not self.engine_url, "engine", f"{self.engine!r} runs in-process: no engine_url"
+    )
+    configlib.need(
+      self.quantization == "" or self.engine == "embedded" or self.engine_url,
+      "quantization",
+      f"{self.quantization!r} rollouts need the embedded engine or a remote one (rollout.engine_url); sglang-jax's"
+      f" colocated engine serves the pushed float weights as they are, got rollout.engine={self.engine!r}",
     )
 
 
@@ -331,6 +347,23 @@ class RLConfig:
   critic: CriticSpec = section(CriticSpec, "closed-loop critic refinement on verifiable rollouts")
   log: RLLogSpec = section(RLLogSpec, "extra logs")
   eval: EvalSpec = section(EvalSpec, "evaluation: held-out tasks and the tasks' own prompts")
+
+  def validate(self):
+    int4 = self.rollout.quantization == "int4"
+    configlib.need(
+      not int4 or not self.rollout.engine_url or self.sync.dtype in ("", "int4"),
+      "sync.dtype",
+      f"rollout.quantization='int4' pushes INT4 to the remote engine; sync.dtype must be '' or 'int4', got"
+      f" {self.sync.dtype!r}",
+    )
+    # The INT4-serving engine's packed codes and scales take the float experts' logical axes, and a serving
+    # mesh splits their (halved, /32) input axes too: tiny's [.., 1, ..] scales of w_down do not divide.
+    configlib.need(
+      not int4 or self.rollout.engine_url or not self.engine.sharding,
+      "rollout.quantization",
+      f"'int4' rollouts run the embedded engine on one device; a serving mesh (engine.sharding="
+      f"{self.engine.sharding!r}) does not shard INT4 experts: set engine.sharding='' or rollout.engine_url",
+    )
 
 
 def config_dict() -> mlc.ConfigDict:

@@ -31,13 +31,14 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import SingleDeviceSharding
 from ml_collections import config_dict
 
 from k2jax import configlib, distributed, sharding
 from k2jax.api import model_from_state
 from k2jax.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
-from k2jax.model import presets
+from k2jax.model import K2Model, int4, presets
 from k2jax.model.config import ConfigError, K2Config
 from k2jax.rl import batching, evaluation, rl_step
 from k2jax.rl import critic as critic_lib
@@ -48,7 +49,7 @@ from k2jax.engine.http import HttpEngine, HttpEngineConfig
 from k2jax.engine.routed import RoutedEngine
 from k2jax.engine.sglang_jax import SglangJaxConfig
 from k2jax.rl.phases import ColocateConfig, Phases
-from k2jax.rl.programs import make_optimizer, make_update, serving_config, trainer_mesh_shape
+from k2jax.rl.programs import make_optimizer, make_update, rollout_model_config, serving_config, trainer_mesh_shape
 from k2jax.rl.ptx import PTXConfig, PTXSet
 from k2jax.rl import tasks as tasks_lib
 from k2jax.rl.rollout import RolloutConfig, RolloutManager, TemperatureSchedule
@@ -189,7 +190,7 @@ def from_config_dict(c, workdir: str, stop_ids: tuple[int, ...], *, check_files:
     updates_per_batch=o.updates_per_batch,
     seq_len=rc.train.seq_len,
     sync=WeightSyncConfig(
-      rc.sync.root or os.path.join(workdir, "weights"), keep_last=rc.sync.keep_last, dtype=rc.sync.dtype or None
+      rc.sync.root or os.path.join(workdir, "weights"), keep_last=rc.sync.keep_last, dtype=_push_dtype(rc)
     ),
     checkpoint_every=rc.checkpoint.every,
     checkpoint_keep=rc.checkpoint.keep,
@@ -205,6 +206,11 @@ def from_config_dict(c, workdir: str, stop_ids: tuple[int, ...], *, check_files:
     critic=critic_lib.CriticConfig(**dataclasses.asdict(rc.critic), seed=rc.seed) if rc.critic.coef > 0 else None,
     spec=rc,
   )
+  if rc.rollout.quantization and model.num_moe_layers == 0:
+    raise ConfigError(
+      f"rollout.quantization: {rc.rollout.quantization!r} quantizes the routed experts and model "
+      f"{rc.model.init_from or rc.model.preset!r} has none (every layer is a dense MLP)"
+    )
   mixed = len(rc.tasks) > 0  # tasks.* sections (validated by tasks.task_specs) replace the single task.*
   for key, ok in (  # checks across sections or against the resolved model and files (the rest: RLConfig)
     ("task.kind", mixed or lc.task_kind in TASK_NAMES),
@@ -218,6 +224,12 @@ def from_config_dict(c, workdir: str, stop_ids: tuple[int, ...], *, check_files:
 
 
 SGLANG_PADDINGS = ("precompile_bs_paddings", "precompile_token_paddings")  # comma-separated ints in the config
+
+
+def _push_dtype(rc: RLConfig) -> str | None:
+  """The dtype of pushes to a remote engine: INT4 rollouts push the release's INT4 layout (RLConfig.validate
+  refuses another sync.dtype with them)."""
+  return rc.sync.dtype or ("int4" if rc.rollout.quantization == "int4" else None)
 
 
 def run(config: config_dict.ConfigDict, workdir: str) -> dict:
@@ -270,7 +282,18 @@ def make_engine(lc: LearnerConfig, state: dict, decode) -> Engine:
     model = model_from_state(serving_config(lc.model), served)
     return InferenceEngine(model, lc.engine, eos_token_ids=lc.rollout.stop_token_ids, paused=True)
   served = jax.device_put(state, SingleDeviceSharding(jax.local_devices()[0]))  # no copy when already there
-  return InferenceEngine(model_from_state(lc.model, served), lc.engine, eos_token_ids=lc.rollout.stop_token_ids)
+  cfg = rollout_model_config(lc)  # INT4 rollouts: one device (RLConfig.validate refuses a serving mesh)
+  model = model_from_state(cfg, _int4_experts(cfg, served))
+  return InferenceEngine(model, lc.engine, eos_token_ids=lc.rollout.stop_token_ids)
+
+
+def _int4_experts(cfg: K2Config, state: dict) -> dict:
+  """`state` with the routed experts packed as INT4 when `cfg` serves them so (quantized from the trainer's
+  float32 masters, as every later push is: the codes an expert_qat='int4' trainer trains on)."""
+  if cfg.expert_storage != "int4":
+    return state
+  abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: K2Model(cfg, rngs=nnx.Rngs(0)))))
+  return int4.served_params(state, abstract)
 
 
 def _serving_dtype(cfg: K2Config, state: dict) -> dict:

@@ -17,6 +17,13 @@ def serving_config(cfg: K2Config) -> K2Config:
   return cfg.replace(param_dtype=cfg.compute_dtype)
 
 
+def rollout_model_config(lc) -> K2Config:
+  """The model the embedded engine serves: the policy's, its routed experts held as INT4 (packed codes and
+  scales, each push quantized on arrival) with `rollout.quantization='int4'`, whatever the trainer's QAT."""
+  quantization = lc.spec.rollout.quantization if lc.spec is not None else ""
+  return lc.model.replace(expert_storage="int4") if quantization == "int4" else lc.model
+
+
 def make_optimizer(lc):
   """(MuonClip, schedule): the warm-start LR for the first warm_start_steps updates, then the RL LR."""
   schedule = optax.join_schedules(
