@@ -6,6 +6,7 @@ five at 1.000 after; seed 0, this one, is the slowest: 0.667 after 8 iterations,
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,3 +33,30 @@ def test_critic_agreement_rises_from_chance_during_rl(tmp_path):
   # the judge learnt from the rollouts' verifiable outcomes: the verdict's NLL fell from the format-only start
   assert records[0]["critic_loss"] > 1.0 and records[-1]["critic_loss"] < 0.1, [r["critic_loss"] for r in records]
   assert records[-1]["reward_mean"] > records[0]["reward_mean"]  # and RL ran: the policy's reward rose
+
+
+@pytest.mark.parametrize("task", ["zero", "sum"])
+def test_heldout_pairs_of_a_varying_answer_leave_a_constant_judge_at_chance(task, tmp_path):
+  """bench/critic_loop.py --task=sum's held-out pairs are ones a judge preferring one digit cannot pass:
+  their right answers differ across questions (on "0*b=" preferring "0" scores 1.0)."""
+  from k2jax.data.tokenizer import load_tokenizer
+  from k2jax.rl import critic as C
+  from k2jax.rl.learner import from_config_dict
+
+  bench, tok = _bench(), load_tokenizer()
+  lc = from_config_dict(bench.loop_config(2, seed=0, task=task), str(tmp_path), (tok.eos_id,))
+  pairs = bench.heldout_pairs(lc, bench.TASKS[task]["cls"](lc.task, tok.encode, tok.eos_id))
+  assert all(C.is_heldout(p, lc.critic.heldout_fraction) for p in pairs)
+  rights = {p.question: p.better for p in pairs}
+  for p in pairs:  # each pair: the question's exact answer against a wrong digit
+    a, b = (int(x) for x in p.question.rstrip("=").replace("*", "+").split("+"))
+    assert p.better == str(a * b if task == "zero" else a + b) != p.worse and p.worse in "0123456789"
+  scores = {}
+  for d in "0123456789":  # the verdict naming the answer `d` is the likelier one; a tie when neither is `d`
+    s = [(p.better == d) - (p.worse == d) for p in pairs for _ in (True, False)]
+    scores[d] = C.agreement(np.array(s, float), -np.array(s, float))
+  if task == "zero":
+    assert len(pairs) == 21 and set(rights.values()) == {"0"} and scores["0"] == 1.0
+  else:
+    assert len(pairs) == 18 and len(set(rights.values())) == 9, rights  # 1+b=: b+1 for b in 0..8
+    assert max(scores.values()) <= 0.6 and min(scores.values()) >= 0.4, scores
