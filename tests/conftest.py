@@ -82,6 +82,7 @@ HEAVY_FIRST = (
   "tests/eval/test_curves.py",  # 57
   "tests/train/test_torn_resume.py",  # 57
   "tests/rl/test_agentic_launch.py",  # 55
+  "tests/rl/test_int4_rollouts.py",  # 79 CPU-s cold: two in-process learners (INT4 rollouts, QAT off and on)
   "tests/serve/test_lmeval.py",  # 37
   "tests/test_accel.py",  # 49 under load: bench/gpu.py --smoke's three child processes
   "tests/sandbox/test_humaneval.py",  # 165 in that run; 50 CPU-s alone (the official harness in its own interpreter)
