@@ -150,29 +150,16 @@ def heldout_agreement(learner, pairs, tok) -> float:
   return C.agreement(seq[:, 0], seq[:, 1])
 
 
-def run_loop(
-  workdir: str,
-  iterations: int,
-  seed: int,
-  window: int,
-  updates_per_batch: int = 24,
-  tau: float = 1.0,
-  coef: float = 10.0,
-  task: str = "zero",
-  preset: str = "tiny",
-  lr: float | None = None,
-  critic_batch: int = 16,
-) -> dict:
+def run_loop(workdir: str, iterations: int, seed: int, window: int, **settings) -> dict:
   """One RL run with the critic: {before, after (held-out agreement over all held-out pairs, after the warm
   start and at the end), trace (the same before every iteration, then at the end), inloop_before,
   inloop_after (the learner's critic_agreement, first / last `window` scored iterations), scored, heldout
-  (pairs), records}."""
+  (pairs), records}. `settings`: loop_config's keywords (task, updates_per_batch, tau, ...)."""
   from k2jax.rl.learner import Learner, from_config_dict
 
   tok = load_tokenizer()
-  config = loop_config(iterations, seed, updates_per_batch, tau, coef, task, preset, lr, critic_batch)
-  lc = from_config_dict(config, workdir, (tok.eos_id,))
-  task = TASKS[task]["cls"](lc.task, tok.encode, tok.eos_id)
+  lc = from_config_dict(loop_config(iterations, seed, **settings), workdir, (tok.eos_id,))
+  task = TASKS[settings.get("task", "zero")]["cls"](lc.task, tok.encode, tok.eos_id)
   pairs = heldout_pairs(lc, task)
   learner = Learner(lc, workdir, task, strip_stop(tok.decode, lc.rollout.stop_token_ids))
   trace = []  # held-out agreement before each iteration, then at the end
@@ -229,9 +216,8 @@ def main() -> None:
   for seed in range(a.reps):
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-      out = run_loop(
-        d, a.iterations, seed, a.window, a.updates_per_batch, a.tau, a.coef, a.task, a.preset, a.lr, a.critic_batch
-      )
+      settings = dict(updates_per_batch=a.updates_per_batch, tau=a.tau, coef=a.coef, task=a.task, preset=a.preset)
+      out = run_loop(d, a.iterations, seed, a.window, lr=a.lr, critic_batch=a.critic_batch, **settings)
     rl = out["records"]
     before.append(out["before"])
     after.append(out["after"])

@@ -185,8 +185,7 @@ def ep_experts(
   # Inside pipeline stages (a vmap over the `stage` mesh axis, k2jax/model/pipeline.py) jax 0.12's ragged_dot
   # rule casts its operands to varying over every mesh axis, `stage` included, which the vmap already made
   # them vary over (ValueError in pvary lowering 1t_pipeline for v5p-1024): those run unchecked too.
-  staged = dict(ctx.mesh.shape).get("stage", 1) > 1
-  check_vma = CHECK_VMA and moe_gemm.resolve(gemm) not in moe_gemm.PALLAS and not staged
+  check_vma = CHECK_VMA and moe_gemm.resolve(gemm) not in moe_gemm.PALLAS and not moe_gemm.staged()
   specs = dict(in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=tok, check_vma=check_vma)
   return jax.shard_map(fn, mesh=ctx.mesh, **specs)(x_ND, weights_Nk, idx_Nk, *weights)
 

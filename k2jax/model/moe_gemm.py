@@ -91,7 +91,7 @@ def grouped_dot(x_MD, w_EDF, group_sizes_E, impl: str = "auto"):
       x_MD, w_EDF, group_sizes_E, grouped_matmul.default_tile(x_MD.shape[0], w_EDF.shape[0])
     )
   if name == "ragged_dot":
-    if _staged():
+    if staged():
       return _unbatched_ragged_dot(x_MD, w_EDF, group_sizes_E)
     return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E, precision=_precision(x_MD, w_EDF))
   if name == "jax_triton":
@@ -107,7 +107,7 @@ def grouped_dot(x_MD, w_EDF, group_sizes_E, impl: str = "auto"):
   return _tokamax_ragged_dot(x_MD, w_EDF, group_sizes_E, _TOKAMAX_ORDER[name][sharding_lib.platform()])
 
 
-def _staged() -> bool:
+def staged() -> bool:
   """Whether the active mesh has pipeline stages (k2jax/model/pipeline.py vmaps the layer stack over them)."""
   ctx = sharding_lib.current()
   return ctx is not None and dict(ctx.mesh.shape).get("stage", 1) > 1
