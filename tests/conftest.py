@@ -5,10 +5,10 @@ import os
 
 from tests.xla_flags import SUITE_CACHE_ENV, launcher_cache, xla_flags  # noqa: E402
 
-# The pytest processes run their programs for real (engine decode loops, in-process RL runs) at XLA's default
-# optimisation level: measured from cold caches, tests/engine/test_engine_mesh.py[tp_ep] took 125 CPU-s against 180
-# at level 0, and test_learner + test_rl_mesh + test_model 587 against 613. The launchers they start compile
-# more than they run and keep level 0 unless a test asks (tests/xla_flags.py).
+# The pytest processes run their programs for real (engine decode loops, in-process RL runs) at LLVM level 1:
+# level 0 compiles faster but runs slower (tests/engine/test_engine_mesh.py took 233 CPU-s at level 0 against 95 at
+# 1 and 121 at XLA's default, 2). The launchers they start compile more than they run and keep level 0 unless a
+# test asks (tests/xla_flags.py has the measurements).
 os.environ.setdefault("XLA_FLAGS", xla_flags(8, optimize=True))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -36,6 +36,9 @@ jax.config.update(
 )
 jax.config.update("jax_compilation_cache_dir", compile_cache.DEFAULT_DIR)
 _CACHE_STATS = {"compiles": 0, "compile_s": 0.0, "hits": 0, "saved_s": 0.0, "written": 0}
+# Backend compile seconds per test file in this process (the file running when each compile ended).
+_COMPILE_S: dict[str, float] = {}
+_CURRENT = [""]
 # CPU seconds (user + sys) per test file, this process's and its waited-for children's (the launchers a test
 # starts): on 2 cores the suite's wall time is its CPU time over 2, so this, not --durations' wall seconds (which
 # count the other worker's load), says which files to make cheaper.
@@ -46,6 +49,7 @@ def _on_duration(event, seconds, **kwargs):
   if event == "/jax/core/compile/backend_compile_duration":
     _CACHE_STATS["compiles"] += 1
     _CACHE_STATS["compile_s"] += seconds
+    _COMPILE_S[_CURRENT[0]] = _COMPILE_S.get(_CURRENT[0], 0.0) + seconds
   elif event == "/jax/compilation_cache/compile_time_saved_sec":
     _CACHE_STATS["saved_s"] += seconds
 
@@ -113,8 +117,8 @@ def _cpu_seconds() -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   start = _cpu_seconds()
+  path = _CURRENT[0] = item.nodeid.split("::", 1)[0]
   yield
-  path = item.nodeid.split("::", 1)[0]
   _CPU_S[path] = _CPU_S.get(path, 0.0) + _cpu_seconds() - start
 
 
@@ -133,19 +137,21 @@ def pytest_sessionfinish(session):
   stats_dir = os.environ.get("K2JAX_SUITE_STATS")
   if stats_dir and os.path.isdir(stats_dir):
     with open(os.path.join(stats_dir, f"{os.getpid()}.json"), "w") as f:
-      json.dump({**_CACHE_STATS, "cpu_s": _CPU_S}, f)
+      json.dump({**_CACHE_STATS, "cpu_s": _CPU_S, "file_compile_s": _COMPILE_S}, f)
 
 
 def pytest_terminal_summary(terminalreporter):
   stats_dir = os.environ.get("K2JAX_SUITE_STATS")
   if not stats_dir or not os.path.isdir(stats_dir):
     return
-  total, cpu = dict.fromkeys(_CACHE_STATS, 0), {}
+  total, cpu, compile_s = dict.fromkeys(_CACHE_STATS, 0), {}, {}
   for name in os.listdir(stats_dir):
     with open(os.path.join(stats_dir, name)) as f:
       stats = json.load(f)
     for path, seconds in stats.pop("cpu_s", {}).items():
       cpu[path] = cpu.get(path, 0.0) + seconds
+    for path, seconds in stats.pop("file_compile_s", {}).items():
+      compile_s[path] = compile_s.get(path, 0.0) + seconds
     for k, v in stats.items():
       total[k] += v
   top = sorted(cpu.items(), key=lambda kv: -kv[1])
@@ -156,5 +162,6 @@ def pytest_terminal_summary(terminalreporter):
   terminalreporter.write_line(
     f"suite_compiles={total['compiles']} compile_s={total['compile_s']:.0f} (pytest processes; the launchers they "
     f"start log their own) persistent_cache_hits={total['hits']} saved_s={total['saved_s']:.0f} "
-    f"written={total['written']}"
+    f"written={total['written']}; most compile seconds: "
+    + ", ".join(f"{path}={seconds:.0f}" for path, seconds in sorted(compile_s.items(), key=lambda kv: -kv[1])[:20])
   )

@@ -1,28 +1,36 @@
 """XLA_FLAGS for the suite's processes and the children they start (tests/conftest.py sets the suite's own).
 
-XLA:CPU compiles at LLVM optimisation level 0 in the children the suite starts by default: most of them are
-compile-bound (tiny models, hundreds of programs, one per shape, a few steps each), and level 0 halves a compile
-(the tiny train step: 13.8 -> 7.0 s here, the whole 3-step `launch/train.py` run 27.5 -> 17.6 s). A step runs ~2x
-slower at level 0, though, so the pytest processes (tests/conftest.py) and the children that run many steps take
-XLA's default (`optimize=True`): the recipe's pretrain stage (150 steps) took 67 s at level 0 against 28 s at the
-default, and its first four stages 252 s against 136 s, while tests/train/test_resume + test_torn_resume
-(compile-bound; cold caches both) took 188 CPU-s at level 0 against 280 at the default. Both levels compute the same floats (LLVM does not reassociate
-them without fast-math: the tiny run's loss printed equal to the last digit, 8.28056812286377), and every child
-gets the same flags as the test that compares against it, so bitwise checks compare like with like.
+Two LLVM optimisation levels, both below XLA:CPU's default (2); all three compute the same floats (LLVM does not
+reassociate them without fast-math: the tiny run's loss printed equal to the last digit, 8.28056812286377, at 0 and
+at 2), and every child gets the same flags as the test that compares against it, so bitwise checks compare like
+with like.
 
-Per stage of tests/test_recipe.py's scripts/recipe.sh (user + sys CPU seconds from `/usr/bin/time`, each run on a
-fresh compile cache, 2026-12-06, a 2-core AMD EPYC shared with other jobs, jax 0.10.2), none of which pays for a
-per-stage level: the RL stage (40 iterations from the SFT workdir) took 179 CPU-s at level 0 against 167 at the
-default; `launch/eval.py` on the SFT model (1800 answers, compile-bound: 64 or 2048 cache positions cost the same,
-59 against 60, with the same 1800 answers) 53 against 60, and only the first of the recipe's three evaluations
-compiles (the later two load its programs). Single-threaded dots (SECOND_HOST below) cost more CPU, not less: the
-tiny config's 300 steps (tests/train/test_loss.py's run) took 81 CPU-s against 68 multi-threaded.
+- Level 0 (FAST_COMPILE) in the children the suite starts by default: most of them are compile-bound (tiny
+  models, hundreds of programs, one per shape, a few steps each), and level 0 halves a compile (the tiny train
+  step: 13.8 -> 7.0 s here, the whole 3-step `launch/train.py` run 27.5 -> 17.6 s). A step runs ~2x slower at
+  level 0: tests/train/test_resume + test_torn_resume (compile-bound) took 188 CPU-s at level 0 against 280 at 2,
+  while the recipe's first four stages (hundreds of steps) took 252 s against 136 s.
+- Level 1 (OPTIMIZE) in the pytest processes (tests/conftest.py) and the children that run many steps
+  (`optimize=True`): it compiles ~25% faster than level 2 and its programs run as fast. User + sys CPU seconds
+  per test file, one pytest process on a fresh compile cache each, level 2 / 1 / 0 (2026-12-07, a 2-core AMD
+  EPYC, jax 0.10.2): tests/sharding/test_equivalence.py (compile-bound) 92 / 73 / 57,
+  tests/engine/test_engine_mesh.py (decode loops) 121 / 95 / 233, tests/rl/test_learner.py 155 / 143 / 159.
+
+Per stage of tests/test_recipe.py's scripts/recipe.sh at levels 0 and 2 (user + sys CPU seconds from
+`/usr/bin/time`, each run on a fresh compile cache, 2026-12-06, the same host shared with other jobs, jax 0.10.2),
+none of which pays for a per-stage level: the RL stage (40 iterations from the SFT workdir) took 179 CPU-s at
+level 0 against 167 at 2; `launch/eval.py` on the SFT model (1800 answers, compile-bound: 64 or 2048 cache
+positions cost the same, 59 against 60, with the same 1800 answers) 53 against 60, and only the first of the
+recipe's three evaluations compiles (the later two load its programs). Single-threaded dots (SECOND_HOST below)
+cost more CPU, not less: the tiny config's 300 steps (tests/train/test_loss.py's run) took 81 CPU-s against 68
+multi-threaded.
 """
 
 import os
 import tempfile
 
 FAST_COMPILE = "--xla_backend_optimization_level=0"
+OPTIMIZE = "--xla_backend_optimization_level=1"
 # One persistent compilation cache for the launchers the suite starts with an explicit cache (RL and resume
 # runs, which cache every program: min compile time and entry size 0), made once per suite run by the
 # controller (tests/conftest.py) and shared by every test file and xdist worker: the 8-device trainer programs
@@ -51,10 +59,10 @@ SECOND_HOST = "--xla_cpu_multi_thread_eigen=false"
 
 
 def xla_flags(devices: int = 0, optimize: bool = False, second_host: bool = False) -> str:
-  """`devices` fake CPU devices (0: the platform's own, one), at FAST_COMPILE unless `optimize` (XLA's default
-  level: for runs of many steps), under SECOND_HOST's intra-op threading if `second_host`."""
+  """`devices` fake CPU devices (0: the platform's own, one), at FAST_COMPILE unless `optimize` (OPTIMIZE: for
+  runs of many steps), under SECOND_HOST's intra-op threading if `second_host`."""
   return " ".join(
     ([f"--xla_force_host_platform_device_count={devices}"] if devices else [])
-    + ([] if optimize else [FAST_COMPILE])
+    + [OPTIMIZE if optimize else FAST_COMPILE]
     + ([SECOND_HOST] if second_host else [])
   )
