@@ -90,11 +90,13 @@ def loop_config(
   task: str = "zero",
   preset: str = "tiny",
   lr: float | None = None,
-  critic_batch: int = 16,
+  critic_batch: int | None = None,
 ):
   """configs/rl.py:tiny with the critic on in the short layout, on `task` (TASKS; see the module docstring);
-  `preset` the model (model.preset), `lr` optim.lr (None: the preset's)."""
+  `preset` the model (model.preset), `lr` optim.lr (None: the preset's), `critic_batch` critic.batch_size
+  (None: the task's, TASKS)."""
   t = TASKS[task]
+  critic_batch = t["critic_batch"] if critic_batch is None else critic_batch
   spec = importlib.util.spec_from_file_location("rl_config_critic_loop", os.path.join(ROOT, "configs", "rl.py"))
   rl_configs = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(rl_configs)
@@ -235,7 +237,7 @@ def main() -> None:
   print(
     f"agreement_before={fmt(before)} agreement_after={fmt(after)} reps={a.reps} task={a.task} "
     f"iterations={a.iterations} updates_per_batch={a.updates_per_batch} tau={a.tau} coef={a.coef} "
-    f"critic_batch={a.critic_batch} "
+    f"critic_batch={a.critic_batch} window={a.window} "
     f"preset={a.preset} lr={'default' if a.lr is None else a.lr}"
   )
 
