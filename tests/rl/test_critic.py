@@ -218,6 +218,42 @@ def test_only_batch_groups_of_verifiable_tasks():
     C.CriticRefiner(C.CriticConfig(coef=1.0), TOK, RUBRIC, {"chat": "rubric"})
 
 
+def test_rows_depend_on_the_batch_not_on_the_order_groups_were_scored():
+  """Reward threads record groups in whatever order they finish: the train rows, the held-out rows scored and the
+  counts of every iteration are the same whatever that order (the batch's own order, uid, decides), so two runs
+  of one seed log the same critic_agreement."""
+  batches = []
+  for it in range(4):  # four iterations: the replay carries each one's pairs into the next
+    groups = [
+      (_prompt(b), [_completion(t) for t in [str(b + 1), str((b + it) % 10), "x", str(9 - b)]]) for b in range(9)
+    ]
+    batches.append(groups + [groups[2]])  # one group twice (same prompt, same answers): its pairs once
+  runs = []
+  for order in (None, 1, 2):
+    refiner, out = _refiner(heldout_fraction=0.3, batch_size=16, eval_pairs=3, replay_pairs=12), []
+    for it, groups in enumerate(batches):
+      scored = (
+        list(groups)
+        if order is None
+        else [groups[i] for i in np.random.default_rng([order, it]).permutation(len(groups))]
+      )
+      reward = refiner.recording(_exact)
+      for p, cs in scored:
+        reward(p, cs)
+      train, evals, info = refiner.prepare(_batch(groups), it)
+      out.append((train, evals, info))
+    runs.append(out)
+  first = runs[0]
+  assert sum(info["eval_pairs"] for _, _, info in first) > 0 and all(i["critic_train_rows"] == 16 for *_, i in first)
+  assert first[-1][2]["critic_pairs_replayed"] > 0  # the replay took part
+  for other in runs[1:]:
+    for (t0, e0, i0), (t1, e1, i1) in zip(first, other):
+      assert i0 == i1
+      for k in t0:
+        np.testing.assert_array_equal(t0[k], t1[k])
+        np.testing.assert_array_equal(e0[k], e1[k])
+
+
 def test_agreement_by_hand():
   assert C.agreement([-1.0, -2.0, -3.0, -4.0], [-2.0, -1.0, -3.0, -9.0]) == pytest.approx((1 + 0 + 0.5 + 1) / 4)
   assert np.isnan(C.agreement([], []))
