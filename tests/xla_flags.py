@@ -16,6 +16,13 @@ with like.
   EPYC, jax 0.10.2): tests/sharding/test_equivalence.py (compile-bound) 92 / 73 / 57,
   tests/engine/test_engine_mesh.py (decode loops) 121 / 95 / 233, tests/rl/test_learner.py 155 / 143 / 159.
 
+Every process also takes LEGACY_EMITTERS: XLA:CPU's older elemental emitters for loop fusions instead of its
+MLIR fusion emitters. The tiny model's fwd+bwd on one device compiles in 3.4 CPU-s against 6.9 (8 devices, fsdp:
+5.3 against 14.0; fsdp + expert parallelism, whose searchsorted loops the older emitters leave unfused: 16 against
+14), and its steps run as fast. Per test file at level 1 (the launchers at 0), with / without: tests/train/test_resume.py
+(launchers) 62 / 49 CPU-s, tests/rl/test_learner.py 174 / 123, tests/sharding/test_equivalence.py 99 / 82,
+tests/engine/test_engine_mesh.py 108 / 104 (2026-12-07, the same host beside another job, jax 0.10.2).
+
 Per stage of tests/test_recipe.py's scripts/recipe.sh at levels 0 and 2 (user + sys CPU seconds from
 `/usr/bin/time`, each run on a fresh compile cache, 2026-12-06, the same host shared with other jobs, jax 0.10.2),
 none of which pays for a per-stage level: the RL stage (40 iterations from the SFT workdir) took 179 CPU-s at
@@ -31,6 +38,7 @@ import tempfile
 
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 OPTIMIZE = "--xla_backend_optimization_level=1"
+LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 # One persistent compilation cache for the launchers the suite starts with an explicit cache (RL and resume
 # runs, which cache every program: min compile time and entry size 0), made once per suite run by the
 # controller (tests/conftest.py) and shared by every test file and xdist worker: the 8-device trainer programs
@@ -60,9 +68,9 @@ SECOND_HOST = "--xla_cpu_multi_thread_eigen=false"
 
 def xla_flags(devices: int = 0, optimize: bool = False, second_host: bool = False) -> str:
   """`devices` fake CPU devices (0: the platform's own, one), at FAST_COMPILE unless `optimize` (OPTIMIZE: for
-  runs of many steps), under SECOND_HOST's intra-op threading if `second_host`."""
+  runs of many steps), with LEGACY_EMITTERS, under SECOND_HOST's intra-op threading if `second_host`."""
   return " ".join(
     ([f"--xla_force_host_platform_device_count={devices}"] if devices else [])
-    + [OPTIMIZE if optimize else FAST_COMPILE]
+    + [OPTIMIZE if optimize else FAST_COMPILE, LEGACY_EMITTERS]
     + ([SECOND_HOST] if second_host else [])
   )
