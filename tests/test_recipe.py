@@ -74,8 +74,8 @@ def test_recipe_presets_train_on_the_train_splits_and_evaluate_the_held_out_one(
 @pytest.mark.timeout(3000)  # pytest.ini's 900 s cut it at RL iteration 10 with 4 other jobs on the 2 cores
 def test_rl_lifts_held_out_pass_at_1(tmp_path):
   workdir = tmp_path / "recipe"
-  # One CPU device at XLA's default optimisation level, as a user runs the script (the suite's 8 fake devices at
-  # level 0 made it ~1.7x the CPU time: its ~1000 steps are execution-bound; tests/xla_flags.py).
+  # One CPU device, as a user runs the script, at the optimised level (the suite's 8 fake devices at level 0 made
+  # it ~1.7x the CPU time: its ~1000 steps are execution-bound; tests/xla_flags.py).
   env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": xla_flags(optimize=True)}
   out = subprocess.run(
     ["bash", "scripts/recipe.sh", str(workdir)], cwd=ROOT, env=env, capture_output=True, text=True, check=False

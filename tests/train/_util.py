@@ -36,7 +36,7 @@ def flags(**overrides) -> list[str]:
 
 def env(devices: int = 8, cache_dir: str | None = None, optimize: bool = False) -> dict:
   """The child's environment: fake CPU devices, highest matmul precision, shared compile cache; `optimize`:
-  XLA's default optimisation level instead of the suite's quick compiles (tests/xla_flags.py)."""
+  the optimised level instead of the suite's quick compiles (tests/xla_flags.py)."""
   e = dict(
     os.environ,
     JAX_PLATFORMS="cpu",

@@ -25,7 +25,7 @@ def unigram_entropy() -> float:
 def test_tiny_demo_loss_falls_below_unigram_entropy(tmp_path):
   workdir = str(tmp_path / "w")
   steps = _util.k2.get_config("tiny").steps  # the demo trains the config as is
-  # One device at XLA's default optimisation level, as scripts/demo.sh runs it (300 steps: execution-bound).
+  # One device at the optimised level, as scripts/demo.sh runs it (300 steps: execution-bound; tests/xla_flags.py).
   _util.run_train(workdir, "--config.log.progress=False", "--config.log.tensorboard=False", devices=1, optimize=True)
   rows = _util.metrics(workdir)
   assert rows[-1]["step"] == steps
