@@ -35,7 +35,20 @@ jax.config.update(
   "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
 )
 jax.config.update("jax_compilation_cache_dir", compile_cache.DEFAULT_DIR)
-_CACHE_STATS = {"compiles": 0, "compile_s": 0.0, "hits": 0, "saved_s": 0.0, "written": 0}
+_CACHE_STATS = {
+  "compiles": 0,
+  "compile_s": 0.0,
+  "trace_s": 0.0,
+  "lower_s": 0.0,
+  "hits": 0,
+  "saved_s": 0.0,
+  "written": 0,
+}
+# Python-side seconds before each backend compile: tracing to a jaxpr, and lowering it to StableHLO.
+_FRONT_END = {
+  "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+}
 # Backend compile seconds per test file in this process (the file running when each compile ended).
 _COMPILE_S: dict[str, float] = {}
 _CURRENT = [""]
@@ -50,6 +63,8 @@ def _on_duration(event, seconds, **kwargs):
     _CACHE_STATS["compiles"] += 1
     _CACHE_STATS["compile_s"] += seconds
     _COMPILE_S[_CURRENT[0]] = _COMPILE_S.get(_CURRENT[0], 0.0) + seconds
+  elif event in _FRONT_END:
+    _CACHE_STATS[_FRONT_END[event]] += seconds
   elif event == "/jax/compilation_cache/compile_time_saved_sec":
     _CACHE_STATS["saved_s"] += seconds
 
@@ -160,8 +175,9 @@ def pytest_terminal_summary(terminalreporter):
     "heaviest files: " + ", ".join(f"{path}={seconds:.0f}" for path, seconds in top[:20])
   )
   terminalreporter.write_line(
-    f"suite_compiles={total['compiles']} compile_s={total['compile_s']:.0f} (pytest processes; the launchers they "
-    f"start log their own) persistent_cache_hits={total['hits']} saved_s={total['saved_s']:.0f} "
+    f"suite_compiles={total['compiles']} compile_s={total['compile_s']:.0f} trace_s={total['trace_s']:.0f} "
+    f"lower_s={total['lower_s']:.0f} (pytest processes; the launchers they start log their own) "
+    f"persistent_cache_hits={total['hits']} saved_s={total['saved_s']:.0f} "
     f"written={total['written']}; most compile seconds: "
     + ", ".join(f"{path}={seconds:.0f}" for path, seconds in sorted(compile_s.items(), key=lambda kv: -kv[1])[:20])
   )

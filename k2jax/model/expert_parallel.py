@@ -316,7 +316,9 @@ def received_expert_ids(counts_PE, me, experts_per_rank: int, rows: int):
   ep = counts_PE.shape[0]
   local_PL = jax.lax.dynamic_slice_in_dim(counts_PE, me * El, El, axis=1)
   ends_S = jnp.cumsum(local_PL.reshape(-1))  # segment (source, local expert) s ends at row ends[s]
-  seg_R = jnp.searchsorted(ends_S, jnp.arange(rows), side="right")
+  # Unrolled: the same log2(S) bisection steps, no while loop (XLA:CPU compiled the loop's body as unfused ops:
+  # tests/rl/test_rl_mesh.py 147 -> 128 CPU-s with this and grouped_matmul's two searches unrolled).
+  seg_R = jnp.searchsorted(ends_S, jnp.arange(rows), side="right", method="scan_unrolled")
   return jnp.where(seg_R < ep * El, seg_R % El, El).astype(jnp.int32)
 
 

@@ -113,7 +113,8 @@ class _Layout:
     self.rows_EC = jnp.where(i_C[None] < group_sizes_E[:, None], self.starts_E[:, None] + i_C, M)
     # Inverse: row m of group e at position p lives at slot e*C + p when p < C (else out of range).
     m_M = jnp.arange(M, dtype=jnp.int32)
-    e_M = jnp.searchsorted(ends_E, m_M, side="right").astype(jnp.int32)
+    # Both searches unrolled: no while loop to compile (expert_parallel.received_expert_ids says why).
+    e_M = jnp.searchsorted(ends_E, m_M, side="right", method="scan_unrolled").astype(jnp.int32)
     pos_M = m_M - self.starts_E[jnp.minimum(e_M, E - 1)]
     self.slot_M = jnp.where((e_M < E) & (pos_M < C), e_M * C + pos_M, E * C)
     # Overflow tiles: group e's rows from starts[e] + C in `tile`-row pieces.
@@ -121,7 +122,7 @@ class _Layout:
     cum_E = jnp.cumsum(n_E)
     self.n_tiles = cum_E[-1]
     t_T = jnp.arange(-(-M // tile) + E, dtype=jnp.int32)  # static bound on the tile count
-    self.e_T = jnp.minimum(jnp.searchsorted(cum_E, t_T, side="right"), E - 1).astype(jnp.int32)
+    self.e_T = jnp.minimum(jnp.searchsorted(cum_E, t_T, side="right", method="scan_unrolled"), E - 1).astype(jnp.int32)
     self.r_T = self.starts_E[self.e_T] + C + (t_T - (cum_E - n_E)[self.e_T]) * tile
 
   def gather(self, a_MX):
