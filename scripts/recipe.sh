@@ -27,9 +27,10 @@ timed() { # NAME CMD...: runs CMD, appends "NAME START END" (epoch seconds) to t
 
 evaluate() { # STAGE MODEL_DIR: the held-out split in the K2 chat template (as SFT and RL render it), greedy
   # (task heldout) and 8 samples per prompt at temperature 1, RL's sampling (task heldout_sampled: pass@1 =
-  # mean@8), in one launch/eval.py run (one model load); the same two tasks as RL's in-loop evaluation
+  # mean@8), in one launch/eval.py run (one model load); the same two tasks as RL's in-loop evaluation, on an
+  # engine of the RL engine's shape (configs/rl.py: 32 slots of 64 positions, all 32 busy)
   "$PY" launch/eval.py --model="$2" --tasks_file="$W/eval_tasks.json" --chat --max_tokens=3 \
-    --out="$W/eval_$1" --progress=false --max_running_requests=32
+    --out="$W/eval_$1" --progress=false --max_running_requests=32 --concurrency=32 --max_seq_len=64
 }
 cat >"$W/eval_tasks.json" <<JSON
 [{"name": "heldout", "path": "$HELD", "format": "answer.exact"},

@@ -3,13 +3,12 @@ JAX's persistent cache (optimisation levels: tests/xla_flags.py)."""
 
 import os
 
-from tests.xla_flags import SUITE_CACHE_ENV, launcher_cache, xla_flags  # noqa: E402
+from tests.xla_flags import SUITE_CACHE_ENV, compile_level, launcher_cache, xla_flags  # noqa: E402
 
-# The pytest processes run their programs for real (engine decode loops, in-process RL runs) at LLVM level 1:
-# level 0 compiles faster but runs slower (tests/engine/test_engine_mesh.py took 233 CPU-s at level 0 against 95 at
-# 1 and 121 at XLA's default, 2). The launchers they start compile more than they run and keep level 0 unless a
-# test asks (tests/xla_flags.py has the measurements).
-os.environ.setdefault("XLA_FLAGS", xla_flags(8, optimize=True))
+# The pytest processes compile at LLVM level 0, as the launchers they start: most test files compile far more
+# than they run. The files marked `optimized` (pytest.ini), which run hundreds of steps in process, compile at
+# level 1 (tests/xla_flags.py has the measurements).
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
@@ -138,6 +137,8 @@ def _cpu_seconds() -> float:
 def pytest_runtest_protocol(item, nextitem):
   start = _cpu_seconds()
   path = _CURRENT[0] = item.nodeid.split("::", 1)[0]
+  # Setup (module fixtures included), call and teardown at the file's level.
+  compile_level(1 if item.get_closest_marker("optimized") else None)
   yield
   _add(_CPU_S, {path: _cpu_seconds() - start})
 

@@ -10,11 +10,19 @@ with like.
   step: 13.8 -> 7.0 s here, the whole 3-step `launch/train.py` run 27.5 -> 17.6 s). A step runs ~2x slower at
   level 0: tests/train/test_resume + test_torn_resume (compile-bound) took 188 CPU-s at level 0 against 280 at 2,
   while the recipe's first four stages (hundreds of steps) took 252 s against 136 s.
-- Level 1 (OPTIMIZE) in the pytest processes (tests/conftest.py) and the children that run many steps
-  (`optimize=True`): it compiles ~25% faster than level 2 and its programs run as fast. User + sys CPU seconds
-  per test file, one pytest process on a fresh compile cache each, level 2 / 1 / 0 (2026-12-07, a 2-core AMD
-  EPYC, jax 0.10.2): tests/sharding/test_equivalence.py (compile-bound) 92 / 73 / 57,
-  tests/engine/test_engine_mesh.py (decode loops) 121 / 95 / 233, tests/rl/test_learner.py 155 / 143 / 159.
+- Level 1 (OPTIMIZE) in the children that run many steps (`optimize=True`) and in the test files marked
+  `optimized` (pytest.ini; tests/conftest.py compiles their programs at level 1 through `compile_level`): it
+  compiles ~25% faster than level 2 and its programs run as fast. User + sys CPU seconds per test file, one
+  pytest process on a fresh compile cache each, level 2 / 1 / 0 (2026-12-07, a 2-core AMD EPYC, jax 0.10.2):
+  tests/sharding/test_equivalence.py (compile-bound) 92 / 73 / 57, tests/engine/test_engine_mesh.py (decode
+  loops) 121 / 95 / 233, tests/rl/test_learner.py 155 / 143 / 159.
+- The pytest processes compile at level 0 too (tests/conftest.py), but for the `optimized` files. The 43 test
+  files that compiled 3 s or more in the pytest processes, with 2 xdist workers on a fresh compile cache, at
+  level 1 in a cold run of the whole suite and at level 0 in a run of those files only (2026-12-07, the same
+  host, jax 0.10.2): 1352 against 1025 CPU-s, every test passing at both levels. At level 0: tests/sharding/test_context_parallel.py
+  107 -> 56, tests/rl/test_rl_mesh.py 116 -> 66, tests/train/test_pipeline.py 97 -> 59, and no file of the 41
+  others costlier by more than 3 CPU-s but the two that run hundreds of steps in process, now `optimized`:
+  tests/rl/test_learner.py 86 -> 118 and tests/engine/test_engine_mesh.py 98 -> 142.
 
 Every process also takes LEGACY_EMITTERS: XLA:CPU's older elemental emitters for loop fusions instead of its
 MLIR fusion emitters. The tiny model's fwd+bwd on one device compiles in 3.4 CPU-s against 6.9 (8 devices, fsdp:
@@ -33,6 +41,7 @@ cost more CPU, not less: the tiny config's 300 steps (tests/train/test_loss.py's
 multi-threaded.
 """
 
+import functools
 import os
 import tempfile
 
@@ -74,3 +83,35 @@ def xla_flags(devices: int = 0, optimize: bool = False, second_host: bool = Fals
     + [OPTIMIZE if optimize else FAST_COMPILE, LEGACY_EMITTERS]
     + ([SECOND_HOST] if second_host else [])
   )
+
+
+# The LLVM level the pytest process compiles at now: None leaves XLA_FLAGS' level (tests/conftest.py sets it per
+# test file, from the file's `optimized` marker).
+_LEVEL: list[int | None] = [None]
+
+
+def compile_level(level: int | None) -> None:
+  """Every program this process compiles from now on at LLVM level `level` (None: XLA_FLAGS' level), for every
+  thread. XLA reads XLA_FLAGS once per process; jax passes a compile's own XLA options (`jax.jit`'s
+  `compiler_options`, part of the persistent cache's key) to XLA through `get_compile_options`'s
+  `env_options_overrides`, which `_patch_compile_options` extends with this level."""
+  _patch_compile_options()
+  _LEVEL[0] = level
+
+
+@functools.cache
+def _patch_compile_options() -> None:
+  # jax has no process-wide setting for a compile option that XLA_FLAGS did not set at start-up, so this wraps
+  # the function every jit compile takes its options from (jax._src.compiler; tests/test_xla_flags.py checks
+  # that the level reaches the options of a real compile).
+  from jax._src import compiler  # noqa: PLC0415
+
+  original = compiler.get_compile_options
+
+  @functools.wraps(original)
+  def get_compile_options(*args, env_options_overrides=None, **kwargs):
+    if _LEVEL[0] is not None:
+      env_options_overrides = {"xla_backend_optimization_level": _LEVEL[0], **(env_options_overrides or {})}
+    return original(*args, env_options_overrides=env_options_overrides, **kwargs)
+
+  compiler.get_compile_options = get_compile_options

@@ -14,7 +14,7 @@ from k2jax.model import K2Model, presets
 
 MAX_LEN, SLOTS = 64, 8
 MESHES = {"tp": "data:2,tensor:4", "ep": "expert:8", "tp_ep": "expert:4,tensor:2"}
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.optimized]  # decode loops: LLVM level 1 (tests/xla_flags.py)
 
 
 def _greedy(n):

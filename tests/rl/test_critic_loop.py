@@ -20,6 +20,7 @@ def _bench():
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # 288 updates in process: LLVM level 1 (tests/xla_flags.py)
 def test_critic_agreement_rises_from_chance_during_rl(tmp_path):
   out = _bench().run_loop(str(tmp_path), iterations=12, seed=0, window=2)
   records = out["records"]

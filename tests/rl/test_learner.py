@@ -32,7 +32,8 @@ rl_configs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rl_configs)
 
 ITERATIONS = 40
-pytestmark = pytest.mark.slow  # one compiled RL run (~2 min on 2 cores) shared by the module
+# One compiled RL run (~2 min on 2 cores) shared by the module; its hundreds of steps run at LLVM level 1.
+pytestmark = [pytest.mark.slow, pytest.mark.optimized]
 
 
 def _config(**overrides):
