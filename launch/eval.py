@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from k2jax import compile_cache  # noqa: E402
+from k2jax import compile_cache, host_malloc  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "k2jax workdir, HF dir, or http(s):// server URL.", required=True)
 _TASKS = flags.DEFINE_list("tasks", [], "[NAME=]FORMAT:PATH items.")
@@ -99,6 +99,7 @@ def tasks_from_flags():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  host_malloc.keep_freed_memory()  # freed XLA:CPU buffers stay in the heap (k2jax/host_malloc.py)
   # The embedded engine's programs depend on the model's shapes only: a second evaluation of the same
   # architecture (another checkpoint, another task) loads them instead of compiling (as launch/serve.py).
   compile_cache.enable(_COMPILE_CACHE.value)
