@@ -59,11 +59,15 @@ _FEWSHOT_FILE = flags.DEFINE_list("fewshot_file", [], "NAME=PATH: the task's few
 _LIMIT = flags.DEFINE_integer("limit", None, "First docs of each task only.")
 _CHAT = flags.DEFINE_bool("chat", False, "K2 chat template (few-shot examples as turns).")
 _SYSTEM = flags.DEFINE_string("system", None, "Chat: a system message.")
-_CONCURRENCY = flags.DEFINE_integer("concurrency", 16, "Requests in flight.")
+_CONCURRENCY = flags.DEFINE_integer(
+  "concurrency", 16, "Requests in flight (an embedded engine decodes at most this many of its slots at once)."
+)
 _TOKENIZER = flags.DEFINE_string(
   "tokenizer", "auto", "tiktoken file or model dir ('bundled': the repo's BPE; 'auto': the model's, or a URL server's)."
 )
-_SLOTS = flags.DEFINE_integer("max_running_requests", 8, "Embedded engine: requests decoded together.")
+_SLOTS = flags.DEFINE_integer(
+  "max_running_requests", 8, "Embedded engine: requests decoded together (at most --concurrency are in flight)."
+)
 _MAX_LEN = flags.DEFINE_integer("max_seq_len", 2048, "Embedded engine: prompt + generated tokens.")
 _API_KEY = flags.DEFINE_string("api_key", None, "URL: Bearer token.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars.")
