@@ -13,7 +13,8 @@ with like.
 - Level 1 (OPTIMIZE) in the children that run many steps (`optimize=True`) and in the test files marked
   `optimized` (pytest.ini; tests/conftest.py compiles their programs at level 1 through `compile_level`): it
   compiles ~25% faster than level 2 and its programs run as fast. User + sys CPU seconds per test file, one
-  pytest process on a fresh compile cache each, level 2 / 1 / 0 (2026-12-07, a 2-core AMD EPYC, jax 0.10.2):
+  pytest process on a fresh compile cache each, level 2 / 1 / 0, with XLA's MLIR fusion emitters (before
+  LEGACY_EMITTERS below; 2026-12-07, a 2-core AMD EPYC, jax 0.10.2):
   tests/sharding/test_equivalence.py (compile-bound) 92 / 73 / 57, tests/engine/test_engine_mesh.py (decode
   loops) 121 / 95 / 233, tests/rl/test_learner.py 155 / 143 / 159.
 - The pytest processes compile at level 0 too (tests/conftest.py), but for the `optimized` files. The 43 test
@@ -102,8 +103,8 @@ def compile_level(level: int | None) -> None:
 @functools.cache
 def _patch_compile_options() -> None:
   # jax has no process-wide setting for a compile option that XLA_FLAGS did not set at start-up, so this wraps
-  # the function every jit compile takes its options from (jax._src.compiler; tests/test_xla_flags.py checks
-  # that the level reaches the options of a real compile).
+  # the function every jit compile takes its options from (jax._src.compiler, private: checked with jax 0.10.2;
+  # tests/test_xla_flags.py fails if the level stops reaching the options of a real compile).
   from jax._src import compiler  # noqa: PLC0415
 
   original = compiler.get_compile_options
