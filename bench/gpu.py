@@ -277,11 +277,14 @@ def child_layer(args) -> dict:
 
 # ----------------------------------------------------------------------------------------- parent
 def run_child(args, kind: str, env: dict | None = None) -> dict:
+  import interleave
+
   cmd = [sys.executable, os.path.abspath(__file__), f"--child={kind}", f"--reps={args.reps}", f"--warmup={args.warmup}"]
   cmd += ["--smoke"] * args.smoke + ["--no_hf_compile"] * args.no_hf_compile + [f"--remat={args.remat}"]
   env = dict(os.environ, **(env or {}))
   if args.smoke:
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", CUDA_VISIBLE_DEVICES="")
+    # One CPU device; the caller's other XLA flags (e.g. a test suite's optimisation level) kept.
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=interleave.one_device_xla_flags(), CUDA_VISIBLE_DEVICES="")
   else:
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # one row per process: give it the GPU
   t = time.perf_counter()

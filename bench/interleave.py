@@ -75,9 +75,17 @@ def load_average() -> str:
   return f"load1={os.getloadavg()[0]:.1f}/{os.cpu_count()}"
 
 
+def one_device_xla_flags(flags: str | None = None) -> str:
+  """`flags` (default: this process's XLA_FLAGS) with one host-platform CPU device in place of any device
+  count: the caller's other XLA flags (its optimisation level, its emitters) reach the child as they are."""
+  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+  kept = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
+  return " ".join([*kept, "--xla_force_host_platform_device_count=1"])
+
+
 def one_device_subprocess(script: str, *args: str) -> list[str]:
-  """Run `python script *args` with one CPU device; echo and return its stdout lines."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  """Run `python script *args` with one CPU device (`one_device_xla_flags`); echo and return its stdout lines."""
+  env = dict(os.environ, XLA_FLAGS=one_device_xla_flags())
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   p = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, check=False)
