@@ -78,8 +78,9 @@ def test_serving_presets_equal_one_device(preset):
       assert got[rid][2] == cached, rid
     assert got["px1"][2] > 0 and got["px4"][2] > 0  # the extensions reused cached rows
 
-    # Abort: a long request returns its partial output, a prefix of the uninterrupted answer.
-    long = GenerateRequest("long", _prompt(5, 99), _greedy(40))
+    # Abort: a long request returns its partial output, a prefix of the uninterrupted greedy answer (whose
+    # first 12 tokens are decoded here: greedy answers to one prompt agree on their common length).
+    long = GenerateRequest("long", _prompt(5, 99), _greedy(12))
     full = engine.generate(long)
     handle = engine.submit(GenerateRequest("long2", long.input_ids, _greedy(40)))
     while len(engine.progress(handle).output_ids) < 3:
@@ -87,14 +88,15 @@ def test_serving_presets_equal_one_device(preset):
     engine.abort(["long2"])
     part = engine.wait(handle, timeout=300)
     assert part.finish_reason == "abort" and 3 <= len(part.output_ids) < 40
-    assert part.output_ids == full.output_ids[: len(part.output_ids)]
+    n = min(len(part.output_ids), len(full.output_ids))
+    assert part.output_ids[:n] == full.output_ids[:n]
 
     # Between phases: the cache is freed (its buffers deleted) and comes back zeroed on resume.
     engine.pause()
     engine.release_memory(weights=False)
     assert latent.is_deleted() and engine._runner.cache is None
     engine.resume()
-    again = engine.generate(GenerateRequest("again", long.input_ids, _greedy(40)))
+    again = engine.generate(GenerateRequest("again", long.input_ids, _greedy(12)))
     assert again.output_ids == full.output_ids and again.cached_tokens == 0
   finally:
     engine.close()
