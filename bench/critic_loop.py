@@ -161,18 +161,19 @@ def heldout_agreement(learner, pairs, tok) -> float:
   return C.agreement(seq[:, 0], seq[:, 1])
 
 
-def run_loop(workdir: str, iterations: int, seed: int, window: int, **settings) -> dict:
+def run_loop(workdir: str, iterations: int, seed: int, window: int, devices=None, **settings) -> dict:
   """One RL run with the critic: {before, after (held-out agreement over all held-out pairs, after the warm
   start and at the end), trace (the same before every iteration, then at the end), inloop_before,
   inloop_after (the learner's critic_agreement, first / last `window` scored iterations), scored, heldout
-  (pairs), records}. `settings`: loop_config's keywords (task, updates_per_batch, tau, ...)."""
+  (pairs), records}. `devices`: the learner's (default: all). `settings`: loop_config's keywords (task,
+  updates_per_batch, tau, ...)."""
   from k2jax.rl.learner import Learner, from_config_dict
 
   tok = load_tokenizer()
   lc = from_config_dict(loop_config(iterations, seed, **settings), workdir, (tok.eos_id,))
   task = TASKS[settings.get("task", "zero")]["cls"](lc.task, tok.encode, tok.eos_id)
   pairs = heldout_pairs(lc, task)
-  learner = Learner(lc, workdir, task, strip_stop(tok.decode, lc.rollout.stop_token_ids))
+  learner = Learner(lc, workdir, task, strip_stop(tok.decode, lc.rollout.stop_token_ids), devices=devices)
   trace = []  # held-out agreement before each iteration, then at the end
   iteration = learner.iteration
 

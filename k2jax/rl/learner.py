@@ -312,15 +312,17 @@ def _serving_dtype(cfg: K2Config, state: dict) -> dict:
 class Learner:
   """Holds the sharded train state, the engine, the rollout manager and the weight sync for one run."""
 
-  def __init__(self, lc: LearnerConfig, workdir: str, task, decode, engine: Engine | None = None):
-    """`task`: a `tasks.TaskSet` (`tasks.make_tasks`) or one task (a set of one)."""
+  def __init__(self, lc: LearnerConfig, workdir: str, task, decode, engine: Engine | None = None, devices=None):
+    """`task`: a `tasks.TaskSet` (`tasks.make_tasks`) or one task (a set of one). `devices`: the trainer's
+    mesh devices (default: every device of every process; a subset, for a single process whose other devices
+    do other work)."""
     task = task if isinstance(task, TaskSet) else TaskSet([(task, 1)])
     self.lc, self.workdir, self.task, self.decode = lc, os.path.abspath(workdir), task, decode
     self.primary = jax.process_index() == 0
     # Model and optimizer: warm-start LR for the first warm_start_steps updates, then the RL LR.
     self.optimizer, self.schedule = make_optimizer(lc)
     # The training core: mesh, sharded state, restore (or init from init_from / the seed).
-    shape = trainer_mesh_shape(lc, jax.device_count())
+    shape = trainer_mesh_shape(lc, jax.device_count() if devices is None else len(devices))
     check_workdir_model(self.workdir, lc.model)
     self.core = core.build(
       lc.model,
@@ -331,6 +333,7 @@ class Learner:
       seed=lc.seed,
       init_from=lc.init_from,
       read_budget_bytes=lc.read_budget_bytes,
+      devices=devices,
       workdir=self.workdir,
       keep=lc.checkpoint_keep,
       async_save=lc.checkpoint_async,
@@ -534,7 +537,7 @@ class Learner:
       trainer_idle_fraction=1.0 - (t2 - t1) / max(wall, 1e-9),
       weight_version=new_version,
       tokens_per_sec=tokens / max(t2 - t1, 1e-9),
-      mfu=tokens / max(t2 - t1, 1e-9) * self.flops_per_token / (self.peak * jax.device_count()),
+      mfu=tokens / max(t2 - t1, 1e-9) * self.flops_per_token / (self.peak * self.core.mesh.size),
     )
     rec = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in rec.items()}
     rec = {k: (np.asarray(v).tolist() if isinstance(v, np.ndarray) else v) for k, v in rec.items()}

@@ -160,6 +160,7 @@ def build(
   resume_from: str = "",
   pipeline: PipelineSpec | None = None,
   dcn_shape: dict[str, int] | None = None,
+  devices=None,
 ) -> Core:
   """Mesh -> abstract state and shardings -> restore the newest readable checkpoint of `workdir` (or
   initialise: `init_from`'s weights, else random with `seed`). Nothing unsharded is ever allocated.
@@ -169,10 +170,11 @@ def build(
   `resume_from`: with no checkpoint in `workdir`, the newest checkpoint of that workdir starts the run
   (a new stage, e.g. 32k after 4k): weights, optimizer state and routing bias carried, the step count reset
   to 0 (the stage's own schedule), the data position not (the pipeline packs to the new length).
-  `dcn_shape`: slices per axis (multislice); `mesh_shape` is then the whole mesh (ICI size x DCN size per axis)."""
+  `dcn_shape`: slices per axis (multislice); `mesh_shape` is then the whole mesh (ICI size x DCN size per axis).
+  `devices`: the mesh's devices (default: all of them; a subset leaves the others to the caller's other work)."""
   dcn = dcn_shape or {}
   ici = {a: n // dcn.get(a, 1) for a, n in mesh_shape.items()}
-  mesh = sharding.make_mesh(ici, dcn_shape=dcn_shape)
+  mesh = sharding.make_mesh(ici, devices, dcn_shape=dcn_shape)
   lay = layout(
     model, optimizer, mesh=mesh, preset=preset, seed=seed, offload_opt_state=offload_opt_state, pipeline=pipeline
   )

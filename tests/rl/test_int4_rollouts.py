@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -43,8 +44,12 @@ def _config(**overrides):
 def _run(workdir, **overrides):
   tok = load_tokenizer()
   lc = from_config_dict(_config(**overrides), str(workdir), (tok.eos_id,))
-  learner = Learner(
-    lc, str(workdir), ArithmeticTask(lc.task, tok.encode, tok.eos_id), strip_stop(tok.decode, (tok.eos_id,))
+  learner = Learner(  # one trainer device, as the engine (INT4 rollouts serve on one)
+    lc,
+    str(workdir),
+    ArithmeticTask(lc.task, tok.encode, tok.eos_id),
+    strip_stop(tok.decode, (tok.eos_id,)),
+    devices=jax.devices()[:1],
   )
   try:
     served = learner.engine._runner.params()["moe_layers"]["moe"]["experts"]

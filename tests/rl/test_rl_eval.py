@@ -13,6 +13,7 @@ import json
 import math
 import os
 
+import jax
 import pytest
 
 from k2jax.data.chat import render_chat
@@ -190,8 +191,11 @@ def test_rl_logs_held_out_tasks_through_the_eval_runner(tmp_path):
   tok = load_tokenizer()
   task = make_tasks(config, tok)
   lc = from_config_dict(config, workdir, stop_ids(task, tok))
-  learner = Learner(lc, workdir, task, strip_stop(tok.decode, lc.rollout.stop_token_ids))
+  # One trainer device: the evaluation is the subject, not the mesh (the suite's 8 fake devices would cost
+  # 8-device compiles and collectives).
+  learner = Learner(lc, workdir, task, strip_stop(tok.decode, lc.rollout.stop_token_ids), devices=jax.devices()[:1])
   try:
+    assert learner.core.mesh.devices.size == 1 and learner.state.step.sharding.device_set == {jax.devices()[0]}
     learner.train()
   finally:
     learner.close()
