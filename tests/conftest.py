@@ -84,42 +84,42 @@ monitoring.register_event_duration_secs_listener(_on_duration)
 monitoring.register_event_listener(_on_event)
 
 # The heaviest files first, heaviest at the top: CPU seconds of each file (this process's and its children's) in a
-# cold run of the whole suite from a fresh clone (2026-12-07, 2 workers on 2 cores, `suite_cpu_s=2579`; the
+# cold run of the whole suite from a fresh clone (2026-12-07, 2 workers on 2 cores, `suite_cpu_s=2034`; the
 # summary line prints them). scripts/test.sh runs `-n 2 --dist loadfile --no-loadscope-reorder`: xdist hands out
 # whole files in this order as workers free up. Its default order (most tests per file first) put these one- and
 # two-test files last, so one worker ran them alone while the other sat idle.
 HEAVY_FIRST = (
-  "tests/test_recipe.py",  # 251: the whole recipe (pretrain, SFT, RL, three evals)
-  "tests/rl/test_rl_colocated.py",  # 197: four RL runs, one of them 2-process
-  "tests/rl/test_critic_loop.py",  # 165: an 8-iteration RL run with the critic (bench/critic_loop.py)
-  "tests/engine/test_engine_mesh.py",  # 99
-  "tests/train/test_multihost.py",  # 98: its 2-process run carries the eval.tasks checks too
-  "tests/rl/test_rl_mesh.py",  # 97
-  "tests/serve/test_serve_processes.py",  # 93
-  "tests/rl/test_learner.py",  # 91: its module fixture
-  "tests/rl/test_rl_processes.py",  # 87
-  "tests/rl/test_swe_launch.py",  # 64
-  "tests/train/test_pipeline.py",  # 63
-  "tests/test_accel.py",  # 62: bench/gpu.py --smoke's three child processes
-  "tests/train/test_loss.py",  # 57: the README demo's 300 steps
-  "tests/sharding/test_context_parallel.py",  # 51
-  "tests/rl/test_agentic_launch.py",  # 44
-  "tests/train/test_resume.py",  # 42
-  "tests/train/test_torn_resume.py",  # 38
-  "tests/sandbox/test_humaneval.py",  # 37: the official harness in its own interpreter
-  "tests/rl/test_rl_eval.py",  # 33
-  "tests/train/test_heldout.py",  # 28
-  "tests/serve/test_lmeval.py",  # 27
-  "tests/rl/test_int4_rollouts.py",  # 25: two in-process learners (INT4 rollouts, QAT off and on)
-  "tests/serve/test_likelihood.py",  # 23
-  "tests/convert/test_writer.py",  # 19
-  "tests/sharding/test_two_process.py",  # 15
-  "tests/convert/test_reader_processes.py",  # 13
-  "tests/eval/test_curves.py",  # 13
-  "tests/eval/test_embedded.py",  # 10
-  "tests/test_distributed.py",  # 8
+  "tests/test_recipe.py",  # 199: the whole recipe (pretrain, SFT, RL, three evals)
+  "tests/rl/test_rl_colocated.py",  # 161: four RL runs, one of them 2-process
+  "tests/rl/test_critic_loop.py",  # 129: an 8-iteration RL run with the critic (bench/critic_loop.py)
+  "tests/rl/test_learner.py",  # 81: its module fixture
+  "tests/rl/test_rl_processes.py",  # 70
+  "tests/serve/test_serve_processes.py",  # 69
+  "tests/engine/test_engine_mesh.py",  # 69
+  "tests/train/test_multihost.py",  # 65: its 2-process run carries the eval.tasks checks too
+  "tests/rl/test_swe_launch.py",  # 54
+  "tests/rl/test_rl_mesh.py",  # 51
+  "tests/train/test_loss.py",  # 45: the README demo's 300 steps
+  "tests/train/test_pipeline.py",  # 43
+  "tests/sharding/test_context_parallel.py",  # 43
+  "tests/rl/test_agentic_launch.py",  # 36
+  "tests/sandbox/test_humaneval.py",  # 31: the official harness in its own interpreter
+  "tests/train/test_resume.py",  # 28
+  "tests/train/test_torn_resume.py",  # 25
+  "tests/serve/test_likelihood.py",  # 24
+  "tests/test_accel.py",  # 22: bench/gpu.py --smoke's three child processes
+  "tests/train/test_heldout.py",  # 21
+  "tests/serve/test_lmeval.py",  # 21
+  "tests/rl/test_rl_eval.py",  # 17
+  "tests/rl/test_int4_rollouts.py",  # 14: two in-process learners (INT4 rollouts, QAT off and on)
+  "tests/convert/test_writer.py",  # 14
+  "tests/sharding/test_two_process.py",  # 11
+  "tests/convert/test_reader_processes.py",  # 10
+  "tests/eval/test_curves.py",  # 10
+  "tests/test_distributed.py",  # 7
+  "tests/eval/test_embedded.py",  # 7
   "tests/rl/test_critic.py",  # 5
-  "tests/eval/test_http.py",  # 3
+  "tests/eval/test_http.py",  # 4
 )
 
 
