@@ -197,7 +197,7 @@ def test_handshake_identifies_sglang_and_sglang_jax(deterministic):
 
 
 def test_learner_refuses_a_server_without_weight_updates(tmp_path):
-  from k2jax.rl.learner import make_engine
+  from k2jax.rl.rollout_engine import make_engine
 
   with FakeSglangServer(_fake(), flavor="sglang-jax") as server:
     lc = types.SimpleNamespace(engine_url=server.url, worker_urls=())

@@ -21,7 +21,8 @@ from k2jax.rl import batching
 from k2jax.engine.base import GenerateRequest, SamplingParams
 from k2jax.engine.http import HttpEngine
 from k2jax.engine.routed import RoutedEngine
-from k2jax.rl.learner import Learner, from_config_dict, make_engine
+from k2jax.rl.learner import Learner, from_config_dict
+from k2jax.rl.rollout_engine import make_engine
 from k2jax.rl.tasks import ArithmeticTask, strip_stop
 
 from tests.engine.fake_sglang_server import FakeSglangServer
