@@ -46,6 +46,7 @@ class _State:
   out: object = None  # file to log to; None = sys.stderr at log time
   compiles: list = dataclasses.field(default_factory=list)
   pending: dict = dataclasses.field(default_factory=threading.local)
+  log_flag: object = None  # the launcher's --compile_log_min_secs holder, once defined
 
 
 _STATE = _State()
@@ -53,20 +54,26 @@ _LISTENING = False
 
 
 def define_flag(name: str = "compile_cache_dir"):
-  """The launchers' cache-directory flag (an absl FlagHolder)."""
+  """The launchers' cache-directory flag (an absl FlagHolder), and `--compile_log_min_secs` beside it."""
   from absl import flags  # noqa: PLC0415 (only launchers define flags)
 
+  _STATE.log_flag = flags.DEFINE_float(
+    "compile_log_min_secs", 1.0, "Log every compile that took (or, on a cache hit, saved) at least this many seconds."
+  )
   return flags.DEFINE_string(name, DEFAULT_DIR, "JAX persistent compilation cache directory; '' turns the cache off.")
 
 
-def enable(cache_dir: str, *, log_min_secs: float = 1.0, min_compile_secs: float = 0.5) -> None:
+def enable(cache_dir: str, *, log_min_secs: float | None = None, min_compile_secs: float = 0.5) -> None:
   """Use `cache_dir` as JAX's persistent compilation cache ('' = off) and log slow compiles.
 
+  log_min_secs: None = the launcher's `--compile_log_min_secs` (1 s where no launcher defined it).
   min_compile_secs: compiles faster than this are not written (JAX's threshold; default 1 s there;
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS in the environment overrides both).
   """
   import jax  # noqa: PLC0415
 
+  if log_min_secs is None:
+    log_min_secs = _STATE.log_flag.value if _STATE.log_flag is not None else 1.0
   _STATE.log_min_secs = log_min_secs
   if cache_dir:
     os.makedirs(cache_dir, exist_ok=True)

@@ -187,7 +187,7 @@ def _launcher_flags(launcher: str) -> frozenset:
   names = set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", src)) | set(re.findall(r"add_argument\(\s*\"--([\w-]+)\"", src))
   names |= set(re.findall(r"(?m)^\s+--([\w-]+)[=)|]", src)) if launcher.endswith(".sh") else ABSL_FLAGS
   if "compile_cache.define_flag()" in src:
-    names.add("compile_cache_dir")
+    names |= {"compile_cache_dir", "compile_log_min_secs"}
   return frozenset(names)
 
 

@@ -19,11 +19,17 @@ def _compiles(stderr: str) -> dict[str, tuple[float, str]]:
 @pytest.mark.slow
 def test_second_train_run_hits_the_cache(tmp_path):
   cache = str(tmp_path / "cache")
-  args = (f"--compile_cache_dir={cache}", *_util.flags(steps=1, **{"data.global_batch_size": 4, "data.seq_len": 32}))
-  first = _compiles(_util.run_train(str(tmp_path / "a"), *args, devices=1, timeout=1500).stderr)
+  # Every compile is logged and written, however fast this host compiles: a hit that saved under the default
+  # 1 s threshold would otherwise print nothing.
+  args = (
+    f"--compile_cache_dir={cache}",
+    "--compile_log_min_secs=0",
+    *_util.flags(steps=1, **{"data.global_batch_size": 4, "data.seq_len": 32}),
+  )
+  first = _compiles(_util.run_train(str(tmp_path / "a"), *args, devices=1, cache_dir=cache, timeout=1500).stderr)
   step_name = max(first, key=lambda n: first[n][0])  # the slowest compile: the train step
   assert first[step_name][1] == "miss", first
-  second = _compiles(_util.run_train(str(tmp_path / "b"), *args, devices=1, timeout=1500).stderr)
+  second = _compiles(_util.run_train(str(tmp_path / "b"), *args, devices=1, cache_dir=cache, timeout=1500).stderr)
   assert second[step_name][1] == "hit", (step_name, second)
   assert second[step_name][0] < first[step_name][0]
 
