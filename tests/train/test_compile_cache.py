@@ -19,8 +19,8 @@ def _compiles(stderr: str) -> dict[str, tuple[float, str]]:
 @pytest.mark.slow
 def test_second_train_run_hits_the_cache(tmp_path):
   cache = str(tmp_path / "cache")
-  # Every compile is logged and written, however fast this host compiles: a hit that saved under the default
-  # 1 s threshold would otherwise print nothing.
+  # Every compile is logged (--compile_log_min_secs=0) and written (run_train's cache_dir= sets JAX's write
+  # thresholds to 0), however fast this host compiles: a hit that saved under the default 1 s would print nothing.
   args = (
     f"--compile_cache_dir={cache}",
     "--compile_log_min_secs=0",
